@@ -1,0 +1,3 @@
+from gpufootprint.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The HTTP side: /metrics, /healthz, /readyz and JSON routes, on a threading server.
+
+prometheus_client's own ``start_http_server`` serves only /metrics; we need health
+routes and JSON routes beside it, so we use its ``choose_encoder`` for content
+negotiation (text or OpenMetrics, gzip) inside a small standard-library server.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+JsonRoute = Callable[[], Any]
+
+
+class MetricsServer:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 ready: Callable[[], bool], json_routes: dict[str, JsonRoute] | None = None) -> None:
+        self.registry = registry
+        self.ready = ready
+        self.json_routes = dict(json_routes or {})
+        handler = _make_handler(self)
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self.httpd.server_address[0]
+        shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
+        return f"http://{shown}:{self.port}/metrics"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="gpufootprint-http", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            path = self.path.split("?", 1)[0]
+            try:
+                if path == "/metrics":
+                    encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                    body = encoder(server.registry)
+                    gz = "gzip" in self.headers.get("Accept-Encoding", "")
+                    self._send(200, body, content_type, gzip_body=gz)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain; charset=utf-8")
+                elif path == "/readyz":
+                    ok = server.ready()
+                    self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain; charset=utf-8")
+                elif path in server.json_routes:
+                    body = json.dumps(server.json_routes[path](), indent=1).encode()
+                    self._send(200, body, "application/json")
+                elif path == "/":
+                    links = "".join(f'<li><a href="{p}">{p}</a></li>' for p in
+                                    ["/metrics", "/healthz", "/readyz", *server.json_routes])
+                    self._send(200, f"<html><body><h1>gpufootprint</h1><ul>{links}</ul></body></html>".encode(),
+                               "text/html; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+            except BrokenPipeError:
+                pass
+            except Exception:  # noqa: BLE001 - one bad request must not stop the server
+                log.exception("request %s failed", path)
+                self._send(500, b"internal error\n", "text/plain; charset=utf-8")
+
+        def _send(self, code: int, body: bytes, ctype: str, gzip_body: bool = False) -> None:
+            if gzip_body:
+                body = gzip.compress(body)
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            if gzip_body:
+                self.send_header("Content-Encoding", "gzip")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature from the base
+            log.debug("http %s", format % args)
+
+    return Handler

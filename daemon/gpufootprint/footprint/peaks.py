@@ -1,0 +1,89 @@
+"""Exact peaks from event timestamps, kept per fixed-width frame.
+
+Live bytes only change at allocation and release records, so the highest value
+over any interval is the highest level reached at one of those events or the
+level already held when the interval began. ``FramePeaks`` keeps, for every
+frame (10 ms by default) that saw an event, the highest level reached in it
+(the level held on entering the frame included), and answers "peak over the
+trailing window" as the max over the frames in it and the current level. A
+spike of any duration is never missed; only the window's boundary is rounded
+to a frame.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class FramePeaks:
+    def __init__(self, frame_ns: int, keep_ns: int) -> None:
+        self.frame_ns = frame_ns
+        self._keep_frames = max(1, -(-keep_ns // frame_ns))
+        self._frames: deque[tuple[int, int]] = deque()  # (frame index, peak), closed frames
+        self._open_idx = -1
+        self._open_peak = 0
+        self.level = 0  # bytes held after the last applied event
+
+    def add(self, ts: np.ndarray, deltas: np.ndarray) -> None:
+        """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
+        if len(ts) == 0:
+            return
+        levels = self.level + np.cumsum(deltas, dtype=np.int64)
+        idx = ts.astype(np.int64) // self.frame_ns
+        starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+        seg_max = np.maximum.reduceat(levels, starts)
+        entering = np.empty_like(seg_max)
+        entering[0] = self.level
+        entering[1:] = levels[starts[1:] - 1]
+        peaks = np.maximum(seg_max, entering).tolist()
+        frame_ids = idx[starts].tolist()
+        if frame_ids[0] == self._open_idx:
+            self._open_peak = max(self._open_peak, peaks[0])
+        else:
+            self._close_open()
+            self._open_idx, self._open_peak = frame_ids[0], peaks[0]
+        for fid, peak in zip(frame_ids[1:], peaks[1:]):
+            self._close_open()
+            self._open_idx, self._open_peak = fid, peak
+        self.level = int(levels[-1])
+        self._prune(self._open_idx)
+
+    def add_one(self, ts: int, delta: int) -> None:
+        self.add(np.array([ts], dtype=np.int64), np.array([delta], dtype=np.int64))
+
+    def reset(self, ts: int, level: int) -> None:
+        """Set the level (a resync or a process restart) as an event at ``ts``."""
+        self.add_one(ts, level - self.level)
+
+    def window_peak(self, now_ns: int, window_ns: int) -> int:
+        """Highest level over ``[now - window, now]``, boundary rounded to a frame."""
+        first = (now_ns - window_ns) // self.frame_ns
+        last = now_ns // self.frame_ns
+        best = self.level
+        if first <= self._open_idx <= last:
+            best = max(best, self._open_peak)
+        for fid, peak in reversed(self._frames):
+            if fid < first:
+                break
+            if fid <= last:
+                best = max(best, peak)
+        return best
+
+    def frames(self) -> list[tuple[int, int]]:
+        """(frame start ns, peak bytes) of every frame kept, oldest first."""
+        out = [(f * self.frame_ns, p) for f, p in self._frames]
+        if self._open_idx >= 0:
+            out.append((self._open_idx * self.frame_ns, self._open_peak))
+        return out
+
+    def _close_open(self) -> None:
+        if self._open_idx >= 0:
+            self._frames.append((self._open_idx, self._open_peak))
+
+    def _prune(self, newest: int) -> None:
+        horizon = newest - self._keep_frames
+        frames = self._frames
+        while frames and frames[0][0] < horizon:
+            frames.popleft()

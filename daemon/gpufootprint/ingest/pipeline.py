@@ -1,0 +1,261 @@
+"""The pipeline every source feeds: live probes, recorded files, the demo.
+
+Records arrive in delivery order, which is not timestamp order. Each process has
+a reorder buffer: records wait until the process's watermark passes them, then
+are applied to the footprint in timestamp order. The watermark moves when
+
+* a probe (or a trace mark) says every earlier record was delivered,
+* the newest timestamp seen is more than ``reorder_window`` ahead of it,
+* the daemon's clock says so (``tick``), or the stream ends.
+
+So the state "as of T" is exactly the state of all records with timestamps <= T
+once T is below the watermark. A record older than the watermark (later than the
+reorder window allows) is applied at once and counted as late.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.config import FootprintConfig
+from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
+from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
+from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
+
+log = logging.getLogger(__name__)
+
+_FAR_FUTURE = (1 << 63) - 1
+
+
+@dataclass
+class ProcessState:
+    pid: int
+    source: str  # "probe" (live socket) or "trace" (replayed file)
+    info: dict[str, Any] = field(default_factory=dict)
+    devices: dict[int, DeviceFootprint] = field(default_factory=dict)
+    pending: dict[RecordKind, list[np.ndarray]] = field(default_factory=dict)
+    pending_records: int = 0
+    applied_to: int = 0  # watermark: records with ts <= this are applied
+    max_ts: int = 0
+    exited_at: float | None = None  # monotonic seconds
+    probe_counters: dict[str, float] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Owns every process's footprint. Single-threaded: call it from one thread."""
+
+    def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._frame_ns = config.frame_ms * 1_000_000
+        self._window_ns = int(config.window_peak_seconds * 1e9)
+        self._reorder_ns = config.reorder_window_ms * 1_000_000
+        self._monotonic = monotonic
+        self.processes: dict[int, ProcessState] = {}
+        self.errors = IngestErrors()
+        self.records_ingested: Counter[str] = Counter()
+        self.late_records = 0
+
+    # --- input ----------------------------------------------------------------
+
+    def process(self, pid: int, source: str = "trace") -> ProcessState:
+        proc = self.processes.get(pid)
+        if proc is None:
+            proc = ProcessState(pid=pid, source=source)
+            self.processes[pid] = proc
+        return proc
+
+    def submit(self, kind: RecordKind, recs: np.ndarray) -> None:
+        """Accept one batch of records (any pids, any delivery order)."""
+        if len(recs) == 0:
+            return
+        self.records_ingested[kind.name.lower()] += len(recs)
+        pids = recs["pid"]
+        if pids[0] == pids[-1] and (len(recs) < 3 or bool((pids == pids[0]).all())):
+            self._submit_one(self.process(int(pids[0])), kind, recs)
+            return
+        for pid in np.unique(pids).tolist():
+            self._submit_one(self.process(pid), kind, recs[pids == pid])
+
+    def _submit_one(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
+        times = recs[TIME_FIELD[kind]]
+        newest = int(times.max())
+        if proc.applied_to and int(times.min()) <= proc.applied_to:
+            late = times <= proc.applied_to
+            n_late = int(late.sum())
+            self.late_records += n_late
+            self._apply(proc, kind, _sorted(kind, recs[late]))
+            recs = recs[~late]
+            if len(recs) == 0:
+                return
+        proc.pending.setdefault(kind, []).append(recs)
+        proc.pending_records += len(recs)
+        if newest > proc.max_ts:
+            proc.max_ts = newest
+        if proc.max_ts - self._reorder_ns > proc.applied_to:
+            self.advance(proc.pid, proc.max_ts - self._reorder_ns)
+
+    def advance(self, pid: int, ts: int) -> None:
+        """Apply, in time order, every pending record of ``pid`` with time <= ``ts``."""
+        proc = self.processes.get(pid)
+        if proc is None or ts <= proc.applied_to:
+            return
+        for kind in list(proc.pending):
+            chunks = proc.pending[kind]
+            recs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            times = recs[TIME_FIELD[kind]]
+            due = times <= ts
+            if due.all():
+                del proc.pending[kind]
+                ready = recs
+            else:
+                rest = recs[~due]
+                proc.pending[kind] = [rest]
+                ready = recs[due]
+            if len(ready):
+                proc.pending_records -= len(ready)
+                self._apply(proc, kind, _sorted(kind, ready))
+        proc.applied_to = ts
+
+    def advance_all(self, ts: int) -> None:
+        for pid in list(self.processes):
+            self.advance(pid, ts)
+
+    def finish(self, pid: int) -> None:
+        """End of a stream: nothing more will come, apply everything."""
+        proc = self.processes.get(pid)
+        if proc is not None:
+            self.advance(pid, max(proc.max_ts, proc.applied_to + 1))
+
+    def resync(self, pid: int, recs: np.ndarray, ts: int) -> None:
+        """Replace ``pid``'s live tables with the probe's own (after a reconnect)."""
+        proc = self.process(pid, "probe")
+        self.advance(pid, ts)
+        for dev in set(proc.devices) | set(np.unique(recs["dev"]).tolist()):
+            self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
+
+    def process_exited(self, pid: int, ts: int | None = None) -> None:
+        proc = self.processes.get(pid)
+        if proc is None or proc.exited_at is not None:
+            return
+        self.finish(pid)
+        end = ts if ts is not None else max(proc.max_ts, proc.applied_to)
+        for fp in proc.devices.values():
+            fp.release_all(end)
+        proc.exited_at = self._monotonic()
+
+    def restart(self, pid: int, source: str) -> ProcessState:
+        """A new process reuses ``pid`` (or a trace loops): start it from nothing."""
+        self.processes.pop(pid, None)
+        return self.process(pid, source)
+
+    def expire(self) -> list[int]:
+        """Forget processes that exited more than the grace period ago."""
+        now = self._monotonic()
+        gone = [pid for pid, p in self.processes.items()
+                if p.exited_at is not None and now - p.exited_at >= self.config.process_grace_seconds]
+        for pid in gone:
+            del self.processes[pid]
+        return gone
+
+    # --- application ------------------------------------------------------------
+
+    def _device(self, proc: ProcessState, dev: int) -> DeviceFootprint:
+        fp = proc.devices.get(dev)
+        if fp is None:
+            fp = DeviceFootprint(pid=proc.pid, dev=dev, peaks=FramePeaks(self._frame_ns, self._window_ns))
+            proc.devices[dev] = fp
+        return fp
+
+    def _apply(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
+        devs = recs["dev"]
+        if devs[0] == devs[-1] and bool((devs == devs[0]).all()):
+            groups = [(int(devs[0]), recs)]
+        else:
+            groups = [(d, recs[devs == d]) for d in np.unique(devs).tolist()]
+        for dev, sub in groups:
+            fp = self._device(proc, dev)
+            if kind is RecordKind.MEMORY:
+                fp.apply_memory(sub, self.errors)
+                fp.note_pool_config(sub)
+            elif kind is RecordKind.MEMORY_POOL:
+                fp.apply_pool(sub, self.errors)
+            elif kind is RecordKind.MEMCPY:
+                fp.apply_memcpy(sub)
+            elif kind is RecordKind.MEMSET:
+                fp.apply_memset(sub)
+            elif kind is RecordKind.KERNEL:
+                fp.apply_kernel(sub)
+            elif kind is RecordKind.UNIFIED_MEMORY:
+                fp.apply_unified(sub)
+
+    # --- output -------------------------------------------------------------------
+
+    def device_state(self, pid: int, dev: int) -> DeviceSnapshot | None:
+        proc = self.processes.get(pid)
+        if proc is None or dev not in proc.devices:
+            return None
+        return _device_snapshot(proc.devices[dev], proc.applied_to, self._window_ns)
+
+    def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
+        procs = []
+        for proc in self.processes.values():
+            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns)
+                            for _, fp in sorted(proc.devices.items()))
+            procs.append(ProcessSnapshot(
+                pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,
+                info=dict(proc.info), devices=devices, pending_records=proc.pending_records,
+                as_of_ns=proc.applied_to, probe_counters=dict(proc.probe_counters),
+            ))
+        return PipelineSnapshot(
+            taken_at=time.time() if wall_time is None else wall_time,
+            processes=tuple(sorted(procs, key=lambda p: p.pid)),
+            records_ingested=dict(self.records_ingested),
+            ingest_errors=dict(self.errors.counts),
+            late_records=self.late_records,
+            window_peak_seconds=self.config.window_peak_seconds,
+        )
+
+
+def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
+    times = recs[TIME_FIELD[kind]]
+    if len(times) < 2 or bool((times[1:] >= times[:-1]).all()):
+        return recs
+    return recs[np.argsort(times, kind="stable")]
+
+
+def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int) -> DeviceSnapshot:
+    live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
+    return DeviceSnapshot(
+        dev=fp.dev,
+        live_bytes=live,
+        device_bytes=fp.device_bytes,
+        async_device_bytes=fp.async_device_bytes,
+        pool_reserved_bytes=fp.pool_reserved_bytes,
+        pool_used_bytes=fp.async_device_bytes,
+        window_peak_bytes=fp.peaks.window_peak(as_of, window_ns),
+        live_allocations=len(fp.live),
+        allocations={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocations) if n},
+        releases={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.releases) if n},
+        allocated_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocated_bytes) if n},
+        released_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.released_bytes) if n},
+        memcpy_count=dict(fp.memcpy_count),
+        memcpy_bytes=dict(fp.memcpy_bytes),
+        memcpy_seconds={k: v / 1e9 for k, v in fp.memcpy_ns.items()},
+        memset_count=fp.memset_count,
+        memset_bytes=fp.memset_bytes,
+        kernel_count=fp.kernel_count,
+        kernel_seconds=fp.kernel_ns / 1e9,
+        um_count=dict(fp.um_count),
+        um_value=dict(fp.um_value),
+    )
+
+
+__all__ = ["Pipeline", "ProcessState", "DTYPES"]

@@ -1,0 +1,197 @@
+"""One stream of frames (a probe connection or a recorded file) into the pipeline.
+
+A session turns frames into pipeline calls and keeps what belongs to the stream:
+who is speaking, its kernel-name table, a resync in progress, and the problems
+it met. Damage inside one frame (an unknown record kind, bad JSON) is counted and
+skipped; the stream goes on, since the length prefix still tells where the next
+frame starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.errors import FrameError
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.wire.framing import Frame, FrameType
+
+log = logging.getLogger(__name__)
+
+MarkCallback = Callable[[dict[str, Any]], None]
+
+
+class Session:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        source: str = "trace",
+        name: str = "stream",
+        peer_pid: int | None = None,
+        on_mark: MarkCallback | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.source = source
+        self.name = name
+        self.peer_pid = peer_pid  # set for live probes: the only pid it may speak for
+        self.on_mark = on_mark
+        self.pids: set[int] = set()
+        self.kernel_names: dict[int, str] = {}
+        self.problems: list[str] = []
+        self.frames = 0
+        self.records = 0
+        self._resync: list[np.ndarray] | None = None
+        self._resync_ts = 0
+
+    # --- frames -----------------------------------------------------------------
+
+    def handle(self, frame: Frame) -> None:
+        self.frames += 1
+        try:
+            self._dispatch(frame)
+        except FrameError as exc:
+            self.problem("bad_frame", f"{self.name}: {exc}")
+
+    def problem(self, reason: str, message: str) -> None:
+        self.pipeline.errors.add(reason, message)
+        if len(self.problems) < 100:
+            self.problems.append(message)
+
+    def _dispatch(self, frame: Frame) -> None:
+        ftype = frame.type
+        if ftype is FrameType.BATCH:
+            self._batch(frame)
+        elif ftype is FrameType.MARK:
+            self._mark(frame.json())
+        elif ftype is FrameType.WATERMARK:
+            ts = frame.watermark()
+            for pid in self.pids:
+                self.pipeline.advance(pid, ts)
+        elif ftype is FrameType.META:
+            meta = frame.json()
+            pid = meta.get("pid")
+            if isinstance(pid, int):
+                self._own(pid).info.update({k: v for k, v in meta.items() if k != "k"})
+        elif ftype is FrameType.HELLO:
+            self._hello(frame.json())
+        elif ftype is FrameType.HEARTBEAT:
+            self._counters(frame.json())
+        elif ftype is FrameType.GOODBYE:
+            body = frame.json()
+            self._counters(body)
+            for pid in self.pids:
+                self.pipeline.process_exited(pid, body.get("ts") if isinstance(body.get("ts"), int) else None)
+        elif ftype is FrameType.STRINGS:
+            for key, value in frame.json().items():
+                if key.isdigit() and isinstance(value, str):
+                    self.kernel_names[int(key)] = value[:512]
+        elif ftype is FrameType.RESYNC_BEGIN:
+            body = frame.json()
+            self._resync = []
+            self._resync_ts = int(body.get("ts", 0))
+        elif ftype is FrameType.RESYNC_END:
+            self._finish_resync()
+        elif ftype is FrameType.CONTROL:
+            self.problem("unexpected_frame", f"{self.name}: byte {frame.offset}: CONTROL frame from a probe")
+
+    def _own(self, pid: int):  # type: ignore[no-untyped-def]
+        self.pids.add(pid)
+        return self.pipeline.process(pid, self.source)
+
+    def _batch(self, frame: Frame) -> None:
+        try:
+            kind = RecordKind(frame.tag)
+        except ValueError:
+            self.problem("unknown_record_kind", f"{self.name}: byte {frame.offset}: unknown record kind {frame.tag}")
+            return
+        recs = frame.records()
+        if self.peer_pid is not None:
+            foreign = recs["pid"] != self.peer_pid
+            if foreign.any():
+                self.problem("pid_mismatch", f"{self.name}: {int(foreign.sum())} records claim another pid "
+                                             f"than the peer's {self.peer_pid}")
+                recs = recs[~foreign]
+        if len(recs) == 0:
+            return
+        self.records += len(recs)
+        if self._resync is not None and kind is RecordKind.MEMORY:
+            self._resync.append(recs)
+            return
+        if recs["pid"][0] not in self.pids:
+            for pid in np.unique(recs["pid"]).tolist():
+                self._own(pid)
+        self.pipeline.submit(kind, recs)
+
+    def _finish_resync(self) -> None:
+        if self._resync is None:
+            self.problem("unexpected_frame", f"{self.name}: RESYNC_END without RESYNC_BEGIN")
+            return
+        chunks, self._resync = self._resync, None
+        recs = np.concatenate(chunks) if chunks else np.zeros(0, MEMORY_DTYPE)
+        pids = set(np.unique(recs["pid"]).tolist()) if len(recs) else set()
+        if self.peer_pid is not None:
+            pids.add(self.peer_pid)
+        for pid in pids:
+            self._own(pid)
+            self.pipeline.resync(pid, recs[recs["pid"] == pid], self._resync_ts)
+
+    def _hello(self, hello: dict[str, Any]) -> None:
+        pid = hello.get("pid")
+        if not isinstance(pid, int):
+            self.problem("bad_hello", f"{self.name}: HELLO without an integer pid")
+            return
+        key = self.peer_pid if self.peer_pid is not None else pid
+        known = self.pipeline.processes.get(key)
+        if known is not None and known.info.get("start_time") not in (None, hello.get("start_time")):
+            known = self.pipeline.restart(key, self.source)  # the pid was reused by a new process
+        proc = self._own(key)
+        proc.source = self.source
+        proc.info.update(hello)
+        proc.exited_at = None
+
+    def _counters(self, body: dict[str, Any]) -> None:
+        counters = body.get("counters")
+        if not isinstance(counters, dict):
+            return
+        clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
+        for pid in self.pids:
+            self.pipeline.process(pid, self.source).probe_counters.update(clean)
+
+    def _mark(self, mark: dict[str, Any]) -> None:
+        ts, pid, dev = mark.get("ts"), mark.get("pid"), mark.get("dev", 0)
+        if not (isinstance(ts, int) and isinstance(pid, int) and isinstance(dev, int)):
+            self.problem("bad_mark", f"{self.name}: mark {mark.get('label')!r} lacks integer ts/pid/dev")
+            return
+        self._own(pid)
+        self.pipeline.advance(pid, ts)
+        state = self.pipeline.device_state(pid, dev)
+        result: dict[str, Any] = {
+            "label": mark.get("label"),
+            "ts": ts,
+            "pid": pid,
+            "dev": dev,
+            "live_bytes": dict(state.live_bytes) if state else {},
+            "pool_reserved_bytes": state.pool_reserved_bytes if state else 0,
+            "window_peak_bytes": state.window_peak_bytes if state else 0,
+        }
+        if isinstance(mark.get("expect_live_bytes"), dict):
+            result["expect_live_bytes"] = mark["expect_live_bytes"]
+            result["matches"] = result["live_bytes"] == mark["expect_live_bytes"]
+        for key in ("torch_memory_reserved", "torch_memory_allocated"):
+            if key in mark:
+                result[key] = mark[key]
+        if self.on_mark is not None:
+            self.on_mark(result)
+
+    def close(self) -> None:
+        """The stream ended: apply what is pending."""
+        if self._resync is not None:
+            self.problem("truncated_resync", f"{self.name}: stream ended inside a resync")
+            self._resync = None
+        for pid in self.pids:
+            self.pipeline.finish(pid)

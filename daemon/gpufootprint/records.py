@@ -1,0 +1,209 @@
+"""The one record model: numpy structured dtypes, one per activity kind.
+
+Every stage (probe packing, wire framing, trace readers, ingest, footprint) speaks
+these dtypes. They are little-endian and packed, so a batch on the wire is simply
+``array.tobytes()`` and decoding is ``np.frombuffer`` with no per-record Python.
+Field names follow the CUPTI-JSONL v1 interchange format (shared/traces/README.md)
+where one exists, so conversion is a column copy.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import numpy as np
+
+
+class RecordKind(enum.IntEnum):
+    """Activity kinds carried in a record batch (the wire's batch tag)."""
+
+    MEMORY = 1  # CUPTI MEMORY2
+    MEMORY_POOL = 2
+    MEMCPY = 3  # MEMCPY and MEMCPY2 (peer copies carry src_dev/dst_dev)
+    MEMSET = 4
+    KERNEL = 5  # CONCURRENT_KERNEL
+    UNIFIED_MEMORY = 6  # UNIFIED_MEMORY_COUNTER
+
+
+class MemoryOp(enum.IntEnum):
+    ALLOCATION = 1
+    RELEASE = 2
+
+
+class MemoryKind(enum.IntEnum):
+    """CUPTI_ActivityMemoryKind, numbered as CUPTI numbers it."""
+
+    UNKNOWN = 0
+    PAGEABLE = 1
+    PINNED = 2
+    DEVICE = 3
+    ARRAY = 4
+    MANAGED = 5
+    DEVICE_STATIC = 6
+    MANAGED_STATIC = 7
+    # Not a CUPTI kind: what NVML sees for the process minus what CUPTI reported
+    # (the probe exports it when CUDA was initialised before it started).
+    UNTRACKED = 16
+
+
+#: Names used in metrics labels and in the JSONL marks (``expect_live_bytes``).
+MEMORY_KIND_NAMES: Final[dict[int, str]] = {k.value: k.name.lower() for k in MemoryKind}
+
+#: Kinds whose bytes occupy GPU memory: the "device footprint" whose window peak
+#: is tracked. Pinned and pageable host memory are exported but not counted here.
+DEVICE_RESIDENT_KINDS: Final[frozenset[int]] = frozenset(
+    {MemoryKind.DEVICE, MemoryKind.DEVICE_STATIC, MemoryKind.ARRAY, MemoryKind.UNTRACKED}
+)
+
+
+class PoolOp(enum.IntEnum):
+    CREATED = 1
+    DESTROYED = 2
+    TRIMMED = 3
+
+
+class CopyKind(enum.IntEnum):
+    """CUPTI_ActivityMemcpyKind."""
+
+    UNKNOWN = 0
+    HTOD = 1
+    DTOH = 2
+    HTOA = 3
+    ATOH = 4
+    ATOA = 5
+    ATOD = 6
+    DTOA = 7
+    DTOD = 8
+    HTOH = 9
+    PTOP = 10
+
+
+COPY_KIND_NAMES: Final[dict[int, str]] = {k.value: k.name.lower() for k in CopyKind}
+
+_LE = "<"
+
+MEMORY_DTYPE: Final = np.dtype(
+    [
+        ("ts", _LE + "u8"),
+        ("addr", _LE + "u8"),
+        ("bytes", _LE + "u8"),
+        ("pool_addr", _LE + "u8"),
+        ("pool_thresh", _LE + "u8"),
+        ("pool_size", _LE + "u8"),
+        ("pool_used", _LE + "u8"),
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("ctx", _LE + "u4"),
+        ("stream", _LE + "u4"),
+        ("corr", _LE + "u4"),
+        ("op", "u1"),
+        ("mk", "u1"),
+        ("is_async", "u1"),
+        ("pool_type", "u1"),
+    ]
+)
+
+POOL_DTYPE: Final = np.dtype(
+    [
+        ("ts", _LE + "u8"),
+        ("addr", _LE + "u8"),
+        ("size", _LE + "u8"),
+        ("used", _LE + "u8"),
+        ("thresh", _LE + "u8"),
+        ("keep", _LE + "u8"),
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("corr", _LE + "u4"),
+        ("op", "u1"),
+        ("ptype", "u1"),
+        ("_pad", "u2"),
+    ]
+)
+
+MEMCPY_DTYPE: Final = np.dtype(
+    [
+        ("start", _LE + "u8"),
+        ("end", _LE + "u8"),
+        ("bytes", _LE + "u8"),
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("src_dev", _LE + "u4"),  # MEMCPY2 (peer): the devices at both ends
+        ("dst_dev", _LE + "u4"),
+        ("ctx", _LE + "u4"),
+        ("stream", _LE + "u4"),
+        ("corr", _LE + "u4"),
+        ("graph", _LE + "u4"),
+        ("ck", "u1"),
+        ("src", "u1"),
+        ("dst", "u1"),
+        ("_pad", "u1"),
+    ]
+)
+
+MEMSET_DTYPE: Final = np.dtype(
+    [
+        ("start", _LE + "u8"),
+        ("end", _LE + "u8"),
+        ("bytes", _LE + "u8"),
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("stream", _LE + "u4"),
+        ("corr", _LE + "u4"),
+        ("mk", "u1"),
+        ("_pad", "u1", (7,)),
+    ]
+)
+
+KERNEL_DTYPE: Final = np.dtype(
+    [
+        ("start", _LE + "u8"),
+        ("end", _LE + "u8"),
+        ("node", _LE + "u8"),  # graph node id, 0 when not launched from a graph
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("stream", _LE + "u4"),
+        ("corr", _LE + "u4"),
+        ("graph", _LE + "u4"),  # non-zero: replayed from a captured CUDA graph
+        ("name_id", _LE + "u4"),  # index into the connection's string table
+    ]
+)
+
+UNIFIED_MEMORY_DTYPE: Final = np.dtype(
+    [
+        ("start", _LE + "u8"),
+        ("end", _LE + "u8"),
+        ("value", _LE + "u8"),  # bytes transferred, or fault count, by counter kind
+        ("addr", _LE + "u8"),
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("src", _LE + "u4"),
+        ("dst", _LE + "u4"),
+        ("ck", "u1"),
+        ("_pad", "u1", (7,)),
+    ]
+)
+
+DTYPES: Final[dict[RecordKind, np.dtype]] = {
+    RecordKind.MEMORY: MEMORY_DTYPE,
+    RecordKind.MEMORY_POOL: POOL_DTYPE,
+    RecordKind.MEMCPY: MEMCPY_DTYPE,
+    RecordKind.MEMSET: MEMSET_DTYPE,
+    RecordKind.KERNEL: KERNEL_DTYPE,
+    RecordKind.UNIFIED_MEMORY: UNIFIED_MEMORY_DTYPE,
+}
+
+#: The field that orders each kind in time (records are applied "as of" it).
+TIME_FIELD: Final[dict[RecordKind, str]] = {
+    RecordKind.MEMORY: "ts",
+    RecordKind.MEMORY_POOL: "ts",
+    RecordKind.MEMCPY: "start",
+    RecordKind.MEMSET: "start",
+    RecordKind.KERNEL: "start",
+    RecordKind.UNIFIED_MEMORY: "start",
+}
+
+
+def empty(kind: RecordKind, n: int = 0) -> np.ndarray:
+    """A zeroed batch of ``n`` records of ``kind``."""
+    return np.zeros(n, dtype=DTYPES[kind])

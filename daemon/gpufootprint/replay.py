@@ -1,0 +1,104 @@
+"""Replay a recorded trace through the daemon's own decoder, session and pipeline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.ingest.session import Session
+from gpufootprint.records import TIME_FIELD, RecordKind
+from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType
+from gpufootprint.wire.sources import TraceFile
+
+
+@dataclass
+class ReplayResult:
+    path: str
+    format: str
+    records: int
+    frames: int
+    elapsed_s: float
+    marks: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def frame_time_ns(frame: Frame) -> int | None:
+    """The earliest timestamp a frame carries, for pacing; None when it has none."""
+    if frame.type is FrameType.BATCH:
+        try:
+            recs = frame.records()
+        except Exception:  # noqa: BLE001 - the session reports the damage
+            return None
+        return int(recs[TIME_FIELD[RecordKind(frame.tag)]].min()) if len(recs) else None
+    if frame.type is FrameType.MARK:
+        ts = frame.json().get("ts")
+        return ts if isinstance(ts, int) else None
+    return None
+
+
+class Pacer:
+    """Sleeps so that trace time advances ``speed`` times faster than wall time."""
+
+    def __init__(self, speed: float, stop: threading.Event | None = None) -> None:
+        self.speed = speed
+        self.stop = stop or threading.Event()
+        self._origin: tuple[float, int] | None = None
+
+    def wait_for(self, ts_ns: int | None) -> None:
+        if ts_ns is None:
+            return
+        if self._origin is None:
+            self._origin = (time.monotonic(), ts_ns)
+            return
+        wall0, trace0 = self._origin
+        due = wall0 + (ts_ns - trace0) / 1e9 / self.speed
+        delay = due - time.monotonic()
+        if delay > 0:
+            self.stop.wait(delay)
+
+
+def replay_file(
+    path: str | Path,
+    pipeline: Pipeline,
+    *,
+    speed: float | None = None,
+    on_frame: Callable[[Frame], None] | None = None,
+    stop: threading.Event | None = None,
+    max_frame_bytes: int | None = None,
+) -> ReplayResult:
+    """Run ``path`` through ``pipeline``. Damage is reported in ``problems``; records before it count."""
+    trace = TraceFile(path)
+    marks: list[dict[str, Any]] = []
+    session = Session(pipeline, source="trace", name=str(path), on_mark=marks.append)
+    decoder = FrameDecoder(max_frame_bytes) if max_frame_bytes else FrameDecoder()
+    pacer = Pacer(speed, stop) if speed else None
+    started = time.perf_counter()
+    for chunk in trace.chunks():
+        for frame in decoder.feed(chunk):
+            if pacer is not None:
+                pacer.wait_for(frame_time_ns(frame))
+            if stop is not None and stop.is_set():
+                break
+            if on_frame is not None:
+                on_frame(frame)
+            session.handle(frame)
+        if decoder.error is not None or (stop is not None and stop.is_set()):
+            break
+    if decoder.error is not None:
+        trace.problems.append(f"{path}: {decoder.error}")
+    elif not (stop is not None and stop.is_set()):
+        try:
+            decoder.close()
+        except Exception as exc:  # noqa: BLE001 - FrameError: a truncated last frame
+            trace.problems.append(f"{path}: {exc}")
+    session.close()
+    elapsed = time.perf_counter() - started
+    return ReplayResult(
+        path=str(path), format=trace.format, records=session.records, frames=session.frames,
+        elapsed_s=elapsed, marks=marks, problems=trace.problems + session.problems,
+    )

@@ -1,0 +1,64 @@
+"""Immutable snapshots: what the exporter, the engines and reports read.
+
+The pipeline thread builds a new snapshot every tick and swaps a reference; a
+scrape reads whichever snapshot is current and never sees a half-applied batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSnapshot:
+    dev: int
+    live_bytes: dict[str, int]  # by memory-kind name, non-zero kinds only
+    device_bytes: int  # GPU-resident kinds summed
+    async_device_bytes: int  # live stream-ordered (cudaMallocAsync) allocations
+    pool_reserved_bytes: int
+    pool_used_bytes: int
+    window_peak_bytes: int
+    live_allocations: int
+    allocations: dict[str, int]
+    releases: dict[str, int]
+    allocated_bytes: dict[str, int]
+    released_bytes: dict[str, int]
+    memcpy_count: dict[int, int]  # by CopyKind value
+    memcpy_bytes: dict[int, int]
+    memcpy_seconds: dict[int, float]
+    memset_count: int
+    memset_bytes: int
+    kernel_count: int
+    kernel_seconds: float
+    um_count: dict[int, int]
+    um_value: dict[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSnapshot:
+    pid: int
+    source: str
+    exited: bool
+    info: dict[str, Any]
+    devices: tuple[DeviceSnapshot, ...]
+    pending_records: int
+    as_of_ns: int
+    probe_counters: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSnapshot:
+    taken_at: float
+    processes: tuple[ProcessSnapshot, ...]
+    records_ingested: dict[str, int]
+    ingest_errors: dict[str, int]
+    late_records: int
+    window_peak_seconds: float
+    daemon: dict[str, Any] = field(default_factory=dict)  # connections, gpu presence, ...
+
+
+EMPTY_SNAPSHOT = PipelineSnapshot(
+    taken_at=0.0, processes=(), records_ingested={}, ingest_errors={}, late_records=0,
+    window_peak_seconds=0.0,
+)

@@ -1,0 +1,202 @@
+"""The native framing: one byte stream for files and sockets alike.
+
+A stream is an 8-byte preamble followed by frames. Each frame is a fixed 8-byte
+header ``<u32 payload length, u8 frame type, u8 flags, u16 tag>`` and its payload.
+Record batches carry a ``RecordKind`` in ``tag`` and the packed records of that
+kind as payload (``np.frombuffer`` decodes them); control-plane frames carry
+JSON. A recorded file is exactly what a probe sends on its socket, so ``replay``
+and the daemon run one decoder and one pipeline.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from gpufootprint.errors import FrameError
+from gpufootprint.records import DTYPES, RecordKind
+
+WIRE_VERSION: Final = 1
+PREAMBLE: Final = b"GPUFP" + bytes([WIRE_VERSION]) + b"\r\n"
+_HEADER: Final = struct.Struct("<IBBH")
+HEADER_SIZE: Final = _HEADER.size
+#: Frames longer than this are refused as corrupt (a probe batches far below it).
+DEFAULT_MAX_PAYLOAD: Final = 16 * 1024 * 1024
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1  # probe -> daemon, JSON: who is speaking
+    BATCH = 2  # records of kind ``tag``
+    MARK = 3  # JSON: a synchronised point with the footprint it expects
+    META = 4  # JSON: trace metadata (device, driver, scenario)
+    HEARTBEAT = 5  # JSON: probe counters (sent, dropped, own memory)
+    GOODBYE = 6  # JSON: clean exit, final counters
+    CONTROL = 7  # daemon -> probe, JSON
+    STRINGS = 8  # JSON {"id": "name"}: kernel names for KERNEL batches
+    WATERMARK = 9  # u64 ns: every record with an earlier timestamp was sent
+    RESYNC_BEGIN = 10  # JSON: the live allocation table follows as MEMORY batches
+    RESYNC_END = 11
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: FrameType
+    tag: int
+    payload: bytes
+    offset: int  # byte offset of the frame header in the stream, for errors
+
+    def json(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.payload)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FrameError(f"byte {self.offset}: {self.type.name} frame is not JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise FrameError(f"byte {self.offset}: {self.type.name} frame is not a JSON object")
+        return value
+
+    def records(self) -> np.ndarray:
+        try:
+            kind = RecordKind(self.tag)
+        except ValueError:
+            raise FrameError(f"byte {self.offset}: unknown record kind {self.tag}") from None
+        dtype = DTYPES[kind]
+        if len(self.payload) % dtype.itemsize:
+            raise FrameError(
+                f"byte {self.offset}: {kind.name} batch of {len(self.payload)} bytes "
+                f"is not a multiple of the record size {dtype.itemsize}"
+            )
+        return np.frombuffer(self.payload, dtype=dtype)
+
+    def watermark(self) -> int:
+        if len(self.payload) != 8:
+            raise FrameError(f"byte {self.offset}: WATERMARK frame needs 8 bytes, got {len(self.payload)}")
+        return int.from_bytes(self.payload, "little")
+
+
+# --- encoding -----------------------------------------------------------------
+
+
+def encode(frame_type: FrameType, payload: bytes = b"", tag: int = 0) -> bytes:
+    return _HEADER.pack(len(payload), frame_type, 0, tag) + payload
+
+
+def encode_json(frame_type: FrameType, obj: dict[str, Any]) -> bytes:
+    return encode(frame_type, json.dumps(obj, separators=(",", ":"), sort_keys=True).encode())
+
+
+def encode_batch(kind: RecordKind, records: np.ndarray) -> bytes:
+    if records.dtype != DTYPES[kind]:
+        raise TypeError(f"{kind.name} batch needs dtype {DTYPES[kind]}, got {records.dtype}")
+    return encode(FrameType.BATCH, records.tobytes(), tag=kind)
+
+
+def encode_watermark(ts_ns: int) -> bytes:
+    return encode(FrameType.WATERMARK, int(ts_ns).to_bytes(8, "little"))
+
+
+# --- decoding -----------------------------------------------------------------
+
+
+class FrameDecoder:
+    """Incremental decoder: feed it bytes as they come, get whole frames back.
+
+    The first bytes must be the preamble. A bad preamble, an unknown frame type or
+    an absurd length raises ``FrameError`` naming the byte offset; the frames
+    decoded before it have already been returned, so nothing before the damage
+    is lost.
+    """
+
+    def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        self.error: FrameError | None = None  # set once the stream is broken
+        self._buf = bytearray()
+        self._pos = 0  # stream offset of self._buf[0]
+        self._preamble_seen = False
+        self._max_payload = max_payload
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the stream consumed so far (whole frames only)."""
+        return self._pos
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet part of a whole frame."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Whole frames in ``data`` (and what was left over before it).
+
+        On damage, the frames before it are still returned and ``error`` is set;
+        feeding a broken decoder again raises that error.
+        """
+        if self.error is not None:
+            raise self.error
+        frames: list[Frame] = []
+        try:
+            self._decode(data, frames)
+        except FrameError as exc:
+            self.error = exc
+        return frames
+
+    def _decode(self, data: bytes, frames: list[Frame]) -> None:
+        self._buf += data
+        buf = self._buf
+        at = 0
+        if not self._preamble_seen:
+            if len(buf) < len(PREAMBLE):
+                if not PREAMBLE.startswith(bytes(buf)):
+                    raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {bytes(buf)!r})")
+                return
+            if buf[: len(PREAMBLE)] != PREAMBLE:
+                head = bytes(buf[: len(PREAMBLE)])
+                if head[:5] == PREAMBLE[:5]:
+                    raise FrameError(f"byte 5: unsupported wire version {head[5]} (this build reads {WIRE_VERSION})")
+                raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {head!r})")
+            self._preamble_seen = True
+            at = len(PREAMBLE)
+        n = len(buf)
+        try:
+            while n - at >= HEADER_SIZE:
+                length, ftype, _flags, tag = _HEADER.unpack_from(buf, at)
+                if length > self._max_payload:
+                    raise FrameError(
+                        f"byte {self._pos + at}: frame length {length} exceeds the limit {self._max_payload}"
+                    )
+                try:
+                    frame_type = FrameType(ftype)
+                except ValueError:
+                    raise FrameError(f"byte {self._pos + at}: unknown frame type {ftype}") from None
+                end = at + HEADER_SIZE + length
+                if end > n:
+                    break
+                frames.append(Frame(frame_type, tag, bytes(buf[at + HEADER_SIZE : end]), self._pos + at))
+                at = end
+        finally:
+            # Drop what was consumed even when raising, so offsets stay true.
+            del buf[:at]
+            self._pos += at
+
+    def close(self) -> None:
+        """Call at end of stream: leftover bytes mean a truncated frame."""
+        if self.error is not None:
+            raise self.error
+        if self._buf or not self._preamble_seen:
+            where = self._pos
+            if not self._preamble_seen:
+                raise FrameError(f"byte {where}: stream ended before the preamble")
+            raise FrameError(f"byte {where}: stream truncated inside a frame ({len(self._buf)} bytes left over)")
+
+
+def iter_frames(chunks: Iterator[bytes], max_payload: int = DEFAULT_MAX_PAYLOAD) -> Iterator[Frame]:
+    decoder = FrameDecoder(max_payload)
+    for chunk in chunks:
+        yield from decoder.feed(chunk)
+        if decoder.error is not None:
+            raise decoder.error
+    decoder.close()

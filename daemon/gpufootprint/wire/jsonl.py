@@ -1,0 +1,220 @@
+"""CUPTI-JSONL v1 (the neutral interchange of shared/traces/README.md) <-> native frames.
+
+Reading turns lines into native frames, so a JSONL trace goes through exactly the
+decoder and pipeline a live probe does. A bad line (invalid JSON, a missing
+field, an unknown kind) is reported with its line number and skipped; the lines
+around it are kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from typing import IO, Any, Final
+
+import numpy as np
+
+from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.wire.framing import (
+    PREAMBLE,
+    Frame,
+    FrameType,
+    encode_batch,
+    encode_json,
+)
+
+#: JSONL kind tag -> record kind.
+JSONL_KINDS: Final[dict[str, RecordKind]] = {
+    "mem": RecordKind.MEMORY,
+    "pool": RecordKind.MEMORY_POOL,
+    "cpy": RecordKind.MEMCPY,
+    "set": RecordKind.MEMSET,
+    "kern": RecordKind.KERNEL,
+    "um": RecordKind.UNIFIED_MEMORY,
+}
+KIND_TAGS: Final[dict[RecordKind, str]] = {v: k for k, v in JSONL_KINDS.items()}
+
+#: Per record kind: (dtype field, JSONL key, required). Fields not listed are 0
+#: (padding) or filled from elsewhere (pid from the meta line, name_id from names).
+_FIELDS: Final[dict[RecordKind, tuple[tuple[str, str, bool], ...]]] = {
+    RecordKind.MEMORY: (
+        ("ts", "ts", True), ("addr", "addr", True), ("bytes", "bytes", True),
+        ("pool_addr", "pool_addr", False), ("pool_thresh", "pool_thresh", False),
+        ("pool_size", "pool_size", False), ("pool_used", "pool_used", False),
+        ("pid", "pid", False), ("dev", "dev", False), ("ctx", "ctx", False), ("stream", "stream", False),
+        ("corr", "corr", False), ("op", "op", True), ("mk", "mk", True), ("is_async", "is_async", False),
+        ("pool_type", "pool_type", False),
+    ),
+    RecordKind.MEMORY_POOL: (
+        ("ts", "ts", True), ("addr", "addr", True), ("size", "size", True), ("used", "used", False),
+        ("thresh", "thresh", False), ("keep", "keep", False), ("pid", "pid", False), ("dev", "dev", False),
+        ("corr", "corr", False), ("op", "op", True), ("ptype", "ptype", False),
+    ),
+    RecordKind.MEMCPY: (
+        ("start", "start", True), ("end", "end", True), ("bytes", "bytes", True), ("pid", "pid", False),
+        ("dev", "dev", False), ("src_dev", "src_dev", False), ("dst_dev", "dst_dev", False),
+        ("ctx", "ctx", False), ("stream", "stream", False), ("corr", "corr", False), ("graph", "graph", False),
+        ("ck", "ck", True), ("src", "src", False), ("dst", "dst", False),
+    ),
+    RecordKind.MEMSET: (
+        ("start", "start", True), ("end", "end", True), ("bytes", "bytes", True), ("pid", "pid", False),
+        ("dev", "dev", False), ("stream", "stream", False), ("corr", "corr", False), ("mk", "mk", False),
+    ),
+    RecordKind.KERNEL: (
+        ("start", "start", True), ("end", "end", True), ("node", "node", False), ("pid", "pid", False),
+        ("dev", "dev", False), ("stream", "stream", False), ("corr", "corr", False), ("graph", "graph", False),
+    ),
+    RecordKind.UNIFIED_MEMORY: (
+        ("start", "start", True), ("end", "end", True), ("value", "value", True), ("addr", "addr", False),
+        ("pid", "pid", False), ("dev", "dev", False), ("src", "src", False), ("dst", "dst", False),
+        ("ck", "ck", True),
+    ),
+}
+
+BATCH_RECORDS: Final = 4096
+
+ProblemSink = Callable[[str], None]
+
+
+class JsonlToFrames:
+    """Reads CUPTI-JSONL lines and yields native stream bytes (preamble first)."""
+
+    def __init__(self, name: str, on_problem: ProblemSink) -> None:
+        self.name = name
+        self.on_problem = on_problem
+        self.default_pid = 0
+        self.lines = 0
+        self._rows: list[tuple[int, ...]] = []
+        self._kind: RecordKind | None = None
+        self._names: dict[str, int] = {}
+        self._new_names: dict[str, str] = {}
+
+    def convert(self, lines: Iterable[bytes | str]) -> Iterator[bytes]:
+        yield PREAMBLE
+        for raw in lines:
+            self.lines += 1
+            out = self._line(raw)
+            if out:
+                yield out
+        tail = self._flush()
+        if tail:
+            yield tail
+
+    def _problem(self, message: str) -> None:
+        self.on_problem(f"{self.name}:{self.lines}: {message}")
+
+    def _line(self, raw: bytes | str) -> bytes:
+        if not raw.strip():
+            return b""
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self._problem(f"invalid JSON ({exc.msg if hasattr(exc, 'msg') else exc})")
+            return b""
+        if not isinstance(obj, dict):
+            self._problem("a line must be a JSON object")
+            return b""
+        tag = obj.get("k")
+        kind = JSONL_KINDS.get(tag) if isinstance(tag, str) else None
+        if kind is not None:
+            row = self._row(kind, obj)
+            if row is None:
+                return b""
+            out = self._flush() if (kind is not self._kind or len(self._rows) >= BATCH_RECORDS) else b""
+            self._kind = kind
+            self._rows.append(row)
+            return out
+        if tag == "meta":
+            if obj.get("format") != "cupti-jsonl" or obj.get("version") != 1:
+                self._problem(f"meta line says format={obj.get('format')!r} version={obj.get('version')!r}, "
+                              "expected cupti-jsonl 1")
+            if isinstance(obj.get("pid"), int):
+                self.default_pid = obj["pid"]
+            return self._flush() + encode_json(FrameType.META, obj)
+        if tag == "mark":
+            return self._flush() + encode_json(FrameType.MARK, obj)
+        self._problem(f"unknown record kind {tag!r}")
+        return b""
+
+    def _row(self, kind: RecordKind, obj: dict[str, Any]) -> tuple[int, ...] | None:
+        values: list[int] = []
+        for fname, key, required in _FIELDS[kind]:
+            value = obj.get(key)
+            if value is None:
+                if required:
+                    self._problem(f"{KIND_TAGS[kind]} record lacks field {key!r}")
+                    return None
+                value = self.default_pid if fname == "pid" else 0
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 1 << 64:
+                self._problem(f"{KIND_TAGS[kind]} field {key!r} must be a non-negative integer, got {value!r}")
+                return None
+            values.append(value)
+        if kind is RecordKind.KERNEL:
+            values.append(self._name_id(str(obj.get("name", ""))))
+        return tuple(values)
+
+    def _name_id(self, name: str) -> int:
+        nid = self._names.get(name)
+        if nid is None:
+            nid = len(self._names) + 1
+            self._names[name] = nid
+            self._new_names[str(nid)] = name
+        return nid
+
+    def _flush(self) -> bytes:
+        if not self._rows or self._kind is None:
+            return b""
+        kind, rows = self._kind, self._rows
+        self._rows = []
+        names = [f for f, _, _ in _FIELDS[kind]] + (["name_id"] if kind is RecordKind.KERNEL else [])
+        recs = np.zeros(len(rows), dtype=DTYPES[kind])
+        try:
+            columns = list(zip(*rows))
+            for fname, col in zip(names, columns):
+                recs[fname] = col
+        except OverflowError:
+            # A value too large for its field: find the row, keep the others.
+            good = []
+            for row in rows:
+                try:
+                    np.array([row[: len(names)]], dtype=[(n, DTYPES[kind][n]) for n in names])
+                    good.append(row)
+                except OverflowError:
+                    self._problem(f"{KIND_TAGS[kind]} record has a value too large for its field")
+            self._rows = good
+            return self._flush()
+        prefix = b""
+        if self._new_names:
+            prefix = encode_json(FrameType.STRINGS, self._new_names)
+            self._new_names = {}
+        return prefix + encode_batch(kind, recs)
+
+
+def write_jsonl(frames: Iterable[Frame], out: IO[str]) -> int:
+    """Write native frames as CUPTI-JSONL v1; returns the number of lines written."""
+    names: dict[int, str] = {}
+    lines = 0
+    for frame in frames:
+        if frame.type is FrameType.BATCH:
+            kind = RecordKind(frame.tag)
+            recs = frame.records()
+            fields = _FIELDS[kind]
+            cols = [recs[f].tolist() for f, _, _ in fields]
+            name_col = recs["name_id"].tolist() if kind is RecordKind.KERNEL else None
+            tag = KIND_TAGS[kind]
+            for i in range(len(recs)):
+                obj: dict[str, Any] = {"k": tag}
+                for (_, key, _), col in zip(fields, cols):
+                    obj[key] = col[i]
+                if name_col is not None:
+                    obj["name"] = names.get(name_col[i], "")
+                out.write(json.dumps(obj) + "\n")
+                lines += 1
+        elif frame.type in (FrameType.META, FrameType.MARK):
+            obj = frame.json()
+            obj.setdefault("k", "meta" if frame.type is FrameType.META else "mark")
+            out.write(json.dumps(obj) + "\n")
+            lines += 1
+        elif frame.type is FrameType.STRINGS:
+            names.update({int(k): v for k, v in frame.json().items() if k.isdigit()})
+    return lines
