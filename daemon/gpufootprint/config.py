@@ -93,7 +93,7 @@ def load_config(
         _merge(tree, file_tree, origin, str(path))
     env = os.environ if env is None else env
     for name, raw in sorted(env.items()):
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "PROBE":
+        if not name.startswith(ENV_PREFIX) or name in (ENV_PREFIX + "PROBE", ENV_PREFIX + "CONFIG"):
             continue
         if name.startswith(ENV_PREFIX + "PROBE_"):
             continue  # the probe's own environment, read inside workloads

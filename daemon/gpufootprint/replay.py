@@ -70,6 +70,7 @@ def replay_file(
     on_frame: Callable[[Frame], None] | None = None,
     stop: threading.Event | None = None,
     max_frame_bytes: int | None = None,
+    guard: Any = None,
 ) -> ReplayResult:
     """Run ``path`` through ``pipeline``. Damage is reported in ``problems``; records before it count."""
     trace = TraceFile(path)
@@ -86,7 +87,11 @@ def replay_file(
                 break
             if on_frame is not None:
                 on_frame(frame)
-            session.handle(frame)
+            if guard is None:
+                session.handle(frame)
+            else:
+                with guard:  # the daemon's ingest thread publishes snapshots meanwhile
+                    session.handle(frame)
         if decoder.error is not None or (stop is not None and stop.is_set()):
             break
     if decoder.error is not None:
@@ -96,9 +101,60 @@ def replay_file(
             decoder.close()
         except Exception as exc:  # noqa: BLE001 - FrameError: a truncated last frame
             trace.problems.append(f"{path}: {exc}")
-    session.close()
+    if guard is None:
+        session.close()
+    else:
+        with guard:
+            session.close()
     elapsed = time.perf_counter() - started
     return ReplayResult(
         path=str(path), format=trace.format, records=session.records, frames=session.frames,
         elapsed_s=elapsed, marks=marks, problems=trace.problems + session.problems,
     )
+
+
+_SHIFT_FIELDS = {
+    RecordKind.MEMORY: ("ts",),
+    RecordKind.MEMORY_POOL: ("ts",),
+    RecordKind.MEMCPY: ("start", "end"),
+    RecordKind.MEMSET: ("start", "end"),
+    RecordKind.KERNEL: ("start", "end"),
+    RecordKind.UNIFIED_MEMORY: ("start", "end"),
+}
+
+
+def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
+    """The same frame with every timestamp moved by ``delta_ns`` (and pid replaced): for looping demos."""
+    from gpufootprint.wire.framing import encode_batch, encode_json  # local: keeps the import graph flat
+
+    if frame.type is FrameType.BATCH:
+        kind = RecordKind(frame.tag)
+        recs = frame.records().copy()
+        for name in _SHIFT_FIELDS[kind]:
+            recs[name] = (recs[name].astype("i8") + delta_ns).astype("u8")
+        if pid is not None:
+            recs["pid"] = pid
+        raw = encode_batch(kind, recs)
+    elif frame.type in (FrameType.MARK, FrameType.META):
+        body = frame.json()
+        if isinstance(body.get("ts"), int):
+            body["ts"] += delta_ns
+        if pid is not None and "pid" in body:
+            body["pid"] = pid
+        raw = encode_json(frame.type, body)
+    else:
+        return frame
+    return Frame(frame.type, frame.tag, raw[8:], frame.offset)
+
+
+def load_frames(path: str | Path) -> tuple[list[Frame], list[str]]:
+    """Every frame of a (small) trace in memory, and the problems met reading it."""
+    trace = TraceFile(path)
+    decoder = FrameDecoder()
+    frames: list[Frame] = []
+    for chunk in trace.chunks():
+        frames.extend(decoder.feed(chunk))
+        if decoder.error is not None:
+            trace.problems.append(f"{path}: {decoder.error}")
+            break
+    return frames, trace.problems

@@ -1,0 +1,290 @@
+"""Command line: ``gpufootprint daemon|demo|replay|convert|check-config|run|record``.
+
+Errors become one line on stderr and an exit status (2: configuration or usage,
+1: damaged input or runtime failure); ``-v`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from gpufootprint import __version__
+from gpufootprint.config import Config, config_to_dict, load_config, parse_set_option
+from gpufootprint.errors import ConfigError, GpuFootprintError
+from gpufootprint.log import setup_logging
+
+log = logging.getLogger("gpufootprint.cli")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: none, built-in defaults)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one configuration key (repeatable)")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpufootprint", description="Runtime GPU memory-footprint daemon.")
+    parser.add_argument("--version", action="version", version=f"gpufootprint {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("daemon", help="run the node agent: probe socket in, Prometheus metrics out")
+    _common(p)
+    p.add_argument("--listen", metavar="HOST:PORT", help="metrics address (exporter.listen)")
+    p.add_argument("--socket", metavar="PATH", help="probe socket (daemon.socket)")
+
+    p = sub.add_parser("demo", help="replay bundled real H200 traces in a loop and serve /metrics")
+    _common(p)
+    p.add_argument("--listen", metavar="HOST:PORT", default=None,
+                   help="metrics address (default 127.0.0.1:9878)")
+    p.add_argument("--speed", type=float, help="replay speed (demo.speed)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long")
+    p.add_argument("--trace", action="append", metavar="FILE", help="loop this trace instead (repeatable)")
+
+    p = sub.add_parser("replay", help="run a recorded trace through the daemon's pipeline")
+    _common(p)
+    p.add_argument("file", metavar="FILE", help="native or CUPTI-JSONL trace, gzip or plain")
+    p.add_argument("--speed", type=float, default=None, help="X times real time (default: as fast as possible)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics while replaying")
+    p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                   help="with --listen: keep serving this long after the replay ends")
+    p.add_argument("--report-json", metavar="PATH", help="write records, elapsed time and mark states as JSON")
+
+    p = sub.add_parser("convert", help="convert a trace between CUPTI-JSONL and the native format")
+    _common(p)
+    p.add_argument("input", metavar="IN")
+    p.add_argument("-o", "--output", required=True, metavar="OUT",
+                   help="output file: *.jsonl[.gz] writes CUPTI-JSONL, anything else native (.gz compresses)")
+
+    p = sub.add_parser("check-config", help="validate the configuration and exit")
+    _common(p)
+    p.add_argument("--print", dest="print_config", action="store_true", help="print the effective configuration")
+
+    p = sub.add_parser("run", help="run a command with the probe in it and its children (-- CMD ARGS...)")
+    _common(p)
+    p.add_argument("--socket", metavar="PATH", help="daemon socket the probes connect to")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+
+    p = sub.add_parser("record", help="run a command with the probe, writing frames to a file (-- CMD ARGS...)")
+    _common(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    return parser
+
+
+def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
+    overrides: dict[str, Any] = {}
+    for text in args.sets:
+        key, value = parse_set_option(text)
+        overrides[key] = value
+    overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
+    return load_config(args.config, overrides=overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbose = getattr(args, "verbose", 0)
+    setup_logging("debug" if verbose else "warning")
+    try:
+        return int(_COMMANDS[args.command](args) or 0)
+    except GpuFootprintError as exc:
+        if verbose:
+            log.exception("failed")
+        print(f"gpufootprint {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _setup(config: Config, verbose: int) -> None:
+    setup_logging("debug" if verbose else config.logging.level, config.logging.format)
+
+
+# --- commands ---------------------------------------------------------------------
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    else:
+        print(f"ok: {args.config or 'built-in defaults'}")
+    return 0
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from gpufootprint.app import App, detect_gpu
+
+    config = _config(args, {"exporter.listen": args.listen, "daemon.socket": args.socket})
+    _setup(config, args.verbose)
+    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen)
+    present, detail = detect_gpu()
+    app.gpu_present = 1.0 if present else 0.0
+    if present:
+        log.info("gpu found: %s", detail)
+    else:
+        log.warning("no GPU: %s; serving probe data and metrics anyway", detail)
+    try:
+        app.start()
+    except OSError as exc:
+        raise GpuFootprintError(f"cannot start: {exc}") from None
+    log.info("serving metrics url=%s", app.http.url if app.http else "-")
+    stop = threading.Event()
+    try:
+        app.wait_for_signal(stop)
+    finally:
+        app.stop()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpufootprint.app import App
+    from gpufootprint.demo import bundled_traces, run_demo
+
+    config = _config(args, {"demo.speed": args.speed})
+    _setup(config, args.verbose)
+    listen = args.listen or "127.0.0.1:9878"
+    traces = [Path(t) for t in args.trace] if args.trace else (
+        [Path(config.demo.trace)] if config.demo.trace else bundled_traces())
+    for t in traces:
+        if not t.is_file():
+            raise ConfigError(f"demo.trace: {t} is not a file")
+    app = App(config, socket_path=None, listen=listen)
+    try:
+        return run_demo(app, speed=config.demo.speed, duration=args.duration, traces=traces)
+    except OSError as exc:
+        raise GpuFootprintError(f"cannot serve on {listen}: {exc}") from None
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from gpufootprint.app import App
+    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.replay import replay_file
+
+    config = _config(args)
+    _setup(config, args.verbose)
+    if args.speed is not None and args.speed <= 0:
+        raise ConfigError(f"command line --speed: {args.speed} must be positive")
+    if not Path(args.file).exists():
+        raise GpuFootprintError(f"{args.file}: no such file")
+    app: App | None = None
+    guard: Any = contextlib.nullcontext()
+    if args.listen:
+        app = App(config, socket_path=None, listen=args.listen)
+        app.start()
+        pipeline = app.pipeline
+        guard = app.ingest.lock
+        print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
+    else:
+        pipeline = Pipeline(config.footprint)
+    try:
+        result = replay_file(args.file, pipeline, speed=args.speed, guard=guard,
+                             max_frame_bytes=config.daemon.max_frame_bytes)
+        if app is not None:
+            app.ingest.tick()
+            if args.linger > 0:
+                time.sleep(args.linger)
+    finally:
+        if app is not None:
+            app.stop()
+    if args.report_json:
+        report = {"file": result.path, "format": result.format, "records": result.records,
+                  "elapsed_s": result.elapsed_s, "marks": result.marks, "problems": result.problems,
+                  "ingest_errors": dict(pipeline.errors.counts), "late_records": pipeline.late_records}
+        _write_json(args.report_json, report)
+    mismatched = [m["label"] for m in result.marks if m.get("matches") is False]
+    print(f"replayed {result.records} records ({result.format}) in {result.elapsed_s:.3f} s; "
+          f"{len(result.marks)} marks, {len(mismatched)} differ from the trace's expectation", file=sys.stderr)
+    for problem in result.problems[:20]:
+        print(f"gpufootprint replay: error: {problem}", file=sys.stderr)
+    if len(result.problems) > 20:
+        print(f"gpufootprint replay: ... and {len(result.problems) - 20} more problems", file=sys.stderr)
+    return 1 if result.problems else 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from gpufootprint.wire.framing import FrameDecoder
+    from gpufootprint.wire.jsonl import write_jsonl
+    from gpufootprint.wire.sources import TraceFile
+
+    out = Path(args.output)
+    to_jsonl = ".jsonl" in out.suffixes
+    trace = TraceFile(args.input)
+    problems = trace.problems
+    opener = gzip.open if out.suffix == ".gz" else open
+    with opener(out, "wt" if to_jsonl else "wb") as fh:  # type: ignore[operator]
+        if to_jsonl:
+            decoder = FrameDecoder()
+
+            def frames():  # type: ignore[no-untyped-def]
+                for chunk in trace.chunks():
+                    yield from decoder.feed(chunk)
+                    if decoder.error is not None:
+                        problems.append(f"{args.input}: {decoder.error}")
+                        return
+
+            n = write_jsonl(frames(), fh)
+            what = f"{n} lines"
+        else:
+            n = 0
+            for chunk in trace.chunks():
+                fh.write(chunk)
+                n += len(chunk)
+            what = f"{n} bytes"
+    print(f"wrote {out} ({what}, from {trace.format})", file=sys.stderr)
+    for problem in problems[:20]:
+        print(f"gpufootprint convert: error: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gpufootprint.probe import launcher
+
+    config = _config(args, {"daemon.socket": getattr(args, "socket", None)})
+    return launcher.run(_command(args.cmd), socket_path=config.daemon.socket)
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from gpufootprint.probe import launcher
+
+    _config(args)
+    return launcher.record(_command(args.cmd), output=args.output)
+
+
+def _command(cmd: list[str]) -> list[str]:
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise ConfigError("command line: give the command to run after --")
+    return cmd
+
+
+def _write_json(path: str, obj: Any) -> None:
+    fh: IO[str]
+    with (sys.stdout if path == "-" else open(path, "w")) as fh:
+        json.dump(obj, fh, indent=1)
+        fh.write("\n")
+
+
+_COMMANDS = {
+    "daemon": cmd_daemon,
+    "demo": cmd_demo,
+    "replay": cmd_replay,
+    "convert": cmd_convert,
+    "check-config": cmd_check_config,
+    "run": cmd_run,
+    "record": cmd_record,
+}

@@ -1,0 +1,115 @@
+"""``gpufootprint demo``: real H200 traces looped into the daemon, with a live screen.
+
+Each bundled trace plays one process. At every loop the process "restarts" (a new
+HELLO with a new start time), so its footprint starts from nothing, exactly as a
+workload restarted under the daemon would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+from gpufootprint.app import App
+from gpufootprint.ingest.session import Session
+from gpufootprint.records import COPY_KIND_NAMES
+from gpufootprint.replay import Pacer, frame_time_ns, load_frames, shift_frame
+from gpufootprint.snapshot import PipelineSnapshot
+from gpufootprint.wire.framing import Frame, FrameType, encode_json
+
+log = logging.getLogger(__name__)
+
+BUNDLED = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz")
+DEMO_PIDS = (855, 856)
+
+
+def bundled_traces() -> list[Path]:
+    base = resources.files("gpufootprint") / "data"
+    return [Path(str(base / name)) for name in BUNDLED]
+
+
+def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event) -> None:
+    frames, problems = load_frames(path)
+    for problem in problems:
+        log.error("%s", problem)
+    loop = 0
+    while not stop.is_set():
+        loop += 1
+        session = Session(app.pipeline, source="trace", name=f"demo {path.name}")
+        hello = encode_json(FrameType.HELLO, {"pid": pid, "start_time": loop, "trace": path.name,
+                                              "host": os.uname().nodename})
+        app.ingest.inject(session, Frame(FrameType.HELLO, 0, hello[8:], 0))
+        first = next((t for t in map(frame_time_ns, frames) if t is not None), 0)
+        delta = time.time_ns() - first
+        pacer = Pacer(speed, stop)
+        for frame in frames:
+            pacer.wait_for(frame_time_ns(frame))
+            if stop.is_set():
+                break
+            app.ingest.inject(session, shift_frame(frame, delta, pid=pid))
+        app.ingest.inject(session, None)
+        stop.wait(1.0 / speed)
+
+
+def render(snap: PipelineSnapshot, url: str, started: float) -> str:
+    mib = 1024 * 1024
+    lines = [f"gpufootprint demo: real H200 traces replayed in a loop    metrics: {url}",
+             f"uptime {time.monotonic() - started:5.0f} s    records ingested "
+             f"{sum(snap.records_ingested.values()):,}    ingest errors {sum(snap.ingest_errors.values())}",
+             "",
+             f"{'pid':>6} {'gpu':>3} {'device MiB':>11} {'static MiB':>10} {'pinned MiB':>10} "
+             f"{'peak MiB':>9} {'pool MiB':>8} {'HtoD MiB':>9} {'DtoH MiB':>9}  source"]
+    htod = next(k for k, v in COPY_KIND_NAMES.items() if v == "htod")
+    dtoh = next(k for k, v in COPY_KIND_NAMES.items() if v == "dtoh")
+    for proc in snap.processes:
+        for dev in proc.devices:
+            lb = dev.live_bytes
+            lines.append(
+                f"{proc.pid:>6} {dev.dev:>3} {lb.get('device', 0) / mib:>11.2f} {lb.get('device_static', 0) / mib:>10.2f} "
+                f"{lb.get('pinned', 0) / mib:>10.2f} {dev.window_peak_bytes / mib:>9.2f} "
+                f"{dev.pool_reserved_bytes / mib:>8.2f} {dev.memcpy_bytes.get(htod, 0) / mib:>9.1f} "
+                f"{dev.memcpy_bytes.get(dtoh, 0) / mib:>9.1f}  {proc.info.get('trace', proc.source)}")
+    if not snap.processes:
+        lines.append("  (waiting for the first records)")
+    lines.append("")
+    lines.append(f"peak = highest GPU-resident bytes over the last {snap.window_peak_seconds:g} s, "
+                 "from exact event times. Ctrl-C to stop.")
+    return "\n".join(lines)
+
+
+def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Path]) -> int:
+    stop = threading.Event()
+    app.start()
+    url = app.http.url if app.http else "(no --listen)"
+    print(f"gpufootprint demo serving {url}", flush=True)
+    threads = [threading.Thread(target=_feeder, args=(app, path, DEMO_PIDS[i % 2] + 2 * (i // 2), speed, stop),
+                                name=f"demo-feeder-{i}", daemon=True) for i, path in enumerate(traces)]
+    for t in threads:
+        t.start()
+    started = time.monotonic()
+    tty = sys.stdout.isatty()
+    try:
+        while not stop.is_set():
+            if duration is not None and time.monotonic() - started >= duration:
+                break
+            screen = render(app.ingest.snapshot, url, started)
+            if tty:
+                sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+                sys.stdout.flush()
+                stop.wait(1.0)
+            else:
+                print(screen + "\n", flush=True)
+                stop.wait(5.0 if duration is None or duration > 10 else 2.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        app.stop()
+    return 0
