@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gpufootprint {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("start", help="the main job: the daemon on a GPU node, the demo where there is no GPU")
+    _common(p)
+    p.add_argument("--listen", metavar="HOST:PORT", help="metrics address")
+    p.add_argument("--socket", metavar="PATH", help="probe socket (daemon only)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="demo only: stop after this long")
+
     p = sub.add_parser("daemon", help="run the node agent: probe socket in, Prometheus metrics out")
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address (exporter.listen)")
@@ -148,6 +154,18 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     finally:
         app.stop()
     return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from gpufootprint.app import detect_gpu
+
+    present, detail = detect_gpu()
+    if present:
+        return cmd_daemon(args)
+    print(f"gpufootprint: no GPU here ({detail}); starting the demo: real H200 traces replayed "
+          "into the daemon. On a GPU node this command runs the daemon.", file=sys.stderr)
+    args.speed, args.trace = None, None
+    return cmd_demo(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -280,6 +298,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 _COMMANDS = {
+    "start": cmd_start,
     "daemon": cmd_daemon,
     "demo": cmd_demo,
     "replay": cmd_replay,

@@ -178,3 +178,32 @@ def test_records_of_several_devices_and_processes_are_kept_apart() -> None:
     assert pipeline.device_state(1, 0).live_bytes == {}  # type: ignore[union-attr]
     assert pipeline.device_state(1, 1).live_bytes == {"device": 20}  # type: ignore[union-attr]
     assert pipeline.device_state(2, 1).live_bytes == {"device": 40}  # type: ignore[union-attr]
+
+
+def _state(fp) -> tuple:  # type: ignore[no-untyped-def]
+    return ({a: (e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()}, list(fp.live_by_kind),
+            fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
+            list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level)
+
+
+def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() -> None:
+    from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
+
+    rng = random.Random(11)
+    for trial in range(60):
+        rows = _random_history(rng, 400)
+        if trial % 3 == 1:  # break it: drop some records, duplicate others
+            rows = [r for r in rows if rng.random() > 0.05]
+            rows += [rows[rng.randrange(len(rows))] for _ in range(5)]
+            rows.sort(key=lambda r: r[0])
+        if trial % 3 == 2:  # async allocations
+            rows = [(*r[:7], 1) for r in rows]
+        bulk = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS))
+        each = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS))
+        eb, ee = IngestErrors(), IngestErrors()
+        for lo in range(0, len(rows), 64):
+            batch = mem_batch(rows[lo : lo + 64])
+            bulk.apply_memory(batch, eb)
+            each._apply_memory_each(batch, ee)
+        assert _state(bulk) == _state(each), trial
+        assert eb.counts == ee.counts, trial

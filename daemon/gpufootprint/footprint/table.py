@@ -71,7 +71,91 @@ class DeviceFootprint:
     # --- memory -------------------------------------------------------------
 
     def apply_memory(self, recs: np.ndarray, errors: IngestErrors) -> None:
-        """Apply MEMORY records of this (pid, dev), sorted by timestamp."""
+        """Apply MEMORY records of this (pid, dev), sorted by timestamp.
+
+        The batch is applied with numpy when it is well-formed (per address,
+        allocations and releases alternate, and agree with the live table);
+        otherwise record by record, which counts each anomaly. Both give the
+        same state; a test holds them to that.
+        """
+        if len(recs) and not self._apply_memory_bulk(recs, errors):
+            self._apply_memory_each(recs, errors)
+
+    def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> bool:
+        ops = recs["op"]
+        kinds = recs["mk"]
+        if int(kinds.max()) >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
+            return False
+        n = len(recs)
+        order = np.argsort(recs["addr"], kind="stable")  # by address, then time
+        a = recs["addr"][order]
+        o = ops[order]
+        first = np.ones(n, dtype=bool)
+        first[1:] = a[1:] != a[:-1]
+        if bool(((o[1:] == o[:-1]) & ~first[1:]).any()):
+            return False  # two allocations or two releases in a row at one address
+        fpos = np.flatnonzero(first)
+        lpos = np.empty_like(fpos)
+        lpos[:-1] = fpos[1:] - 1
+        lpos[-1] = n - 1
+        f_op = o[fpos]
+        f_addr = a[fpos]
+        live = self.live
+        if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
+            return False  # an allocation at an address that is already live
+        rel_first = fpos[f_op == 2]
+        matched = [live.get(x) for x in a[rel_first].tolist()]
+        if None in matched:
+            return False  # a release of an address that is not live
+        # Effective (bytes, kind, async) of each record: a release takes its allocation's.
+        size = recs["bytes"][order].astype(np.int64)
+        kind = kinds[order].astype(np.int64)
+        is_async = recs["is_async"][order].astype(bool)
+        claimed = size.copy()
+        rel_inner = np.flatnonzero((o == 2) & ~first)
+        size[rel_inner] = size[rel_inner - 1]
+        kind[rel_inner] = kind[rel_inner - 1]
+        is_async[rel_inner] = is_async[rel_inner - 1]
+        if matched:
+            size[rel_first] = [m.bytes for m in matched]  # type: ignore[union-attr]
+            kind[rel_first] = [m.kind for m in matched]  # type: ignore[union-attr]
+            is_async[rel_first] = [m.is_async for m in matched]  # type: ignore[union-attr]
+        is_rel = o == 2
+        mismatch = is_rel & (claimed != 0) & (claimed != size)
+        if mismatch.any():
+            i = int(np.flatnonzero(mismatch)[0])
+            errors.add("release_size_mismatch",
+                       f"pid={self.pid} addr={int(a[i]):#x} allocated {int(size[i])} released {int(claimed[i])}",
+                       int(mismatch.sum()))
+        signed = np.where(is_rel, -size, size)
+        for k in np.unique(kind).tolist():
+            sel = kind == k
+            alloc_sel = sel & ~is_rel
+            rel_sel = sel & is_rel
+            self.live_by_kind[k] += int(signed[sel].sum())
+            self.allocations[k] += int(alloc_sel.sum())
+            self.releases[k] += int(rel_sel.sum())
+            self.allocated_bytes[k] += int(size[alloc_sel].sum())
+            self.released_bytes[k] += int(size[rel_sel].sum())
+        if is_async.any():
+            self.async_device_bytes += int(signed[is_async].sum())
+        # The table: addresses whose last record allocates hold that allocation;
+        # addresses that started live and end released leave it.
+        l_op = o[lpos]
+        ins = lpos[l_op == 1]
+        if len(ins):
+            ts_sorted = recs["ts"][order]
+            live.update(zip(a[ins].tolist(), map(LiveAllocation, size[ins].tolist(), kind[ins].tolist(),
+                                                 ts_sorted[ins].tolist(), is_async[ins].tolist())))
+        for addr in a[lpos[(l_op == 2) & (f_op == 2)]].tolist():
+            del live[addr]
+        deltas = np.empty(n, dtype=np.int64)
+        deltas[order] = np.where(_RESIDENT[kind], signed, 0)
+        self.peaks.add(recs["ts"], deltas)
+        self.last_ts = max(self.last_ts, int(recs["ts"][-1]))
+        return True
+
+    def _apply_memory_each(self, recs: np.ndarray, errors: IngestErrors) -> None:
         live = self.live
         by_kind = self.live_by_kind
         ts_list = recs["ts"].tolist()

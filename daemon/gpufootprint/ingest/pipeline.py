@@ -41,7 +41,8 @@ class ProcessState:
     source: str  # "probe" (live socket) or "trace" (replayed file)
     info: dict[str, Any] = field(default_factory=dict)
     devices: dict[int, DeviceFootprint] = field(default_factory=dict)
-    pending: dict[RecordKind, list[np.ndarray]] = field(default_factory=dict)
+    # Per kind: chunks waiting for the watermark, each with its (min, max) time.
+    pending: dict[RecordKind, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
     pending_records: int = 0
     applied_to: int = 0  # watermark: records with ts <= this are applied
     max_ts: int = 0
@@ -86,16 +87,16 @@ class Pipeline:
 
     def _submit_one(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
         times = recs[TIME_FIELD[kind]]
-        newest = int(times.max())
-        if proc.applied_to and int(times.min()) <= proc.applied_to:
+        oldest, newest = int(times.min()), int(times.max())
+        if proc.applied_to and oldest <= proc.applied_to:
             late = times <= proc.applied_to
-            n_late = int(late.sum())
-            self.late_records += n_late
+            self.late_records += int(late.sum())
             self._apply(proc, kind, _sorted(kind, recs[late]))
-            recs = recs[~late]
+            recs, times = recs[~late], times[~late]
             if len(recs) == 0:
                 return
-        proc.pending.setdefault(kind, []).append(recs)
+            oldest = int(times.min())
+        proc.pending.setdefault(kind, []).append((oldest, newest, recs))
         proc.pending_records += len(recs)
         if newest > proc.max_ts:
             proc.max_ts = newest
@@ -108,18 +109,28 @@ class Pipeline:
         if proc is None or ts <= proc.applied_to:
             return
         for kind in list(proc.pending):
-            chunks = proc.pending[kind]
-            recs = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-            times = recs[TIME_FIELD[kind]]
-            due = times <= ts
-            if due.all():
-                del proc.pending[kind]
-                ready = recs
+            # Only chunks that reach back to ``ts`` are touched: the rest wait whole,
+            # so a long reorder window costs nothing per batch.
+            due: list[np.ndarray] = []
+            keep: list[tuple[int, int, np.ndarray]] = []
+            for lo, hi, recs in proc.pending[kind]:
+                if hi <= ts:
+                    due.append(recs)
+                elif lo <= ts:
+                    times = recs[TIME_FIELD[kind]]
+                    now = times <= ts
+                    due.append(recs[now])
+                    rest = recs[~now]
+                    rest_times = times[~now]
+                    keep.append((int(rest_times.min()), hi, rest))
+                else:
+                    keep.append((lo, hi, recs))
+            if keep:
+                proc.pending[kind] = keep
             else:
-                rest = recs[~due]
-                proc.pending[kind] = [rest]
-                ready = recs[due]
-            if len(ready):
+                del proc.pending[kind]
+            if due:
+                ready = due[0] if len(due) == 1 else np.concatenate(due)
                 proc.pending_records -= len(ready)
                 self._apply(proc, kind, _sorted(kind, ready))
         proc.applied_to = ts

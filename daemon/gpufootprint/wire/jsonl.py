@@ -217,6 +217,9 @@ def write_jsonl(frames: Iterable[Frame], out: IO[str]) -> int:
         elif frame.type in (FrameType.META, FrameType.MARK):
             obj = frame.json()
             obj.setdefault("k", "meta" if frame.type is FrameType.META else "mark")
+            if frame.type is FrameType.META:
+                obj.setdefault("format", "cupti-jsonl")
+                obj.setdefault("version", 1)
             out.write(json.dumps(obj) + "\n")
             lines += 1
         elif frame.type is FrameType.STRINGS:
