@@ -84,7 +84,7 @@ class Session:
         elif ftype is FrameType.GOODBYE:
             body = frame.json()
             self._counters(body)
-            for pid in self.pids:
+            for pid in self._speakers(body):
                 self.pipeline.process_exited(pid, body.get("ts") if isinstance(body.get("ts"), int) else None)
         elif ftype is FrameType.STRINGS:
             for key, value in frame.json().items():
@@ -159,8 +159,17 @@ class Session:
         if not isinstance(counters, dict):
             return
         clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
-        for pid in self.pids:
+        for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).probe_counters.update(clean)
+
+    def _speakers(self, body: dict[str, Any]) -> set[int]:
+        """The pids a HEARTBEAT/GOODBYE speaks for: its own ``pid`` when it names one
+        (a recorded file can hold several probes' frames), else the whole stream's."""
+        pid = body.get("pid")
+        if isinstance(pid, int) and (self.peer_pid is None or pid == self.peer_pid):
+            self._own(pid)
+            return {pid}
+        return set(self.pids)
 
     def _mark(self, mark: dict[str, Any]) -> None:
         ts, pid, dev = mark.get("ts"), mark.get("pid"), mark.get("dev", 0)
