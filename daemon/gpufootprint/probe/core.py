@@ -270,6 +270,7 @@ class Probe:
             self.counters["flush_ns"] += int((time.perf_counter() - t0) * 1e9)
         self.packer.flush()
         self._drain()
+        self.table.advance(t)
         if not self.in_gap:
             self._emit(framing.encode_watermark(t))
 
@@ -287,6 +288,7 @@ class Probe:
                     self._backend.flush(True)
                 self.packer.flush()
                 self._drain_records_only()
+                self.table.advance(item[1]["ts"])
                 self._mark(item[1])
                 item[2].set()
             elif head == "gap_begin":
@@ -301,14 +303,14 @@ class Probe:
 
     def _records(self, kind: RecordKind, arr: np.ndarray) -> None:
         if kind is RecordKind.MEMORY:
-            self.table.apply(arr)
+            self.table.add(arr)
         if kind is RecordKind.KERNEL:
             names = self.packer.take_new_names()
             if names:
                 self._emit(framing.encode_json(FrameType.STRINGS, {str(i): n for i, n in names}), must=True)
         frame = framing.encode_batch(kind, arr)
         n = len(arr)
-        if self._emit(frame):
+        if self._emit(frame, records=n):
             self.counters["records_sent"] += n
             self.counters["batches_sent"] += 1
         else:
@@ -316,7 +318,7 @@ class Probe:
             self.dropped_by_reason["daemon_away" if not (self.link and self.link.connected) else "buffer_full"] += n
         self.packer.give_back(kind, arr.base if arr.base is not None and len(arr) < self.packer.capacity else arr)
 
-    def _emit(self, frame: bytes, *, must: bool = False) -> bool:
+    def _emit(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
         """To the tee (always) and the socket (when connected). True if the socket took it."""
         if self.tee is not None:
             try:
@@ -325,7 +327,7 @@ class Probe:
                 self.counters["tee_errors"] += 1
         if self.link is None:
             return self.tee is not None
-        return self.link.put(frame, must=must)
+        return self.link.put(frame, must=must, records=records, mark=mark)
 
     def _mark(self, body: dict[str, Any]) -> None:
         dev = body.get("dev", 0)
@@ -335,7 +337,7 @@ class Probe:
         if isinstance(segs, list):
             # DEVICE bytes outside PyTorch's segments: CUDA libraries' own memory.
             body["expect_library_device_bytes"] = self.table.device_bytes_outside(dev, segs)
-        if not self._emit(framing.encode_json(FrameType.MARK, body), must=True):
+        if not self._emit(framing.encode_json(FrameType.MARK, body), must=True, mark=True):
             self.counters["marks_dropped"] += 1
 
     # --- connection -------------------------------------------------------------------
@@ -354,6 +356,7 @@ class Probe:
     def _resync(self, reason: str) -> None:
         """RESYNC_BEGIN, the whole live table as MEMORY batches, RESYNC_END (socket only)."""
         ts = self._clock_ns()
+        self.table.advance(ts)
         arr = self.table.to_array(ts)
         self._emit_link(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
                                                                       "entries": len(arr), "pid": self.pid}))
@@ -375,6 +378,7 @@ class Probe:
         self.packer.flush()
         # Apply what arrived before the hand-back was queued, then rebuild PyTorch's part.
         self._drain_records_only()
+        self.table.advance(self._clock_ns())
         self.table.split_torch_owned(before + after)
         self.table.add_torch_segments(after, self._clock_ns(), self.pid)
         self.gap_seconds += (time.monotonic_ns() - self._gap_started_ns) / 1e9
@@ -484,6 +488,13 @@ class Probe:
 
     def _counter_values(self) -> dict[str, Any]:
         c = self.counters
+        if self.link is not None and (self.link.lost_records or self.link.lost_marks):
+            # Frames buffered for a connection that broke before they were sent.
+            c["records_dropped"] += self.link.lost_records
+            self.dropped_by_reason["disconnect"] += self.link.lost_records
+            c["marks_dropped"] += self.link.lost_marks
+            c["records_sent"] -= self.link.lost_records
+            self.link.lost_records = self.link.lost_marks = 0
         outstanding = max(0, self.buffers_requested - self.buffers_completed)
         host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
         if self.link is not None:

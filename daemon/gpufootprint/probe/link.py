@@ -15,7 +15,7 @@ import logging
 import random
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import IO
 
@@ -65,6 +65,11 @@ class SocketLink:
         self.disconnects: Counter[str] = Counter()  # reason -> n
         self.bytes_sent = 0
         self.frames_dropped = 0
+        # [bytes not yet sent, records, is a mark] per buffered frame that carries either,
+        # so a broken connection can say what it lost.
+        self._ledger: deque[list[int]] = deque()
+        self.lost_records = 0
+        self.lost_marks = 0
 
     @property
     def connected(self) -> bool:
@@ -103,15 +108,24 @@ class SocketLink:
         self.connections["ok"] += 1
         return True
 
-    def put(self, frame: bytes, *, must: bool = False) -> bool:
+    def put(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
         """Queue a frame; False (dropped) when not connected or the buffer is full."""
         if self._sock is None:
             return False
         if not must and len(self._out) + len(frame) > self.buffer_bytes:
             self.frames_dropped += 1
             return False
+        if records or mark:
+            self._ledger.append([len(self._out) + len(frame), records, int(mark)])
         self._out += frame
         return True
+
+    def _sent(self, n: int) -> None:
+        ledger = self._ledger
+        for entry in ledger:
+            entry[0] -= n
+        while ledger and ledger[0][0] <= 0:
+            ledger.popleft()
 
     def pump(self) -> None:
         """Send what the socket takes now and read control frames; never blocks."""
@@ -125,6 +139,8 @@ class SocketLink:
                     break
                 del self._out[:n]
                 self.bytes_sent += n
+                if self._ledger:
+                    self._sent(n)
         except BlockingIOError:
             pass
         except OSError as exc:
@@ -156,6 +172,10 @@ class SocketLink:
             self._sock = None
             self._decoder = None
             self._out.clear()
+            for _end, records, mark in self._ledger:
+                self.lost_records += records
+                self.lost_marks += mark
+            self._ledger.clear()
             self.disconnects[reason] += 1
             self._next_try = self._clock() + self._backoff
 

@@ -1,10 +1,9 @@
 """The probe's own live allocation table, sent whole after every (re)connect.
 
 CUPTI delivers records out of timestamp order, and stream-ordered allocators
-free and reuse an address quickly, so the table keys each address by the time of
-its allocation: a release only removes the allocation it can belong to (one made
-before it), and a release seen before its allocation leaves a tombstone that
-cancels that allocation when it arrives. Entries built from PyTorch's segment
+free and reuse an address quickly, so records wait in ``pending`` until a forced
+flush says every earlier one has arrived, then apply in timestamp order (as the
+daemon's pipeline does). Entries built from PyTorch's segment
 list after a profiler gap may cover several CUPTI allocations (expandable
 segments map in chunks); a release inside such a range shrinks it.
 """
@@ -20,7 +19,6 @@ from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind
 
 _ALLOC: Final = int(MemoryOp.ALLOCATION)
 _RELEASE: Final = int(MemoryOp.RELEASE)
-_TOMBSTONES_MAX: Final = 4096
 
 # Field positions in a MEMORY_DTYPE row tuple.
 TS, ADDR, BYTES = 0, 1, 2
@@ -32,35 +30,45 @@ OP, MK, IS_ASYNC = 12, 13, 14
 class LiveTable:
     rows: dict[int, tuple] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
     ranges: dict[int, tuple] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
-    tombstones: dict[int, int] = field(default_factory=dict)  # addr -> release ts seen before its allocation
+    pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
     stale_releases: int = 0
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
 
+    def add(self, recs: np.ndarray) -> None:
+        """Queue MEMORY records as CUPTI delivered them; ``advance`` applies them in time order."""
+        if len(recs):
+            self.pending.append(recs.copy())
+
+    def advance(self, ts: int) -> None:
+        """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
+
+        Delivery order is not time order, and stream-ordered allocators reuse an
+        address within microseconds; in time order allocation and release of an
+        address alternate exactly (measured on the H200), so the table stays exact.
+        """
+        if not self.pending:
+            return
+        recs = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+        due = recs["ts"] <= ts
+        if due.all():
+            self.pending = []
+            ready = recs
+        else:
+            self.pending = [recs[~due]]
+            ready = recs[due]
+        if len(ready):
+            self.apply(ready[np.argsort(ready["ts"], kind="stable")])
+
     def apply(self, recs: np.ndarray) -> None:
-        """Apply a batch of MEMORY records, in the order CUPTI delivered them."""
+        """Apply MEMORY records in the given order (callers sort them by time)."""
         rows = self.rows
         for row in recs.tolist():
-            op, addr, ts = row[OP], row[ADDR], row[TS]
+            op, addr = row[OP], row[ADDR]
             if op == _ALLOC:
-                dead = self.tombstones.get(addr)
-                if dead is not None and dead >= ts:
-                    del self.tombstones[addr]  # its release already came
-                    continue
-                old = rows.get(addr)
-                if old is None or old[TS] <= ts:
-                    rows[addr] = row
+                rows[addr] = row
             elif op == _RELEASE:
-                old = rows.get(addr)
-                if old is not None and old[TS] <= ts:
-                    del rows[addr]
-                elif old is None:
-                    if self.ranges and self._cut_range(addr, row[BYTES]):
-                        continue
-                    if len(self.tombstones) >= _TOMBSTONES_MAX:
-                        self.tombstones.pop(next(iter(self.tombstones)))
-                    self.tombstones[addr] = ts
-                else:
-                    self.stale_releases += 1  # belongs to an allocation this one replaced
+                if rows.pop(addr, None) is None and not (self.ranges and self._cut_range(addr, row[BYTES])):
+                    self.stale_releases += 1
 
     def _cut_range(self, addr: int, size: int) -> bool:
         for start, row in self.ranges.items():
@@ -147,7 +155,6 @@ class LiveTable:
                 self.rows[addr] = row  # a CUPTI record of it came in after re-arming
             else:
                 self.ranges[addr] = row
-        self.tombstones.clear()
 
 
 def untracked_address(dev: int) -> int:
