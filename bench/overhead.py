@@ -11,7 +11,8 @@ the machine hits both sides.
 Workloads: (a) a transformer training step (6 layers, d=1024, bf16, batch
 16x512); (b) a loop of 100 tiny ``add_`` launches per step. Configurations:
 none, probe (daemon listening), probe_daemon_away (socket missing: drops and
-counts), torch_profiler (torch.profiler(profile_memory=True) around each
+counts), probe_gil_flush (the probe flushing through cupti-python's wrapper,
+which holds the GIL), torch_profiler (torch.profiler(profile_memory=True) around each
 round), memory_history (torch.cuda.memory._record_memory_history).
 """
 
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ["none", "probe", "probe_daemon_away", "torch_profiler", "memory_history"]
+CONFIGS = ["none", "probe", "probe_daemon_away", "probe_gil_flush", "torch_profiler", "memory_history"]
 HERE = Path(__file__).resolve()
 
 
@@ -41,7 +42,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
     if config.startswith("probe"):
         import gpufootprint.probe as probe
 
-        ok = probe.start(socket=socket_path if config == "probe" else socket_path + ".absent")
+        ok = probe.start(socket=socket_path + ".absent" if config == "probe_daemon_away" else socket_path,
+                         flush_nogil=config != "probe_gil_flush")
         if not ok:
             print(json.dumps({"error": "probe did not start", "status": probe.status()}), flush=True)
     import torch

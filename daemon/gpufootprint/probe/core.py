@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.probe import hostinfo
-from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, Backend
+from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER, Backend
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.packing import Packer
@@ -93,7 +93,7 @@ class Probe:
             if self._backend is None:
                 from gpufootprint.probe.backend import CuptiBackend
 
-                self._backend = CuptiBackend()
+                self._backend = CuptiBackend(self.settings.flush_nogil)
             if self._discover:
                 self.devices, self.cuda_before = hostinfo.cuda_devices()
             self.versions = self._backend.versions()
@@ -144,13 +144,14 @@ class Probe:
         return self.settings.cupti_buffer_bytes, 0
 
     def _completed(self, records: list[Any]) -> None:
-        t0 = time.perf_counter()
+        # CPU time of this thread: the callback's own cost, not time spent waiting for the GIL.
+        t0 = time.thread_time()
         try:
             self.buffers_completed += 1
             self.packer.pack(records)
         except Exception:  # noqa: BLE001
             self.counters["callback_errors"] += 1
-        self.callback_seconds += time.perf_counter() - t0
+        self.callback_seconds += time.thread_time() - t0
 
     def _sink(self, chunk: tuple[RecordKind, np.ndarray]) -> None:
         kind, arr = chunk
@@ -198,7 +199,13 @@ class Probe:
         if not self.started or not self.in_gap:
             return
         try:
+            assert self._backend is not None
+            # Hand every buffer still inside CUPTI to the callbacks registered now (the
+            # profiler's): a buffer the profiler allocated must never reach ours.
+            self._backend.flush(True)
             self._arm()
+            if self.settings.unified_memory:
+                self._backend.configure_unified_memory()
             if self._kernel_window is not None or self._kernels_always:
                 assert self._backend is not None
                 self._backend.enable(CONCURRENT_KERNEL)
@@ -294,6 +301,10 @@ class Probe:
             elif head == "gap_begin":
                 if self._backend is not None:
                     self._backend.flush(True)
+                    # Stop producing records: buffers CUPTI fills after the profiler
+                    # registers its callbacks belong to the profiler, not to us.
+                    for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
+                        self._backend.disable(kind)
                 self.packer.flush()
                 self.in_gap = True
                 item[2].set()

@@ -35,6 +35,7 @@ class ProbeSettings:
     untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
+    flush_nogil: bool = True  # flush through ctypes (GIL released), not cupti-python's wrapper
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeSettings:
