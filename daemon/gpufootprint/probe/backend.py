@@ -37,7 +37,7 @@ class Backend(Protocol):
 class CuptiBackend:
     """cupti-python 13.x. Dispatches on ints, never on record class names."""
 
-    def __init__(self, flush_nogil: bool = True) -> None:
+    def __init__(self, flush_nogil: bool = False) -> None:
         from cupti import cupti  # lazy: importing it is cheap, the first call loads libcupti
 
         self._c = cupti
@@ -160,11 +160,20 @@ class CuptiBackend:
 def _libcupti_function(name: str) -> Any:
     """A libcupti function through ctypes (GIL released during the call), or None.
 
-    cupti-python has already loaded libcupti.so.13 by the time this is called, so
-    dlopen by soname finds that same copy.
+    Only when exactly one libcupti is mapped into the process, opened by that exact
+    path (so dlopen returns the copy cupti-python uses). A soname lookup found a
+    second copy on the H200 test machine (PyTorch's), with records lost and a crash.
     """
     try:
-        fn = getattr(ctypes.CDLL("libcupti.so.13"), name)
+        with open("/proc/self/maps") as fh:
+            paths = {line.split(None, 5)[5].strip() for line in fh
+                     if "libcupti.so" in line and len(line.split(None, 5)) == 6}
+    except OSError:
+        return None
+    if len(paths) != 1:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(paths.pop()), name)
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_int

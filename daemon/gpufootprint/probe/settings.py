@@ -35,7 +35,10 @@ class ProbeSettings:
     untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
-    flush_nogil: bool = True  # flush through ctypes (GIL released), not cupti-python's wrapper
+    # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
+    # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
+    # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
+    flush_nogil: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeSettings:
