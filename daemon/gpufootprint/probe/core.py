@@ -43,12 +43,14 @@ _RESYNC_CHUNK = 4096
 
 class Probe:
     def __init__(self, settings: ProbeSettings, backend: Backend | None = None, *,
-                 discover_devices: bool = True, clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 discover_devices: bool = True, clock_ns: Callable[[], int] = time.time_ns,
+                 nvml_used: Callable[[int, list[dict[str, Any]]], dict[int, int] | None] | None = None) -> None:
         self.settings = settings
         self.pid = os.getpid()
         self._backend = backend
         self._discover = discover_devices
         self._clock_ns = clock_ns
+        self._nvml_used = nvml_used  # NVML's per-process used bytes by device (None: pynvml)
         self._q: deque[Any] = deque()
         self._queued_records = 0
         self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
@@ -469,9 +471,11 @@ class Probe:
     # --- untracked memory (CUDA started before the probe) ---------------------------------
 
     def _update_untracked(self) -> None:
-        from gpufootprint.probe.untracked import nvml_used_bytes
+        if self._nvml_used is None:
+            from gpufootprint.probe.untracked import nvml_used_bytes
 
-        used = nvml_used_bytes(self.pid, self.devices)
+            self._nvml_used = nvml_used_bytes
+        used = self._nvml_used(self.pid, self.devices)
         if used is None:
             return
         ts = self._clock_ns()
