@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
@@ -71,11 +71,24 @@ def _spawn(cmd: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def run(cmd: list[str], socket_path: str) -> int:
+def settings_env(probe_config: Any) -> dict[str, str]:
+    """GPUFOOTPRINT_PROBE_* variables from the daemon configuration's ``probe:`` section."""
+    if probe_config is None:
+        return {}
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(probe_config):
+        v = getattr(probe_config, f.name)
+        out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    return out
+
+
+def run(cmd: list[str], socket_path: str, probe_config: Any = None) -> int:
     """Run ``cmd`` probed, reporting to the daemon at ``socket_path``; returns its exit status."""
     if not Path(socket_path).exists():
         log.warning("no daemon socket at %s yet: the probes will keep retrying, dropping and counting", socket_path)
-    return _spawn(cmd, probe_env(socket_path))
+    return _spawn(cmd, probe_env(socket_path, **settings_env(probe_config)))
 
 
 # --- record: a relay that writes every probe's frames to one file ---------------------
@@ -198,7 +211,7 @@ class Relay:
             pass
 
 
-def record(cmd: list[str], output: str) -> int:
+def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
     """Run ``cmd`` probed, writing every probe's frames to ``output`` (.gz compresses)."""
     try:
         relay = Relay(output)
@@ -206,7 +219,7 @@ def record(cmd: list[str], output: str) -> int:
         raise GpuFootprintError(f"cannot write {output}: {exc.strerror}") from None
     relay.start()
     try:
-        return _spawn(cmd, probe_env(relay.socket_path))
+        return _spawn(cmd, probe_env(relay.socket_path, **settings_env(probe_config)))
     finally:
         relay.close()
         log.info("recorded frames=%d file=%s", relay.frames, output)
