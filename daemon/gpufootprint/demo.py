@@ -20,7 +20,7 @@ from gpufootprint.ingest.session import Session
 from gpufootprint.records import COPY_KIND_NAMES
 from gpufootprint.replay import Pacer, frame_time_ns, load_frames, shift_frame
 from gpufootprint.snapshot import PipelineSnapshot
-from gpufootprint.wire.framing import Frame, FrameType, encode_json
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
         session = Session(app.pipeline, source="trace", name=f"demo {path.name}")
         hello = encode_json(FrameType.HELLO, {"pid": pid, "start_time": loop, "trace": path.name,
                                               "host": os.uname().nodename})
-        app.ingest.inject(session, Frame(FrameType.HELLO, 0, hello[8:], 0))
+        app.ingest.inject(session, Frame(FrameType.HELLO, 0, hello[HEADER_SIZE:], 0))
         first = next((t for t in map(frame_time_ns, frames) if t is not None), 0)
         delta = time.time_ns() - first
         pacer = Pacer(speed, stop)

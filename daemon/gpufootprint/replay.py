@@ -12,7 +12,7 @@ from typing import Any
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import TIME_FIELD, RecordKind
-from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameDecoder, FrameType
 from gpufootprint.wire.sources import TraceFile
 
 
@@ -144,7 +144,7 @@ def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
         raw = encode_json(frame.type, body)
     else:
         return frame
-    return Frame(frame.type, frame.tag, raw[8:], frame.offset)
+    return Frame(frame.type, frame.tag, raw[HEADER_SIZE:], frame.offset)
 
 
 def load_frames(path: str | Path) -> tuple[list[Frame], list[str]]:

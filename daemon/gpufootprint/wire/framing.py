@@ -1,7 +1,10 @@
 """The native framing: one byte stream for files and sockets alike.
 
-A stream is an 8-byte preamble followed by frames. Each frame is a fixed 8-byte
-header ``<u32 payload length, u8 frame type, u8 flags, u16 tag>`` and its payload.
+A stream is an 8-byte preamble followed by frames. Each frame is a fixed 12-byte
+header ``<u32 payload length, u8 frame type, u8 flags, u16 tag, u32 crc32>`` and
+its payload; the CRC covers the first 8 header bytes and the payload, so a
+damaged file is caught at the damaged frame instead of replaying wrong numbers.
+Wire version 1 (no CRC, 8-byte header) is still read, for old recordings.
 Record batches carry a ``RecordKind`` in ``tag`` and the packed records of that
 kind as payload (``np.frombuffer`` decodes them); control-plane frames carry
 JSON. A recorded file is exactly what a probe sends on its socket, so ``replay``
@@ -13,6 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -22,9 +26,11 @@ import numpy as np
 from gpufootprint.errors import FrameError
 from gpufootprint.records import DTYPES, RecordKind
 
-WIRE_VERSION: Final = 1
+WIRE_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 PREAMBLE: Final = b"GPUFP" + bytes([WIRE_VERSION]) + b"\r\n"
-_HEADER: Final = struct.Struct("<IBBH")
+_HEADER_V1: Final = struct.Struct("<IBBH")
+_HEADER: Final = struct.Struct("<IBBHI")
 HEADER_SIZE: Final = _HEADER.size
 #: Frames longer than this are refused as corrupt (a probe batches far below it).
 DEFAULT_MAX_PAYLOAD: Final = 16 * 1024 * 1024
@@ -83,7 +89,8 @@ class Frame:
 
 
 def encode(frame_type: FrameType, payload: bytes = b"", tag: int = 0) -> bytes:
-    return _HEADER.pack(len(payload), frame_type, 0, tag) + payload
+    head = _HEADER_V1.pack(len(payload), frame_type, 0, tag)
+    return head + zlib.crc32(payload, zlib.crc32(head)).to_bytes(4, "little") + payload
 
 
 def encode_json(frame_type: FrameType, obj: dict[str, Any]) -> bytes:
@@ -118,6 +125,7 @@ class FrameDecoder:
         self._pos = 0  # stream offset of self._buf[0]
         self._preamble_seen = False
         self._max_payload = max_payload
+        self.version = WIRE_VERSION
 
     @property
     def offset(self) -> int:
@@ -153,17 +161,21 @@ class FrameDecoder:
                 if not PREAMBLE.startswith(bytes(buf)):
                     raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {bytes(buf)!r})")
                 return
-            if buf[: len(PREAMBLE)] != PREAMBLE:
-                head = bytes(buf[: len(PREAMBLE)])
-                if head[:5] == PREAMBLE[:5]:
-                    raise FrameError(f"byte 5: unsupported wire version {head[5]} (this build reads {WIRE_VERSION})")
+            head = bytes(buf[: len(PREAMBLE)])
+            if head[:5] != PREAMBLE[:5] or head[6:] != PREAMBLE[6:]:
                 raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {head!r})")
+            if head[5] not in READABLE_VERSIONS:
+                raise FrameError(f"byte 5: unsupported wire version {head[5]} (this build reads "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
+            self.version = head[5]
             self._preamble_seen = True
             at = len(PREAMBLE)
         n = len(buf)
+        checked = self.version >= 2
+        hsize = HEADER_SIZE if checked else _HEADER_V1.size
         try:
-            while n - at >= HEADER_SIZE:
-                length, ftype, _flags, tag = _HEADER.unpack_from(buf, at)
+            while n - at >= hsize:
+                length, ftype, _flags, tag = _HEADER_V1.unpack_from(buf, at)
                 if length > self._max_payload:
                     raise FrameError(
                         f"byte {self._pos + at}: frame length {length} exceeds the limit {self._max_payload}"
@@ -172,10 +184,16 @@ class FrameDecoder:
                     frame_type = FrameType(ftype)
                 except ValueError:
                     raise FrameError(f"byte {self._pos + at}: unknown frame type {ftype}") from None
-                end = at + HEADER_SIZE + length
+                end = at + hsize + length
                 if end > n:
                     break
-                frames.append(Frame(frame_type, tag, bytes(buf[at + HEADER_SIZE : end]), self._pos + at))
+                payload = bytes(buf[at + hsize : end])
+                if checked:
+                    crc = int.from_bytes(buf[at + 8 : at + 12], "little")
+                    if zlib.crc32(payload, zlib.crc32(buf[at : at + 8])) != crc:
+                        raise FrameError(f"byte {self._pos + at}: checksum mismatch in a {frame_type.name} frame "
+                                         f"of {length} bytes (damaged data)")
+                frames.append(Frame(frame_type, tag, payload, self._pos + at))
                 at = end
         finally:
             # Drop what was consumed even when raising, so offsets stay true.

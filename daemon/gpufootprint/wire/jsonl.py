@@ -96,6 +96,10 @@ class JsonlToFrames:
             out = self._line(raw)
             if out:
                 yield out
+        yield from self.finish()
+
+    def finish(self) -> Iterator[bytes]:
+        """The batch still being filled (also after the input broke off)."""
         tail = self._flush()
         if tail:
             yield tail

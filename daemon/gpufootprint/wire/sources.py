@@ -2,18 +2,15 @@
 
 ``TraceFile.chunks()`` always yields native stream bytes, so callers feed one
 ``FrameDecoder``. Problems are collected, each one line naming the file and the
-place; damage that ends the readable part of a file (a truncated gzip member,
-an unreadable file) is a problem too, reported after the records before it.
+place. Gzip is decompressed incrementally, so a file cut short still yields
+every byte before the cut, and the cut is reported as a problem.
 """
 
 from __future__ import annotations
 
-import gzip
-import io
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 from gpufootprint.errors import TraceError
 from gpufootprint.wire.framing import PREAMBLE
@@ -23,6 +20,10 @@ _GZIP_MAGIC = b"\x1f\x8b"
 CHUNK = 1 << 20
 
 
+class _Truncated(Exception):
+    """Raised at the end of readable data; the message says why."""
+
+
 class TraceFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -30,64 +31,109 @@ class TraceFile:
         self.format = "unknown"
         self.compressed = False
 
-    def _problem(self, message: str) -> None:
-        self.problems.append(message)
-
-    def _open(self) -> IO[bytes]:
+    def chunks(self) -> Iterator[bytes]:
         try:
-            raw = open(self.path, "rb")  # noqa: SIM115 - closed by the caller's generator
+            fh = open(self.path, "rb")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise TraceError(f"{self.path}: cannot open trace ({exc.strerror})") from None
-        head = raw.read(2)
-        raw.seek(0)
-        if head == _GZIP_MAGIC:
-            self.compressed = True
-            return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-        return raw
-
-    def chunks(self) -> Iterator[bytes]:
-        stream = self._open()
-        try:
+        with fh:
+            raw = _raw_chunks(fh)
+            first = next(raw, b"")
+            self.compressed = first.startswith(_GZIP_MAGIC)
+            data = _gunzip(first, raw) if self.compressed else _chain(first, raw)
+            native = _Peek(data)
+            head = native.peek(len(PREAMBLE))
             try:
-                head = stream.peek(len(PREAMBLE))[: len(PREAMBLE)] if hasattr(stream, "peek") else b""
-            except (OSError, EOFError, zlib.error) as exc:
-                raise TraceError(f"{self.path}: unreadable ({exc})") from None
-            if head.startswith(PREAMBLE[:5]):
-                self.format = "native"
-                yield from self._native(stream)
-            else:
-                self.format = "cupti-jsonl"
-                yield from self._jsonl(stream)
-        finally:
-            stream.close()
-
-    def _native(self, stream: IO[bytes]) -> Iterator[bytes]:
-        offset = 0
-        while True:
-            try:
-                data = stream.read(CHUNK)
-            except (OSError, EOFError, zlib.error) as exc:
-                self._problem(f"{self.path}: byte {offset}: compressed data ends or is corrupt ({exc})")
-                return
-            if not data:
-                return
-            offset += len(data)
-            yield data
-
-    def _jsonl(self, stream: IO[bytes]) -> Iterator[bytes]:
-        reader = JsonlToFrames(str(self.path), self._problem)
-        lines = _safe_lines(stream, self, reader)
-        yield from reader.convert(lines)
+                if head[:5] == PREAMBLE[:5]:
+                    self.format = "native"
+                    yield from native
+                else:
+                    self.format = "cupti-jsonl"
+                    reader = JsonlToFrames(str(self.path), self.problems.append)
+                    try:
+                        yield from reader.convert(_lines(native))
+                    except _Truncated as exc:
+                        self.problems.append(f"{self.path}:{reader.lines + 1}: {exc}")
+                        yield from reader.finish()
+                        return
+            except _Truncated as exc:
+                self.problems.append(f"{self.path}: byte {native.offset}: {exc}")
 
 
-def _safe_lines(stream: IO[bytes], owner: TraceFile, reader: JsonlToFrames) -> Iterator[bytes]:
-    buffered = io.BufferedReader(stream, CHUNK) if not isinstance(stream, io.BufferedReader) else stream
+def _raw_chunks(fh) -> Iterator[bytes]:  # type: ignore[no-untyped-def]
     while True:
-        try:
-            line = buffered.readline()
-        except (OSError, EOFError, zlib.error) as exc:
-            owner.problems.append(f"{owner.path}:{reader.lines + 1}: compressed data ends or is corrupt ({exc})")
+        data = fh.read(CHUNK)
+        if not data:
             return
-        if not line:
-            return
-        yield line  # a last line cut short fails JSON parsing, named by its number
+        yield data
+
+
+def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    if first:
+        yield first
+    yield from rest
+
+
+def _gunzip(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    """Decompress gzip members one after another, yielding output as it comes."""
+    d = zlib.decompressobj(wbits=31)
+    inside = False  # fed a member that has not ended yet
+    for chunk in _chain(first, rest):
+        while chunk:
+            inside = True
+            try:
+                out = d.decompress(chunk)
+            except zlib.error as exc:
+                raise _Truncated(f"compressed data is corrupt ({exc})") from None
+            if out:
+                yield out
+            if not d.eof:
+                break
+            inside = False
+            chunk = d.unused_data
+            d = zlib.decompressobj(wbits=31)
+            if chunk and not chunk.startswith(_GZIP_MAGIC):
+                return  # trailing garbage after the last member: gzip ignores it too
+    if inside:
+        tail = d.flush()
+        if tail:
+            yield tail
+        raise _Truncated("compressed data ends before the end of the gzip stream")
+
+
+class _Peek:
+    """Iterator of chunks with a look at the first bytes and a running offset."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._head = b""
+        self.offset = 0
+
+    def peek(self, n: int) -> bytes:
+        while len(self._head) < n:
+            nxt = next(self._chunks, None)
+            if nxt is None:
+                break
+            self._head += nxt
+        return self._head[:n]
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self._head:
+            head, self._head = self._head, b""
+            self.offset += len(head)
+            yield head
+        for chunk in self._chunks:
+            self.offset += len(chunk)
+            yield chunk
+
+
+def _lines(chunks: _Peek) -> Iterator[bytes]:
+    rest = b""
+    for chunk in chunks:
+        data = rest + chunk
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        for part in parts:
+            yield part + b"\n"
+    if rest:
+        yield rest  # a last line cut short fails JSON parsing, named by its number

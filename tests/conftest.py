@@ -1,0 +1,49 @@
+"""Shared fixtures: paths to the committed traces and small record builders."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+SHARED_TRACES = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz")
+
+# Run the package from the source tree even when it is not installed.
+sys.path.insert(0, str(ROOT / "daemon"))
+
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp  # noqa: E402
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    return DATA
+
+
+def mem(ts: int, op: int, addr: int, size: int, *, kind: int = MemoryKind.DEVICE, pid: int = 100,
+        dev: int = 0, is_async: int = 0) -> tuple:
+    return (ts, op, addr, size, kind, pid, dev, is_async)
+
+
+def mem_batch(rows: list[tuple]) -> np.ndarray:
+    """MEMORY records from (ts, op, addr, bytes, kind, pid, dev, is_async) tuples."""
+    out = np.zeros(len(rows), dtype=MEMORY_DTYPE)
+    for i, (ts, op, addr, size, kind, pid, dev, is_async) in enumerate(rows):
+        out[i]["ts"], out[i]["op"], out[i]["addr"], out[i]["bytes"] = ts, op, addr, size
+        out[i]["mk"], out[i]["pid"], out[i]["dev"], out[i]["is_async"] = kind, pid, dev, is_async
+    return out
+
+
+ALLOC, FREE = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+
+
+def cli_env() -> dict[str, str]:
+    """Environment for running the CLI in a child process from the source tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT / "daemon") + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("GPUFOOTPRINT_CONFIG", None)
+    return env

@@ -1,0 +1,109 @@
+"""`gpufootprint replay` on the real H200 traces and on damaged copies of them."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpufootprint.config import FootprintConfig
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.replay import replay_file
+from tests.conftest import DATA, SHARED_TRACES, cli_env
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpufootprint", *args], capture_output=True, text=True,
+                          env=cli_env(), timeout=timeout)
+
+
+@pytest.mark.parametrize("name", SHARED_TRACES)
+def test_every_mark_of_the_real_h200_traces_matches_exactly(name: str, tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    proc = _cli("replay", str(DATA / name), "--report-json", str(report))
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(report.read_text())
+    expected = [json.loads(line) for line in gzip.open(DATA / name, "rt") if '"mark"' in line]
+    assert body["records"] == sum(1 for line in gzip.open(DATA / name, "rt")
+                                  if json.loads(line)["k"] not in ("mark", "meta"))
+    assert body["elapsed_s"] > 0
+    assert [m["label"] for m in body["marks"]] == [m["label"] for m in expected]
+    for got, want in zip(body["marks"], expected):
+        assert got["live_bytes"] == want["expect_live_bytes"], got["label"]
+        assert set(got) >= {"label", "ts", "pid", "dev", "live_bytes", "pool_reserved_bytes", "window_peak_bytes"}
+        assert got["window_peak_bytes"] >= sum(v for k, v in got["live_bytes"].items() if k != "pinned")
+    assert body["problems"] == [] and body["ingest_errors"] == {}
+
+
+def test_native_conversion_replays_to_the_same_marks(tmp_path: Path) -> None:
+    native = tmp_path / "caching.gfp.gz"
+    assert _cli("convert", str(DATA / SHARED_TRACES[0]), "-o", str(native)).returncode == 0
+    back = tmp_path / "back.jsonl"
+    assert _cli("convert", str(native), "-o", str(back)).returncode == 0
+    a = replay_file(DATA / SHARED_TRACES[0], Pipeline(FootprintConfig()))
+    b = replay_file(native, Pipeline(FootprintConfig()))
+    c = replay_file(back, Pipeline(FootprintConfig()))
+    assert a.marks == b.marks == c.marks and b.format == "native" and c.format == "cupti-jsonl"
+
+
+def test_truncated_gzip_gives_one_line_error_and_keeps_records_before(tmp_path: Path) -> None:
+    raw = (DATA / SHARED_TRACES[0]).read_bytes()
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(raw[: len(raw) // 2])
+    report = tmp_path / "r.json"
+    proc = _cli("replay", str(cut), "--report-json", str(report))
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and str(cut) in errors[0] and "Traceback" not in proc.stderr
+    body = json.loads(report.read_text())
+    assert 0 < body["records"] < 967
+    assert body["marks"] and all(m["matches"] for m in body["marks"])
+
+
+def test_corrupt_native_frame_stops_there_and_keeps_what_came_before(tmp_path: Path) -> None:
+    native = tmp_path / "t.gfp"
+    assert _cli("convert", str(DATA / SHARED_TRACES[0]), "-o", str(native)).returncode == 0
+    data = bytearray(native.read_bytes())
+    at = len(data) // 2
+    data[at : at + 8] = b"\xff" * 8
+    native.write_bytes(bytes(data))
+    proc = _cli("replay", str(native))
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "byte " in errors[0], proc.stderr
+    result = replay_file(native, Pipeline(FootprintConfig()))
+    assert result.records > 0 and len(result.problems) == 1
+
+
+def test_unknown_record_kind_is_named_counted_and_the_rest_replayed(tmp_path: Path) -> None:
+    lines = gzip.open(DATA / SHARED_TRACES[0], "rt").read().splitlines()
+    lines.insert(5, '{"k": "nvtx", "ts": 1}')
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    report = tmp_path / "r.json"
+    proc = _cli("replay", str(bad), "--report-json", str(report))
+    assert proc.returncode == 1
+    assert f"{bad}:6: unknown record kind 'nvtx'" in proc.stderr
+    body = json.loads(report.read_text())
+    assert body["records"] == 967 and all(m["matches"] for m in body["marks"])
+
+
+def test_invalid_config_is_one_line_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("footprint:\n  window_peak_seconds: -1\n")
+    for args in (("check-config", "--config", str(cfg)), ("replay", str(DATA / SHARED_TRACES[0]), "--config", str(cfg))):
+        proc = _cli(*args)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "footprint.window_peak_seconds" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    ok = _cli("check-config", "--config", str(DATA.parent.parent / "config" / "gpufootprint.yaml"))
+    assert ok.returncode == 0 and ok.stdout.startswith("ok:")
+
+
+def test_missing_trace_is_one_line_exit_1(tmp_path: Path) -> None:
+    proc = _cli("replay", str(tmp_path / "nope.jsonl"))
+    assert proc.returncode == 1 and "no such file" in proc.stderr and "Traceback" not in proc.stderr

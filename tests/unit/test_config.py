@@ -1,0 +1,55 @@
+"""Configuration: file < environment < command line; errors name the key path and value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpufootprint.config import Config, load_config, parse_set_option
+from gpufootprint.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_shipped_default_config_is_valid_and_equals_the_built_in_defaults() -> None:
+    assert load_config(ROOT / "config" / "gpufootprint.yaml", env={}) == Config()
+
+
+def test_each_level_overrides_the_one_before(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("footprint:\n  window_peak_seconds: 30\n  frame_ms: 20\nexporter:\n  listen: 1.2.3.4:1\n")
+    env = {"GPUFOOTPRINT_FOOTPRINT__FRAME_MS": "5", "GPUFOOTPRINT_EXPORTER__LISTEN": "0.0.0.0:2"}
+    cfg = load_config(path, env=env, overrides={"exporter.listen": "127.0.0.1:3"})
+    assert cfg.footprint.window_peak_seconds == 30.0  # file
+    assert cfg.footprint.frame_ms == 5  # environment over file
+    assert cfg.exporter.listen == "127.0.0.1:3"  # command line over both
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "env", "message"),
+    [
+        ("footprint:\n  frame_ms: fast\n", {}, "c.yaml: footprint.frame_ms: expected an integer, got 'fast'"),
+        ("footprint:\n  frame_ms: 0\n", {}, "footprint.frame_ms: 0 is below the minimum 1"),
+        ("footprint:\n  frme_ms: 3\n", {}, "footprint.frme_ms: unknown key"),
+        ("logging:\n  level: loud\n", {}, "logging.level: 'loud' is not one of debug, info, warning, error"),
+        ("exporter:\n  listen: nowhere\n", {}, "exporter.listen: 'nowhere' is not HOST:PORT"),
+        ("footprint: [1, 2\n", {}, "c.yaml:2: invalid YAML"),
+        ("", {"GPUFOOTPRINT_DAEMON__TICK_MS": "-4"},
+         "environment GPUFOOTPRINT_DAEMON__TICK_MS: daemon.tick_ms: -4 is below the minimum 5"),
+    ],
+)
+def test_errors_name_where_the_bad_value_came_from(tmp_path: Path, yaml_text: str, env: dict[str, str],
+                                                   message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env=env)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_set_option_parses_yaml_scalars() -> None:
+    assert parse_set_option("footprint.frame_ms=7") == ("footprint.frame_ms", 7)
+    with pytest.raises(ConfigError, match="KEY.PATH=VALUE"):
+        parse_set_option("nonsense")

@@ -1,0 +1,180 @@
+"""The footprint is exact, whatever the delivery order, and bad records are counted, not fatal."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from gpufootprint.config import FootprintConfig
+from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import POOL_DTYPE, MemoryKind, PoolOp, RecordKind
+from tests.conftest import ALLOC, FREE, mem, mem_batch
+
+MS = 1_000_000
+
+
+def _random_history(rng: random.Random, n: int, pid: int = 100) -> list[tuple]:
+    """A valid allocation history in time order: addresses reused after release."""
+    live: dict[int, tuple[int, int]] = {}
+    rows = []
+    ts = 1_000 * MS
+    for _ in range(n):
+        ts += rng.randint(1, 3 * MS)
+        if live and rng.random() < 0.45:
+            addr = rng.choice(sorted(live))
+            size, kind = live.pop(addr)
+            rows.append(mem(ts, FREE, addr, size, kind=kind, pid=pid))
+        else:
+            addr = 0x7000_0000 + rng.randrange(64) * 0x10_0000
+            if addr in live:
+                continue
+            size = rng.choice([512, 4096, 2 << 20, 20 << 20])
+            kind = rng.choice([MemoryKind.DEVICE, MemoryKind.DEVICE, MemoryKind.PINNED, MemoryKind.DEVICE_STATIC])
+            live[addr] = (size, kind)
+            rows.append(mem(ts, ALLOC, addr, size, kind=kind, pid=pid))
+    return rows
+
+
+def _brute_force(rows: list[tuple], t: int) -> dict[str, int]:
+    """From scratch: replay records with ts <= t in time order, sum live bytes by kind."""
+    live: dict[int, tuple[int, int]] = {}
+    for ts, op, addr, size, kind, *_ in sorted(rows, key=lambda r: r[0]):
+        if ts > t:
+            break
+        if op == ALLOC:
+            live[addr] = (size, kind)
+        else:
+            live.pop(addr, None)
+    out: dict[str, int] = {}
+    for size, kind in live.values():
+        name = MemoryKind(kind).name.lower()
+        out[name] = out.get(name, 0) + size
+    return out
+
+
+def test_state_as_of_t_equals_brute_force_under_shuffled_delivery() -> None:
+    rng = random.Random(7)
+    rows = _random_history(rng, 3000)
+    delivered = rows[:]
+    # Delivery order differs from time order: shuffle within chunks of 40 records.
+    for i in range(0, len(delivered), 40):
+        chunk = delivered[i : i + 40]
+        rng.shuffle(chunk)
+        delivered[i : i + 40] = chunk
+    probes = sorted(rng.sample([r[0] for r in rows], 25))
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=10_000))
+    cursor = 0
+    for t in probes:
+        # Deliver everything up to a little past t (as a flush would), in batches.
+        while cursor < len(delivered) and max(r[0] for r in delivered[: cursor + 40]) <= t + 200 * MS:
+            pipeline.submit(RecordKind.MEMORY, mem_batch(delivered[cursor : cursor + 40]))
+            cursor += 40
+        pipeline.advance(100, t)
+        state = pipeline.device_state(100, 0)
+        assert state is not None
+        assert state.live_bytes == _brute_force(rows, t), f"as of {t}"
+    assert pipeline.errors.counts == {}
+
+
+def test_window_peak_catches_a_1ms_spike_between_scrapes() -> None:
+    pipeline = Pipeline(FootprintConfig(window_peak_seconds=30, reorder_window_ms=0))
+    base = 5_000 * MS
+    rows = [mem(base, ALLOC, 0x10, 100 << 20), mem(base + 10 * MS, ALLOC, 0x20, 900 << 20),
+            mem(base + 11 * MS, FREE, 0x20, 900 << 20), mem(base + 2_000 * MS, ALLOC, 0x30, 1 << 20)]
+    pipeline.submit(RecordKind.MEMORY, mem_batch(rows))
+    pipeline.advance(100, base + 3_000 * MS)
+    state = pipeline.device_state(100, 0)
+    assert state is not None
+    assert state.device_bytes == (100 << 20) + (1 << 20)
+    assert state.window_peak_bytes == (100 << 20) + (900 << 20)
+    # 40 s later the spike has left the 30 s window; the level stays.
+    pipeline.advance(100, base + 40_000 * MS)
+    state = pipeline.device_state(100, 0)
+    assert state is not None and state.window_peak_bytes == (101 << 20)
+
+
+def test_frame_peaks_window_equals_brute_force() -> None:
+    rng = random.Random(3)
+    frame_ns, window_ns = 10 * MS, 250 * MS
+    peaks = FramePeaks(frame_ns, window_ns)
+    ts = np.cumsum(rng.choices(range(1, 4 * MS), k=2000)).astype(np.int64) + 10**12
+    deltas = np.array(rng.choices([-3, -1, 1, 2, 5], k=2000), dtype=np.int64)
+    levels = np.cumsum(deltas)
+    for lo in range(0, 2000, 97):
+        peaks.add(ts[lo : lo + 97], deltas[lo : lo + 97])
+        now = int(ts[min(lo + 96, 1999)])
+        # Brute force at frame resolution: the window opens at the start of its first frame.
+        start = (now - window_ns) // frame_ns * frame_ns
+        inside = (ts >= start) & (ts <= now)
+        before = ts < start
+        held = int(levels[before][-1]) if before.any() else 0
+        expect = max([held, *levels[inside].tolist()])
+        assert peaks.window_peak(now, window_ns) == expect
+
+
+def test_bad_records_are_counted_once_each_and_nothing_else_is_lost() -> None:
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=0))
+    rows = [mem(1 * MS, ALLOC, 0x10, 64), mem(2 * MS, FREE, 0x99, 64),  # release with no allocation
+            mem(3 * MS, ALLOC, 0x10, 128),  # second allocation at a live address
+            mem(4 * MS, ALLOC, 0x20, 32)]
+    pipeline.submit(RecordKind.MEMORY, mem_batch(rows))
+    pipeline.finish(100)
+    state = pipeline.device_state(100, 0)
+    assert state is not None and state.live_bytes == {"device": 128 + 32}
+    assert pipeline.errors.counts == {"release_without_allocation": 1, "double_allocation": 1}
+
+
+def test_pool_records_give_reserved_and_async_allocations_give_used() -> None:
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=100))
+    pools = np.zeros(3, dtype=POOL_DTYPE)
+    pools["pid"], pools["addr"] = 100, 0xAA
+    pools["ts"] = [1 * MS, 5 * MS, 6 * MS]
+    pools["op"] = [PoolOp.CREATED, PoolOp.TRIMMED, PoolOp.TRIMMED]
+    pools["size"] = [32 << 20, 64 << 20, 48 << 20]
+    pipeline.submit(RecordKind.MEMORY_POOL, pools[::-1].copy())  # delivered backwards
+    pipeline.submit(RecordKind.MEMORY, mem_batch([mem(2 * MS, ALLOC, 0x1, 1 << 20, is_async=1),
+                                                  mem(3 * MS, ALLOC, 0x2, 2 << 20, is_async=1)]))
+    pipeline.advance(100, 5 * MS)
+    state = pipeline.device_state(100, 0)
+    assert state is not None and state.pool_reserved_bytes == 64 << 20 and state.pool_used_bytes == 3 << 20
+    pipeline.finish(100)
+    state = pipeline.device_state(100, 0)
+    assert state is not None and state.pool_reserved_bytes == 48 << 20
+
+
+def test_late_record_beyond_the_reorder_window_is_applied_and_counted() -> None:
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=1))
+    pipeline.submit(RecordKind.MEMORY, mem_batch([mem(100 * MS, ALLOC, 0x1, 10)]))
+    pipeline.submit(RecordKind.MEMORY, mem_batch([mem(50 * MS, ALLOC, 0x2, 5)]))
+    pipeline.finish(100)
+    state = pipeline.device_state(100, 0)
+    assert state is not None and state.live_bytes == {"device": 15}
+    assert pipeline.late_records == 1
+
+
+def test_exited_process_holds_nothing_and_is_forgotten_after_the_grace_period() -> None:
+    clock = [0.0]
+    pipeline = Pipeline(FootprintConfig(process_grace_seconds=30), monotonic=lambda: clock[0])
+    pipeline.submit(RecordKind.MEMORY, mem_batch([mem(1 * MS, ALLOC, 0x1, 10, pid=7)]))
+    pipeline.process_exited(7)
+    snap = pipeline.snapshot()
+    assert snap.processes[0].exited and snap.processes[0].devices[0].live_bytes == {}
+    clock[0] = 29.0
+    assert pipeline.expire() == []
+    clock[0] = 31.0
+    assert pipeline.expire() == [7]
+    assert pipeline.snapshot().processes == ()
+
+
+def test_records_of_several_devices_and_processes_are_kept_apart() -> None:
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=0))
+    rows = [mem(1, ALLOC, 0x1, 10, pid=1, dev=0), mem(2, ALLOC, 0x2, 20, pid=1, dev=1),
+            mem(3, ALLOC, 0x3, 40, pid=2, dev=1), mem(4, FREE, 0x1, 10, pid=1, dev=0)]
+    pipeline.submit(RecordKind.MEMORY, mem_batch(rows))
+    for pid in (1, 2):
+        pipeline.finish(pid)
+    assert pipeline.device_state(1, 0).live_bytes == {}  # type: ignore[union-attr]
+    assert pipeline.device_state(1, 1).live_bytes == {"device": 20}  # type: ignore[union-attr]
+    assert pipeline.device_state(2, 1).live_bytes == {"device": 40}  # type: ignore[union-attr]
