@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import probe_fakes as fk
+from tests import probe_fakes as fk
 
 from gpufootprint.probe import takeover
 from gpufootprint.probe.core import Probe

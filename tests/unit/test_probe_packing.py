@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-import probe_fakes as fk
+from tests import probe_fakes as fk
 
 from gpufootprint.probe.packing import Packer
 from gpufootprint.records import DTYPES, MemoryKind, RecordKind
