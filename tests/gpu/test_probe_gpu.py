@@ -147,6 +147,8 @@ def test_torch_profiler_mid_run_is_detected_rearmed_and_resynced(tmp_path: Path)
     assert grow >= 300 << 20, "the allocation after the profiler was not seen"
     counters = next(iter(daemon.pipeline.processes.values())).probe_counters
     SUMMARY["profiler_counters"] = counters
+    if OUT:
+        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
     assert counters.get("profiler_gaps", 0) >= 1 and counters.get("cupti_gap_seconds", 0) > 0
 
 
@@ -171,6 +173,8 @@ def test_daemon_restart_mid_run_resyncs_the_footprint(tmp_path: Path) -> None:
     assert [r["label"] for r in rows] == ["after_restart", "end"]
     counters = next(iter(daemon.pipeline.processes.values())).probe_counters
     SUMMARY["restart_counters"] = counters
+    if OUT:
+        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
     assert counters["reconnects"] >= 1
     assert counters["marks_dropped"] >= 1
     assert counters["records_dropped"] > 0
