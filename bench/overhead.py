@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve()
 
 def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
     if config.startswith("probe"):
-        import gpufootprint.probe as probe
+        from gpufootprint import probe
 
         ok = probe.start(socket=socket_path + ".absent" if config == "probe_daemon_away" else socket_path,
                          flush_nogil=config != "probe_gil_flush")
@@ -96,7 +96,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
         print(json.dumps({"a": a, "b": b}), flush=True)
     extra: dict[str, Any] = {}
     if config.startswith("probe"):
-        import gpufootprint.probe as probe
+        from gpufootprint import probe
 
         extra["probe"] = probe.status()
     print(json.dumps({"done": config, **extra}), flush=True)
@@ -107,7 +107,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
 
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
 def main() -> int:

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from gpufootprint.config import load_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
@@ -139,7 +137,7 @@ def test_pinned_and_managed_memory_are_seen_exactly(tmp_path: Path) -> None:
 
 
 def test_torch_profiler_mid_run_is_detected_rearmed_and_resynced(tmp_path: Path) -> None:
-    daemon, res = run_workload("profiler", tmp_path)
+    daemon, _ = run_workload("profiler", tmp_path)
     check_marks(daemon, "profiler")
     by = {m["label"]: m for m in daemon.marks}
     assert by["after_profiler"]["profiler_cuda_events"] > 0, "the user's profiler lost its CUDA events"

@@ -12,12 +12,12 @@ import os
 import sys
 import time
 
-import gpufootprint.probe as probe
+from gpufootprint import probe
 
 if not probe.status().get("started"):
     probe.start()  # before torch: CUPTI must see the first allocation
 
-import torch  # noqa: E402
+import torch
 
 DEV = 0
 MiB = 1 << 20

@@ -19,9 +19,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import probe_fakes  # noqa: E402
-
-import gpufootprint.probe as probe  # noqa: E402
+import probe_fakes
+from gpufootprint import probe
 
 
 def main() -> int:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.config import load_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.records import RecordKind

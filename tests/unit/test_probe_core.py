@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
-
-from tests import probe_fakes as fk
+from typing import Any, ClassVar
 
 from gpufootprint.probe import takeover
 from gpufootprint.probe.core import Probe
@@ -14,6 +12,8 @@ from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MemoryKind, RecordKind
 from gpufootprint.wire.framing import Frame, FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
+
+from tests import probe_fakes as fk
 
 
 def frames(path: Path) -> list[Frame]:
@@ -63,7 +63,7 @@ def test_a_probe_that_cannot_start_reports_why_and_raises_nothing() -> None:
 class _FakeProfile:
     """Stands in for torch.autograd.profiler.profile: the names the wrapper hooks."""
 
-    events: list[str] = []
+    events: ClassVar[list[str]] = []
 
     def _prepare_trace(self) -> None:
         self.events.append("prepare")
@@ -84,7 +84,7 @@ def test_profiler_hand_over_calls_the_probe_around_the_users_profiler_and_passes
 
     class P:
         in_gap = False
-        counters: dict[str, int] = {}
+        counters: ClassVar[dict[str, int]] = {}
 
         def takeover_begin(self) -> None:
             calls.append("begin")
@@ -102,3 +102,29 @@ def test_profiler_hand_over_calls_the_probe_around_the_users_profiler_and_passes
         prof.__exit__(None, None, None)
     assert _FakeProfile.events == ["prepare", "exit"]
     assert calls == ["begin", "end:[]:[]"]  # no torch here: no segments before or after
+
+
+def test_post_import_hook_wraps_the_profiler_class_when_torch_imports_it(tmp_path: Path) -> None:
+    # A stand-in ``torch`` package on the path: only the module the hook watches.
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "torch" / "autograd"
+    pkg.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "profiler.py").write_text("class profile:\n    def _prepare_trace(self): pass\n"
+                                     "    def __exit__(self, *a): pass\n")
+    code = ("import sys\n"
+            "from gpufootprint.probe import takeover\n"
+            "class P:\n    in_gap = False\n    counters = {}\n"
+            "takeover.install(P())\n"
+            "assert 'torch.autograd.profiler' not in sys.modules\n"
+            "import torch.autograd.profiler as m\n"
+            "print(getattr(m.profile, '_gpufootprint_wrapped', False))\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": f"{tmp_path}:{root / 'daemon'}", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"

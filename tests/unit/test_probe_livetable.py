@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import numpy as np
-
 from gpufootprint.probe.livetable import LiveTable, untracked_address
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind
 

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-from prometheus_client import generate_latest
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot, ProcessSnapshot
+from prometheus_client import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 
 def test_probe_counters_from_heartbeats_become_per_process_metrics() -> None:

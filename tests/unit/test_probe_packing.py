@@ -5,10 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from tests import probe_fakes as fk
-
 from gpufootprint.probe.packing import Packer
 from gpufootprint.records import DTYPES, MemoryKind, RecordKind
+
+from tests import probe_fakes as fk
 
 
 def packer(capacity: int = 8) -> tuple[Packer, list[tuple[RecordKind, np.ndarray]]]:

@@ -24,7 +24,7 @@ from typing import Any
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
 
-__all__ = ["Probe", "ProbeSettings", "start", "stop", "mark", "status", "current"]
+__all__ = ["Probe", "ProbeSettings", "current", "mark", "start", "status", "stop"]
 
 _lock = threading.Lock()
 _probe: Probe | None = None

@@ -13,7 +13,7 @@ def maybe_start() -> None:
     if os.environ.get("GPUFOOTPRINT_PROBE", "") not in ("1", "true", "yes", "on"):
         return
     try:
-        import gpufootprint.probe as probe
+        from gpufootprint import probe
 
         probe.start()
     except Exception:  # noqa: BLE001

@@ -38,7 +38,7 @@ class CuptiBackend:
     """cupti-python 13.x. Dispatches on ints, never on record class names."""
 
     def __init__(self, flush_nogil: bool = False) -> None:
-        from cupti import cupti  # lazy: importing it is cheap, the first call loads libcupti
+        from cupti import cupti  # type: ignore[import-untyped]  # lazy: the first call loads libcupti
 
         self._c = cupti
         self.errors: list[str] = []
@@ -147,7 +147,7 @@ class CuptiBackend:
         except OSError:
             pass
         try:
-            from cuda.bindings import driver
+            from cuda.bindings import driver  # type: ignore[import-untyped]
 
             err, v = driver.cuDriverGetVersion()
             if int(err) == 0:

@@ -88,7 +88,9 @@ def run(cmd: list[str], socket_path: str, probe_config: Any = None) -> int:
     """Run ``cmd`` probed, reporting to the daemon at ``socket_path``; returns its exit status."""
     if not Path(socket_path).exists():
         log.warning("no daemon socket at %s yet: the probes will keep retrying, dropping and counting", socket_path)
-    return _spawn(cmd, probe_env(socket_path, **settings_env(probe_config)))
+    env = probe_env(socket_path)
+    env.update(settings_env(probe_config))
+    return _spawn(cmd, env)
 
 
 # --- record: a relay that writes every probe's frames to one file ---------------------
@@ -219,7 +221,9 @@ def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
         raise GpuFootprintError(f"cannot write {output}: {exc.strerror}") from None
     relay.start()
     try:
-        return _spawn(cmd, probe_env(relay.socket_path, **settings_env(probe_config)))
+        env = probe_env(relay.socket_path)
+        env.update(settings_env(probe_config))
+        return _spawn(cmd, env)
     finally:
         relay.close()
         log.info("recorded frames=%d file=%s", relay.frames, output)

@@ -11,12 +11,13 @@ segments map in chunks); a release inside such a range shrinks it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
 
+Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
 _ALLOC: Final = int(MemoryOp.ALLOCATION)
 _RELEASE: Final = int(MemoryOp.RELEASE)
 
@@ -28,8 +29,8 @@ OP, MK, IS_ASYNC = 12, 13, 14
 
 @dataclass
 class LiveTable:
-    rows: dict[int, tuple] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
-    ranges: dict[int, tuple] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
+    rows: dict[int, Row] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
+    ranges: dict[int, Row] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
     pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
     stale_releases: int = 0
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
@@ -66,9 +67,9 @@ class LiveTable:
             op, addr = row[OP], row[ADDR]
             if op == _ALLOC:
                 rows[addr] = row
-            elif op == _RELEASE:
-                if rows.pop(addr, None) is None and not (self.ranges and self._cut_range(addr, row[BYTES])):
-                    self.stale_releases += 1
+            elif (op == _RELEASE and rows.pop(addr, None) is None
+                  and not (self.ranges and self._cut_range(addr, row[BYTES]))):
+                self.stale_releases += 1
 
     def _cut_range(self, addr: int, size: int) -> bool:
         for start, row in self.ranges.items():
@@ -86,7 +87,7 @@ class LiveTable:
                 return True
         return False
 
-    def set_untracked(self, dev: int, nbytes: int, ts: int, pid: int) -> tuple | None:
+    def set_untracked(self, dev: int, nbytes: int, ts: int, pid: int) -> Row | None:
         """Replace the synthetic UNTRACKED entry of ``dev``; returns the old row (for a release)."""
         addr = untracked_address(dev)
         old = self.rows.pop(addr, None)
@@ -116,12 +117,12 @@ class LiveTable:
         spans = [(int(a), int(a) + int(s)) for d, a, s in segments if int(d) == dev]
         total = 0
         for row in self._all():
-            if row[DEV] == dev and row[MK] == MemoryKind.DEVICE and not row[IS_ASYNC]:
-                if not any(lo <= row[ADDR] < hi for lo, hi in spans):
-                    total += row[BYTES]
+            if (row[DEV] == dev and row[MK] == MemoryKind.DEVICE and not row[IS_ASYNC]
+                    and not any(lo <= row[ADDR] < hi for lo, hi in spans)):
+                total += row[BYTES]
         return total
 
-    def _all(self) -> list[tuple]:
+    def _all(self) -> list[Row]:
         return [*self.rows.values(), *self.ranges.values()]
 
     def to_array(self, ts: int) -> np.ndarray:
@@ -162,7 +163,7 @@ def untracked_address(dev: int) -> int:
     return 0xFFFF_FFFF_FFFF_0000 | (dev & 0xFFFF)
 
 
-def _with(row: tuple, addr: int, size: int) -> tuple:
+def _with(row: Row, addr: int, size: int) -> Row:
     r = list(row)
     r[ADDR], r[BYTES] = addr, size
     return tuple(r)

@@ -102,7 +102,7 @@ class _PostImport(importlib.abc.MetaPathFinder):
                 orig = loader.exec_module
                 probe = self.probe
 
-                def exec_module(module: ModuleType) -> None:
+                def exec_module(module: ModuleType, orig: Any = orig, probe: Probe = probe) -> None:
                     orig(module)
                     try:
                         wrap(module, probe)
