@@ -52,7 +52,10 @@ class Probe:
         self._clock_ns = clock_ns
         self._nvml_used = nvml_used  # NVML's per-process used bytes by device (None: pynvml)
         self._q: deque[Any] = deque()
-        self._queued_records = 0
+        # Written by one thread each (no lost updates without a lock): queued = in - out.
+        self._records_in = 0  # CUPTI's thread
+        self._records_out = 0  # the sender
+        self._urgent = threading.Event()  # a mark or a profiler hand-over waits in the queue
         self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
         self.packer = Packer(self.pid, self._sink, capacity=settings.capacity)
         self.table = LiveTable()
@@ -157,11 +160,11 @@ class Probe:
 
     def _sink(self, chunk: tuple[RecordKind, np.ndarray]) -> None:
         kind, arr = chunk
-        if kind is not RecordKind.MEMORY and self._queued_records > self._max_queued:
+        if kind is not RecordKind.MEMORY and self._records_in - self._records_out > self._max_queued:
             self.counters["records_dropped"] += len(arr)  # the sender is far behind: shed volume, keep memory
             self.dropped_by_reason["queue_full"] += len(arr)
             return
-        self._queued_records += len(arr)
+        self._records_in += len(arr)
         self._q.append(chunk)
 
     # --- the workload's API --------------------------------------------------------------
@@ -177,6 +180,7 @@ class Probe:
         body: dict[str, Any] = {"label": label, "ts": self._clock_ns(), "pid": self.pid, "dev": dev, **extra}
         done = threading.Event()
         self._q.append(("mark", body, done))
+        self._urgent.set()
         self._wake.set()
         done.wait(timeout)
         return body
@@ -192,6 +196,7 @@ class Probe:
             return
         done = threading.Event()
         self._q.append(("gap_begin", None, done))
+        self._urgent.set()
         self._wake.set()
         done.wait(2.0)
         self.in_gap = True  # even if the sender was slow: no CUPTI calls from it now
@@ -218,6 +223,7 @@ class Probe:
         after = after_fn()
         done = threading.Event()
         self._q.append(("gap_end", (before, after), done))
+        self._urgent.set()
         self._wake.set()
         done.wait(2.0)
 
@@ -235,8 +241,9 @@ class Probe:
                 if self.link is not None and not stopping and self.link.try_connect():
                     self._on_connect()
                 now = time.monotonic()
-                marks_waiting = any(isinstance(item[0], str) for item in self._q)
-                if stopping or marks_waiting or now >= next_flush:
+                urgent = self._urgent.is_set()
+                self._urgent.clear()
+                if stopping or urgent or now >= next_flush:
                     self._flush_and_drain()
                     next_flush = now + self.flush_s
                 else:
@@ -289,7 +296,7 @@ class Probe:
             item = q.popleft()
             head = item[0]
             if isinstance(head, RecordKind):
-                self._queued_records -= len(item[1])
+                self._records_out += len(item[1])
                 self._records(head, item[1])
             elif head == "mark":
                 # Everything CUPTI holds from before the mark goes out ahead of it.
@@ -404,7 +411,7 @@ class Probe:
         while self._q:
             item = self._q.popleft()
             if isinstance(item[0], RecordKind):
-                self._queued_records -= len(item[1])
+                self._records_out += len(item[1])
                 self._records(item[0], item[1])
             else:
                 rest.append(item)

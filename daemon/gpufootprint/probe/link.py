@@ -65,9 +65,11 @@ class SocketLink:
         self.disconnects: Counter[str] = Counter()  # reason -> n
         self.bytes_sent = 0
         self.frames_dropped = 0
-        # [bytes not yet sent, records, is a mark] per buffered frame that carries either,
-        # so a broken connection can say what it lost.
-        self._ledger: deque[list[int]] = deque()
+        # (stream offset where the frame ends, records, is a mark) per buffered frame that
+        # carries either, so a broken connection can say what it lost.
+        self._ledger: deque[tuple[int, int, int]] = deque()
+        self._put_total = 0  # bytes queued on this connection
+        self._sent_total = 0  # bytes the socket took on this connection
         self.lost_records = 0
         self.lost_marks = 0
 
@@ -101,6 +103,8 @@ class SocketLink:
         self._sock = sock
         self._out.clear()
         self._out += PREAMBLE
+        self._put_total = len(PREAMBLE)
+        self._sent_total = 0
         self._decoder = FrameDecoder()
         self._decoder.feed(PREAMBLE)  # the daemon sends bare frames
         self._backoff = 0.05
@@ -115,16 +119,16 @@ class SocketLink:
         if not must and len(self._out) + len(frame) > self.buffer_bytes:
             self.frames_dropped += 1
             return False
+        self._put_total += len(frame)
         if records or mark:
-            self._ledger.append([len(self._out) + len(frame), records, int(mark)])
+            self._ledger.append((self._put_total, records, int(mark)))
         self._out += frame
         return True
 
     def _sent(self, n: int) -> None:
+        self._sent_total += n
         ledger = self._ledger
-        for entry in ledger:
-            entry[0] -= n
-        while ledger and ledger[0][0] <= 0:
+        while ledger and ledger[0][0] <= self._sent_total:
             ledger.popleft()
 
     def pump(self) -> None:
