@@ -264,6 +264,7 @@ class Probe:
                     self._resync("requested")
                 if self.link is not None:
                     self.link.pump()
+                    self._count_lost()
             except Exception as exc:  # noqa: BLE001 - keep going; the workload must not notice
                 self.counters["sender_errors"] += 1
                 if len(self.errors) < 20:
@@ -276,6 +277,17 @@ class Probe:
                 wait = min(wait, self._kernel_window_end - time.monotonic())
             self._wake.wait(max(0.0005, wait))
             self._wake.clear()
+
+    def _count_lost(self) -> None:
+        """Frames buffered for a connection that broke before they were sent (sender thread)."""
+        link = self.link
+        if link is not None and (link.lost_records or link.lost_marks):
+            c = self.counters
+            c["records_dropped"] += link.lost_records
+            c["records_sent"] -= link.lost_records
+            self.dropped_by_reason["disconnect"] += link.lost_records
+            c["marks_dropped"] += link.lost_marks
+            link.lost_records = link.lost_marks = 0
 
     def _flush_and_drain(self) -> None:
         t = self._clock_ns()
@@ -510,13 +522,6 @@ class Probe:
 
     def _counter_values(self) -> dict[str, Any]:
         c = self.counters
-        if self.link is not None and (self.link.lost_records or self.link.lost_marks):
-            # Frames buffered for a connection that broke before they were sent.
-            c["records_dropped"] += self.link.lost_records
-            self.dropped_by_reason["disconnect"] += self.link.lost_records
-            c["marks_dropped"] += self.link.lost_marks
-            c["records_sent"] -= self.link.lost_records
-            self.link.lost_records = self.link.lost_marks = 0
         outstanding = max(0, self.buffers_requested - self.buffers_completed)
         host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
         if self.link is not None:
@@ -562,6 +567,7 @@ class Probe:
             if self.link is not None:
                 self.link.drain(1.0)
                 self.link.close("goodbye")
+                self._count_lost()
         finally:
             if self.tee is not None:
                 self.tee.close()

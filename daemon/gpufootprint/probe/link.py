@@ -143,8 +143,7 @@ class SocketLink:
                     break
                 del self._out[:n]
                 self.bytes_sent += n
-                if self._ledger:
-                    self._sent(n)
+                self._sent(n)
         except BlockingIOError:
             pass
         except OSError as exc:
