@@ -209,3 +209,28 @@ def test_pth_startup_line_is_inert_unless_enabled(value: str, started: bool) -> 
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(started)
+
+
+def test_a_daemon_that_stops_reading_never_blocks_the_workload(tmp_path: Path) -> None:
+    # GIVEN a "daemon" that accepts the connection and then never reads from it
+    import socket as socketlib
+
+    path = str(tmp_path / "stuck.sock")
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    held: list[socketlib.socket] = []
+    threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
+    try:
+        # WHEN the workload produces far more than the kernel's socket buffer and the probe's own
+        p = child(path, tmp_path, "sleep:0.2", "burst:20000", "mark:m", GPUFOOTPRINT_PROBE_BUFFER_BYTES="65536")
+        res = finish(p)
+    finally:
+        for s in held:
+            s.close()
+        listener.close()
+    # THEN it finished at its own pace, and the probe counted what did not fit
+    st = res["status"]
+    assert res["workload_s"] < 10
+    assert st["dropped_buffer_full"] > 0
+    assert st["records_sent"] + st["records_dropped"] == 40000
