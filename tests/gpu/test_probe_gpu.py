@@ -176,3 +176,13 @@ def test_daemon_restart_mid_run_resyncs_the_footprint(tmp_path: Path) -> None:
     assert counters["reconnects"] >= 1
     assert counters["marks_dropped"] >= 1
     assert counters["records_dropped"] > 0
+
+
+def test_cuda_started_before_the_probe_is_reported_as_untracked(tmp_path: Path) -> None:
+    # Not yet run on the GPU (written after the last device run); see docs/probe.md.
+    daemon, _ = run_workload("late_start", tmp_path, {"GPUFOOTPRINT_PROBE": "0", "WORKLOAD_LATE_START": "1"})
+    m = next(m for m in daemon.marks if m["label"] == "after_late_start")
+    assert m["matches"] is True
+    assert m["live_bytes"].get("device", 0) >= m["late_bytes"]  # seen by CUPTI
+    assert m["live_bytes"].get("untracked", 0) >= m["early_bytes"]  # NVML minus CUPTI: the early tensor, the context
+    SUMMARY["late_start"] = m["live_bytes"]

@@ -14,7 +14,7 @@ import time
 
 from gpufootprint import probe
 
-if not probe.status().get("started"):
+if not probe.status().get("started") and os.environ.get("WORKLOAD_LATE_START") != "1":
     probe.start()  # before torch: CUPTI must see the first allocation
 
 import torch
@@ -150,6 +150,18 @@ def scenario_restart(sync: str) -> None:
     del b, c
     torch.cuda.empty_cache()
     mark("end")
+
+
+def scenario_late_start() -> None:
+    """CUDA first, probe later: what CUPTI cannot see is reported as ``untracked`` (from NVML)."""
+    early = torch.empty(256 * MiB // 4, device="cuda")
+    torch.cuda.synchronize()
+    assert probe.start(untracked_ms=200)
+    late = torch.empty(64 * MiB // 4, device="cuda")
+    torch.cuda.synchronize()
+    time.sleep(1.0)  # a few NVML polls
+    mark("after_late_start", early_bytes=256 * MiB, late_bytes=64 * MiB)
+    del early, late
 
 
 def _transformer(layers: int = 6, d: int = 1024) -> torch.nn.Module:
