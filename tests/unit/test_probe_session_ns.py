@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from gpufootprint.config import load_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
