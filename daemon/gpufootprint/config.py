@@ -69,12 +69,31 @@ class DemoConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """Settings handed to probes started by ``gpufootprint run`` (as GPUFOOTPRINT_PROBE_* variables)."""
+
+    flush_ms: int = _spec(100, lo=1, hi=1000, doc="forced CUPTI flush and watermark cadence")
+    heartbeat_ms: int = _spec(1000, lo=10, hi=60_000, doc="probe counters to the daemon")
+    buffer_bytes: int = _spec(16 << 20, lo=1 << 16, hi=1 << 30,
+                              doc="frames waiting for the socket before records are dropped")
+    cupti_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="host buffer per CUPTI request")
+    device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
+    device_buffer_pool_limit: int = _spec(2, lo=1, hi=64, doc="CUPTI device buffers at most")
+    kernels: bool = _spec(False, doc="CONCURRENT_KERNEL always on (else only in sampled windows)")
+    unified_memory: bool = _spec(True, doc="configure UNIFIED_MEMORY_COUNTER where supported")
+    torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
+    untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
+    reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     footprint: FootprintConfig = field(default_factory=FootprintConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 
 # --- loading ------------------------------------------------------------------

@@ -118,6 +118,7 @@ class FootprintCollector(Collector):
                 set_b.add_metric(base, dev.memset_bytes)
         yield from (live, device, peak, pool_res, pool_used, nlive, allocs, rels, abytes, rbytes,
                     cpy_n, cpy_b, cpy_s, set_b, pending, lag)
+        yield from probe_families(snap)
 
         window = GaugeMetricFamily("gpufootprint_window_peak_window_seconds",
                                    "Width of the trailing window of gpufootprint_window_peak_bytes.")
@@ -160,3 +161,55 @@ _DAEMON_HELP = {
     "gpu_present": "1 when the daemon found an NVIDIA driver and GPU, else 0.",
     "snapshot_age_seconds": "Age of the snapshot this scrape was built from.",
 }
+
+
+# --- probe self-metrics (issue 3) -----------------------------------------------------
+
+_PROBE_COUNTERS = (
+    ("gpufootprint_probe_records_sent", "records_sent", "Records the probe handed to the daemon's socket."),
+    ("gpufootprint_probe_records_dropped", "records_dropped",
+     "Records the probe dropped: daemon away, socket buffer full, or a connection that broke."),
+    ("gpufootprint_probe_reconnects", "reconnects", "Times the probe connected again after losing the daemon."),
+    ("gpufootprint_probe_callback_seconds", "callback_seconds",
+     "CPU time spent in the probe's CUPTI buffer callback (packing records)."),
+    ("gpufootprint_probe_cupti_gap_seconds", "cupti_gap_seconds",
+     "Time CUPTI belonged to torch.profiler; the probe resynced from PyTorch's segments after it."),
+)
+_PROBE_GAUGES = (
+    ("gpufootprint_probe_device_bytes", "own_device_bytes",
+     "Bound on the GPU memory CUPTI's activity buffers take in the process (size x pool limit)."),
+    ("gpufootprint_probe_host_bytes", "own_host_bytes",
+     "Host memory the probe holds: CUPTI buffers outstanding, packing arrays, unsent frames."),
+)
+
+
+def probe_families(snap: PipelineSnapshot) -> Iterator[Metric]:
+    """The probes' own counters, from their latest HEARTBEAT/GOODBYE (per process: pid, source)."""
+    labels = ["pid", "source"]
+    fams: list[tuple[Metric, str]] = []
+    for name, key, doc in _PROBE_COUNTERS:
+        fams.append((CounterMetricFamily(name, doc, labels=labels), key))
+    for name, key, doc in _PROBE_GAUGES:
+        fams.append((GaugeMetricFamily(name, doc, labels=labels), key))
+    conns = CounterMetricFamily("gpufootprint_probe_connections",
+                                "Probe connection attempts by result (ok, missing, refused, denied, busy, error).",
+                                labels=[*labels, "result"])
+    disc = CounterMetricFamily("gpufootprint_probe_disconnects",
+                               "Probe connections lost, by reason (peer_closed, send_error, recv_error, bad_control, "
+                               "goodbye).", labels=[*labels, "reason"])
+    for proc in snap.processes:
+        c = proc.probe_counters
+        if not c:
+            continue
+        base = [str(proc.pid), proc.source]
+        for fam, key in fams:
+            if key in c:
+                fam.add_metric(base, c[key])  # type: ignore[attr-defined]
+        for key, value in sorted(c.items()):
+            if key.startswith("connections_"):
+                conns.add_metric([*base, key[len("connections_"):]], value)
+            elif key.startswith("disconnects_"):
+                disc.add_metric([*base, key[len("disconnects_"):]], value)
+    yield from (fam for fam, _ in fams)
+    yield conns
+    yield disc

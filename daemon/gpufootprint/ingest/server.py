@@ -27,7 +27,7 @@ from pathlib import Path
 from gpufootprint.config import Config
 from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.pipeline import Pipeline
-from gpufootprint.ingest.session import Session
+from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
 from gpufootprint.wire.framing import Frame, FrameDecoder
 
@@ -84,12 +84,14 @@ def bind_probe_socket(path: str, mode: str, group: str | None) -> socket.socket:
 class IngestServer:
     def __init__(self, config: Config, pipeline: Pipeline, *, socket_path: str | None,
                  clock_ns: Callable[[], int] = time.time_ns,
-                 extra_daemon_values: Callable[[], dict[str, float]] | None = None) -> None:
+                 extra_daemon_values: Callable[[], dict[str, float]] | None = None,
+                 on_mark: MarkCallback | None = None) -> None:
         self.config = config
         self.pipeline = pipeline
         self.socket_path = socket_path
         self._clock_ns = clock_ns
         self._extra = extra_daemon_values
+        self._on_mark = on_mark  # called on the ingest thread with each probe MARK's state (tests, reports)
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._conns: dict[int, Connection] = {}
@@ -217,7 +219,8 @@ class IngestServer:
                 return
             sock.setblocking(False)
             pid, uid, _gid = peer_credentials(sock)
-            session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid)
+            session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid,
+                              on_mark=self._on_mark)
             conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes), session, pid, uid)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)

@@ -39,6 +39,9 @@ class Session:
         self.source = source
         self.name = name
         self.peer_pid = peer_pid  # set for live probes: the only pid it may speak for
+        # A probe in another pid namespace (a container) knows itself by another pid than the
+        # kernel's SO_PEERCRED one; its HELLO says which, and that pid is mapped to the peer's.
+        self.ns_pid: int | None = None
         self.on_mark = on_mark
         self.pids: set[int] = set()
         self.kernel_names: dict[int, str] = {}
@@ -84,7 +87,7 @@ class Session:
         elif ftype is FrameType.GOODBYE:
             body = frame.json()
             self._counters(body)
-            for pid in self.pids:
+            for pid in self._speakers(body):
                 self.pipeline.process_exited(pid, body.get("ts") if isinstance(body.get("ts"), int) else None)
         elif ftype is FrameType.STRINGS:
             for key, value in frame.json().items():
@@ -110,6 +113,11 @@ class Session:
             self.problem("unknown_record_kind", f"{self.name}: byte {frame.offset}: unknown record kind {frame.tag}")
             return
         recs = frame.records()
+        if self.ns_pid is not None and len(recs):
+            mine = recs["pid"] == self.ns_pid
+            if mine.any():
+                recs = recs.copy()
+                recs["pid"][mine] = self.peer_pid
         if self.peer_pid is not None:
             foreign = recs["pid"] != self.peer_pid
             if foreign.any():
@@ -146,6 +154,8 @@ class Session:
             self.problem("bad_hello", f"{self.name}: HELLO without an integer pid")
             return
         key = self.peer_pid if self.peer_pid is not None else pid
+        if self.peer_pid is not None and pid != self.peer_pid:
+            self.ns_pid = pid
         known = self.pipeline.processes.get(key)
         if known is not None and known.info.get("start_time") not in (None, hello.get("start_time")):
             known = self.pipeline.restart(key, self.source)  # the pid was reused by a new process
@@ -159,11 +169,24 @@ class Session:
         if not isinstance(counters, dict):
             return
         clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
-        for pid in self.pids:
+        for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).probe_counters.update(clean)
+
+    def _speakers(self, body: dict[str, Any]) -> set[int]:
+        """The pids a HEARTBEAT/GOODBYE speaks for: its own ``pid`` when it names one
+        (a recorded file can hold several probes' frames), else the whole stream's."""
+        pid = body.get("pid")
+        if self.ns_pid is not None and pid == self.ns_pid:
+            pid = self.peer_pid
+        if isinstance(pid, int) and (self.peer_pid is None or pid == self.peer_pid):
+            self._own(pid)
+            return {pid}
+        return set(self.pids)
 
     def _mark(self, mark: dict[str, Any]) -> None:
         ts, pid, dev = mark.get("ts"), mark.get("pid"), mark.get("dev", 0)
+        if self.ns_pid is not None and pid == self.ns_pid:
+            pid = self.peer_pid
         if not (isinstance(ts, int) and isinstance(pid, int) and isinstance(dev, int)):
             self.problem("bad_mark", f"{self.name}: mark {mark.get('label')!r} lacks integer ts/pid/dev")
             return
@@ -185,6 +208,8 @@ class Session:
         for key in ("torch_memory_reserved", "torch_memory_allocated"):
             if key in mark:
                 result[key] = mark[key]
+        for key, value in mark.items():  # the workload's own figures ride along for reports and tests
+            result.setdefault(key, value)
         if self.on_mark is not None:
             self.on_mark(result)
 

@@ -1,0 +1,200 @@
+"""Probe overhead: step-time ratios against no instrumentation, interleaved A/B.
+
+Each configuration lives in its own worker process (started once, so start-up
+costs are not measured); the parent runs rounds, and in every round asks each
+worker in a fresh random order to time its steps. Ratios compare a
+configuration with the uninstrumented worker of the same round, so drift of
+the machine hits both sides.
+
+  python bench/overhead.py --rounds 12 --out results.json
+
+Workloads: (a) a transformer training step (6 layers, d=1024, bf16, batch
+16x512); (b) a loop of 100 tiny ``add_`` launches per step. Configurations:
+none, probe (daemon listening), probe_daemon_away (socket missing: drops and
+counts), probe_gil_flush (the probe flushing through cupti-python's wrapper,
+which holds the GIL), torch_profiler (torch.profiler(profile_memory=True) around each
+round), memory_history (torch.cuda.memory._record_memory_history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS = ["none", "probe", "probe_daemon_away", "probe_gil_flush", "torch_profiler", "memory_history"]
+HERE = Path(__file__).resolve()
+
+
+# --- worker ---------------------------------------------------------------------
+
+
+def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
+    if config.startswith("probe"):
+        from gpufootprint import probe
+
+        ok = probe.start(socket=socket_path + ".absent" if config == "probe_daemon_away" else socket_path,
+                         flush_nogil=config != "probe_gil_flush")
+        if not ok:
+            print(json.dumps({"error": "probe did not start", "status": probe.status()}), flush=True)
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if config == "memory_history":
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 6).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    tiny = torch.zeros(256, device="cuda")
+
+    def step_a() -> None:
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step_b() -> None:
+        for _ in range(100):
+            tiny.add_(1.0)
+
+    def timed(fn: Any, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    for _ in range(3):
+        step_a()
+    timed(step_b, 20)
+    print(json.dumps({"ready": config}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        if config == "torch_profiler":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True):
+                a = timed(step_a, steps_a)
+                b = timed(step_b, steps_b)
+        else:
+            a = timed(step_a, steps_a)
+            b = timed(step_b, steps_b)
+        print(json.dumps({"a": a, "b": b}), flush=True)
+    extra: dict[str, Any] = {}
+    if config.startswith("probe"):
+        from gpufootprint import probe
+
+        extra["probe"] = probe.status()
+    print(json.dumps({"done": config, **extra}), flush=True)
+
+
+# --- parent -----------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps-a", type=int, default=15)
+    ap.add_argument("--steps-b", type=int, default=100)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--out", default="-")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.socket, args.steps_a, args.steps_b)
+        return 0
+
+    configs = args.configs.split(",")
+    tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
+    sock = os.path.join(tmp, "probe.sock")
+    from gpufootprint.config import load_config
+    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.ingest.server import IngestServer
+
+    cfg = load_config(env={})
+    server = IngestServer(cfg, Pipeline(cfg.footprint), socket_path=sock)
+    server.open()
+    threading.Thread(target=server.run, daemon=True).start()
+
+    procs: dict[str, subprocess.Popen[str]] = {}
+    for c in configs:
+        procs[c] = subprocess.Popen([sys.executable, str(HERE), "--worker", c, "--socket", sock,
+                                     "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for c, p in procs.items():
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        if "ready" not in line:
+            raise SystemExit(f"worker {c} failed to start: {line!r}")
+    rng = random.Random(args.seed)
+    steps: dict[str, dict[str, list[list[float]]]] = {c: {"a": [], "b": []} for c in configs}
+    t_start = time.time()
+    for _ in range(args.rounds):
+        order = configs[:]
+        rng.shuffle(order)
+        for c in order:
+            p = procs[c]
+            p.stdin.write("round\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            res = json.loads(p.stdout.readline())  # type: ignore[union-attr]
+            steps[c]["a"].append(res["a"])
+            steps[c]["b"].append(res["b"])
+    finals = {}
+    for c, p in procs.items():
+        p.stdin.write("stop\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        finals[c] = json.loads(p.stdout.readline())  # type: ignore[union-attr]
+        p.wait(30)
+    server.stop()
+
+    summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+                               "wall_seconds": round(time.time() - t_start, 1), "configs": {}}
+    base = steps.get("none")
+    for c in configs:
+        row: dict[str, Any] = {}
+        for w in ("a", "b"):
+            meds = [statistics.median(r) for r in steps[c][w]]
+            flat = [t for r in steps[c][w] for t in r]
+            row[w] = {"median_step_ms": round(statistics.median(flat) * 1e3, 4),
+                      "p99_step_ms": round(pct(flat, 99) * 1e3, 4)}
+            if base is not None:
+                bmeds = [statistics.median(r) for r in base[w]]
+                bflat = [t for r in base[w] for t in r]
+                ratios = [m / b for m, b in zip(meds, bmeds)]
+                row[w]["median_ratio"] = round(statistics.median(ratios), 4)
+                row[w]["round_ratio_min"] = round(min(ratios), 4)
+                row[w]["round_ratio_max"] = round(max(ratios), 4)
+                row[w]["p99_ratio"] = round(pct(flat, 99) / pct(bflat, 99), 4)
+        row["final"] = finals.get(c)
+        summary["configs"][c] = row
+    text = json.dumps(summary, indent=1)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(text + "\n")
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

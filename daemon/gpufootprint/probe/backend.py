@@ -1,0 +1,181 @@
+"""The hardware edge: CUPTI's activity API through cupti-python.
+
+``Backend`` is the small protocol the probe needs; ``CuptiBackend`` is the real
+one (cupti imported lazily, every call guarded: a CUPTI error is a state, never
+an exception into the workload). Tests pass their own object with the same
+methods that calls ``completed`` with fake records.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+Requested = Callable[[], tuple[int, int]]
+Completed = Callable[[list[Any]], None]
+
+# CUPTI_ActivityKind values the probe enables.
+MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UNIFIED_MEMORY_COUNTER, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
+ALWAYS_ON = (MEMORY2, MEMORY_POOL, MEMCPY, MEMCPY2, MEMSET)
+
+
+class Backend(Protocol):
+    def register(self, requested: Requested, completed: Completed) -> None: ...
+    def enable(self, kind: int) -> bool: ...
+    def disable(self, kind: int) -> bool: ...
+    def flush(self, forced: bool) -> None: ...
+    def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
+    def configure_unified_memory(self) -> bool: ...
+    def dropped_records(self) -> int: ...
+    def versions(self) -> dict[str, Any]: ...
+
+
+class CuptiBackend:
+    """cupti-python 13.x. Dispatches on ints, never on record class names."""
+
+    def __init__(self, flush_nogil: bool = False) -> None:
+        from cupti import cupti  # type: ignore[import-untyped]  # lazy: the first call loads libcupti
+
+        self._c = cupti
+        self.errors: list[str] = []
+        self._flush_nogil = flush_nogil
+        self._lib_flush: Any = None
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
+        try:
+            fn(*args)
+            return True
+        except (self._c.cuptiError, RuntimeError) as exc:
+            if len(self.errors) < 50:
+                self.errors.append(f"{what}: {exc}")
+            log.debug("cupti %s failed: %s", what, exc)
+            return False
+
+    def register(self, requested: Requested, completed: Completed) -> None:
+        if not self._call("activity_register_callbacks", self._c.activity_register_callbacks, requested, completed):
+            raise RuntimeError(self.errors[-1])
+
+    def enable(self, kind: int) -> bool:
+        return self._call(f"activity_enable({kind})", self._c.activity_enable, kind)
+
+    def disable(self, kind: int) -> bool:
+        return self._call(f"activity_disable({kind})", self._c.activity_disable, kind)
+
+    def flush(self, forced: bool) -> None:
+        # cupti-python's wrapper holds the GIL for the whole flush (measured: ~3 ms on
+        # the H200, every thread of the workload stalled). The same C function through
+        # ctypes releases the GIL; the buffer callbacks take it back as they run.
+        if self._flush_nogil and self._lib_flush is None:
+            self._lib_flush = _libcupti_function("cuptiActivityFlushAll") or False
+        if self._lib_flush:
+            status = self._lib_flush(ctypes.c_uint32(1 if forced else 0))
+            if status != 0 and len(self.errors) < 50:
+                self.errors.append(f"cuptiActivityFlushAll: status {status}")
+            return
+        self._call("activity_flush_all", self._c.activity_flush_all, 1 if forced else 0)
+
+    def _set(self, attr: int, value: int) -> bool:
+        v = ctypes.c_size_t(value)
+        sz = ctypes.c_size_t(ctypes.sizeof(v))
+        return self._call(f"activity_set_attribute({attr})", self._c.activity_set_attribute, attr,
+                          ctypes.addressof(sz), ctypes.addressof(v))
+
+    def _get(self, attr: int) -> int | None:
+        v = ctypes.c_size_t(0)
+        sz = ctypes.c_size_t(ctypes.sizeof(v))
+        ok = self._call(f"activity_get_attribute({attr})", self._c.activity_get_attribute, attr,
+                        ctypes.addressof(sz), ctypes.addressof(v))
+        return int(v.value) if ok else None
+
+    def configure(self, device_buffer_bytes: int, pool_limit: int) -> int:
+        """Bound CUPTI's device buffers; returns the bound in bytes (size x pool limit)."""
+        a = self._c.ActivityAttribute
+        self._set(a.ATTR_DEVICE_BUFFER_SIZE, device_buffer_bytes)
+        self._set(a.ATTR_DEVICE_BUFFER_POOL_LIMIT, pool_limit)
+        self._set(a.ATTR_DEVICE_BUFFER_PRE_ALLOCATE_VALUE, min(pool_limit, 1))
+        size = self._get(a.ATTR_DEVICE_BUFFER_SIZE) or device_buffer_bytes
+        limit = self._get(a.ATTR_DEVICE_BUFFER_POOL_LIMIT) or pool_limit
+        return size * limit
+
+    def configure_unified_memory(self) -> bool:
+        c = self._c
+        k = c.ActivityUnifiedMemoryCounterKind
+        kinds = [k.BYTES_TRANSFER_HTOD, k.BYTES_TRANSFER_DTOH, k.CPU_PAGE_FAULT_COUNT, k.GPU_PAGE_FAULT,
+                 k.THRASHING, k.THROTTLING, k.REMOTE_MAP, k.BYTES_TRANSFER_DTOD]
+        try:
+            cfg = c.ActivityUnifiedMemoryCounterConfig(len(kinds))
+            cfg.scope = 1  # as the cupti-python sample does: set for every entry
+            cfg.device_id = 0
+            cfg.enable = 1
+            for i, kind in enumerate(kinds):
+                cfg[i].kind = kind
+        except Exception as exc:  # noqa: BLE001 - the config class moved between releases
+            self.errors.append(f"unified memory config: {exc}")
+            return False
+        if not self._call("activity_configure_unified_memory_counter",
+                          c.activity_configure_unified_memory_counter, cfg.ptr, len(kinds)):
+            return False
+        return self.enable(UNIFIED_MEMORY_COUNTER)
+
+    def dropped_records(self) -> int:
+        v = ctypes.c_size_t(0)
+        ok = self._call("activity_get_num_dropped_records", self._c.activity_get_num_dropped_records, 0, 0,
+                        ctypes.addressof(v))
+        return int(v.value) if ok else 0
+
+    def versions(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        try:
+            from importlib.metadata import version
+
+            out["cupti_python"] = version("cupti-python")
+        except Exception:  # noqa: BLE001
+            pass
+        get_version = getattr(self._c, "get_version", None)
+        try:
+            if get_version is not None:
+                out["cupti"] = int(get_version())
+            else:
+                lib = ctypes.CDLL("libcupti.so.13")
+                v = ctypes.c_uint32(0)
+                if lib.cuptiGetVersion(ctypes.byref(v)) == 0:
+                    out["cupti"] = int(v.value)
+        except OSError:
+            pass
+        try:
+            from cuda.bindings import driver  # type: ignore[import-untyped]
+
+            err, v = driver.cuDriverGetVersion()
+            if int(err) == 0:
+                out["driver"] = int(v)
+        except Exception:  # noqa: BLE001
+            pass
+        return out
+
+
+def _libcupti_function(name: str) -> Any:
+    """A libcupti function through ctypes (GIL released during the call), or None.
+
+    Only when exactly one libcupti is mapped into the process, opened by that exact
+    path (so dlopen returns the copy cupti-python uses). A soname lookup found a
+    second copy on the H200 test machine (PyTorch's), with records lost and a crash.
+    """
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split(None, 5)[5].strip() for line in fh
+                     if "libcupti.so" in line and len(line.split(None, 5)) == 6}
+    except OSError:
+        return None
+    if len(paths) != 1:
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(paths.pop()), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_uint32]
+    return fn

@@ -1,0 +1,593 @@
+"""The probe: CUPTI callbacks -> packer -> queue -> sender thread -> socket/file.
+
+Threads and their duties:
+
+* CUPTI's thread (or whichever thread CUPTI flushes on) runs ``_completed``:
+  pack records into preallocated arrays, append full arrays to a deque, return.
+  No locks held across CUPTI, no I/O, no flush, never raises.
+* The sender thread owns everything else: it applies MEMORY records to the live
+  table, encodes frames, forces CUPTI flushes at the cadence the daemon asks
+  for (then sends a watermark), heartbeats, kernel windows, control messages,
+  reconnects with backoff and resyncs after every connect.
+* The workload's threads only call ``mark`` (optional) and, through the
+  torch.profiler hook, hand CUPTI over and take it back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.probe import hostinfo
+from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER, Backend
+from gpufootprint.probe.link import FileSink, SocketLink
+from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.packing import Packer
+from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.wire import framing
+from gpufootprint.wire.framing import Frame, FrameType
+
+log = logging.getLogger(__name__)
+
+_RESYNC_CHUNK = 4096
+
+
+class Probe:
+    def __init__(self, settings: ProbeSettings, backend: Backend | None = None, *,
+                 discover_devices: bool = True, clock_ns: Callable[[], int] = time.time_ns,
+                 nvml_used: Callable[[int, list[dict[str, Any]]], dict[int, int] | None] | None = None) -> None:
+        self.settings = settings
+        self.pid = os.getpid()
+        self._backend = backend
+        self._discover = discover_devices
+        self._clock_ns = clock_ns
+        self._nvml_used = nvml_used  # NVML's per-process used bytes by device (None: pynvml)
+        self._q: deque[Any] = deque()
+        # Written by one thread each (no lost updates without a lock): queued = in - out.
+        self._records_in = 0  # CUPTI's thread
+        self._records_out = 0  # the sender
+        self._urgent = threading.Event()  # a mark or a profiler hand-over waits in the queue
+        self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
+        self.packer = Packer(self.pid, self._sink, capacity=settings.capacity)
+        self.table = LiveTable()
+        self.link: SocketLink | None = None
+        if settings.socket:
+            self.link = SocketLink(settings.socket, buffer_bytes=settings.buffer_bytes,
+                                   backoff_max_s=settings.reconnect_max_ms / 1000, on_control=self._control)
+        self.tee: FileSink | None = None
+        self.counters: Counter[str] = Counter()
+        self.dropped_by_reason: Counter[str] = Counter()
+        self.callback_seconds = 0.0
+        self.own_device_bytes = 0
+        self.buffers_requested = 0
+        self.buffers_completed = 0
+        self.flush_s = settings.flush_ms / 1000
+        self.in_gap = False
+        self._gap_started_ns = 0
+        self.gap_seconds = 0.0
+        self.cuda_before = False
+        self.devices: list[dict[str, Any]] = []
+        self.versions: dict[str, Any] = {}
+        self.hello: dict[str, Any] = {}
+        self._kernel_window: dict[str, Any] | None = None
+        self._kernel_window_end = 0.0
+        self._want_resync = False
+        self._kernels_always = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.started = False
+        self.errors: list[str] = []
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Arm CUPTI and start the sender. False (and the workload untouched) on any failure."""
+        if self.started:
+            return True
+        try:
+            if self._backend is None:
+                from gpufootprint.probe.backend import CuptiBackend
+
+                self._backend = CuptiBackend(self.settings.flush_nogil)
+            if self._discover:
+                self.devices, self.cuda_before = hostinfo.cuda_devices()
+            self.versions = self._backend.versions()
+            self.own_device_bytes = self._backend.configure(self.settings.device_buffer_bytes,
+                                                            self.settings.device_buffer_pool_limit)
+            self._arm()
+            if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
+                self._kernels_always = True
+            if self.settings.unified_memory and not self._backend.configure_unified_memory():
+                self.counters["unified_memory_unsupported"] += 1
+        except Exception as exc:  # noqa: BLE001 - no CUPTI, no driver: the workload runs unprobed
+            self.errors.append(f"start: {exc}")
+            log.warning("gpufootprint probe not started: %s", exc)
+            return False
+        self.hello = hostinfo.hello(self.pid, self.versions, self.devices, self.cuda_before)
+        if self.settings.tee:
+            try:
+                self.tee = FileSink(self.settings.tee)
+            except OSError as exc:
+                self.errors.append(f"tee: {exc}")
+            else:
+                self.tee.write(framing.encode_json(FrameType.HELLO, self.hello))
+        self.started = True
+        self._thread = threading.Thread(target=self._run, name="gpufootprint-probe", daemon=True)
+        self._thread.start()
+        return True
+
+    def _arm(self) -> None:
+        assert self._backend is not None
+        self._backend.register(self._requested, self._completed)
+        for kind in ALWAYS_ON:
+            if not self._backend.enable(kind):
+                self.counters[f"kind_unavailable_{kind}"] += 1
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Final flush, GOODBYE, close. Safe to call twice and from atexit."""
+        if not self.started or self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # --- CUPTI callbacks (CUPTI's thread; never raise, never block) ---------------------
+
+    def _requested(self) -> tuple[int, int]:
+        self.buffers_requested += 1
+        return self.settings.cupti_buffer_bytes, 0
+
+    def _completed(self, records: list[Any]) -> None:
+        # CPU time of this thread: the callback's own cost, not time spent waiting for the GIL.
+        t0 = time.thread_time()
+        try:
+            self.buffers_completed += 1
+            self.packer.pack(records)
+        except Exception:  # noqa: BLE001
+            self.counters["callback_errors"] += 1
+        self.callback_seconds += time.thread_time() - t0
+
+    def _sink(self, chunk: tuple[RecordKind, np.ndarray]) -> None:
+        kind, arr = chunk
+        if kind is not RecordKind.MEMORY and self._records_in - self._records_out > self._max_queued:
+            self.counters["records_dropped"] += len(arr)  # the sender is far behind: shed volume, keep memory
+            self.dropped_by_reason["queue_full"] += len(arr)
+            return
+        self._records_in += len(arr)
+        self._q.append(chunk)
+
+    # --- the workload's API --------------------------------------------------------------
+
+    def mark(self, label: str, dev: int = 0, timeout: float = 5.0, **extra: Any) -> dict[str, Any] | None:
+        """A synchronised point: flush, then a MARK frame after every earlier record.
+
+        Call it after ``torch.cuda.synchronize()``. Blocks the caller up to ``timeout``
+        (marks are for tests and traces, not hot loops). Returns the mark as sent.
+        """
+        if not self.started:
+            return None
+        body: dict[str, Any] = {"label": label, "ts": self._clock_ns(), "pid": self.pid, "dev": dev, **extra}
+        done = threading.Event()
+        self._q.append(("mark", body, done))
+        self._urgent.set()
+        self._wake.set()
+        done.wait(timeout)
+        return body
+
+    def status(self) -> dict[str, Any]:
+        return {"started": self.started, "connected": bool(self.link and self.link.connected),
+                "in_gap": self.in_gap, **self._counter_values()}
+
+    # --- torch.profiler hand-over (workload thread) ----------------------------------------
+
+    def takeover_begin(self) -> None:
+        if not self.started or self.in_gap:
+            return
+        done = threading.Event()
+        self._q.append(("gap_begin", None, done))
+        self._urgent.set()
+        self._wake.set()
+        done.wait(2.0)
+        self.in_gap = True  # even if the sender was slow: no CUPTI calls from it now
+        self._gap_started_ns = time.monotonic_ns()
+
+    def takeover_end(self, before: list[tuple[int, int, int]], after_fn: Callable[[], list[tuple[int, int, int]]]) -> None:
+        if not self.started or not self.in_gap:
+            return
+        try:
+            assert self._backend is not None
+            # Hand every buffer still inside CUPTI to the callbacks registered now (the
+            # profiler's): a buffer the profiler allocated must never reach ours.
+            self._backend.flush(True)
+            self._arm()
+            if self.settings.unified_memory:
+                self._backend.configure_unified_memory()
+            if self._kernel_window is not None or self._kernels_always:
+                assert self._backend is not None
+                self._backend.enable(CONCURRENT_KERNEL)
+            self.counters["rearms"] += 1
+        except Exception as exc:  # noqa: BLE001
+            self.errors.append(f"re-arm: {exc}")
+            self.counters["rearm_failures"] += 1
+        after = after_fn()
+        done = threading.Event()
+        self._q.append(("gap_end", (before, after), done))
+        self._urgent.set()
+        self._wake.set()
+        done.wait(2.0)
+
+    # --- the sender thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        s = self.settings
+        now = time.monotonic()
+        next_flush = now + self.flush_s
+        next_hb = now + s.heartbeat_ms / 1000
+        next_untracked = now if self.cuda_before else float("inf")
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                if self.link is not None and not stopping and self.link.try_connect():
+                    self._on_connect()
+                now = time.monotonic()
+                urgent = self._urgent.is_set()
+                self._urgent.clear()
+                if stopping or urgent or now >= next_flush:
+                    self._flush_and_drain()
+                    next_flush = now + self.flush_s
+                else:
+                    self._drain()
+                if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
+                    self._close_kernel_window()
+                if now >= next_untracked:
+                    self._update_untracked()
+                    next_untracked = now + s.untracked_ms / 1000
+                if now >= next_hb and not stopping:
+                    self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
+                    next_hb = now + s.heartbeat_ms / 1000
+                if self.table.range_splits:
+                    self.table.range_splits = 0
+                    self._want_resync = True
+                if self._want_resync and self.link is not None and self.link.connected:
+                    self._want_resync = False
+                    self._resync("requested")
+                if self.link is not None:
+                    self.link.pump()
+                    self._count_lost()
+            except Exception as exc:  # noqa: BLE001 - keep going; the workload must not notice
+                self.counters["sender_errors"] += 1
+                if len(self.errors) < 20:
+                    self.errors.append(f"sender: {exc!r}")
+            if stopping:
+                self._goodbye()
+                return
+            wait = min(next_flush, next_hb) - time.monotonic()
+            if self._kernel_window is not None:
+                wait = min(wait, self._kernel_window_end - time.monotonic())
+            self._wake.wait(max(0.0005, wait))
+            self._wake.clear()
+
+    def _count_lost(self) -> None:
+        """Frames buffered for a connection that broke before they were sent (sender thread)."""
+        link = self.link
+        if link is not None and (link.lost_records or link.lost_marks):
+            c = self.counters
+            c["records_dropped"] += link.lost_records
+            c["records_sent"] -= link.lost_records
+            self.dropped_by_reason["disconnect"] += link.lost_records
+            c["marks_dropped"] += link.lost_marks
+            link.lost_records = link.lost_marks = 0
+
+    def _flush_and_drain(self) -> None:
+        t = self._clock_ns()
+        if not self.in_gap and self._backend is not None:
+            t0 = time.perf_counter()
+            self._backend.flush(True)
+            self.counters["flushes"] += 1
+            self.counters["flush_ns"] += int((time.perf_counter() - t0) * 1e9)
+        self.packer.flush()
+        self._drain()
+        self.table.advance(t)
+        if not self.in_gap:
+            self._emit(framing.encode_watermark(t))
+
+    def _drain(self) -> None:
+        q = self._q
+        while q:
+            item = q.popleft()
+            head = item[0]
+            if isinstance(head, RecordKind):
+                self._records_out += len(item[1])
+                self._records(head, item[1])
+            elif head == "mark":
+                # Everything CUPTI holds from before the mark goes out ahead of it.
+                if not self.in_gap and self._backend is not None:
+                    self._backend.flush(True)
+                self.packer.flush()
+                self._drain_records_only()
+                self.table.advance(item[1]["ts"])
+                self._mark(item[1])
+                item[2].set()
+            elif head == "gap_begin":
+                if self._backend is not None:
+                    self._backend.flush(True)
+                    # Stop producing records: buffers CUPTI fills after the profiler
+                    # registers its callbacks belong to the profiler, not to us.
+                    for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
+                        self._backend.disable(kind)
+                self.packer.flush()
+                self.in_gap = True
+                item[2].set()
+            elif head == "gap_end":
+                self._gap_end(*item[1])
+                item[2].set()
+
+    def _records(self, kind: RecordKind, arr: np.ndarray) -> None:
+        if kind is RecordKind.MEMORY:
+            self.table.add(arr)
+        if kind is RecordKind.KERNEL:
+            names = self.packer.take_new_names()
+            if names:
+                self._emit(framing.encode_json(FrameType.STRINGS, {str(i): n for i, n in names}), must=True)
+        frame = framing.encode_batch(kind, arr)
+        n = len(arr)
+        if self._emit(frame, records=n):
+            self.counters["records_sent"] += n
+            self.counters["batches_sent"] += 1
+        else:
+            self.counters["records_dropped"] += n
+            self.dropped_by_reason["daemon_away" if not (self.link and self.link.connected) else "buffer_full"] += n
+        self.packer.give_back(kind, arr.base if arr.base is not None and len(arr) < self.packer.capacity else arr)
+
+    def _emit(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
+        """To the tee (always) and the socket (when connected). True if the socket took it."""
+        if self.tee is not None:
+            try:
+                self.tee.write(frame)
+            except OSError:
+                self.counters["tee_errors"] += 1
+        if self.link is None:
+            return self.tee is not None
+        return self.link.put(frame, must=must, records=records, mark=mark)
+
+    def _mark(self, body: dict[str, Any]) -> None:
+        dev = body.get("dev", 0)
+        dev = dev if isinstance(dev, int) else 0
+        body.setdefault("expect_live_bytes", self.table.live_by_kind(dev))
+        segs = body.get("torch_segments")
+        if isinstance(segs, list):
+            # DEVICE bytes outside PyTorch's segments: CUDA libraries' own memory.
+            body["expect_library_device_bytes"] = self.table.device_bytes_outside(dev, segs)
+        if not self._emit(framing.encode_json(FrameType.MARK, body), must=True, mark=True):
+            self.counters["marks_dropped"] += 1
+
+    # --- connection -------------------------------------------------------------------
+
+    def _on_connect(self) -> None:
+        self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
+        if self.packer.names:
+            self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
+        self._flush_and_drain()
+        self._resync("connect")
+
+    def _emit_link(self, frame: bytes) -> None:
+        if self.link is not None:
+            self.link.put(frame, must=True)
+
+    def _resync(self, reason: str) -> None:
+        """RESYNC_BEGIN, the whole live table as MEMORY batches, RESYNC_END (socket only)."""
+        ts = self._clock_ns()
+        self.table.advance(ts)
+        arr = self.table.to_array(ts)
+        self._emit_link(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
+                                                                      "entries": len(arr), "pid": self.pid}))
+        for i in range(0, len(arr), _RESYNC_CHUNK):
+            self._emit_link(framing.encode_batch(RecordKind.MEMORY, arr[i:i + _RESYNC_CHUNK]))
+        self._emit_link(framing.encode_json(FrameType.RESYNC_END, {"ts": ts, "pid": self.pid}))
+        self.counters["resyncs"] += 1
+        if self.tee is not None and reason != "connect":
+            # A file has no reconnects, but a gap resync changes the table: record it too.
+            self.tee.write(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
+                                                                        "entries": len(arr), "pid": self.pid}))
+            for i in range(0, len(arr), _RESYNC_CHUNK):
+                self.tee.write(framing.encode_batch(RecordKind.MEMORY, arr[i:i + _RESYNC_CHUNK]))
+            self.tee.write(framing.encode_json(FrameType.RESYNC_END, {"ts": ts, "pid": self.pid}))
+
+    def _gap_end(self, before: list[tuple[int, int, int]], after: list[tuple[int, int, int]]) -> None:
+        if self._backend is not None:
+            self._backend.flush(True)
+        self.packer.flush()
+        # Apply what arrived before the hand-back was queued, then rebuild PyTorch's part.
+        self._drain_records_only()
+        self.table.advance(self._clock_ns())
+        self.table.split_torch_owned(before + after)
+        self.table.add_torch_segments(after, self._clock_ns(), self.pid)
+        self.gap_seconds += (time.monotonic_ns() - self._gap_started_ns) / 1e9
+        self.in_gap = False
+        self.counters["profiler_gaps"] += 1
+        self._resync("profiler_gap")
+
+    def _drain_records_only(self) -> None:
+        rest: deque[Any] = deque()
+        while self._q:
+            item = self._q.popleft()
+            if isinstance(item[0], RecordKind):
+                self._records_out += len(item[1])
+                self._records(item[0], item[1])
+            else:
+                rest.append(item)
+        self._q.extendleft(reversed(rest))
+
+    # --- control ------------------------------------------------------------------------
+
+    def _control(self, frame: Frame) -> None:
+        try:
+            body = frame.json() if frame.type is FrameType.CONTROL else None
+        except Exception:  # noqa: BLE001
+            body = None
+        op = body.get("op") if body else None
+        try:
+            if op == "flush_interval":
+                ms = int(body["ms"])  # type: ignore[index]
+                self.flush_s = min(1000, max(1, ms)) / 1000
+                self.counters["control_flush_interval"] += 1
+            elif op == "kernel_window":
+                self._open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
+            elif op == "resync":
+                self._want_resync = True
+            elif op == "torch_empty_cache":
+                torch = sys.modules.get("torch")
+                if torch is not None and torch.cuda.is_initialized():
+                    torch.cuda.empty_cache()
+                self.counters["control_empty_cache"] += 1
+            elif op == "torch_memory_fraction":
+                torch = sys.modules.get("torch")
+                if torch is not None:
+                    torch.cuda.set_per_process_memory_fraction(float(body["fraction"]),  # type: ignore[index]
+                                                               int(body.get("device", 0)))  # type: ignore[union-attr]
+                self.counters["control_memory_fraction"] += 1
+            else:
+                self.counters["control_unknown"] += 1
+        except Exception:  # noqa: BLE001 - a bad control message is counted, never raised
+            self.counters["control_unknown"] += 1
+
+    def _open_kernel_window(self, ms: int, wid: int) -> None:
+        ms = max(1, min(ms, 60_000))
+        if self._kernel_window is None:
+            if self.in_gap or self._backend is None or not self._backend.enable(CONCURRENT_KERNEL):
+                self.counters["kernel_windows_refused"] += 1
+                return
+            self._kernel_window = {"id": wid, "start_ns": self._clock_ns()}
+            self.counters["kernel_windows"] += 1
+        else:
+            self._kernel_window["id"] = wid
+        self._kernel_window_end = time.monotonic() + ms / 1000
+        self._wake.set()
+
+    def _close_kernel_window(self) -> None:
+        window, self._kernel_window = self._kernel_window, None
+        if window is None:
+            return
+        if not self.in_gap and self._backend is not None and not self._kernels_always:
+            self._backend.disable(CONCURRENT_KERNEL)
+        self._flush_and_drain()
+        window["end_ns"] = self._clock_ns()
+        body = self._heartbeat()
+        body["kernel_window"] = window
+        self._emit(framing.encode_json(FrameType.HEARTBEAT, body), must=True)
+
+    # --- untracked memory (CUDA started before the probe) ---------------------------------
+
+    def _update_untracked(self) -> None:
+        if self._nvml_used is None:
+            from gpufootprint.probe.untracked import nvml_used_bytes
+
+            self._nvml_used = nvml_used_bytes
+        used = self._nvml_used(self.pid, self.devices)
+        if used is None:
+            return
+        ts = self._clock_ns()
+        rows = []
+        for dev, nbytes in used.items():
+            seen = self.table.resident_bytes(dev)
+            want = max(0, nbytes - seen)
+            old = self.table.rows.get(_untracked_addr(dev))
+            if old is not None and old[2] == want:
+                continue
+            old = self.table.set_untracked(dev, want, ts, self.pid)
+            if old is not None:
+                rows.append((ts, *old[1:12], 2, *old[13:]))
+            new = self.table.rows.get(_untracked_addr(dev))
+            if new is not None:
+                rows.append(new)
+        if rows:
+            arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
+            for i, r in enumerate(rows):
+                arr[i] = r
+            if self._emit(framing.encode_batch(RecordKind.MEMORY, arr)):
+                self.counters["records_sent"] += len(arr)
+
+    # --- heartbeats ---------------------------------------------------------------------------
+
+    def _counter_values(self) -> dict[str, Any]:
+        c = self.counters
+        outstanding = max(0, self.buffers_requested - self.buffers_completed)
+        host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
+        if self.link is not None:
+            host += self.link.buffered
+        return {
+            "records_sent": c["records_sent"], "records_dropped": c["records_dropped"],
+            "batches_sent": c["batches_sent"], "reconnects": max(0, (self.link.connects if self.link else 0) - 1),
+            "callback_seconds": round(self.callback_seconds, 6), "own_device_bytes": self.own_device_bytes,
+            "own_host_bytes": host, "kernel_windows": c["kernel_windows"], "control_unknown": c["control_unknown"],
+            "cupti_gap_seconds": round(self.gap_seconds + (time.monotonic_ns() - self._gap_started_ns) / 1e9
+                                       if self.in_gap else self.gap_seconds, 6),
+            "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
+            "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
+            "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
+            "cupti_dropped_records": self._cupti_dropped(),
+            **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},
+            **{f"disconnects_{k}": v for k, v in (self.link.disconnects.items() if self.link else ())},
+            **{f"dropped_{k}": v for k, v in self.dropped_by_reason.items()},
+        }
+
+    def _cupti_dropped(self) -> int:
+        if self._backend is None or self.in_gap:
+            return int(self.counters["cupti_dropped_records"])
+        try:
+            self.counters["cupti_dropped_records"] += int(self._backend.dropped_records())
+        except Exception:  # noqa: BLE001
+            pass
+        return int(self.counters["cupti_dropped_records"])
+
+    def _heartbeat(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"ts": self._clock_ns(), "pid": self.pid, "counters": self._counter_values()}
+        torch_numbers = _torch_numbers()
+        if torch_numbers:
+            body["torch"] = torch_numbers
+        return body
+
+    def _goodbye(self) -> None:
+        try:
+            self._flush_and_drain()
+            if self._kernel_window is not None:
+                self._close_kernel_window()
+            self._emit(framing.encode_json(FrameType.GOODBYE, self._heartbeat()), must=True)
+            if self.link is not None:
+                self.link.drain(1.0)
+                self.link.close("goodbye")
+                self._count_lost()
+        finally:
+            if self.tee is not None:
+                self.tee.close()
+
+
+def _untracked_addr(dev: int) -> int:
+    from gpufootprint.probe.livetable import untracked_address
+
+    return untracked_address(dev)
+
+
+def _torch_numbers() -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    try:
+        if not torch.cuda.is_initialized():
+            return {}
+        n = torch.cuda.device_count()
+        return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
+                "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
+    except Exception:  # noqa: BLE001
+        return {}

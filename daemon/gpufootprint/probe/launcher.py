@@ -1,0 +1,229 @@
+"""``gpufootprint run`` and ``gpufootprint record``: start a command with the probe in it.
+
+Both put ``bootstrap/`` (a ``sitecustomize``) first on the children's PYTHONPATH
+and set ``GPUFOOTPRINT_PROBE=1``, so the command and every Python process it
+starts (``torchrun`` workers, ``multiprocessing`` spawn children, subprocesses)
+start a probe before their first CUDA call. ``run`` points the probes at the
+daemon's socket; ``record`` points them at a relay in this process that writes
+every probe's frames into one file, the same frames a daemon would receive.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from gpufootprint.errors import GpuFootprintError
+from gpufootprint.records import RecordKind
+from gpufootprint.wire import framing
+from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder, FrameType
+
+log = logging.getLogger(__name__)
+
+BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
+
+
+def probe_env(socket_path: str, base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    paths = [BOOTSTRAP_DIR]
+    pkg_parent = str(Path(__file__).resolve().parents[2])
+    if Path(pkg_parent).name not in ("site-packages", "dist-packages"):
+        paths.append(pkg_parent)  # a source checkout: children must import gpufootprint too
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["GPUFOOTPRINT_PROBE"] = "1"
+    env["GPUFOOTPRINT_PROBE_SOCKET"] = socket_path
+    env.update(extra)
+    return env
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> int:
+    try:
+        child = subprocess.Popen(cmd, env=env)
+    except OSError as exc:
+        raise GpuFootprintError(f"cannot start {cmd[0]!r}: {exc.strerror}") from None
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rc = child.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 - rc if rc < 0 else rc
+
+
+def settings_env(probe_config: Any) -> dict[str, str]:
+    """GPUFOOTPRINT_PROBE_* variables from the daemon configuration's ``probe:`` section."""
+    if probe_config is None:
+        return {}
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(probe_config):
+        v = getattr(probe_config, f.name)
+        out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+    return out
+
+
+def run(cmd: list[str], socket_path: str, probe_config: Any = None) -> int:
+    """Run ``cmd`` probed, reporting to the daemon at ``socket_path``; returns its exit status."""
+    if not Path(socket_path).exists():
+        log.warning("no daemon socket at %s yet: the probes will keep retrying, dropping and counting", socket_path)
+    env = probe_env(socket_path)
+    env.update(settings_env(probe_config))
+    return _spawn(cmd, env)
+
+
+# --- record: a relay that writes every probe's frames to one file ---------------------
+
+
+class Relay:
+    """Accepts probe connections and writes their frames into one native stream.
+
+    A file has no per-connection context, so the relay keeps each probe's frames
+    self-describing: watermarks (which apply to a whole stream) are left out,
+    a resync block is written whole, and kernel-name ids of the second and later
+    probes are moved to their own range.
+    """
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+        self._dir = tempfile.mkdtemp(prefix="gpufootprint-record-")
+        self.socket_path = os.path.join(self._dir, "probe.sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        raw: IO[bytes] = open(output, "wb")  # noqa: SIM115
+        self._raw = raw
+        self._fh: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) if output.endswith(".gz") else raw  # type: ignore[assignment]
+        self._fh.write(PREAMBLE)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._stop = threading.Event()
+        self._open = 0
+        self._seen = 0
+        self.frames = 0
+        self.problems: list[str] = []
+        self._thread = threading.Thread(target=self._loop, name="gpufootprint-record", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not (self._stop.is_set() and self._open == 0):
+            for key, _ in self._sel.select(0.05):
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read(key.fileobj, key.data)  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        sock.setblocking(False)
+        state = {"decoder": FrameDecoder(), "index": self._seen, "resync": None}
+        self._seen += 1
+        self._open += 1
+        self._sel.register(sock, selectors.EVENT_READ, state)
+
+    def _read(self, sock: socket.socket, state: dict) -> None:  # type: ignore[type-arg]
+        try:
+            data = sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            for frame in state["decoder"].feed(data):
+                self._write(frame, state)
+            if state["decoder"].error is None:
+                return
+            self.problems.append(str(state["decoder"].error))
+        self._sel.unregister(sock)
+        sock.close()
+        self._open -= 1
+
+    def _write(self, frame: Frame, state: dict) -> None:  # type: ignore[type-arg]
+        if frame.type is FrameType.WATERMARK:
+            return
+        data = framing.encode(frame.type, frame.payload, frame.tag)
+        shift = state["index"] << 24
+        if shift and frame.type is FrameType.STRINGS:
+            body = frame.json()
+            data = framing.encode_json(FrameType.STRINGS, {str(int(k) | shift): v for k, v in body.items()
+                                                           if k.isdigit()})
+        elif shift and frame.type is FrameType.BATCH and frame.tag == RecordKind.KERNEL:
+            recs = frame.records().copy()
+            recs["name_id"] |= np.uint32(shift)
+            data = framing.encode_batch(RecordKind.KERNEL, recs)
+        if frame.type is FrameType.RESYNC_BEGIN:
+            state["resync"] = [data]
+            return
+        if state["resync"] is not None:
+            state["resync"].append(data)
+            if frame.type is FrameType.RESYNC_END:
+                for part in state["resync"]:
+                    self._fh.write(part)
+                self.frames += len(state["resync"])
+                state["resync"] = None
+            return
+        self._fh.write(data)
+        self.frames += 1
+
+    def close(self, linger_s: float = 5.0) -> None:
+        """Stop after the connected probes hang up (or ``linger_s``)."""
+        end = time.monotonic() + linger_s
+        while self._open and time.monotonic() < end:
+            time.sleep(0.02)
+        self._stop.set()
+        self._open = 0
+        self._thread.join(2.0)
+        self._sel.close()
+        self._listener.close()
+        self._fh.close()
+        if self._raw is not self._fh:
+            self._raw.close()
+        try:
+            os.unlink(self.socket_path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+
+def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
+    """Run ``cmd`` probed, writing every probe's frames to ``output`` (.gz compresses)."""
+    try:
+        relay = Relay(output)
+    except OSError as exc:
+        raise GpuFootprintError(f"cannot write {output}: {exc.strerror}") from None
+    relay.start()
+    try:
+        env = probe_env(relay.socket_path)
+        env.update(settings_env(probe_config))
+        return _spawn(cmd, env)
+    finally:
+        relay.close()
+        log.info("recorded frames=%d file=%s", relay.frames, output)

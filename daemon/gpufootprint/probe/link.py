@@ -1,0 +1,191 @@
+"""Where the probe's frames go: the daemon's Unix socket, and optionally a file.
+
+Two twins with one interface (memray's SocketDestination/FileDestination): the
+same bytes, so a recorded file replays exactly like a live connection. The
+socket link never blocks: frames wait in a bounded byte buffer; a frame that does
+not fit is dropped and counted; when the daemon is away the link reconnects with
+exponential backoff and tells its owner, who then sends a full resync.
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import logging
+import random
+import socket
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import IO
+
+from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder
+
+log = logging.getLogger(__name__)
+
+
+class FileSink:
+    """Every frame, in order, to a file (``record`` and ``tee``). Never drops."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        raw: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._fh: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=4) if path.endswith(".gz") else raw  # type: ignore[assignment]
+        self._raw = raw
+        self._fh.write(PREAMBLE)
+        self.bytes_written = len(PREAMBLE)
+
+    def write(self, frame: bytes) -> None:
+        self._fh.write(frame)
+        self.bytes_written += len(frame)
+
+    def close(self) -> None:
+        try:
+            self._fh.close()
+        finally:
+            if self._raw is not self._fh:
+                self._raw.close()
+
+
+class SocketLink:
+    def __init__(self, path: str, *, buffer_bytes: int, backoff_max_s: float,
+                 on_control: Callable[[Frame], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.buffer_bytes = buffer_bytes
+        self.backoff_max_s = backoff_max_s
+        self._on_control = on_control
+        self._clock = clock
+        self._sock: socket.socket | None = None
+        self._out = bytearray()
+        self._decoder: FrameDecoder | None = None
+        self._backoff = 0.05
+        self._next_try = 0.0
+        self.connects = 0
+        self.connections: Counter[str] = Counter()  # result -> n (ok, refused, missing, error)
+        self.disconnects: Counter[str] = Counter()  # reason -> n
+        self.bytes_sent = 0
+        self.frames_dropped = 0
+        # (stream offset where the frame ends, records, is a mark) per buffered frame that
+        # carries either, so a broken connection can say what it lost.
+        self._ledger: deque[tuple[int, int, int]] = deque()
+        self._put_total = 0  # bytes queued on this connection
+        self._sent_total = 0  # bytes the socket took on this connection
+        self.lost_records = 0
+        self.lost_marks = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    @property
+    def buffered(self) -> int:
+        return len(self._out)
+
+    def try_connect(self) -> bool:
+        """Connect if the backoff allows; True when a new connection was made."""
+        if self._sock is not None or not self.path:
+            return False
+        now = self._clock()
+        if now < self._next_try:
+            return False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            result = {errno.ENOENT: "missing", errno.ECONNREFUSED: "refused",
+                      errno.EACCES: "denied", errno.EAGAIN: "busy"}.get(exc.errno or 0, "error")
+            self.connections[result] += 1
+            self._next_try = now + self._backoff * (0.5 + random.random())
+            self._backoff = min(self._backoff * 2, self.backoff_max_s)
+            return False
+        self._sock = sock
+        self._out.clear()
+        self._out += PREAMBLE
+        self._put_total = len(PREAMBLE)
+        self._sent_total = 0
+        self._decoder = FrameDecoder()
+        self._decoder.feed(PREAMBLE)  # the daemon sends bare frames
+        self._backoff = 0.05
+        self.connects += 1
+        self.connections["ok"] += 1
+        return True
+
+    def put(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
+        """Queue a frame; False (dropped) when not connected or the buffer is full."""
+        if self._sock is None:
+            return False
+        if not must and len(self._out) + len(frame) > self.buffer_bytes:
+            self.frames_dropped += 1
+            return False
+        self._put_total += len(frame)
+        if records or mark:
+            self._ledger.append((self._put_total, records, int(mark)))
+        self._out += frame
+        return True
+
+    def _sent(self, n: int) -> None:
+        self._sent_total += n
+        ledger = self._ledger
+        while ledger and ledger[0][0] <= self._sent_total:
+            ledger.popleft()
+
+    def pump(self) -> None:
+        """Send what the socket takes now and read control frames; never blocks."""
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while self._out:
+                n = sock.send(self._out[:1 << 20])
+                if n <= 0:
+                    break
+                del self._out[:n]
+                self.bytes_sent += n
+                self._sent(n)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self.close("send_error" if exc.errno not in (errno.EPIPE, errno.ECONNRESET) else "peer_closed")
+            return
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    self.close("peer_closed")
+                    return
+                assert self._decoder is not None
+                for frame in self._decoder.feed(data):
+                    self._on_control(frame)
+                if self._decoder.error is not None:
+                    self.close("bad_control")
+                    return
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.close("recv_error")
+
+    def close(self, reason: str) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.close()
+        finally:
+            self._sock = None
+            self._decoder = None
+            self._out.clear()
+            for _end, records, mark in self._ledger:
+                self.lost_records += records
+                self.lost_marks += mark
+            self._ledger.clear()
+            self.disconnects[reason] += 1
+            self._next_try = self._clock() + self._backoff
+
+    def drain(self, timeout_s: float) -> None:
+        """At exit: give the socket up to ``timeout_s`` to take what is buffered."""
+        end = self._clock() + timeout_s
+        while self._sock is not None and self._out and self._clock() < end:
+            self.pump()
+            if self._out:
+                time.sleep(0.002)

@@ -1,0 +1,169 @@
+"""The probe's own live allocation table, sent whole after every (re)connect.
+
+CUPTI delivers records out of timestamp order, and stream-ordered allocators
+free and reuse an address quickly, so records wait in ``pending`` until a forced
+flush says every earlier one has arrived, then apply in timestamp order (as the
+daemon's pipeline does). Entries built from PyTorch's segment
+list after a profiler gap may cover several CUPTI allocations (expandable
+segments map in chunks); a release inside such a range shrinks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
+
+Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
+_ALLOC: Final = int(MemoryOp.ALLOCATION)
+_RELEASE: Final = int(MemoryOp.RELEASE)
+
+# Field positions in a MEMORY_DTYPE row tuple.
+TS, ADDR, BYTES = 0, 1, 2
+PID, DEV = 7, 8
+OP, MK, IS_ASYNC = 12, 13, 14
+
+
+@dataclass
+class LiveTable:
+    rows: dict[int, Row] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
+    ranges: dict[int, Row] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
+    pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
+    stale_releases: int = 0
+    range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
+
+    def add(self, recs: np.ndarray) -> None:
+        """Queue MEMORY records as CUPTI delivered them; ``advance`` applies them in time order."""
+        if len(recs):
+            self.pending.append(recs.copy())
+
+    def advance(self, ts: int) -> None:
+        """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
+
+        Delivery order is not time order, and stream-ordered allocators reuse an
+        address within microseconds; in time order allocation and release of an
+        address alternate exactly (measured on the H200), so the table stays exact.
+        """
+        if not self.pending:
+            return
+        recs = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+        due = recs["ts"] <= ts
+        if due.all():
+            self.pending = []
+            ready = recs
+        else:
+            self.pending = [recs[~due]]
+            ready = recs[due]
+        if len(ready):
+            self.apply(ready[np.argsort(ready["ts"], kind="stable")])
+
+    def apply(self, recs: np.ndarray) -> None:
+        """Apply MEMORY records in the given order (callers sort them by time)."""
+        rows = self.rows
+        for row in recs.tolist():
+            op, addr = row[OP], row[ADDR]
+            if op == _ALLOC:
+                rows[addr] = row
+            elif (op == _RELEASE and rows.pop(addr, None) is None
+                  and not (self.ranges and self._cut_range(addr, row[BYTES]))):
+                self.stale_releases += 1
+
+    def _cut_range(self, addr: int, size: int) -> bool:
+        for start, row in self.ranges.items():
+            end = start + row[BYTES]
+            if start <= addr < end:
+                del self.ranges[start]
+                head = addr - start
+                tail = end - (addr + size)
+                if head > 0:
+                    self.ranges[start] = _with(row, start, head)
+                if tail > 0:
+                    self.ranges[addr + size] = _with(row, addr + size, tail)
+                if head > 0 or tail > 0:
+                    self.range_splits += 1
+                return True
+        return False
+
+    def set_untracked(self, dev: int, nbytes: int, ts: int, pid: int) -> Row | None:
+        """Replace the synthetic UNTRACKED entry of ``dev``; returns the old row (for a release)."""
+        addr = untracked_address(dev)
+        old = self.rows.pop(addr, None)
+        if nbytes > 0:
+            self.rows[addr] = (ts, addr, nbytes, 0, 0, 0, 0, pid, dev, 0, 0, 0, _ALLOC, int(MemoryKind.UNTRACKED), 0, 0)
+        return old
+
+    def resident_bytes(self, dev: int, *, exclude_untracked: bool = True) -> int:
+        total = 0
+        for row in self._all():
+            if row[DEV] == dev and row[MK] in DEVICE_RESIDENT_KINDS:
+                if exclude_untracked and row[MK] == MemoryKind.UNTRACKED:
+                    continue
+                total += row[BYTES]
+        return total
+
+    def live_by_kind(self, dev: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self._all():
+            if row[DEV] == dev:
+                name = MemoryKind(row[MK]).name.lower() if row[MK] in MemoryKind._value2member_map_ else str(row[MK])
+                out[name] = out.get(name, 0) + row[BYTES]
+        return {k: v for k, v in out.items() if v}
+
+    def device_bytes_outside(self, dev: int, segments: list) -> int:  # type: ignore[type-arg]
+        """Non-async DEVICE bytes of ``dev`` not inside any (dev, addr, size) segment."""
+        spans = [(int(a), int(a) + int(s)) for d, a, s in segments if int(d) == dev]
+        total = 0
+        for row in self._all():
+            if (row[DEV] == dev and row[MK] == MemoryKind.DEVICE and not row[IS_ASYNC]
+                    and not any(lo <= row[ADDR] < hi for lo, hi in spans)):
+                total += row[BYTES]
+        return total
+
+    def _all(self) -> list[Row]:
+        return [*self.rows.values(), *self.ranges.values()]
+
+    def to_array(self, ts: int) -> np.ndarray:
+        """The whole table as allocation records (for RESYNC)."""
+        rows = self._all()
+        arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
+        for i, row in enumerate(rows):
+            arr[i] = row
+        return arr
+
+    # --- profiler gap --------------------------------------------------------------
+
+    def split_torch_owned(self, segments: list[tuple[int, int, int]]) -> None:
+        """Drop the entries PyTorch's allocator owns (inside ``segments`` = (dev, addr, size))."""
+        spans = sorted((a, a + s) for _, a, s in segments)
+        starts = [a for a, _ in spans]
+        import bisect
+
+        def inside(addr: int) -> bool:
+            i = bisect.bisect_right(starts, addr) - 1
+            return i >= 0 and addr < spans[i][1]
+
+        self.rows = {a: r for a, r in self.rows.items()
+                     if not (r[MK] == MemoryKind.DEVICE and not r[IS_ASYNC] and inside(a))}
+        self.ranges.clear()
+
+    def add_torch_segments(self, segments: list[tuple[int, int, int]], ts: int, pid: int) -> None:
+        for dev, addr, size in segments:
+            row = (ts, addr, size, 0, 0, 0, 0, pid, dev, 0, 0, 0, _ALLOC, int(MemoryKind.DEVICE), 0, 0)
+            if addr in self.rows:
+                self.rows[addr] = row  # a CUPTI record of it came in after re-arming
+            else:
+                self.ranges[addr] = row
+
+
+def untracked_address(dev: int) -> int:
+    """A fixed address no allocation can have (the top of the 64-bit space)."""
+    return 0xFFFF_FFFF_FFFF_0000 | (dev & 0xFFFF)
+
+
+def _with(row: Row, addr: int, size: int) -> Row:
+    r = list(row)
+    r[ADDR], r[BYTES] = addr, size
+    return tuple(r)

@@ -1,0 +1,199 @@
+"""Packing cupti-python record objects into the record dtypes.
+
+This runs inside CUPTI's buffer-completed callback, on CUPTI's thread, holding
+the GIL: it must be short and must never raise. Each record is read duck-typed
+(dispatch on ``rec.kind``, never on class names, which change between
+cupti-python releases) and written as one tuple into a preallocated structured
+array. Full arrays are handed to the sender through ``sink`` and replaced from a
+free list the sender refills, so the steady state allocates nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+from gpufootprint.records import DTYPES, RecordKind
+
+# CUPTI_ActivityKind numbers (stable C ABI values; see notes/cupti-api.md).
+CUPTI_MEMCPY: Final = 1
+CUPTI_MEMSET: Final = 2
+CUPTI_KERNEL: Final = 3
+CUPTI_CONCURRENT_KERNEL: Final = 10
+CUPTI_MEMCPY2: Final = 22
+CUPTI_UNIFIED_MEMORY_COUNTER: Final = 25
+CUPTI_MEMORY2: Final = 49
+CUPTI_MEMORY_POOL: Final = 50
+
+_POOL_LOCAL: Final = 1
+_UM_DTOH: Final = 2
+_U32: Final = 0xFFFFFFFF
+
+#: (RecordKind, array) handed from the callback to the sender.
+Chunk = tuple[RecordKind, np.ndarray]
+
+
+class Packer:
+    """Owns one partly filled array per record kind; called from CUPTI's thread."""
+
+    def __init__(self, pid: int, sink: Callable[[Chunk], None], *, capacity: int = 4096,
+                 spare_arrays: int = 2) -> None:
+        self.pid = pid
+        self.capacity = capacity
+        self._sink = sink
+        self._free: dict[RecordKind, deque[np.ndarray]] = {
+            k: deque(np.zeros(capacity, dtype=DTYPES[k]) for _ in range(spare_arrays)) for k in RecordKind
+        }
+        self._arr: dict[RecordKind, np.ndarray] = {k: self._take(k) for k in RecordKind}
+        self._n: dict[RecordKind, int] = {k: 0 for k in RecordKind}
+        self._lock = threading.Lock()  # completed() may run on CUPTI's thread and a flushing thread at once
+        self.names: dict[str, int] = {}  # kernel name -> id (sent in STRINGS frames)
+        self.new_names: list[tuple[int, str]] = []
+        self.records_packed = 0
+        self.unknown_kinds = 0
+        self.bad_records = 0
+        self.arrays_allocated = 0
+        self._dispatch: dict[int, Callable[[Any], None]] = {
+            CUPTI_MEMORY2: self._memory,
+            CUPTI_MEMORY_POOL: self._pool,
+            CUPTI_MEMCPY: self._memcpy,
+            CUPTI_MEMCPY2: self._memcpy2,
+            CUPTI_MEMSET: self._memset,
+            CUPTI_CONCURRENT_KERNEL: self._kernel,
+            CUPTI_KERNEL: self._kernel,
+            CUPTI_UNIFIED_MEMORY_COUNTER: self._unified,
+        }
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held by the packing arrays (part of the probe's own host cost)."""
+        return sum(DTYPES[k].itemsize * self.capacity * (len(self._free[k]) + 1) for k in RecordKind)
+
+    def _take(self, kind: RecordKind) -> np.ndarray:
+        free = self._free[kind]
+        if free:
+            return free.popleft()
+        self.arrays_allocated += 1
+        return np.zeros(self.capacity, dtype=DTYPES[kind])
+
+    def give_back(self, kind: RecordKind, arr: np.ndarray) -> None:
+        """The sender is done with an array: reuse it (called from the sender thread)."""
+        if len(arr) == self.capacity and len(self._free[kind]) < 16:
+            self._free[kind].append(arr)
+
+    # --- the callback's body -----------------------------------------------------
+
+    def pack(self, records: list[Any]) -> int:
+        """Pack every record we know; returns how many were packed. Never raises."""
+        done = 0
+        with self._lock:
+            dispatch = self._dispatch
+            for rec in records:
+                try:
+                    fn = dispatch.get(rec.kind)
+                    if fn is None:
+                        self.unknown_kinds += 1
+                        continue
+                    fn(rec)
+                    done += 1
+                except Exception:  # noqa: BLE001 - a malformed record must not reach CUPTI
+                    self.bad_records += 1
+            self.records_packed += done
+        return done
+
+    def flush(self) -> None:
+        """Hand every partly filled array to the sink (sender thread, under the lock)."""
+        with self._lock:
+            for kind in RecordKind:
+                self._handoff(kind)
+
+    def _handoff(self, kind: RecordKind) -> None:
+        n = self._n[kind]
+        if n == 0:
+            return
+        arr = self._arr[kind]
+        self._arr[kind] = self._take(kind)
+        self._n[kind] = 0
+        self._sink((kind, arr[:n] if n < self.capacity else arr))
+
+    def _put(self, kind: RecordKind, row: tuple[Any, ...]) -> None:
+        n = self._n[kind]
+        self._arr[kind][n] = row
+        n += 1
+        self._n[kind] = n
+        if n == self.capacity:
+            self._handoff(kind)
+
+    def _memory(self, r: Any) -> None:
+        is_async = r.is_async
+        pool_type = pool_addr = pool_thresh = pool_size = pool_used = 0
+        if is_async:
+            cfg = r.memory_pool_config
+            pool_type = cfg.memory_pool_type
+            if pool_type:
+                pool_addr = cfg.address
+                pool_thresh = cfg.release_threshold
+                pool_used = cfg.utilized_size
+                if pool_type == _POOL_LOCAL:
+                    pool_size = cfg.pool.size_
+        self._put(RecordKind.MEMORY, (
+            r.timestamp, r.address, r.bytes, pool_addr, pool_thresh, pool_size, pool_used,
+            self.pid, r.device_id, r.context_id & _U32, r.stream_id & _U32, r.correlation_id,
+            r.memory_operation_type, r.memory_kind, 1 if is_async else 0, pool_type,
+        ))
+
+    def _pool(self, r: Any) -> None:
+        local = r.memory_pool_type == _POOL_LOCAL
+        self._put(RecordKind.MEMORY_POOL, (
+            r.timestamp, r.address, r.size_ if local else 0, r.utilized_size if local else 0,
+            r.release_threshold if local else 0, r.min_bytes_to_keep, self.pid, r.device_id,
+            r.correlation_id, r.memory_pool_operation_type, r.memory_pool_type, 0,
+        ))
+
+    def _memcpy(self, r: Any) -> None:
+        dev = r.device_id
+        self._put(RecordKind.MEMCPY, (
+            r.start, r.end, r.bytes, self.pid, dev, dev, dev, r.context_id & _U32, r.stream_id & _U32,
+            r.correlation_id, r.graph_id, r.copy_kind, r.src_kind, r.dst_kind, 0,
+        ))
+
+    def _memcpy2(self, r: Any) -> None:
+        self._put(RecordKind.MEMCPY, (
+            r.start, r.end, r.bytes, self.pid, r.device_id, r.src_device_id, r.dst_device_id,
+            r.context_id & _U32, r.stream_id & _U32, r.correlation_id, r.graph_id,
+            r.copy_kind, r.src_kind, r.dst_kind, 0,
+        ))
+
+    def _memset(self, r: Any) -> None:
+        self._put(RecordKind.MEMSET, (
+            r.start, r.end, r.bytes, self.pid, r.device_id, r.stream_id & _U32, r.correlation_id,
+            r.memory_kind, 0,
+        ))
+
+    def _kernel(self, r: Any) -> None:
+        name = r.name
+        nid = self.names.get(name)
+        if nid is None:
+            nid = len(self.names) + 1
+            self.names[name] = nid
+            self.new_names.append((nid, name))
+        self._put(RecordKind.KERNEL, (
+            r.start, r.end, r.graph_node_id, self.pid, r.device_id, r.stream_id & _U32,
+            r.correlation_id, r.graph_id, nid,
+        ))
+
+    def _unified(self, r: Any) -> None:
+        ck = r.counter_kind
+        src, dst = r.src_id & _U32, r.dst_id & _U32
+        self._put(RecordKind.UNIFIED_MEMORY, (
+            r.start, r.end, r.value, r.address, self.pid, src if ck == _UM_DTOH else dst, src, dst, ck, 0,
+        ))
+
+    def take_new_names(self) -> list[tuple[int, str]]:
+        with self._lock:
+            names, self.new_names = self.new_names, []
+        return names

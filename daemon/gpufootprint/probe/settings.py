@@ -1,0 +1,72 @@
+"""Probe settings: read from the environment inside the workload.
+
+The daemon's configuration file does not reach a workload, so the probe reads
+``GPUFOOTPRINT_PROBE_*`` variables (``gpufootprint run`` sets them from the
+``probe:`` section of the daemon's configuration). Bad values fall back to the
+default with a warning: the probe must never stop a workload from starting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    socket: str = DEFAULT_SOCKET  # daemon socket ("" = none)
+    tee: str = ""  # also write every frame to this file (gzip when it ends in .gz)
+    flush_ms: int = 100  # forced CUPTI flush and watermark cadence (the sampler may change it)
+    heartbeat_ms: int = 1000
+    buffer_bytes: int = 16 << 20  # bytes of frames waiting for the socket before records are dropped
+    cupti_buffer_bytes: int = 4 << 20  # host buffer handed to CUPTI per request
+    device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE
+    device_buffer_pool_limit: int = 2  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_POOL_LIMIT
+    kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
+    unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER where supported
+    torch_hook: bool = True  # watch torch.profiler taking CUPTI away
+    untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
+    reconnect_max_ms: int = 5000  # backoff ceiling
+    capacity: int = 4096  # records per packing array
+    # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
+    # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
+    # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
+    flush_nogil: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeSettings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get("GPUFOOTPRINT_PROBE_" + f.name.upper())
+            if raw is None:
+                continue
+            default = f.default
+            try:
+                if isinstance(default, bool):
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif isinstance(default, int):
+                    values[f.name] = int(raw)
+                    if values[f.name] < 0:
+                        raise ValueError("negative")
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                log.warning("GPUFOOTPRINT_PROBE_%s=%r is not valid; using %r", f.name.upper(), raw, default)
+                values.pop(f.name, None)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
+        return out

@@ -1,0 +1,188 @@
+"""The probe on a real GPU: the daemon's footprint against PyTorch's own numbers.
+
+Each test starts a real daemon side (IngestServer on a Unix socket, in this
+process) and a real workload child started the way ``gpufootprint run`` starts
+it. At every mark the daemon's live table, as of the mark's timestamp, is
+compared with PyTorch's numbers: to the byte for PyTorch's own memory, with
+memory that CUDA libraries hold outside PyTorch's allocator reported apart.
+Traces (the probe's ``tee`` of every frame) and a JSON summary go to
+``$GPUFOOTPRINT_GPU_OUT`` when it is set, for tests/data/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufootprint.config import load_config
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.ingest.server import IngestServer
+from gpufootprint.probe.launcher import probe_env
+from gpufootprint.records import MemoryKind
+
+WORKLOAD = str(Path(__file__).with_name("workload.py"))
+OUT = os.environ.get("GPUFOOTPRINT_GPU_OUT")
+SUMMARY: dict[str, Any] = {}
+
+
+class Daemon:
+    def __init__(self, path: str) -> None:
+        self.config = load_config(env={})
+        self.pipeline = Pipeline(self.config.footprint)
+        self.marks: list[dict[str, Any]] = []
+        self.server = IngestServer(self.config, self.pipeline, socket_path=path, on_mark=self._on_mark)
+        self.server.open()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+
+    def _on_mark(self, result: dict[str, Any]) -> None:
+        # On the ingest thread: the pipeline is exactly as of the mark's timestamp.
+        proc = self.pipeline.processes.get(result["pid"])
+        fp = proc.devices.get(result["dev"]) if proc else None
+        live = dict(fp.live) if fp else {}
+        result["entries"] = {a: (e.bytes, e.kind, e.is_async) for a, e in live.items()}
+        self.marks.append(result)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(10)
+
+
+def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = None,
+                 during: Any = None) -> tuple[Daemon, subprocess.CompletedProcess[str] | None]:
+    sock = str(tmp / "probe.sock")
+    daemon = Daemon(sock)
+    env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
+    if OUT:
+        env["GPUFOOTPRINT_PROBE_TEE"] = os.path.join(OUT, f"h200_probe_{scenario}.gfp.gz")
+    env.update(extra_env or {})
+    args = [sys.executable, WORKLOAD, scenario]
+    if scenario == "restart":
+        args.append(str(tmp))
+    child = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if during is not None:
+        daemon = during(daemon, child, tmp)
+    out, _ = child.communicate(timeout=240)
+    time.sleep(0.3)
+    daemon.stop()
+    assert child.returncode == 0, out[-3000:]
+    return daemon, subprocess.CompletedProcess(args, child.returncode, out, "")
+
+
+def inside(addr: int, segs: list[list[int]], dev: int) -> bool:
+    return any(d == dev and a <= addr < a + s for d, a, s in segs)
+
+
+def check_marks(daemon: Daemon, scenario: str, *, async_alloc: bool = False) -> list[dict[str, Any]]:
+    rows = []
+    assert daemon.marks, "no mark reached the daemon"
+    for m in daemon.marks:
+        entries = m["entries"]
+        device = {a: v for a, v in entries.items() if v[1] == MemoryKind.DEVICE}
+        row: dict[str, Any] = {"label": m["label"], "live_bytes": m["live_bytes"],
+                               "torch_reserved": m.get("torch_memory_reserved"),
+                               "torch_allocated": m.get("torch_memory_allocated"), "matches_probe": m.get("matches")}
+        assert m.get("matches") is True, f"{scenario} {m['label']}: daemon {m['live_bytes']} != probe {m.get('expect_live_bytes')}"
+        segs = m.get("torch_segments")
+        if async_alloc:
+            async_bytes = sum(b for b, _k, is_async in device.values() if is_async)
+            row["async_device_bytes"] = async_bytes
+            assert async_bytes == m["torch_memory_allocated"], f"{scenario} {m['label']}: {row}"
+            row["library_device_bytes"] = sum(b for b, _k, is_async in device.values() if not is_async)
+        elif segs is not None:
+            torch_part = sum(b for a, (b, _k, _s) in device.items() if inside(a, segs, m["dev"]))
+            row["torch_part"] = torch_part
+            row["library_device_bytes"] = sum(b for a, (b, _k, _s) in device.items() if not inside(a, segs, m["dev"]))
+            assert torch_part == m["torch_memory_reserved"], f"{scenario} {m['label']}: {row}"
+            assert row["library_device_bytes"] == m.get("expect_library_device_bytes"), row
+        rows.append(row)
+    SUMMARY[scenario] = rows
+    if OUT:
+        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    return rows
+
+
+def test_caching_allocator_matches_torch_reserved_at_every_mark(tmp_path: Path) -> None:
+    daemon, _ = run_workload("caching", tmp_path)
+    rows = check_marks(daemon, "caching")
+    assert [r["label"] for r in rows] == ["start", "allocated", "freed_some", "empty_cache", "after_mlp_steps", "end"]
+
+
+def test_expandable_segments_match_torch_reserved(tmp_path: Path) -> None:
+    daemon, _ = run_workload("expandable", tmp_path, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    check_marks(daemon, "expandable")
+
+
+def test_cuda_malloc_async_matches_torch_allocated(tmp_path: Path) -> None:
+    daemon, _ = run_workload("async", tmp_path, {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    check_marks(daemon, "async", async_alloc=True)
+    pools = [p for proc in daemon.pipeline.processes.values() for fp in proc.devices.values() for p in fp.pools]
+    SUMMARY.setdefault("async_pools_seen", len(pools))
+
+
+def test_pinned_and_managed_memory_are_seen_exactly(tmp_path: Path) -> None:
+    daemon, _ = run_workload("pinned_managed", tmp_path)
+    check_marks(daemon, "pinned_managed")
+    by = {m["label"]: m for m in daemon.marks}
+    pm = by["pinned_and_managed"]
+    assert pm["live_bytes"].get("pinned") == pm["expect_pinned_bytes"]
+    assert pm["live_bytes"].get("managed") == pm["expect_managed_bytes"]
+    assert "managed" not in by["managed_freed"]["live_bytes"]
+
+
+def test_torch_profiler_mid_run_is_detected_rearmed_and_resynced(tmp_path: Path) -> None:
+    daemon, _ = run_workload("profiler", tmp_path)
+    check_marks(daemon, "profiler")
+    by = {m["label"]: m for m in daemon.marks}
+    assert by["after_profiler"]["profiler_cuda_events"] > 0, "the user's profiler lost its CUDA events"
+    grow = by["allocated_after_profiler"]["live_bytes"]["device"] - by["after_profiler"]["live_bytes"]["device"]
+    assert grow >= 300 << 20, "the allocation after the profiler was not seen"
+    counters = next(iter(daemon.pipeline.processes.values())).probe_counters
+    SUMMARY["profiler_counters"] = counters
+    if OUT:
+        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    assert counters.get("profiler_gaps", 0) >= 1 and counters.get("cupti_gap_seconds", 0) > 0
+
+
+def test_daemon_restart_mid_run_resyncs_the_footprint(tmp_path: Path) -> None:
+    def restart(daemon: Daemon, child: subprocess.Popen[str], tmp: Path) -> Daemon:
+        end = time.monotonic() + 120
+        while not any(m["label"] == "before_restart" for m in daemon.marks):
+            assert time.monotonic() < end and child.poll() is None, "no before_restart mark"
+            time.sleep(0.02)
+        daemon.stop()
+        SUMMARY["restart_first_daemon_marks"] = [m["label"] for m in daemon.marks]
+        (tmp / "down").touch()
+        while not (tmp / "did_work").exists():
+            assert time.monotonic() < end and child.poll() is None
+            time.sleep(0.02)
+        new = Daemon(str(tmp / "probe.sock"))  # a new daemon process would start from nothing, like this
+        (tmp / "up").touch()
+        return new
+
+    daemon, _ = run_workload("restart", tmp_path, during=restart)
+    rows = check_marks(daemon, "restart")
+    assert [r["label"] for r in rows] == ["after_restart", "end"]
+    counters = next(iter(daemon.pipeline.processes.values())).probe_counters
+    SUMMARY["restart_counters"] = counters
+    if OUT:
+        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    assert counters["reconnects"] >= 1
+    assert counters["marks_dropped"] >= 1
+    assert counters["records_dropped"] > 0
+
+
+def test_cuda_started_before_the_probe_is_reported_as_untracked(tmp_path: Path) -> None:
+    # Not yet run on the GPU (written after the last device run); see docs/probe.md.
+    daemon, _ = run_workload("late_start", tmp_path, {"GPUFOOTPRINT_PROBE": "0", "WORKLOAD_LATE_START": "1"})
+    m = next(m for m in daemon.marks if m["label"] == "after_late_start")
+    assert m["matches"] is True
+    assert m["live_bytes"].get("device", 0) >= m["late_bytes"]  # seen by CUPTI
+    assert m["live_bytes"].get("untracked", 0) >= m["early_bytes"]  # NVML minus CUPTI: the early tensor, the context
+    SUMMARY["late_start"] = m["live_bytes"]

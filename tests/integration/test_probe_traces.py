@@ -1,0 +1,104 @@
+"""Replay the traces the probe recorded on the H200 (tests/data/h200_probe_*, h200_kernels_*).
+
+Each was recorded by ``tests/gpu`` (the probe's ``tee`` of every frame it sent)
+or ``gpufootprint record``. At every mark the workload had synchronised and
+attached PyTorch's numbers; the GPU test checked the live daemon against them.
+Here the daemon's pipeline must reproduce the same footprint from the file.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpufootprint.config import load_config
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import RecordKind
+from gpufootprint.replay import replay_file
+from gpufootprint.wire.framing import FrameType, iter_frames
+from gpufootprint.wire.sources import TraceFile
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MiB = 1 << 20
+
+
+def replay(name: str) -> tuple[dict[str, dict[str, Any]], Pipeline]:
+    pipeline = Pipeline(load_config(env={}).footprint)
+    result = replay_file(DATA / name, pipeline)
+    assert result.problems == []
+    assert pipeline.errors.counts == Counter()
+    assert all(m["matches"] for m in result.marks), [m for m in result.marks if not m["matches"]]
+    return {m["label"]: m for m in result.marks}, pipeline
+
+
+def library_bytes(m: dict[str, Any]) -> int:
+    return int(m["expect_library_device_bytes"])
+
+
+@pytest.mark.parametrize("name", ["h200_probe_caching.gfp.gz", "h200_probe_expandable.gfp.gz"])
+def test_caching_and_expandable_device_bytes_are_torch_reserved_plus_library_memory(name: str) -> None:
+    marks, _ = replay(name)
+    assert list(marks) == ["start", "allocated", "freed_some", "empty_cache", "after_mlp_steps", "end"]
+    for label, m in marks.items():
+        device = m["live_bytes"].get("device", 0)
+        assert device == m["torch_memory_reserved"] + library_bytes(m), label
+    # cuBLAS and friends hold memory PyTorch's statistics never show (128.25 MiB here)
+    assert library_bytes(marks["allocated"]) == 0
+    assert library_bytes(marks["after_mlp_steps"]) == 134_481_920
+
+
+def test_cuda_malloc_async_live_bytes_follow_torch_allocated() -> None:
+    marks, pipeline = replay("h200_probe_async.gfp.gz")
+    proc = next(iter(pipeline.processes.values()))
+    assert marks["allocated"]["live_bytes"]["device"] == marks["allocated"]["torch_memory_allocated"]
+    assert marks["freed_some"]["live_bytes"]["device"] == marks["freed_some"]["torch_memory_allocated"]
+    # after the MLP the non-async library memory (128.25 MiB) sits beside the pool
+    m = marks["after_mlp_steps"]
+    assert m["live_bytes"]["device"] - m["torch_memory_allocated"] == 134_481_920
+    assert proc.exited_at is not None  # the GOODBYE closed it
+
+
+def test_pinned_and_managed_memory_marks() -> None:
+    marks, _ = replay("h200_probe_pinned_managed.gfp.gz")
+    pm = marks["pinned_and_managed"]
+    assert pm["live_bytes"] == {"pinned": 21 * MiB, "device": 16 * MiB, "managed": 64 * MiB}
+    assert "managed" not in marks["managed_freed"]["live_bytes"]
+
+
+def test_profiler_gap_is_resynced_and_the_allocation_after_it_is_seen() -> None:
+    marks, _ = replay("h200_probe_profiler.gfp.gz")
+    after = marks["after_profiler"]
+    assert after["live_bytes"]["device"] == after["torch_memory_reserved"]
+    grown = marks["allocated_after_profiler"]["live_bytes"]["device"] - after["live_bytes"]["device"]
+    assert grown == 300 * MiB
+    frames = Counter(f.type for f in iter_frames(TraceFile(DATA / "h200_probe_profiler.gfp.gz").chunks()))
+    assert frames[FrameType.RESYNC_BEGIN] == 1 and frames[FrameType.RESYNC_END] == 1
+
+
+def test_restart_trace_holds_every_record_the_daemon_missed() -> None:
+    # The tee never drops: the allocations made while the daemon was down are in the file.
+    marks, _ = replay("h200_probe_restart.gfp.gz")
+    assert marks["while_down"]["live_bytes"]["device"] == marks["while_down"]["torch_memory_reserved"]
+    assert marks["after_restart"]["live_bytes"]["device"] == marks["after_restart"]["torch_memory_reserved"]
+
+
+@pytest.mark.parametrize("name,graph_kernels", [("h200_kernels_train.gfp.gz", 0), ("h200_kernels_graph.gfp.gz", 80)])
+def test_kernel_traces_carry_named_kernels_and_graph_ids(name: str, graph_kernels: int) -> None:
+    marks, pipeline = replay(name)
+    kernels = graph = 0
+    names: dict[str, str] = {}
+    for f in iter_frames(TraceFile(DATA / name).chunks()):
+        if f.type is FrameType.BATCH and f.tag == RecordKind.KERNEL:
+            recs = f.records()
+            kernels += len(recs)
+            graph += int((recs["graph"] != 0).sum())
+        elif f.type is FrameType.STRINGS:
+            names.update(f.json())
+    assert kernels > 100 and graph == graph_kernels
+    assert len(names) > 5 and all(isinstance(v, str) and v for v in names.values())
+    dev = next(iter(pipeline.processes.values())).devices[0]
+    assert dev.kernel_count == kernels
+    if graph_kernels:
+        assert marks["replayed_20"]["graph_replays"] == 20

@@ -1,0 +1,145 @@
+"""A stateful fake of cupti-python's activity API: the only fake in the probe tests.
+
+Record objects carry the attribute names of cupti-python 13.0.1's records
+(ActivityMemory4, ActivityMemoryPool3, ActivityMemcpy6, ActivityMemcpyPtoP4,
+ActivityMemset4, ActivityKernel10, ActivityUnifiedMemoryCounter3), and behave
+like CUPTI where it matters to the probe: records of a kind arrive only while
+that kind is enabled, never retroactively; they are delivered in buffers, on
+flush, not in timestamp order when ``shuffle`` is set; registering callbacks
+again replaces the previous ones (what torch.profiler's Kineto does).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UM, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
+
+
+def memory_record(op: int, addr: int, size: int, *, ts: int | None = None, mk: int = 3, dev: int = 0,
+                  is_async: int = 0, pool_type: int = 0, pool_addr: int = 0, pool_size: int = 0,
+                  pool_used: int = 0, stream: int = 7, pid: int = 0) -> Any:
+    cfg = SimpleNamespace(memory_pool_type=pool_type, pad2=0, address=pool_addr, release_threshold=0,
+                          utilized_size=pool_used, pool=SimpleNamespace(size_=pool_size, process_id=0))
+    return SimpleNamespace(kind=MEMORY2, memory_operation_type=op, memory_kind=mk, correlation_id=1, address=addr,
+                           bytes=size, timestamp=ts if ts is not None else time.time_ns(), pc=0, process_id=pid,
+                           device_id=dev, context_id=1, stream_id=stream, name="", is_async=is_async, pad1=0,
+                           source="", memory_pool_config=cfg)
+
+
+def pool_record(op: int, addr: int, size: int, used: int, *, ts: int | None = None, dev: int = 0) -> Any:
+    return SimpleNamespace(kind=MEMORY_POOL, memory_pool_operation_type=op, memory_pool_type=1, correlation_id=2,
+                           process_id=0, device_id=dev, address=addr, timestamp=ts or time.time_ns(),
+                           is_managed_pool=0, pad2=0, size_=size, release_threshold=0, utilized_size=used,
+                           min_bytes_to_keep=0)
+
+
+def memcpy_record(nbytes: int, ck: int = 1, *, start: int | None = None, dev: int = 0) -> Any:
+    t = start or time.time_ns()
+    return SimpleNamespace(kind=MEMCPY, start=t, end=t + 1000, device_id=dev, context_id=1, stream_id=7,
+                           correlation_id=3, runtime_correlation_id=0, graph_id=0, graph_node_id=0, channel_id=0,
+                           channel_type=0, is_device_launched=0, copy_count=1, reserved0=0, pad=0, pad2=0,
+                           copy_kind=ck, src_kind=2, dst_kind=3, flags_=0, bytes=nbytes)
+
+
+def peer_copy_record(nbytes: int, src: int, dst: int) -> Any:
+    t = time.time_ns()
+    return SimpleNamespace(kind=MEMCPY2, start=t, end=t + 500, device_id=src, context_id=1, stream_id=7,
+                           correlation_id=4, graph_id=0, graph_node_id=0, channel_id=0, channel_type=0,
+                           pad=0, pad2=0, copy_kind=10, src_kind=3, dst_kind=3, flags_=0, bytes=nbytes,
+                           src_device_id=src, src_context_id=1, dst_device_id=dst, dst_context_id=2)
+
+
+def memset_record(nbytes: int) -> Any:
+    t = time.time_ns()
+    return SimpleNamespace(kind=MEMSET, value=0, bytes=nbytes, start=t, end=t + 100, device_id=0, context_id=1,
+                           stream_id=7, correlation_id=5, graph_id=0, graph_node_id=0, channel_id=0,
+                           channel_type=0, is_device_launched=0, reserved0=0, pad=0, pad2=0, flags_=0,
+                           memory_kind=3)
+
+
+def kernel_record(name: str, *, graph: int = 0, node: int = 0) -> Any:
+    t = time.time_ns()
+    return SimpleNamespace(kind=CONCURRENT_KERNEL, name=name, start=t, end=t + 2000, completed=0, queued=0,
+                           submitted=0, device_id=0, context_id=1, stream_id=7, correlation_id=6, grid_id=1,
+                           graph_id=graph, graph_node_id=node, channel_id=0, channel_type=1, launch_type=0,
+                           is_device_launched=0)
+
+
+def um_record(ck: int, value: int, addr: int) -> Any:
+    t = time.time_ns()
+    return SimpleNamespace(kind=UM, counter_kind=ck, value=value, start=t, end=t + 10, address=addr,
+                           src_id=0, dst_id=0, stream_id=0, process_id=0, pad=0, flags_=0)
+
+
+class FakeCupti:
+    """Implements the probe's ``Backend`` protocol over an in-memory CUPTI."""
+
+    def __init__(self, *, buffer_records: int = 64, shuffle: bool = False, seed: int = 1) -> None:
+        self.requested: Any = None
+        self.completed: Any = None
+        self.enabled: set[int] = set()
+        self.pending: list[Any] = []
+        self.buffer_records = buffer_records
+        self.shuffle = shuffle
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.flushes = 0
+        self.registrations = 0
+        self.lost_while_disabled = 0
+
+    # --- Backend protocol ---
+    def register(self, requested: Any, completed: Any) -> None:
+        self.requested, self.completed = requested, completed
+        self.registrations += 1
+
+    def enable(self, kind: int) -> bool:
+        self.enabled.add(kind)
+        return True
+
+    def disable(self, kind: int) -> bool:
+        self.enabled.discard(kind)
+        return True
+
+    def flush(self, forced: bool) -> None:
+        with self.lock:
+            recs, self.pending = self.pending, []
+            self.flushes += 1
+        if self.shuffle:
+            self.rng.shuffle(recs)
+        for i in range(0, len(recs), self.buffer_records):
+            if self.requested is not None:
+                self.requested()
+            if self.completed is not None:
+                self.completed(recs[i:i + self.buffer_records])
+
+    def configure(self, device_buffer_bytes: int, pool_limit: int) -> int:
+        return device_buffer_bytes * pool_limit
+
+    def configure_unified_memory(self) -> bool:
+        self.enabled.add(UM)
+        return True
+
+    def dropped_records(self) -> int:
+        return 0
+
+    def versions(self) -> dict[str, Any]:
+        return {"cupti": 130000, "driver": 13000, "fake": True}
+
+    # --- the "GPU" side ---
+    def emit(self, rec: Any) -> None:
+        if rec.kind in self.enabled:
+            with self.lock:
+                self.pending.append(rec)
+        else:
+            self.lost_while_disabled += 1
+
+    def alloc(self, addr: int, size: int, **kw: Any) -> None:
+        self.emit(memory_record(1, addr, size, **kw))
+
+    def free(self, addr: int, size: int, **kw: Any) -> None:
+        self.emit(memory_record(2, addr, size, **kw))

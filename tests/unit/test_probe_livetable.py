@@ -1,0 +1,77 @@
+"""The probe's own live table: time order, profiler-gap rebuild, untracked entries."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from gpufootprint.probe.livetable import LiveTable, untracked_address
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind
+
+
+def rec(op: int, addr: int, size: int, ts: int, mk: int = 3, is_async: int = 0, dev: int = 0) -> tuple:
+    return (ts, addr, size, 0, 0, 0, 0, 1, dev, 1, 7, 1, op, mk, is_async, 0)
+
+
+def arr(rows: list[tuple]) -> np.ndarray:
+    a = np.zeros(len(rows), MEMORY_DTYPE)
+    for i, r in enumerate(rows):
+        a[i] = r
+    return a
+
+
+def test_stream_ordered_address_reuse_delivered_shuffled_ends_exact() -> None:
+    # GIVEN one address allocated and freed 200 times (cudaMallocAsync reuse), sizes varying
+    rows = []
+    for i in range(200):
+        rows.append(rec(1, 0x1000, 100 + i, ts=10 * i, is_async=1))
+        rows.append(rec(2, 0x1000, 100 + i, ts=10 * i + 5, is_async=1))
+    rows.append(rec(1, 0x1000, 4242, ts=5000, is_async=1))
+    random.Random(3).shuffle(rows)
+    table = LiveTable()
+    # WHEN they arrive in three shuffled buffers and the flush watermark passes them all
+    for part in (rows[:150], rows[150:300], rows[300:]):
+        table.add(arr(part))
+    table.advance(10_000)
+    # THEN exactly the last allocation is live, and no release went unmatched
+    assert list(table.rows) == [0x1000] and table.rows[0x1000][2] == 4242
+    assert table.stale_releases == 0
+
+
+def test_records_newer_than_the_watermark_wait() -> None:
+    table = LiveTable()
+    table.add(arr([rec(1, 0xA, 10, ts=100), rec(1, 0xB, 20, ts=300)]))
+    table.advance(200)
+    assert set(table.rows) == {0xA}
+    table.advance(300)
+    assert set(table.rows) == {0xA, 0xB}
+    assert table.live_by_kind(0) == {"device": 30}
+
+
+def test_profiler_gap_rebuild_keeps_library_memory_and_replaces_pytorchs_segments() -> None:
+    table = LiveTable()
+    table.add(arr([rec(1, 0x1000, 4096, 1), rec(1, 0x9000_0000, 2 << 20, 2),  # torch segment, library block
+                   rec(1, 0x5000, 64, 3, mk=int(MemoryKind.PINNED))]))
+    table.advance(10)
+    before = [(0, 0x1000, 4096)]
+    after = [(0, 0x20_0000, 8 << 20)]  # during the gap torch freed the old segment and made a new one
+    table.split_torch_owned(before + after)
+    table.add_torch_segments(after, ts=20, pid=1)
+    assert table.live_by_kind(0) == {"device": (2 << 20) + (8 << 20), "pinned": 64}
+    assert table.device_bytes_outside(0, [[0, 0x20_0000, 8 << 20]]) == 2 << 20
+    # an expandable segment unmaps one 2 MiB page in the middle: the range is cut, a resync is due
+    table.add(arr([rec(2, 0x20_0000 + (2 << 20), 2 << 20, 30)]))
+    table.advance(40)
+    assert table.live_by_kind(0)["device"] == (2 << 20) + (6 << 20)
+    assert table.range_splits == 1
+    assert len(table.to_array(50)) == 4
+
+
+def test_untracked_entry_is_replaced_not_added() -> None:
+    table = LiveTable()
+    assert table.set_untracked(0, 1000, ts=1, pid=9) is None
+    old = table.set_untracked(0, 1500, ts=2, pid=9)
+    assert old is not None and old[2] == 1000
+    assert table.live_by_kind(0) == {"untracked": 1500}
+    assert table.resident_bytes(0) == 0 and table.resident_bytes(0, exclude_untracked=False) == 1500
+    assert untracked_address(0) in table.rows
