@@ -81,6 +81,8 @@ now = time.time_ns()
 rows = [mem(now - 3_000_000, ALLOC, 0x1000, 64 << 20, pid=pid), mem(now - 2_000_000, ALLOC, 0x2000, 900 << 20, pid=pid),
         mem(now - 1_000_000, FREE, 0x2000, 900 << 20, pid=pid)]
 s.sendall(encode_batch(RecordKind.MEMORY, mem_batch(rows)) + encode_watermark(now))
+if {claimed_pid}:  # and records for a third pid, neither its own nor the one it claimed
+    s.sendall(encode_batch(RecordKind.MEMORY, mem_batch([mem(now, ALLOC, 0x9000, 1 << 30, pid={claimed_pid} + 1)])))
 print("sent", flush=True)
 sys.stdin.readline()
 if {goodbye}:
@@ -120,11 +122,15 @@ def test_probe_process_footprint_and_spike_reach_metrics_and_vanish_after_exit(d
 
 def test_a_probe_cannot_report_for_another_pid(daemon) -> None:  # type: ignore[no-untyped-def]
     _proc, port, sock = daemon
-    child = _child(sock, claimed_pid=1)  # claims to be pid 1 (init)
+    # The child says it is pid 1 (as a probe in a container's pid namespace could) and also
+    # sends records for pid 2. What it says of "itself" lands on its kernel pid (SO_PEERCRED);
+    # records for any other pid are dropped and counted.
+    child = _child(sock, claimed_pid=1)
     errors = _wait(lambda: {lab["reason"]: v for lab, v in _scrape(port).get("gpufootprint_ingest_errors_total", [])
                             if lab["reason"] == "pid_mismatch"})
     assert errors["pid_mismatch"] >= 1
-    assert _live(port, 1) == {}
+    assert _wait(lambda: _live(port, child.pid) == {"device": 64 << 20})
+    assert _live(port, 1) == {} and _live(port, 2) == {}
     child.communicate("\n", timeout=10)
 
 
