@@ -189,7 +189,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         guard = app.ingest.lock
         print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
     else:
-        pipeline = Pipeline(config.footprint)
+        from gpufootprint.sampler.hub import FeatureHub
+
+        pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
     try:
         result = replay_file(args.file, pipeline, speed=args.speed, guard=guard,
                              max_frame_bytes=config.daemon.max_frame_bytes)
@@ -204,6 +206,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report = {"file": result.path, "format": result.format, "records": result.records,
                   "elapsed_s": result.elapsed_s, "marks": result.marks, "problems": result.problems,
                   "ingest_errors": dict(pipeline.errors.counts), "late_records": pipeline.late_records}
+        report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals (issue 4)
         _write_json(args.report_json, report)
     mismatched = [m["label"] for m in result.marks if m.get("matches") is False]
     print(f"replayed {result.records} records ({result.format}) in {result.elapsed_s:.3f} s; "
