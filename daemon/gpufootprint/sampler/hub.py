@@ -24,7 +24,7 @@ from gpufootprint.config import FeaturesConfig, SamplerConfig
 from gpufootprint.features.frames import FrameBuilder, ObservedFramePeaks
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.records import TIME_FIELD, RecordKind
-from gpufootprint.sampler.state import BURST, ProcessSampler
+from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.snapshot import AnomalyWindow, DeviceFeatures, SamplerState
 
 log = logging.getLogger(__name__)
@@ -145,11 +145,11 @@ class FeatureHub:
             if self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
                 self._sent_interval[s.pid] = iv_ms
         if self.config.kernel_window_ms and s.bursts != self._bursts_seen.get(s.pid, 0):
+            # One window per step that saw a burst start (a step can span several; one is enough).
             self._bursts_seen[s.pid] = s.bursts
-            if s.mode == BURST:
-                self._kernel_window_id += 1
-                self._send(s.pid, {"op": "kernel_window", "ms": self.config.kernel_window_ms,
-                                   "id": self._kernel_window_id})
+            self._kernel_window_id += 1
+            self._send(s.pid, {"op": "kernel_window", "ms": self.config.kernel_window_ms,
+                               "id": self._kernel_window_id})
 
     def _send(self, pid: int, body: dict[str, Any]) -> bool:
         assert self.control is not None

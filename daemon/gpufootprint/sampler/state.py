@@ -123,6 +123,7 @@ class ProcessSampler:
                     and end == cursor + iv and nxt >= end):
                 k = max(1, (min(nxt, limit) - cursor) // iv)
                 self._record(cursor, cursor + k * iv, QUIET, k)
+                self._decay(k)  # k empty intervals: the usual rate and range fall as if each was seen
                 for d in self.level_dev:
                     self.last_peak[d] = self.level_dev[d]
                 cursor += k * iv
@@ -217,6 +218,13 @@ class ProcessSampler:
         rate = n_events / secs if secs > 0 else 0.0
         self.rate_ewma = rate if self.rate_ewma is None else (1 - a) * self.rate_ewma + a * rate
         self.range_ewma = float(rng) if self.range_ewma is None else (1 - a) * self.range_ewma + a * rng
+
+    def _decay(self, k: int) -> None:
+        keep = (1 - self.config.ewma_alpha) ** k
+        if self.rate_ewma is not None:
+            self.rate_ewma *= keep
+        if self.range_ewma is not None:
+            self.range_ewma *= keep
 
     def _burst_frame(self, end: int, rng: int, entering: int, n_events: int, secs: float,
                      peaks: dict[int, int]) -> None:
