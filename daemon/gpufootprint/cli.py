@@ -130,8 +130,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     config = _config(args, {"exporter.listen": args.listen, "daemon.socket": args.socket})
     _setup(config, args.verbose)
-    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen)
     present, detail = detect_gpu()
+    nvml_client = None
+    if present and config.nvml.enabled:
+        from gpufootprint.nvml.pynvml_client import PynvmlClient
+
+        nvml_client = PynvmlClient()
+    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen, nvml_client=nvml_client)
     app.gpu_present = 1.0 if present else 0.0
     if present:
         log.info("gpu found: %s", detail)
