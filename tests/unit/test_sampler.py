@@ -51,7 +51,8 @@ def test_30ms_spike_in_a_quiet_minute_is_caught_in_a_burst_with_an_exact_peak(tm
     assert len(spike_bursts) == 1 and spike_bursts[0]["interval_ms"] == 5 and spike_bursts[0]["count"] >= 3
     # ... while the rest of the minute ran at 200 ms: no other window after the startup one
     others = [w for w in windows if w is not win]
-    assert all(w.end_ns <= facts["t0"] + 100 * MS or w.start_ns >= facts["end"] for w in others)
+    # (the startup window: from nothing to 1 GiB, closed once that level held for burst_settle_ms)
+    assert all(w.end_ns <= facts["t0"] + 200 * MS or w.start_ns >= facts["end"] for w in others)
     assert hub.window_counts["footprint_change"] == len(windows)
 
 
@@ -124,7 +125,8 @@ def test_event_rate_jump_bursts_without_any_footprint_change() -> None:
     reasons = [w.reason for w in s.closed_windows]
     assert "event_rate" in reasons
     w = next(w for w in s.closed_windows if w.reason == "event_rate")
-    assert w.start_ns <= t0 + 1000 * MS and w.end_ns >= t0 + 1040 * MS
+    # A rate jump is seen at interval resolution: the window may start up to one interval late.
+    assert t0 + 1000 * MS <= w.start_ns <= t0 + 1020 * MS and w.end_ns >= t0 + 1040 * MS
     assert w.peak_bytes == 1 << 30
 
 

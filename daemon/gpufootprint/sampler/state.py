@@ -113,10 +113,17 @@ class ProcessSampler:
         while True:
             iv = self.interval_ns
             end = cursor + iv
+            early = False
             if end > limit:
-                if not final or cursor >= limit:
+                if cursor >= limit:
                     break
-                end = limit  # the last, partial interval of a finished stream
+                if not final:
+                    # The interval is not over, but what is known of it may already be volatile:
+                    # bursting now (not at its end) is what lets the probe be told in time.
+                    if self.mode == BURST:
+                        break
+                    early = True
+                end = limit  # a partial interval: only a burst may start from it
             # Nothing happens for a while in a quiet process at its longest interval: skip in bulk.
             nxt = min(int(mem_ts[i_mem]) if i_mem < n_mem else limit, int(ev_ts[i_ev]) if i_ev < n_ev else limit)
             if (self.mode == QUIET and iv == cfg.max_ms * _MS and self.window is None
@@ -136,7 +143,10 @@ class ProcessSampler:
             hi = max(entering, int(lv.max())) if len(lv) else entering
             lo = min(entering, int(lv.min())) if len(lv) else entering
             rng = hi - lo
-            secs = (end - cursor) / 1e9
+            # Rates are over the whole interval even when only part is known (a lower bound), so
+            # a partial interval bursts only when the whole one would: the result does not depend
+            # on where the watermarks fell.
+            secs = iv / 1e9 if early else (end - cursor) / 1e9
             if self.mode != BURST:
                 reason = self._volatile(rng, entering, n_events, secs)
                 if reason is not None:
@@ -146,7 +156,10 @@ class ProcessSampler:
                     t1 = max(cursor, first // burst_ns * burst_ns)
                     if t1 > cursor:
                         self._record(cursor, t1, self.mode, 1)
-                    self._update_usual(rng, n_events, secs)
+                        # The usual rate and range learn only from the part sampled in the old mode
+                        # (no level moved in it), again independent of the watermarks.
+                        n_before = int(np.searchsorted(ev_ts, t1, "left")) - i_ev
+                        self._update_usual(0, n_before, (t1 - cursor) / 1e9)
                     gpu = self._busiest_dev(devs, per_dev, i_mem, j_mem)
                     self.window = _OpenWindow(start=t1, reason=reason, gpu=gpu, baseline=entering,
                                               peak=dict(self.level_dev), last_volatile_end=t1)
@@ -157,6 +170,8 @@ class ProcessSampler:
                     i_ev = int(np.searchsorted(ev_ts, t1, "left"))
                     cursor = t1
                     continue
+            if early:
+                break
             # The interval is closed as sampled: note its peaks, move the levels to its end.
             peaks = self._dev_peaks(devs, per_dev, i_mem, j_mem)
             self.last_peak = peaks

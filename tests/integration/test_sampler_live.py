@@ -1,0 +1,111 @@
+"""The sampler end to end: a real child process on the daemon's Unix socket, CONTROL frames back,
+and the HTTP routes (/metrics, /api/anomalies) of an App with a fake NVML."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gpufootprint.config import load_config
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.ingest.server import IngestServer
+from gpufootprint.sampler.hub import FeatureHub
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from nvml_fake import FakeNvml  # noqa: E402
+from tracegen import quiet_minute_with_spike, write_jsonl  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CHILD = textwrap.dedent('''
+    import json, socket, sys, time
+    import numpy as np
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+    from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json, encode_watermark
+    import os
+    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
+    pid = os.getpid()
+    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": 1}))
+    def mem(op, addr, size):
+        r = np.zeros(1, MEMORY_DTYPE)
+        r["ts"], r["op"], r["mk"], r["addr"], r["bytes"], r["pid"] = time.time_ns(), op, 3, addr, size, pid
+        s.sendall(encode_batch(RecordKind.MEMORY, r))
+    mem(1, 0x1000, 1 << 30)
+    time.sleep(0.4)
+    mem(1, 0x2000, 256 << 20)
+    time.sleep(0.03)
+    mem(2, 0x2000, 256 << 20)
+    s.sendall(encode_watermark(time.time_ns()))
+    s.settimeout(0.2)
+    dec = FrameDecoder(); dec.feed(PREAMBLE)  # the daemon -> probe direction has no preamble
+    got = []; end = time.time() + 3.0
+    while time.time() < end:
+        try:
+            data = s.recv(65536)
+        except socket.timeout:
+            s.sendall(encode_watermark(time.time_ns()))
+            continue
+        if not data:
+            break
+        got += [f.json() for f in dec.feed(data) if f.type == FrameType.CONTROL]
+    print(json.dumps(got))
+''')
+
+
+def test_probe_child_gets_flush_interval_controls_and_its_spike_becomes_a_window(tmp_path: Path) -> None:
+    config = load_config(env={}, overrides={"daemon.tick_ms": 20, "sampler.kernel_window_ms": 40})
+    pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
+    sock = str(tmp_path / "probe.sock")
+    server = IngestServer(config, pipeline, socket_path=sock)
+    server.open()
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, sock], capture_output=True, text=True, timeout=30)
+    finally:
+        server.stop()
+        t.join(10)
+    assert out.returncode == 0, out.stderr
+    controls = json.loads(out.stdout)
+    flushes = [c["ms"] for c in controls if c["op"] == "flush_interval"]
+    assert 5 in flushes, controls  # the burst asked the probe to flush every 5 ms
+    assert any(c["op"] == "kernel_window" and c["ms"] == 40 for c in controls)
+    windows = [w for w in server.snapshot.anomaly_windows if w.peak_bytes == (1 << 30) + (256 << 20)]
+    assert len(windows) == 1 and windows[0].reason == "footprint_change"
+
+
+def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) -> None:
+    from gpufootprint.app import App
+    from gpufootprint.replay import replay_file
+
+    lines, facts = quiet_minute_with_spike(minute_ms=5_000, spike_at_ms=2_000)
+    path = write_jsonl(tmp_path / "spike.jsonl.gz", lines)
+    config = load_config(env={}, overrides={"exporter.listen": "127.0.0.1:0"})
+    fake = FakeNvml("field_unsupported")
+    fake.add_process(0, 4242, 2 << 30)
+    app = App(config, socket_path=None, listen="127.0.0.1:0", nvml_client=fake)  # type: ignore[arg-type]
+    app.start()
+    try:
+        replay_file(path, app.pipeline, guard=app.ingest.lock)
+        app.ingest.tick()
+        base = f"http://127.0.0.1:{app.http.port}"  # type: ignore[union-attr]
+        anomalies = json.load(urllib.request.urlopen(base + "/api/anomalies", timeout=5))
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+    finally:
+        app.stop()
+    spike = [a for a in anomalies if a["start"] <= facts["spike_start"] and a["end"] >= facts["spike_end"]]
+    assert len(spike) == 1 and spike[0]["peak_bytes"] == facts["peak"]
+    assert set(spike[0]) == {"start", "end", "reason", "peak_bytes", "pid", "gpu"}
+    assert 'gpufootprint_anomaly_windows_total{reason="footprint_change"}' in metrics
+    assert 'gpufootprint_sampler_mode{mode="quiet",pid="4242",source="trace"} 1.0' in metrics
+    assert 'gpufootprint_nvml_field_supported{field="pcie",gpu="0"} 0.0' in metrics
+    assert 'gpufootprint_nvml_process_used_bytes{gpu="0",pid="4242",source="nvml"}' in metrics
+    assert "gpufootprint_frame_peak_bytes{" in metrics
