@@ -196,6 +196,8 @@ class ProcessSampler:
             cursor = end
         if final and self.window is not None:
             self._close_window(max(cursor, limit))
+        if final and self.mode == BURST:
+            self.mode, self.interval_ns = STEADY, cfg.steady_ms * _MS
         self.cursor = cursor
         # What the walk did not reach waits for the next watermark; its levels are
         # recomputed then from self.level, the level at the cursor.
