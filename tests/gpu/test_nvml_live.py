@@ -26,7 +26,25 @@ from gpufootprint.app import App
 from gpufootprint.config import load_config
 from gpufootprint.nvml.pynvml_client import PynvmlClient
 
-pytestmark = pytest.mark.gpu
+
+
+def _nvml_reason() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() < 1:
+                return "NVML found no GPU"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - any failure means: no usable NVML here
+        return f"NVML cannot init ({exc})"
+    return None
+
+
+_REASON = _nvml_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 CHILD = r'''
 import json, sys, time

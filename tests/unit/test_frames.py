@@ -196,22 +196,23 @@ def test_align_pcie_attaches_the_sample_taken_inside_each_window() -> None:
 def test_allocator_slack_comes_from_the_probe_heartbeat_torch_field() -> None:
     from gpufootprint.ingest.session import Session
     from gpufootprint.records import MEMORY_DTYPE, RecordKind
-    from gpufootprint.wire.framing import Frame, FrameType, encode_batch, encode_json
+    from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
     pipeline = Pipeline(FootprintConfig())
     session = Session(pipeline, source="probe", peer_pid=77)
     recs = __import__("numpy").zeros(1, MEMORY_DTYPE)
     recs["ts"], recs["pid"], recs["op"], recs["mk"], recs["addr"], recs["bytes"] = T0, 77, 1, 3, 0x10, 1 << 20
-    for ftype, raw in ((FrameType.HELLO, encode_json(FrameType.HELLO, {"pid": 77})),
-                       (FrameType.BATCH, encode_batch(RecordKind.MEMORY, recs)),
-                       (FrameType.HEARTBEAT, encode_json(FrameType.HEARTBEAT, {
-                           "ts": T0, "counters": {"records_sent": 1},
-                           "torch": {"allocated": {"0": 3 << 20}, "reserved": {"0": 8 << 20}}}))):
-        session.handle(Frame(ftype, RecordKind.MEMORY.value if ftype is FrameType.BATCH else 0, raw[8:], 0))
+    decoder = FrameDecoder()
+    stream = PREAMBLE + encode_json(FrameType.HELLO, {"pid": 77}) + encode_batch(RecordKind.MEMORY, recs) + \
+        encode_json(FrameType.HEARTBEAT, {"ts": T0, "counters": {"records_sent": 1},
+                                          "torch": {"allocated": {"0": 3 << 20}, "reserved": {"0": 8 << 20}}})
+    for frame in decoder.feed(stream):
+        session.handle(frame)
     session.close()
     snap = pipeline.snapshot()
     (feat,) = snap.features
     assert feat.allocator_slack_bytes == 5 << 20
     # A heartbeat with a malformed torch field changes nothing and raises nothing.
-    session.handle(Frame(FrameType.HEARTBEAT, 0, encode_json(FrameType.HEARTBEAT, {"torch": {"allocated": 3}})[8:], 0))
+    for frame in decoder.feed(encode_json(FrameType.HEARTBEAT, {"torch": {"allocated": 3}})):
+        session.handle(frame)
     assert pipeline.snapshot().features[0].allocator_slack_bytes == 5 << 20
