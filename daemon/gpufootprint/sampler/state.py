@@ -66,6 +66,7 @@ class ProcessSampler:
         self.bursts = 0
         self._mem: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, delta, dev), each sorted
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
+        self._one_dev: int | None = None  # set per walk: the only device in it, if one
 
     # --- input ----------------------------------------------------------------------
 
@@ -104,10 +105,15 @@ class ProcessSampler:
             ev_ts = np.maximum(ev_ts, cursor)
         # Levels after each event: the process total and each device's own.
         total = self.level + np.cumsum(delta)
-        per_dev = np.empty_like(total)
-        for d in np.unique(devs).tolist():
-            sel = devs == d
-            per_dev[sel] = self.level_dev.get(d, 0) + np.cumsum(delta[sel])
+        # One device (the common case) needs no per-device masks.
+        self._one_dev = int(devs[0]) if len(devs) and devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
+        if self._one_dev is not None:
+            per_dev = self.level_dev.get(self._one_dev, 0) + np.cumsum(delta)
+        else:
+            per_dev = np.empty_like(total)
+            for d in np.unique(devs).tolist():
+                sel = devs == d
+                per_dev[sel] = self.level_dev.get(d, 0) + np.cumsum(delta[sel])
         i_mem = i_ev = 0
         n_mem, n_ev = len(mem_ts), len(ev_ts)
         while True:
@@ -177,7 +183,9 @@ class ProcessSampler:
             self.last_peak = peaks
             if j_mem > i_mem:
                 self.level = int(total[j_mem - 1])
-                for d in np.unique(devs[i_mem:j_mem]).tolist():
+                if self._one_dev is not None:
+                    self.level_dev[self._one_dev] = int(per_dev[j_mem - 1])
+                for d in ([] if self._one_dev is not None else np.unique(devs[i_mem:j_mem]).tolist()):
                     last = i_mem + int(np.flatnonzero(devs[i_mem:j_mem] == d)[-1])
                     self.level_dev[d] = int(per_dev[last])
             sampled_mode = self.mode
@@ -278,7 +286,10 @@ class ProcessSampler:
 
     def _dev_peaks(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> dict[int, int]:
         peaks = dict(self.level_dev)
-        if j > i:
+        if j > i and self._one_dev is not None:
+            d = self._one_dev
+            peaks[d] = max(self.level_dev.get(d, 0), int(per_dev[i:j].max()))
+        elif j > i:
             sub_dev, sub_lv = devs[i:j], per_dev[i:j]
             for d in np.unique(sub_dev).tolist():
                 peaks[d] = max(self.level_dev.get(d, 0), int(sub_lv[sub_dev == d].max()))
