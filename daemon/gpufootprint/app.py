@@ -66,7 +66,8 @@ class App:
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set,
-                                      json_routes={"/api/anomalies": self.anomalies_json})
+                                      json_routes={"/api/anomalies": self.anomalies_json,
+                                                   "/api/migrations": self.migrations_json})
         self._thread: threading.Thread | None = None
 
     def _daemon_values(self) -> dict[str, float]:
@@ -78,6 +79,24 @@ class App:
     def anomalies_json(self) -> list[dict[str, object]]:
         """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""
         return [w.to_json() for w in self.ingest.snapshot.anomaly_windows]
+
+    def migrations_json(self) -> list[dict[str, object]]:
+        """GET /api/migrations: each (pid, gpu)'s page-migration windows of the last second, with the
+        NVML PCIe throughput sampled inside the same window (CUDA ordinal taken as the NVML index)."""
+        from gpufootprint.features.frames import align_pcie
+
+        out: list[dict[str, object]] = []
+        for f in self.ingest.snapshot.features:
+            if not f.migration_windows:
+                continue
+            samples = self.nvml.pcie_samples(f.dev) if self.nvml is not None else []
+            for w in align_pcie(list(f.migration_windows), samples):
+                out.append({"pid": f.pid, "gpu": f.dev, "start": w.start_ns, "end": w.start_ns + w.width_ns,
+                            "um_transfers": w.um_transfers, "um_bytes": w.um_bytes, "page_faults": w.page_faults,
+                            "copies": w.copies, "copy_bytes": w.copy_bytes, "frequency_hz": w.frequency_hz,
+                            "pcie_tx_bytes_per_second": w.pcie_tx_bytes_per_second,
+                            "pcie_rx_bytes_per_second": w.pcie_rx_bytes_per_second})
+        return out
 
     def start(self) -> None:
         if self.nvml is not None:

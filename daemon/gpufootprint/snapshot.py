@@ -61,6 +61,7 @@ class DeviceFeatures:
     page_migrations: dict[str, int]  # unified-memory transfer records, by direction
     page_faults: dict[str, int]  # unified-memory page faults, by side (cpu, gpu)
     migration_rate_hz: float | None  # migrations + faults + host<->device copies per second, last window
+    migration_windows: tuple[Any, ...] = ()  # features.frames.MigrationWindow: the last second's, with activity
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,3 +109,28 @@ def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) 
     assert 'gpufootprint_nvml_field_supported{field="pcie",gpu="0"} 0.0' in metrics
     assert 'gpufootprint_nvml_process_used_bytes{gpu="0",pid="4242",source="nvml"}' in metrics
     assert "gpufootprint_frame_peak_bytes{" in metrics
+
+
+def test_migrations_route_joins_migration_windows_with_the_pcie_sample_of_the_same_window(tmp_path: Path) -> None:
+    from gpufootprint.app import App
+    from gpufootprint.replay import replay_file
+    from tracegen import MS, T0, cpy, mem, um
+
+    lines = [{"k": "meta", "format": "cupti-jsonl", "version": 1, "pid": 4242}, mem(T0, 1, 0x1000, 1 << 20, mk=5)]
+    for i in range(40):  # 2 s of UM traffic: 4 migrations + 1 copy every 50 ms
+        t = T0 + i * 50 * MS + MS
+        lines += [um(t, 1, 65536), um(t + MS, 2, 65536), um(t + 2 * MS, 3, 1), um(t + 3 * MS, 4, 2), cpy(t, 1, 4096)]
+    path = write_jsonl(tmp_path / "um.jsonl", lines)
+    config = load_config(env={})
+    app = App(config, socket_path=None, listen=None, nvml_client=FakeNvml("healthy"))  # type: ignore[arg-type]
+    app.nvml.start()  # type: ignore[union-attr]
+    replay_file(path, app.pipeline)
+    app.ingest.tick()
+    last_window = (T0 + 39 * 50 * MS) // (50 * MS) * 50 * MS
+    app.nvml.gpus[0].pcie.append((last_window - 50 * MS + 7 * MS, 5e9, 1e9))  # type: ignore[union-attr]
+    rows = app.migrations_json()
+    assert rows and all(r["pid"] == 4242 and r["gpu"] == 0 for r in rows)
+    assert all(r["frequency_hz"] == (1 + 1 + 1 + 2 + 1) / 0.05 for r in rows)
+    with_pcie = [r for r in rows if r["pcie_tx_bytes_per_second"] is not None]
+    assert len(with_pcie) == 1 and with_pcie[0]["start"] == last_window - 50 * MS
+    assert with_pcie[0]["pcie_rx_bytes_per_second"] == 1e9

@@ -314,6 +314,13 @@ class FrameBuilder:
                 page_faults={"cpu": w[6], "gpu": w[7]}, copies=w[8], copy_bytes=w[9]))
         return out
 
+    def recent_migration_windows(self, as_of_ns: int, n: int = 20) -> list[MigrationWindow]:
+        """The windows with activity among the last ``n`` closed by ``as_of_ns`` (default: 1 s)."""
+        last_closed = as_of_ns // self.migration_ns - 1
+        wids = [w for w in range(last_closed - n + 1, last_closed + 1) if w in self._windows]
+        keep = set(wids)
+        return [w for w in self.migration_windows() if w.start_ns // self.migration_ns in keep]
+
     def migration_rate_hz(self, as_of_ns: int) -> float | None:
         """Migration frequency of the last window closed by ``as_of_ns`` (None before any)."""
         if not self._windows:

@@ -184,6 +184,7 @@ class FeatureHub:
             page_migrations=dict(builder.page_migrations),
             page_faults=dict(builder.page_faults),
             migration_rate_hz=builder.migration_rate_hz(as_of_ns),
+            migration_windows=tuple(builder.recent_migration_windows(as_of_ns)),
         )
 
     def sampler_states(self) -> tuple[SamplerState, ...]:
