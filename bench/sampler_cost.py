@@ -31,10 +31,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "daemon"))
 
-from gpufootprint.config import FootprintConfig, SamplerConfig  # noqa: E402
-from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
-from gpufootprint.records import MEMORY_DTYPE, RecordKind  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
+from gpufootprint.config import FootprintConfig, SamplerConfig
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.sampler.hub import FeatureHub
 
 MS = 1_000_000
 T0 = 1_796_000_000_000_000_000

@@ -32,13 +32,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "daemon"))
 
-from gpufootprint.config import FootprintConfig, SamplerConfig  # noqa: E402
-from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
-from gpufootprint.records import MEMORY_DTYPE, RecordKind  # noqa: E402
-from gpufootprint.replay import replay_file  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
-from gpufootprint.wire.sources import TraceFile  # noqa: E402
-from gpufootprint.wire.framing import FrameDecoder, FrameType  # noqa: E402
+from gpufootprint.config import FootprintConfig, SamplerConfig
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.replay import replay_file
+from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.wire.framing import FrameDecoder, FrameType
+from gpufootprint.wire.sources import TraceFile
 
 MS = 1_000_000
 DURATIONS_MS = (1, 2, 5, 10, 20, 30, 50, 100, 200, 500)

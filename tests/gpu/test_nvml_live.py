@@ -21,11 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.app import App
 from gpufootprint.config import load_config
 from gpufootprint.nvml.pynvml_client import PynvmlClient
-
 
 
 def _nvml_reason() -> str | None:

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.config import FeaturesConfig, FootprintConfig
 from gpufootprint.features.frames import MigrationWindow, align_pcie
 from gpufootprint.ingest.pipeline import Pipeline
@@ -16,7 +15,7 @@ from gpufootprint.replay import replay_file
 from gpufootprint.sampler.hub import FeatureHub
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tracegen import MS, T0, cpy, mem, mset, read_jsonl, um, write_jsonl  # noqa: E402
+from tracegen import MS, T0, cpy, mem, mset, read_jsonl, um, write_jsonl
 
 RESIDENT = {3, 4, 6, 16}
 COPY_NAMES = {0: "unknown", 1: "htod", 2: "dtoh", 3: "htoa", 4: "atoh", 5: "atoa", 6: "atod", 7: "dtoa",

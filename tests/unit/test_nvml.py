@@ -6,15 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.config import NvmlConfig
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot, ProcessSnapshot
+from prometheus_client.registry import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from nvml_fake import GIB, SCENARIOS, FakeNvml  # noqa: E402
+from nvml_fake import GIB, SCENARIOS, FakeNvml
 
 
 class Clock:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
 from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.replay import replay_file
@@ -16,7 +16,7 @@ from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tracegen import MS, mem, quiet_minute_with_spike, read_jsonl, write_jsonl  # noqa: E402
+from tracegen import MS, quiet_minute_with_spike, read_jsonl, write_jsonl
 
 
 def replay_lines(tmp_path: Path, lines: list[dict[str, Any]], sampler: SamplerConfig | None = None) -> Pipeline:
@@ -199,7 +199,7 @@ def test_sampler_sends_flush_interval_and_kernel_window_to_probes_only() -> None
     assert "kernel_window" in ops
     flushes = [b["ms"] for _, b in sent if b["op"] == "flush_interval"]
     assert 5 in flushes and 200 in flushes and 20 in flushes
-    assert all(a != b for a, b in zip(flushes, flushes[1:]))  # only on change
+    assert all(a != b for a, b in itertools.pairwise(flushes))  # only on change
     assert all(1 <= ms <= 1000 for ms in flushes)
 
 

@@ -229,7 +229,7 @@ def sampler_nvml_families(snap: PipelineSnapshot) -> Iterator[Metric]:
     if nv is None:
         return
     gl = ["gpu", "uuid", "model"]
-    fams = {
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "memory_used": GaugeMetricFamily("gpufootprint_nvml_memory_used_bytes", "NVML: device memory used.", labels=gl),
         "memory_total": GaugeMetricFamily("gpufootprint_nvml_memory_total_bytes", "NVML: device memory.", labels=gl),
         "memory_reserved": GaugeMetricFamily("gpufootprint_nvml_memory_reserved_bytes",
@@ -276,8 +276,8 @@ def sampler_nvml_families(snap: PipelineSnapshot) -> Iterator[Metric]:
     yield from (xid, supported, procs)
     state = GaugeMetricFamily("gpufootprint_nvml_state", "1 for the NVML source's current state.",
                               labels=["state"])
-    for st in ("ok", "unavailable", "error"):
-        state.add_metric([st], 1.0 if nv.state == st else 0.0)
+    for name in ("ok", "unavailable", "error"):
+        state.add_metric([name], 1.0 if nv.state == name else 0.0)
     yield state
     errs = CounterMetricFamily("gpufootprint_nvml_errors", "NVML calls that failed, by reason.", labels=["reason"])
     for reason, n in sorted(nv.errors.items()):

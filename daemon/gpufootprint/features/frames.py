@@ -250,16 +250,14 @@ class FrameBuilder:
         row = self._frames.get(fid)
         if row is None:
             row = self._frames[fid] = [0, 0, 0, 0, 0]
-            if fid > self._newest_frame:
-                self._newest_frame = fid
+            self._newest_frame = max(self._newest_frame, fid)
         return row
 
     def _window(self, wid: int) -> list[int]:
         w = self._windows.get(wid)
         if w is None:
             w = self._windows[wid] = [0] * _MIG_COLS
-            if wid > self._newest_window:
-                self._newest_window = wid
+            self._newest_window = max(self._newest_window, wid)
         return w
 
     def _prune(self) -> None:
@@ -268,7 +266,7 @@ class FrameBuilder:
             horizon = self._newest_frame - self._keep_frames
             for table in (self._frames, self._copies, self._end_level):
                 for fid in [f for f in table if f < horizon]:
-                    del table[fid]  # type: ignore[attr-defined]
+                    del table[fid]
         if len(self._windows) > self._keep_windows * 5 // 4 + 8:
             horizon = self._newest_window - self._keep_windows
             for wid in [w for w in self._windows if w < horizon]:

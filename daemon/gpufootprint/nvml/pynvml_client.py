@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError
+
+log = logging.getLogger(__name__)
 
 _REASON_BY_CODE = {1: "uninitialized", 3: "not_supported", 4: "no_permission", 6: "not_found",
                    12: "not_found", 13: "not_supported", 15: "gpu_lost"}
@@ -38,7 +41,7 @@ class PynvmlClient:
 
     def init(self) -> None:
         try:
-            import pynvml
+            import pynvml  # type: ignore[import-untyped]
         except ImportError as exc:
             raise NvmlCallError("not_found", f"nvidia-ml-py is not installed ({exc})") from None
         try:
@@ -55,8 +58,8 @@ class PynvmlClient:
             if self._events is not None:
                 self._nv.nvmlEventSetFree(self._events)
             self._nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutting down: nothing to do about it
-            pass
+        except Exception as exc:  # noqa: BLE001 - shutting down: nothing to do about it
+            log.debug("nvml shutdown failed: %s", exc)
         self._nv, self._events = None, None
         self._handles.clear()
 

@@ -141,9 +141,8 @@ class FeatureHub:
         if source != "probe" or self.control is None or not self.config.control:
             return
         iv_ms = max(1, min(1000, s.interval_ns // _MS))
-        if self._sent_interval.get(s.pid) != iv_ms:
-            if self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
-                self._sent_interval[s.pid] = iv_ms
+        if self._sent_interval.get(s.pid) != iv_ms and self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
+            self._sent_interval[s.pid] = iv_ms
         if self.config.kernel_window_ms and s.bursts != self._bursts_seen.get(s.pid, 0):
             # One window per step that saw a burst start (a step can span several; one is enough).
             self._bursts_seen[s.pid] = s.bursts
@@ -155,7 +154,7 @@ class FeatureHub:
         assert self.control is not None
         try:
             ok = bool(self.control(pid, body))
-        except Exception:  # noqa: BLE001 - a failed send must not stop the ingest loop
+        except Exception:
             log.exception("control send failed pid=%d op=%s", pid, body.get("op"))
             ok = False
         self.controls_sent[f"{body['op']}:{'sent' if ok else 'failed'}"] += 1
