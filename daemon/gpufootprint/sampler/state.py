@@ -90,6 +90,9 @@ class ProcessSampler:
 
     def _run(self, limit: int, final: bool) -> None:
         cfg = self.config
+        if (not final and self.cursor is not None and self.cursor + self.interval_ns > limit
+                and not self._mem and not self._events):
+            return  # nothing new and no interval to close: the common case between ticks
         mem_ts, delta, devs = self._take_mem()
         other = self._take_events()
         ev_ts = np.sort(np.concatenate([other, mem_ts]), kind="stable") if len(other) else mem_ts
