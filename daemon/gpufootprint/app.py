@@ -101,6 +101,7 @@ class App:
     def start(self) -> None:
         if self.nvml is not None:
             self.nvml.start()  # failure is a state (gpufootprint_nvml_state), never an exception
+            self.nvml.start_thread()  # NVML calls block (PCIe: 20 ms each): off the ingest thread
         self.ingest.open()
         self._thread = threading.Thread(target=self.ingest.run, name="gpufootprint-ingest", daemon=True)
         self._thread.start()

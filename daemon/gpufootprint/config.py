@@ -76,8 +76,9 @@ class FeaturesConfig:
     keep_seconds: float = _spec(10.0, lo=0.05, hi=3600, doc="how much frame history each (pid, gpu) keeps")
     migration_window_ms: int = _spec(50, lo=1, hi=60_000,
                                      doc="window of the page-migration frequency (UM + host<->device copies)")
-    reuse_tracked_addresses: int = _spec(1_000_000, lo=0, hi=100_000_000,
-                                         doc="freed (address, size) pairs remembered for the reuse ratio")
+    reuse_tracked_addresses: int = _spec(100_000, lo=1, hi=100_000_000,
+                                         doc="freed (address, size) pairs remembered for the reuse ratio "
+                                             "(about 100 bytes each; forgotten all at once when full)")
 
 
 @dataclass(frozen=True)

@@ -185,3 +185,34 @@ def test_poll_interval_follows_the_sampler_within_bounds() -> None:
     clock.t += 0.21
     assert p.maybe_poll()
     assert p.polls == 2
+
+
+def test_threaded_poller_polls_off_the_caller_thread_and_publishes_whole_snapshots() -> None:
+    import threading
+    import time
+
+    fake = FakeNvml("healthy")
+    seen_threads: set[str] = set()
+    orig = fake.memory
+
+    def memory(index: int):  # type: ignore[no-untyped-def]
+        seen_threads.add(threading.current_thread().name)
+        return orig(index)
+
+    fake.memory = memory  # type: ignore[method-assign]
+    p = NvmlPoller(fake, NvmlConfig(min_poll_ms=5, max_poll_ms=10))  # type: ignore[arg-type]
+    assert p.snapshot().state == "unavailable"  # before start: a state, not an error
+    p.start()
+    assert p.snapshot().state == "ok"
+    p.start_thread()
+    try:
+        deadline = time.monotonic() + 5
+        while p.polls < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        p.close()
+    assert p.polls >= 5
+    assert seen_threads == {"gpufootprint-nvml"}
+    snap = p.snapshot()
+    assert len(snap.gpus) == 2 and all(g.memory_used_bytes is not None for g in snap.gpus)
+    assert len(p.pcie_samples(0)) == p.polls

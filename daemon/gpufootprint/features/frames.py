@@ -184,7 +184,9 @@ class FrameBuilder:
                 seen += 1
                 if (addr, size) in freed:
                     reused += 1
-            elif op == release and len(freed) < self._reuse_capacity:
+            elif op == release:
+                if len(freed) >= self._reuse_capacity:
+                    freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
                 freed.add((addr, size))
         self.allocations_seen += seen
         self.allocations_reused += reused

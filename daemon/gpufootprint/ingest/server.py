@@ -128,7 +128,7 @@ class IngestServer:
         tick_s = self.config.daemon.tick_ms / 1000
         next_tick = time.monotonic()
         while not self.stop_event.is_set():
-            wake = next_tick if self.nvml is None else min(next_tick, self.nvml.next_due())
+            wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
             timeout = max(0.0, wake - time.monotonic())
             for key, _ in self._sel.select(timeout):
                 if key.data == "listen":
@@ -261,7 +261,8 @@ class IngestServer:
         assert self.nvml is not None
         live = [pid for pid, p in self.pipeline.processes.items() if p.source == "probe" and p.exited_at is None]
         self.nvml.set_interval(self.pipeline.hub.fastest_interval_s(live))
-        self.nvml.maybe_poll()
+        if not self.nvml.threaded:  # the daemon polls on the NVML thread; tests poll here
+            self.nvml.maybe_poll()
 
     def send_control(self, pid: int, body: dict[str, Any]) -> bool:
         """A CONTROL frame (contract: flush_interval, kernel_window, ...) to one probe."""

@@ -1,5 +1,10 @@
 """Polls NVML at the cadence the sampler asks for, and keeps the result as state.
 
+NVML calls can block (the PCIe throughput call samples a byte counter for
+20 ms, twice per GPU), so the daemon runs the poller on its own thread
+(``start_thread``) and the ingest thread only sets the wanted interval and reads
+the latest immutable snapshot. Tests call ``poll`` directly.
+
 Nothing NVML does can stop the daemon: a field the driver lacks is marked
 unsupported (and not asked again), a lost GPU is marked down (and looked for
 again every ``lost_retry_seconds``), any other failure is counted by reason.
@@ -9,6 +14,7 @@ again every ``lost_retry_seconds``), any other failure is counted by reason.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -60,11 +66,20 @@ class NvmlPoller:
         self._next_due = 0.0
         self._next_init = 0.0
         self._xid_supported: bool | None = None
+        self._snap: NvmlSnapshot = self._build_snapshot()
+        self._lock = threading.Lock()  # guards the PCIe sample deques against readers
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # --- lifecycle -------------------------------------------------------------------
 
     def start(self) -> bool:
         """Initialise NVML and list the GPUs; False (and a state) when it cannot."""
+        ok = self._start()
+        self._snap = self._build_snapshot()
+        return ok
+
+    def _start(self) -> bool:
         self._next_init = self._mono() + self.config.lost_retry_seconds
         if self.client is None or not self.config.enabled:
             self.state, self.detail = "unavailable", "NVML disabled or no client"
@@ -97,7 +112,26 @@ class NvmlPoller:
         log.info("nvml started %s", self.detail)
         return True
 
+    def start_thread(self) -> None:
+        """Poll on a thread of its own at ``interval_s`` (which the ingest tick keeps setting)."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="gpufootprint-nvml", daemon=True)
+        self._thread.start()
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.maybe_poll()
+            self._stop.wait(max(0.001, min(self.interval_s, self._next_due - self._mono())))
+
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
         if self.client is not None and self.state == "ok":
             try:
                 self.client.shutdown()
@@ -129,6 +163,7 @@ class NvmlPoller:
             if self.client is not None and self.config.enabled and self._mono() >= self._next_init:
                 self.start()
             if self.state != "ok":
+                self._snap = self._build_snapshot()
                 return
         self.polls += 1
         for gpu in self.gpus:
@@ -141,6 +176,7 @@ class NvmlPoller:
                 log.exception("nvml poll of gpu %d failed", gpu.identity.index)
         if self.config.xid_events:
             self._poll_xid()
+        self._snap = self._build_snapshot()  # one reference swap: readers never see half a poll
 
     def _poll_gpu(self, gpu: _GpuState) -> None:
         assert self.client is not None
@@ -164,12 +200,15 @@ class NvmlPoller:
         procs = self._field(gpu, "processes", lambda: c.processes(i))
         gpu.processes = procs if procs is not None else {}
         gpu.values["utilization"] = self._field(gpu, "utilization", lambda: c.utilization(i))
+        before = self._wall_ns()
         pcie = self._field(gpu, "pcie", lambda: c.pcie_throughput(i))
         gpu.values["pcie"] = pcie
         if pcie is not None:
-            gpu.pcie.append((self._wall_ns(), pcie[0], pcie[1]))
-            while len(gpu.pcie) > self.config.pcie_samples:
-                gpu.pcie.popleft()
+            # The driver sampled over the call (20 ms per counter): date the sample at its middle.
+            with self._lock:
+                gpu.pcie.append(((before + self._wall_ns()) // 2, pcie[0], pcie[1]))
+                while len(gpu.pcie) > self.config.pcie_samples:
+                    gpu.pcie.popleft()
         gpu.values["power"] = self._field(gpu, "power", lambda: c.power_watts(i))
         gpu.values["energy"] = self._field(gpu, "energy", lambda: c.energy_joules(i))
 
@@ -222,9 +261,17 @@ class NvmlPoller:
     # --- output ---------------------------------------------------------------------------
 
     def pcie_samples(self, index: int) -> list[tuple[int, float, float]]:
-        return list(self.gpus[index].pcie) if 0 <= index < len(self.gpus) else []
+        gpus = self.gpus
+        if not 0 <= index < len(gpus):
+            return []
+        with self._lock:
+            return list(gpus[index].pcie)
 
     def snapshot(self) -> NvmlSnapshot:
+        """The state after the last poll (immutable; safe from any thread)."""
+        return self._snap
+
+    def _build_snapshot(self) -> NvmlSnapshot:
         gpus = []
         for g in self.gpus:
             mem = g.values.get("memory")
