@@ -3,6 +3,7 @@ and the HTTP routes (/metrics, /api/anomalies) of an App with a fake NVML."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -132,3 +133,22 @@ def test_migrations_route_joins_migration_windows_with_the_pcie_sample_of_the_sa
     with_pcie = [r for r in rows if r["pcie_tx_bytes_per_second"] is not None]
     assert len(with_pcie) == 1 and with_pcie[0]["start"] == last_window - 50 * MS
     assert with_pcie[0]["pcie_rx_bytes_per_second"] == 1e9
+
+
+def test_replay_report_json_has_anomaly_windows_and_sampler_intervals(tmp_path: Path) -> None:
+    from tests.conftest import cli_env
+
+    lines, facts = quiet_minute_with_spike(minute_ms=10_000, spike_at_ms=5_000)
+    path = write_jsonl(tmp_path / "spike.jsonl.gz", lines)
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "gpufootprint", "replay", str(path), "--report-json", str(report),
+                           "--set", "sampler.max_ms=160"], capture_output=True, text=True, env=cli_env(),
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    body = json.loads(report.read_text())
+    spike = [w for w in body["anomaly_windows"] if w["start"] <= facts["spike_start"] and w["end"] >= facts["spike_end"]]
+    assert len(spike) == 1 and spike[0]["peak_bytes"] == facts["peak"] and spike[0]["pid"] == 4242
+    runs = body["sampler_intervals"]["4242"]
+    assert {r["mode"] for r in runs} == {"burst", "steady", "quiet"}
+    assert max(r["interval_ms"] for r in runs) == 160  # the config reached the sampler
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(runs))  # contiguous history
