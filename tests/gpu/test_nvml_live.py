@@ -78,9 +78,9 @@ def test_real_nvml_next_to_a_torch_process(tmp_path: Path) -> None:
         from gpufootprint.probe.launcher import probe_env
 
         env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
-        seen["probed"] = True
+        seen["probe_importable"] = True
     except ImportError:
-        seen["probed"] = False  # the probe package is not on this branch: the child runs unprobed
+        seen["probe_importable"] = False  # no probe package on this branch: the child runs unprobed
     child = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -93,16 +93,18 @@ def test_real_nvml_next_to_a_torch_process(tmp_path: Path) -> None:
         pid = info["pid"]
         used: int | None = None
         text = ""
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # NVML's process list and the probe's records need a moment
+        t_child = time.monotonic()
+        while time.monotonic() < t_child + 20:  # NVML's process list and the probe's records need a moment
             time.sleep(0.5)
             nv = app.ingest.snapshot.nvml
             procs = {p: u for g in (nv.gpus if nv else ()) for p, u in g.processes.items()}
             used = procs.get(pid)
             proc = next((p for p in app.ingest.snapshot.processes if p.pid == pid), None)
-            if used is not None and (not seen["probed"] or (proc is not None and proc.devices
-                                                            and proc.devices[0].device_bytes >= info["reserved"])):
+            probe_done = proc is not None and bool(proc.devices) and proc.devices[0].device_bytes >= info["reserved"]
+            # Without a probe (none importable, or none connected after 8 s), NVML alone is enough.
+            if used is not None and (probe_done or not seen["probe_importable"] or time.monotonic() > t_child + 8):
                 break
+        seen["probed"] = any(p.pid == pid and p.source == "probe" for p in app.ingest.snapshot.processes)
         assert app.http is not None
         text = urllib.request.urlopen(f"http://127.0.0.1:{app.http.port}/metrics", timeout=5).read().decode()
         nv = app.ingest.snapshot.nvml
