@@ -19,6 +19,9 @@ from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
+from gpufootprint.nvml.client import NvmlClient
+from gpufootprint.nvml.poller import NvmlPoller
+from gpufootprint.sampler.hub import FeatureHub
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +50,24 @@ def detect_gpu() -> tuple[bool, str]:
 
 
 class App:
-    def __init__(self, config: Config, *, socket_path: str | None, listen: str | None) -> None:
+    def __init__(self, config: Config, *, socket_path: str | None, listen: str | None,
+                 nvml_client: NvmlClient | None = None) -> None:
         self.config = config
-        self.pipeline = Pipeline(config.footprint)
+        self.pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
         self.gpu_present = 0.0
+        # NVML only with a client (the daemon passes the real one when a GPU is present).
+        self.nvml = NvmlPoller(nvml_client, config.nvml) if nvml_client is not None and config.nvml.enabled else None
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path,
-                                   extra_daemon_values=self._daemon_values)
+                                   extra_daemon_values=self._daemon_values, nvml=self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot)
         self.registry.register(self.collector)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
-            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set)
+            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set,
+                                      json_routes={"/api/anomalies": self.anomalies_json,
+                                                   "/api/migrations": self.migrations_json})
         self._thread: threading.Thread | None = None
 
     def _daemon_values(self) -> dict[str, float]:
@@ -68,7 +76,32 @@ class App:
             age = max(0.0, time.time() - self.ingest.snapshot.taken_at)
         return {"gpu_present": self.gpu_present, "snapshot_age_seconds": age}
 
+    def anomalies_json(self) -> list[dict[str, object]]:
+        """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""
+        return [w.to_json() for w in self.ingest.snapshot.anomaly_windows]
+
+    def migrations_json(self) -> list[dict[str, object]]:
+        """GET /api/migrations: each (pid, gpu)'s page-migration windows of the last second, with the
+        NVML PCIe throughput sampled inside the same window (CUDA ordinal taken as the NVML index)."""
+        from gpufootprint.features.frames import align_pcie
+
+        out: list[dict[str, object]] = []
+        for f in self.ingest.snapshot.features:
+            if not f.migration_windows:
+                continue
+            samples = self.nvml.pcie_samples(f.dev) if self.nvml is not None else []
+            for w in align_pcie(list(f.migration_windows), samples):
+                out.append({"pid": f.pid, "gpu": f.dev, "start": w.start_ns, "end": w.start_ns + w.width_ns,
+                            "um_transfers": w.um_transfers, "um_bytes": w.um_bytes, "page_faults": w.page_faults,
+                            "copies": w.copies, "copy_bytes": w.copy_bytes, "frequency_hz": w.frequency_hz,
+                            "pcie_tx_bytes_per_second": w.pcie_tx_bytes_per_second,
+                            "pcie_rx_bytes_per_second": w.pcie_rx_bytes_per_second})
+        return out
+
     def start(self) -> None:
+        if self.nvml is not None:
+            self.nvml.start()  # failure is a state (gpufootprint_nvml_state), never an exception
+            self.nvml.start_thread()  # NVML calls block (PCIe: 20 ms each): off the ingest thread
         self.ingest.open()
         self._thread = threading.Thread(target=self.ingest.run, name="gpufootprint-ingest", daemon=True)
         self._thread.start()
@@ -81,6 +114,8 @@ class App:
             self._thread.join(timeout=10)
         if self.http is not None:
             self.http.stop()
+        if self.nvml is not None:
+            self.nvml.close()
 
     def wait_for_signal(self, stop: threading.Event) -> None:
         def _handler(signum: int, _frame: _PyFrame | None) -> None:

@@ -136,8 +136,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     config = _config(args, {"exporter.listen": args.listen, "daemon.socket": args.socket})
     _setup(config, args.verbose)
-    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen)
     present, detail = detect_gpu()
+    nvml_client = None
+    if present and config.nvml.enabled:
+        from gpufootprint.nvml.pynvml_client import PynvmlClient
+
+        nvml_client = PynvmlClient()
+    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen, nvml_client=nvml_client)
     app.gpu_present = 1.0 if present else 0.0
     if present:
         log.info("gpu found: %s", detail)
@@ -207,7 +212,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         guard = app.ingest.lock
         print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
     else:
-        pipeline = Pipeline(config.footprint)
+        from gpufootprint.sampler.hub import FeatureHub
+
+        pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
     try:
         result = replay_file(args.file, pipeline, speed=args.speed, guard=guard,
                              max_frame_bytes=config.daemon.max_frame_bytes)
@@ -222,6 +229,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report = {"file": result.path, "format": result.format, "records": result.records,
                   "elapsed_s": result.elapsed_s, "marks": result.marks, "problems": result.problems,
                   "ingest_errors": dict(pipeline.errors.counts), "late_records": pipeline.late_records}
+        report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals (issue 4)
         _write_json(args.report_json, report)
     mismatched = [m["label"] for m in result.marks if m.get("matches") is False]
     print(f"replayed {result.records} records ({result.format}) in {result.elapsed_s:.3f} s; "

@@ -68,6 +68,56 @@ class DemoConfig:
     trace: str | None = _spec(None, doc="trace to loop (None: the bundled H200 traces)")
 
 
+# --- issue 4: feature frames, adaptive sampler, NVML --------------------------------
+
+
+@dataclass(frozen=True)
+class FeaturesConfig:
+    keep_seconds: float = _spec(10.0, lo=0.05, hi=3600, doc="how much frame history each (pid, gpu) keeps")
+    migration_window_ms: int = _spec(50, lo=1, hi=60_000,
+                                     doc="window of the page-migration frequency (UM + host<->device copies)")
+    reuse_tracked_addresses: int = _spec(100_000, lo=1, hi=100_000_000,
+                                         doc="freed (address, size) pairs remembered for the reuse ratio "
+                                             "(about 100 bytes each; forgotten all at once when full)")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    enabled: bool = _spec(True, doc="run the adaptive sampler (False: fixed steady interval, no windows)")
+    steady_ms: int = _spec(20, lo=1, hi=60_000, doc="interval when neither quiet nor volatile")
+    max_ms: int = _spec(200, lo=1, hi=60_000, doc="quiet intervals double up to this")
+    burst_ms: int = _spec(5, lo=1, hi=60_000, doc="frame width inside a burst")
+    burst_min_frames: int = _spec(3, lo=1, hi=10_000, doc="a burst lasts at least this many calm frames")
+    burst_settle_ms: int = _spec(100, lo=0, hi=600_000,
+                                 doc="a level held away from the pre-burst baseline this long ends the burst")
+    burst_max_ms: int = _spec(2000, lo=1, hi=3_600_000, doc="an anomaly window is closed after this long")
+    volatile_rel_change: float = _spec(0.05, lo=0.0, hi=1e6,
+                                       doc="footprint range / level in one interval that counts as volatile")
+    volatile_min_bytes: int = _spec(1 << 20, lo=0, hi=1 << 50, doc="smaller footprint changes are never volatile")
+    range_jump_factor: float = _spec(2.0, lo=0.0, hi=1e6,
+                                     doc="volatile range must also exceed this times the usual (EWMA) range")
+    rate_jump_factor: float = _spec(4.0, lo=1.0, hi=1e6, doc="event rate this many times the usual is volatile")
+    rate_min_events: int = _spec(50, lo=1, hi=1 << 30, doc="fewer events in an interval never count as a rate jump")
+    quiet_max_rate: float = _spec(100.0, lo=0.0, hi=1e9, doc="events per second at or below which it may be quiet")
+    quiet_rel_change: float = _spec(0.01, lo=0.0, hi=1e6, doc="footprint range / level at or below which it is quiet")
+    ewma_alpha: float = _spec(0.2, lo=0.0, hi=1.0, doc="weight of the newest interval in the usual rate and range")
+    history: int = _spec(4096, lo=1, hi=10_000_000, doc="interval-history entries kept per process")
+    max_windows: int = _spec(1000, lo=1, hi=10_000_000, doc="recent anomaly windows kept (all processes)")
+    control: bool = _spec(True, doc="send flush_interval to probes when the interval changes")
+    kernel_window_ms: int = _spec(0, lo=0, hi=60_000,
+                                  doc="open the probe's kernel activity this long at each burst (0: never)")
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    enabled: bool = _spec(True, doc="poll NVML when a driver is present")
+    min_poll_ms: int = _spec(20, lo=1, hi=600_000, doc="fastest poll (while a process bursts)")
+    max_poll_ms: int = _spec(1000, lo=1, hi=600_000, doc="slowest poll (when everything is quiet)")
+    lost_retry_seconds: float = _spec(10.0, lo=0.0, hi=86_400, doc="how often a lost GPU is looked for again")
+    pcie_samples: int = _spec(1200, lo=1, hi=10_000_000, doc="recent PCIe samples kept per GPU for alignment")
+    xid_events: bool = _spec(True, doc="register for Xid (critical error) events where supported")
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     """Settings handed to probes started by ``gpufootprint run`` (as GPUFOOTPRINT_PROBE_* variables)."""
@@ -94,6 +144,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    nvml: NvmlConfig = field(default_factory=NvmlConfig)
 
 
 # --- loading ------------------------------------------------------------------

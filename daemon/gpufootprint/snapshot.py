@@ -47,6 +47,75 @@ class ProcessSnapshot:
     probe_counters: dict[str, float] = field(default_factory=dict)
 
 
+# --- issue 4: features, sampler, NVML (all optional: absent means "not computed") ---------
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFeatures:
+    pid: int
+    dev: int
+    frame_peak_bytes: int | None  # peak of the last closed sampler interval (its width: the interval)
+    allocation_reuse_ratio: float | None  # allocations at a freed (address, size) / allocations
+    pool_utilization_ratio: float | None  # stream-ordered pools: used / reserved
+    allocator_slack_bytes: int | None  # torch reserved - allocated, from the probe's heartbeat
+    page_migrations: dict[str, int]  # unified-memory transfer records, by direction
+    page_faults: dict[str, int]  # unified-memory page faults, by side (cpu, gpu)
+    migration_rate_hz: float | None  # migrations + faults + host<->device copies per second, last window
+    migration_windows: tuple[Any, ...] = ()  # features.frames.MigrationWindow: the last second's, with activity
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerState:
+    pid: int
+    mode: str  # quiet | steady | burst
+    interval_s: float
+    as_of_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class AnomalyWindow:
+    pid: int
+    gpu: int
+    start_ns: int
+    end_ns: int
+    reason: str
+    peak_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"start": self.start_ns, "end": self.end_ns, "reason": self.reason,
+                "peak_bytes": self.peak_bytes, "pid": self.pid, "gpu": self.gpu}
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlGpu:
+    index: int
+    uuid: str
+    model: str
+    up: bool
+    state: str  # ok | lost | error
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    memory_reserved_bytes: int | None
+    utilization_ratio: float | None
+    pcie_tx_bytes_per_second: float | None
+    pcie_rx_bytes_per_second: float | None
+    power_watts: float | None
+    energy_joules: float | None
+    field_supported: dict[str, bool]
+    xid_errors: dict[int, int]
+    processes: dict[int, int | None]  # host pid -> used bytes (None: the driver does not say)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlSnapshot:
+    state: str  # ok | unavailable | error
+    detail: str
+    driver_version: str | None
+    gpus: tuple[NvmlGpu, ...]
+    errors: dict[str, int]  # by reason
+    poll_interval_s: float
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineSnapshot:
     taken_at: float
@@ -56,6 +125,11 @@ class PipelineSnapshot:
     late_records: int
     window_peak_seconds: float
     daemon: dict[str, Any] = field(default_factory=dict)  # connections, gpu presence, ...
+    features: tuple[DeviceFeatures, ...] = ()
+    sampler: tuple[SamplerState, ...] = ()
+    anomaly_windows: tuple[AnomalyWindow, ...] = ()  # recent ones, oldest first
+    anomaly_counts: dict[str, int] = field(default_factory=dict)  # all since start, by reason
+    nvml: NvmlSnapshot | None = None
 
 
 EMPTY_SNAPSHOT = PipelineSnapshot(

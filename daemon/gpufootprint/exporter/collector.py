@@ -149,6 +149,7 @@ class FootprintCollector(Collector):
                                    "reorder window).")
         late.add_metric([], snap.late_records)
         yield late
+        yield from sampler_nvml_families(snap)
         for name, value in sorted(snap.daemon.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 g = GaugeMetricFamily(f"gpufootprint_daemon_{name}", _DAEMON_HELP.get(name, name))
@@ -213,3 +214,129 @@ def probe_families(snap: PipelineSnapshot) -> Iterator[Metric]:
     yield from (fam for fam, _ in fams)
     yield conns
     yield disc
+
+
+# --- issue 4: feature frames, adaptive sampler, NVML ------------------------------------------
+
+
+def sampler_nvml_families(snap: PipelineSnapshot) -> Iterator[Metric]:
+    """Families of the feature frames, the sampler and the NVML source (docs/metrics.md)."""
+    sources = {p.pid: p.source for p in snap.processes}
+    mode = GaugeMetricFamily("gpufootprint_sampler_mode", "1 for the sampler's current mode of a process.",
+                             labels=["pid", "source", "mode"])
+    interval = GaugeMetricFamily("gpufootprint_sampler_interval_seconds",
+                                 "The sampler's current interval for a process (5 ms burst .. 200 ms quiet).",
+                                 labels=["pid", "source"])
+    for st in snap.sampler:
+        src = sources.get(st.pid, "trace")
+        for m in ("quiet", "steady", "burst"):
+            mode.add_metric([str(st.pid), src, m], 1.0 if st.mode == m else 0.0)
+        interval.add_metric([str(st.pid), src], st.interval_s)
+    yield mode
+    yield interval
+    windows = CounterMetricFamily("gpufootprint_anomaly_windows", "Anomaly windows closed, by reason.",
+                                  labels=["reason"])
+    for reason, n in sorted(snap.anomaly_counts.items()):
+        windows.add_metric([reason], n)
+    yield windows
+
+    frame_peak = GaugeMetricFamily("gpufootprint_frame_peak_bytes",
+                                   "Peak GPU-resident bytes of the last closed sampler interval (exact).",
+                                   labels=PROC_LABELS)
+    migrations = CounterMetricFamily("gpufootprint_page_migrations",
+                                     "Unified-memory page migrations (transfer records), by direction.",
+                                     labels=[*PROC_LABELS, "direction"])
+    faults = CounterMetricFamily("gpufootprint_page_faults", "Unified-memory page faults, by side.",
+                                 labels=[*PROC_LABELS, "side"])
+    reuse = GaugeMetricFamily("gpufootprint_allocation_reuse_ratio",
+                              "Share of allocations made at an (address, size) released before.",
+                              labels=PROC_LABELS)
+    pool_util = GaugeMetricFamily("gpufootprint_pool_utilization_ratio",
+                                  "Stream-ordered pools: bytes of live allocations / bytes reserved.",
+                                  labels=PROC_LABELS)
+    slack = GaugeMetricFamily("gpufootprint_allocator_slack_bytes",
+                              "PyTorch caching allocator: reserved minus allocated bytes (from the probe).",
+                              labels=PROC_LABELS)
+    mig_rate = GaugeMetricFamily("gpufootprint_page_migration_rate_hertz",
+                                 "UM migrations + faults + host<->device copies per second, last closed window.",
+                                 labels=PROC_LABELS)
+    for f in snap.features:
+        base = [str(f.pid), str(f.dev), sources.get(f.pid, "trace")]
+        if f.frame_peak_bytes is not None:
+            frame_peak.add_metric(base, f.frame_peak_bytes)
+        for direction, n in sorted(f.page_migrations.items()):
+            migrations.add_metric([*base, direction], n)
+        for side, n in sorted(f.page_faults.items()):
+            faults.add_metric([*base, side], n)
+        if f.allocation_reuse_ratio is not None:
+            reuse.add_metric(base, f.allocation_reuse_ratio)
+        if f.pool_utilization_ratio is not None:
+            pool_util.add_metric(base, f.pool_utilization_ratio)
+        if f.allocator_slack_bytes is not None:
+            slack.add_metric(base, f.allocator_slack_bytes)
+        if f.migration_rate_hz is not None:
+            mig_rate.add_metric(base, f.migration_rate_hz)
+    yield from (frame_peak, migrations, faults, reuse, pool_util, slack, mig_rate)
+
+    nv = snap.nvml
+    if nv is None:
+        return
+    gl = ["gpu", "uuid", "model"]
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+        "memory_used": GaugeMetricFamily("gpufootprint_nvml_memory_used_bytes", "NVML: device memory used.", labels=gl),
+        "memory_total": GaugeMetricFamily("gpufootprint_nvml_memory_total_bytes", "NVML: device memory.", labels=gl),
+        "memory_reserved": GaugeMetricFamily("gpufootprint_nvml_memory_reserved_bytes",
+                                             "NVML (v2 call): memory reserved by the driver and firmware.",
+                                             labels=gl),
+        "util": GaugeMetricFamily("gpufootprint_nvml_utilization_ratio",
+                                  "NVML: share of the last sample period a kernel ran.", labels=gl),
+        "tx": GaugeMetricFamily("gpufootprint_nvml_pcie_tx_bytes_per_second", "NVML: PCIe transmit throughput.",
+                                labels=gl),
+        "rx": GaugeMetricFamily("gpufootprint_nvml_pcie_rx_bytes_per_second", "NVML: PCIe receive throughput.",
+                                labels=gl),
+        "power": GaugeMetricFamily("gpufootprint_nvml_power_watts", "NVML: power draw.", labels=gl),
+        "energy": CounterMetricFamily("gpufootprint_nvml_energy_joules",
+                                      "NVML: energy since the driver was loaded.", labels=gl),
+        "up": GaugeMetricFamily("gpufootprint_nvml_up", "1 when NVML answers for the GPU, 0 when it is lost.",
+                                labels=gl),
+    }
+    xid = CounterMetricFamily("gpufootprint_nvml_xid_errors", "NVML: Xid critical-error events, by Xid.",
+                              labels=["gpu", "xid"])
+    supported = GaugeMetricFamily("gpufootprint_nvml_field_supported",
+                                  "1 when the driver answers the field, 0 when it does not support it.",
+                                  labels=["gpu", "field"])
+    procs = GaugeMetricFamily("gpufootprint_nvml_process_used_bytes",
+                              "NVML: memory a process uses on the GPU (CUDA context and libraries included); "
+                              "source=probe when a probe reports the same (host) pid.",
+                              labels=["pid", "gpu", "source"])
+    for g in nv.gpus:
+        lab = [str(g.index), g.uuid, g.model]
+        fams["up"].add_metric(lab, 1.0 if g.up else 0.0)
+        for key, value in (("memory_used", g.memory_used_bytes), ("memory_total", g.memory_total_bytes),
+                           ("memory_reserved", g.memory_reserved_bytes), ("util", g.utilization_ratio),
+                           ("tx", g.pcie_tx_bytes_per_second), ("rx", g.pcie_rx_bytes_per_second),
+                           ("power", g.power_watts), ("energy", g.energy_joules)):
+            if value is not None:
+                fams[key].add_metric(lab, value)
+        for x, n in sorted(g.xid_errors.items()):
+            xid.add_metric([str(g.index), str(x)], n)
+        for fld, ok in sorted(g.field_supported.items()):
+            supported.add_metric([str(g.index), fld], 1.0 if ok else 0.0)
+        for pid, used in sorted(g.processes.items()):
+            if used is not None:
+                procs.add_metric([str(pid), str(g.index), "probe" if sources.get(pid) == "probe" else "nvml"], used)
+    yield from fams.values()
+    yield from (xid, supported, procs)
+    state = GaugeMetricFamily("gpufootprint_nvml_state", "1 for the NVML source's current state.",
+                              labels=["state"])
+    for name in ("ok", "unavailable", "error"):
+        state.add_metric([name], 1.0 if nv.state == name else 0.0)
+    yield state
+    errs = CounterMetricFamily("gpufootprint_nvml_errors", "NVML calls that failed, by reason.", labels=["reason"])
+    for reason, n in sorted(nv.errors.items()):
+        errs.add_metric([reason], n)
+    yield errs
+    poll = GaugeMetricFamily("gpufootprint_nvml_poll_interval_seconds",
+                             "Current NVML poll interval (follows the fastest sampler interval).")
+    poll.add_metric([], nv.poll_interval_s)
+    yield poll

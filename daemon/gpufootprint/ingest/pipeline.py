@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FootprintConfig
-from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
+from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,11 @@ class ProcessState:
 class Pipeline:
     """Owns every process's footprint. Single-threaded: call it from one thread."""
 
-    def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic,
+                 *, hub: FeatureHub | None = None) -> None:
         self.config = config
+        # Feature frames and adaptive sampler (issue 4): fed after records are applied in time order.
+        self.hub = hub if hub is not None else FeatureHub()
         self._frame_ns = config.frame_ms * 1_000_000
         self._window_ns = int(config.window_peak_seconds * 1e9)
         self._reorder_ns = config.reorder_window_ms * 1_000_000
@@ -134,6 +137,7 @@ class Pipeline:
                 proc.pending_records -= len(ready)
                 self._apply(proc, kind, _sorted(kind, ready))
         proc.applied_to = ts
+        self.hub.on_watermark(pid, ts, proc.source)
 
     def advance_all(self, ts: int) -> None:
         for pid in list(self.processes):
@@ -144,6 +148,7 @@ class Pipeline:
         proc = self.processes.get(pid)
         if proc is not None:
             self.advance(pid, max(proc.max_ts, proc.applied_to + 1))
+            self.hub.on_finish(pid, proc.applied_to, proc.source)
 
     def resync(self, pid: int, recs: np.ndarray, ts: int) -> None:
         """Replace ``pid``'s live tables with the probe's own (after a reconnect)."""
@@ -160,11 +165,13 @@ class Pipeline:
         end = ts if ts is not None else max(proc.max_ts, proc.applied_to)
         for fp in proc.devices.values():
             fp.release_all(end)
+        self.hub.on_finish(pid, max(end, proc.applied_to), proc.source)
         proc.exited_at = self._monotonic()
 
     def restart(self, pid: int, source: str) -> ProcessState:
         """A new process reuses ``pid`` (or a trace loops): start it from nothing."""
         self.processes.pop(pid, None)
+        self.hub.forget(pid)
         return self.process(pid, source)
 
     def expire(self) -> list[int]:
@@ -174,6 +181,7 @@ class Pipeline:
                 if p.exited_at is not None and now - p.exited_at >= self.config.process_grace_seconds]
         for pid in gone:
             del self.processes[pid]
+            self.hub.forget(pid)
         return gone
 
     # --- application ------------------------------------------------------------
@@ -181,7 +189,8 @@ class Pipeline:
     def _device(self, proc: ProcessState, dev: int) -> DeviceFootprint:
         fp = proc.devices.get(dev)
         if fp is None:
-            fp = DeviceFootprint(pid=proc.pid, dev=dev, peaks=FramePeaks(self._frame_ns, self._window_ns))
+            fp = DeviceFootprint(pid=proc.pid, dev=dev,
+                                 peaks=self.hub.peaks_for(proc.pid, dev, self._frame_ns, self._window_ns))
             proc.devices[dev] = fp
         return fp
 
@@ -206,6 +215,7 @@ class Pipeline:
                 fp.apply_kernel(sub)
             elif kind is RecordKind.UNIFIED_MEMORY:
                 fp.apply_unified(sub)
+            self.hub.on_records(proc.pid, dev, kind, sub)
 
     # --- output -------------------------------------------------------------------
 
@@ -232,7 +242,24 @@ class Pipeline:
             ingest_errors=dict(self.errors.counts),
             late_records=self.late_records,
             window_peak_seconds=self.config.window_peak_seconds,
+            **self._feature_fields(),
         )
+
+    def _feature_fields(self) -> dict[str, Any]:
+        """Issue 4's additions to the snapshot: features per (pid, gpu), sampler, anomaly windows."""
+        features = []
+        for proc in self.processes.values():
+            for dev, fp in sorted(proc.devices.items()):
+                f = self.hub.device_features(proc.pid, dev, proc.applied_to, fp.pool_reserved_bytes,
+                                             fp.async_device_bytes)
+                if f is not None:
+                    features.append(f)
+        return {"features": tuple(features), "sampler": self.hub.sampler_states(),
+                "anomaly_windows": tuple(self.hub.windows), "anomaly_counts": dict(self.hub.window_counts)}
+
+    def note_torch(self, pid: int, torch: Any) -> None:
+        """A probe heartbeat's "torch" field (allocator statistics): feeds allocator slack."""
+        self.hub.note_torch(pid, torch)
 
 
 def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:

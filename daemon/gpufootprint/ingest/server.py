@@ -23,13 +23,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
 from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
-from gpufootprint.wire.framing import Frame, FrameDecoder
+from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
+
+if TYPE_CHECKING:
+    from gpufootprint.nvml.poller import NvmlPoller
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +89,13 @@ class IngestServer:
     def __init__(self, config: Config, pipeline: Pipeline, *, socket_path: str | None,
                  clock_ns: Callable[[], int] = time.time_ns,
                  extra_daemon_values: Callable[[], dict[str, float]] | None = None,
-                 on_mark: MarkCallback | None = None) -> None:
+                 on_mark: MarkCallback | None = None,
+                 nvml: NvmlPoller | None = None) -> None:
         self.config = config
         self.pipeline = pipeline
+        # Issue 4: the sampler sends CONTROL frames through us; NVML is polled from this thread.
+        self.nvml = nvml
+        self.pipeline.hub.control = self.send_control
         self.socket_path = socket_path
         self._clock_ns = clock_ns
         self._extra = extra_daemon_values
@@ -122,7 +130,8 @@ class IngestServer:
         tick_s = self.config.daemon.tick_ms / 1000
         next_tick = time.monotonic()
         while not self.stop_event.is_set():
-            timeout = max(0.0, next_tick - time.monotonic())
+            wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
+            timeout = max(0.0, wake - time.monotonic())
             for key, _ in self._sel.select(timeout):
                 if key.data == "listen":
                     self._accept()
@@ -134,6 +143,8 @@ class IngestServer:
             if time.monotonic() >= next_tick:
                 self.tick()
                 next_tick = time.monotonic() + tick_s
+            elif self.nvml is not None:
+                self._poll_nvml()  # between ticks, at the sampler's cadence
         self._shutdown()
 
     def stop(self) -> None:
@@ -173,7 +184,11 @@ class IngestServer:
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
             daemon_values.update(self._extra())
-        self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values)
+        extra: dict[str, Any] = {}
+        if self.nvml is not None:
+            self._poll_nvml()
+            extra["nvml"] = self.nvml.snapshot()
+        self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values, **extra)
         self.published.set()
 
     # --- injected streams (demo, tests) ---------------------------------------------
@@ -244,6 +259,17 @@ class IngestServer:
         if conn.decoder.error is not None:
             conn.session.problem("bad_frame", f"probe pid={conn.pid}: {conn.decoder.error}")
             self._close(conn, "bad_frame")
+
+    def _poll_nvml(self) -> None:
+        assert self.nvml is not None
+        live = [pid for pid, p in self.pipeline.processes.items() if p.source == "probe" and p.exited_at is None]
+        self.nvml.set_interval(self.pipeline.hub.fastest_interval_s(live))
+        if not self.nvml.threaded:  # the daemon polls on the NVML thread; tests poll here
+            self.nvml.maybe_poll()
+
+    def send_control(self, pid: int, body: dict[str, Any]) -> bool:
+        """A CONTROL frame (contract: flush_interval, kernel_window, ...) to one probe."""
+        return self.send(pid, encode_json(FrameType.CONTROL, body))
 
     def send(self, pid: int, payload: bytes) -> bool:
         """Best-effort control message to a probe; never blocks the ingest thread."""

@@ -165,6 +165,9 @@ class Session:
         proc.exited_at = None
 
     def _counters(self, body: dict[str, Any]) -> None:
+        if "torch" in body:  # allocator statistics (contract: HEARTBEAT "torch"), for allocator slack
+            for pid in self.pids:
+                self.pipeline.note_torch(pid, body["torch"])
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return

@@ -1,0 +1,1 @@
+"""Feature frames per (pid, gpu) from exact event timestamps (frames.py)."""

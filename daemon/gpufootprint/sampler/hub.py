@@ -1,0 +1,198 @@
+"""Where the pipeline hands applied records to the feature frames and the samplers.
+
+The pipeline calls four hooks, always after records were applied in time order:
+``peaks_for`` (a new (pid, device): its ``FramePeaks`` reports level changes
+here), ``on_records`` (a batch of one kind for one device), ``on_watermark`` (a
+process's records are complete up to a time) and ``on_finish``. Everything here
+works per batch; nothing touches a record one at a time except the reuse set.
+
+The hub also turns sampler decisions into CONTROL messages for probes
+(``flush_interval`` when the interval changes, ``kernel_window`` when a burst
+starts) through ``control``, a callback the ingest server provides.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.config import FeaturesConfig, SamplerConfig
+from gpufootprint.features.frames import FrameBuilder, ObservedFramePeaks
+from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.records import TIME_FIELD, RecordKind
+from gpufootprint.sampler.state import ProcessSampler
+from gpufootprint.snapshot import AnomalyWindow, DeviceFeatures, SamplerState
+
+log = logging.getLogger(__name__)
+
+ControlSend = Callable[[int, dict[str, Any]], bool]
+_MS = 1_000_000
+
+
+class FeatureHub:
+    def __init__(self, features: FeaturesConfig | None = None, sampler: SamplerConfig | None = None) -> None:
+        self.features_config = features or FeaturesConfig()
+        self.config = sampler or SamplerConfig()
+        self.builders: dict[tuple[int, int], FrameBuilder] = {}
+        self.samplers: dict[int, ProcessSampler] = {}
+        self.windows: deque[AnomalyWindow] = deque(maxlen=self.config.max_windows)
+        self.window_counts: Counter[str] = Counter()
+        self.control: ControlSend | None = None
+        self.controls_sent: Counter[str] = Counter()
+        self._sent_interval: dict[int, int] = {}
+        self._bursts_seen: dict[int, int] = {}
+        self._kernel_window_id = 0
+        self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
+
+    # --- hooks the pipeline calls -------------------------------------------------------
+
+    def sampler(self, pid: int) -> ProcessSampler:
+        s = self.samplers.get(pid)
+        if s is None:
+            s = self.samplers[pid] = ProcessSampler(pid, self.config)
+        return s
+
+    def peaks_for(self, pid: int, dev: int, frame_ns: int, keep_ns: int) -> FramePeaks:
+        fc = self.features_config
+        peaks = ObservedFramePeaks(frame_ns, keep_ns)
+        builder = FrameBuilder(pid, dev, peaks, keep_ns=int(fc.keep_seconds * 1e9),
+                               migration_ns=fc.migration_window_ms * _MS, reuse_capacity=fc.reuse_tracked_addresses)
+        self.builders[(pid, dev)] = builder
+        sampler = self.sampler(pid)
+        torch = self._torch.get(pid, {}).get(dev)
+        if torch is not None:
+            builder.on_torch(*torch)
+
+        def listener(ts: np.ndarray, deltas: np.ndarray) -> None:
+            builder.on_levels(ts, deltas, peaks.level)
+            sampler.add_levels(ts, deltas, dev)
+
+        peaks.listener = listener
+        return peaks
+
+    def on_records(self, pid: int, dev: int, kind: RecordKind, recs: np.ndarray) -> None:
+        builder = self.builders.get((pid, dev))
+        if builder is None:
+            return
+        if kind is RecordKind.MEMORY:
+            builder.on_memory(recs)  # its level changes reach the sampler through the peaks listener
+            return
+        if kind is RecordKind.MEMCPY:
+            builder.on_memcpy(recs)
+        elif kind is RecordKind.MEMSET:
+            builder.on_memset(recs)
+        elif kind is RecordKind.UNIFIED_MEMORY:
+            builder.on_unified(recs)
+        self.sampler(pid).add_events(recs[TIME_FIELD[kind]])
+
+    def on_watermark(self, pid: int, ts: int, source: str) -> None:
+        s = self.samplers.get(pid)
+        if s is None:
+            return
+        s.advance(ts)
+        self._after_step(s, source)
+
+    def on_finish(self, pid: int, end: int, source: str) -> None:
+        s = self.samplers.get(pid)
+        if s is None:
+            return
+        s.finish(end)
+        self._after_step(s, source)
+
+    def forget(self, pid: int) -> None:
+        self.samplers.pop(pid, None)
+        self._sent_interval.pop(pid, None)
+        self._bursts_seen.pop(pid, None)
+        self._torch.pop(pid, None)
+        for key in [k for k in self.builders if k[0] == pid]:
+            del self.builders[key]
+
+    def note_torch(self, pid: int, torch: Any) -> None:
+        """The probe's HEARTBEAT "torch" field: {"allocated": {dev: bytes}, "reserved": {dev: bytes}}."""
+        if not isinstance(torch, dict):
+            return
+        alloc, reserved = torch.get("allocated"), torch.get("reserved")
+        if not isinstance(alloc, dict) or not isinstance(reserved, dict):
+            return
+        per_dev = self._torch.setdefault(pid, {})
+        for key in set(alloc) | set(reserved):
+            try:
+                dev = int(key)
+            except (TypeError, ValueError):
+                continue
+            a, r = alloc.get(key), reserved.get(key)
+            pair = (a if isinstance(a, int) else None, r if isinstance(r, int) else None)
+            per_dev[dev] = pair
+            builder = self.builders.get((pid, dev))
+            if builder is not None:
+                builder.on_torch(*pair)
+
+    # --- control --------------------------------------------------------------------------
+
+    def _after_step(self, s: ProcessSampler, source: str) -> None:
+        for w in s.closed_windows:
+            self.windows.append(w)
+            self.window_counts[w.reason] += 1
+        s.closed_windows.clear()
+        if source != "probe" or self.control is None or not self.config.control:
+            return
+        iv_ms = max(1, min(1000, s.interval_ns // _MS))
+        if self._sent_interval.get(s.pid) != iv_ms and self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
+            self._sent_interval[s.pid] = iv_ms
+        if self.config.kernel_window_ms and s.bursts != self._bursts_seen.get(s.pid, 0):
+            # One window per step that saw a burst start (a step can span several; one is enough).
+            self._bursts_seen[s.pid] = s.bursts
+            self._kernel_window_id += 1
+            self._send(s.pid, {"op": "kernel_window", "ms": self.config.kernel_window_ms,
+                               "id": self._kernel_window_id})
+
+    def _send(self, pid: int, body: dict[str, Any]) -> bool:
+        assert self.control is not None
+        try:
+            ok = bool(self.control(pid, body))
+        except Exception:
+            log.exception("control send failed pid=%d op=%s", pid, body.get("op"))
+            ok = False
+        self.controls_sent[f"{body['op']}:{'sent' if ok else 'failed'}"] += 1
+        return ok
+
+    def fastest_interval_s(self, pids: Iterable[int] | None = None) -> float | None:
+        """The shortest current interval among ``pids`` (all when None): the NVML poll follows it."""
+        chosen = self.samplers.values() if pids is None else [self.samplers[p] for p in pids if p in self.samplers]
+        ivs = [s.interval_ns for s in chosen if s.cursor is not None]
+        return min(ivs) / 1e9 if ivs else None
+
+    # --- output -----------------------------------------------------------------------------
+
+    def device_features(self, pid: int, dev: int, as_of_ns: int, pool_reserved: int,
+                        pool_used: int) -> DeviceFeatures | None:
+        builder = self.builders.get((pid, dev))
+        if builder is None:
+            return None
+        s = self.samplers.get(pid)
+        return DeviceFeatures(
+            pid=pid, dev=dev,
+            frame_peak_bytes=s.last_peak.get(dev) if s is not None else None,
+            allocation_reuse_ratio=builder.reuse_ratio,
+            pool_utilization_ratio=pool_used / pool_reserved if pool_reserved > 0 else None,
+            allocator_slack_bytes=builder.allocator_slack_bytes,
+            page_migrations=dict(builder.page_migrations),
+            page_faults=dict(builder.page_faults),
+            migration_rate_hz=builder.migration_rate_hz(as_of_ns),
+            migration_windows=tuple(builder.recent_migration_windows(as_of_ns)),
+        )
+
+    def sampler_states(self) -> tuple[SamplerState, ...]:
+        return tuple(SamplerState(pid=s.pid, mode=s.mode, interval_s=s.interval_ns / 1e9, as_of_ns=s.cursor or 0)
+                     for _, s in sorted(self.samplers.items()))
+
+    def report(self) -> dict[str, Any]:
+        """What ``replay --report-json`` adds: anomaly windows and each process's interval history."""
+        return {
+            "anomaly_windows": [w.to_json() for w in self.windows],
+            "sampler_intervals": {str(pid): s.intervals() for pid, s in sorted(self.samplers.items())},
+        }

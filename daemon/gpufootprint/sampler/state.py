@@ -1,0 +1,342 @@
+"""The adaptive sampler: one state machine per process, in event time.
+
+The sampler walks a process's timeline in intervals, each closed once the
+process's watermark has passed its end (so it saw every record in it, in time
+order). After each interval it picks the next one:
+
+* volatile (the footprint moved by ``volatile_rel_change`` of its level, at
+  least ``volatile_min_bytes`` and ``range_jump_factor`` times the usual move, or
+  the event rate jumped ``rate_jump_factor`` times the usual): a burst. Because
+  records wait in the reorder buffer anyway, the burst starts *at the first
+  change inside that interval*, not after it: the interval is cut there and the
+  timeline from that point is walked again in ``burst_ms`` frames. An anomaly
+  window opens at that frame and closes once ``burst_min_frames`` calm frames
+  have passed and the level is back near where it was before (or has held a new
+  level for ``burst_settle_ms``). Its peak is the highest level any event
+  reached inside it: exact, since every level change is an event.
+* quiet (few events, footprint flat): the interval doubles, up to ``max_ms``.
+* otherwise: ``steady_ms``.
+
+No clock is read here: time is the records' own, so a replay gives the same
+intervals and windows as the live run did.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.config import SamplerConfig
+from gpufootprint.snapshot import AnomalyWindow
+
+QUIET, STEADY, BURST = "quiet", "steady", "burst"
+MODES = (QUIET, STEADY, BURST)
+_MS = 1_000_000
+
+
+@dataclass
+class _OpenWindow:
+    start: int
+    reason: str
+    gpu: int
+    baseline: int  # the process's GPU-resident bytes just before the window
+    peak: dict[int, int]  # per device, exact
+    calm: int = 0
+    last_volatile_end: int = 0
+
+
+class ProcessSampler:
+    def __init__(self, pid: int, config: SamplerConfig) -> None:
+        self.pid = pid
+        self.config = config
+        self.mode = STEADY
+        self.interval_ns = config.steady_ms * _MS
+        self.cursor: int | None = None  # start of the interval being filled (event time)
+        self.level = 0  # process GPU-resident bytes at the cursor
+        self.level_dev: dict[int, int] = {}
+        self.rate_ewma: float | None = None
+        self.range_ewma: float | None = None
+        self.history: deque[list[Any]] = deque(maxlen=config.history)  # [start, end, interval ms, mode, n]
+        self.closed_windows: list[AnomalyWindow] = []  # closed since the hub last took them
+        self.window: _OpenWindow | None = None
+        self.last_peak: dict[int, int] = {}  # peak per device of the last closed interval
+        self.bursts = 0
+        self._mem: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, delta, dev), each sorted
+        self._events: list[np.ndarray] = []  # timestamps of every record (rate)
+        self._one_dev: int | None = None  # set per walk: the only device in it, if one
+
+    # --- input ----------------------------------------------------------------------
+
+    def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
+        """GPU-resident level changes of one device, in time order (one per memory record)."""
+        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64), np.full(len(ts), dev, np.int32)))
+
+    def add_events(self, ts: np.ndarray) -> None:
+        """Timestamps of records that are events but move no level (copies, sets, pools, ...)."""
+        self._events.append(ts.astype(np.int64))
+
+    # --- stepping -------------------------------------------------------------------
+
+    def advance(self, watermark: int) -> None:
+        """Close every interval that ends at or before ``watermark``."""
+        self._run(watermark, final=False)
+
+    def finish(self, end: int) -> None:
+        """The stream ended at ``end``: close the last partial interval and any open window."""
+        self._run(end, final=True)
+
+    def _run(self, limit: int, final: bool) -> None:
+        cfg = self.config
+        if (not final and self.cursor is not None and self.cursor + self.interval_ns > limit
+                and not self._mem and not self._events):
+            return  # nothing new and no interval to close: the common case between ticks
+        mem_ts, delta, devs = self._take_mem()
+        other = self._take_events()
+        ev_ts = np.sort(np.concatenate([other, mem_ts]), kind="stable") if len(other) else mem_ts
+        if self.cursor is None:
+            if len(ev_ts) == 0:
+                return
+            burst_ns = cfg.burst_ms * _MS
+            self.cursor = int(ev_ts[0]) // burst_ns * burst_ns
+        cursor = self.cursor
+        if len(mem_ts) and mem_ts[0] < cursor:  # late records: they count at the cursor
+            mem_ts = np.maximum(mem_ts, cursor)
+        if len(ev_ts) and ev_ts[0] < cursor:
+            ev_ts = np.maximum(ev_ts, cursor)
+        # Levels after each event: the process total and each device's own.
+        total = self.level + np.cumsum(delta)
+        # One device (the common case) needs no per-device masks.
+        self._one_dev = int(devs[0]) if len(devs) and devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
+        if self._one_dev is not None:
+            per_dev = self.level_dev.get(self._one_dev, 0) + np.cumsum(delta)
+        else:
+            per_dev = np.empty_like(total)
+            for d in np.unique(devs).tolist():
+                sel = devs == d
+                per_dev[sel] = self.level_dev.get(d, 0) + np.cumsum(delta[sel])
+        i_mem = i_ev = 0
+        n_mem, n_ev = len(mem_ts), len(ev_ts)
+        while True:
+            iv = self.interval_ns
+            end = cursor + iv
+            early = False
+            if end > limit:
+                if cursor >= limit:
+                    break
+                if not final:
+                    # The interval is not over, but what is known of it may already be volatile:
+                    # bursting now (not at its end) is what lets the probe be told in time.
+                    if self.mode == BURST:
+                        break
+                    early = True
+                end = limit  # a partial interval: only a burst may start from it
+            # Nothing happens for a while in a quiet process at its longest interval: skip in bulk.
+            nxt = min(int(mem_ts[i_mem]) if i_mem < n_mem else limit, int(ev_ts[i_ev]) if i_ev < n_ev else limit)
+            if (self.mode == QUIET and iv == cfg.max_ms * _MS and self.window is None
+                    and end == cursor + iv and nxt >= end):
+                k = max(1, (min(nxt, limit) - cursor) // iv)
+                self._record(cursor, cursor + k * iv, QUIET, k)
+                self._decay(k)  # k empty intervals: the usual rate and range fall as if each was seen
+                for d in self.level_dev:
+                    self.last_peak[d] = self.level_dev[d]
+                cursor += k * iv
+                continue
+            j_mem = int(np.searchsorted(mem_ts, end, "left"))
+            j_ev = int(np.searchsorted(ev_ts, end, "left"))
+            n_events = j_ev - i_ev
+            lv = total[i_mem:j_mem]
+            entering = self.level
+            hi = max(entering, int(lv.max())) if len(lv) else entering
+            lo = min(entering, int(lv.min())) if len(lv) else entering
+            rng = hi - lo
+            # Rates are over the whole interval even when only part is known (a lower bound), so
+            # a partial interval bursts only when the whole one would: the result does not depend
+            # on where the watermarks fell.
+            secs = iv / 1e9 if early else (end - cursor) / 1e9
+            if self.mode != BURST:
+                reason = self._volatile(rng, entering, n_events, secs)
+                if reason is not None:
+                    first = self._first_change(mem_ts, delta, i_mem, j_mem) if reason == "footprint_change" \
+                        else int(ev_ts[i_ev])
+                    burst_ns = cfg.burst_ms * _MS
+                    t1 = max(cursor, first // burst_ns * burst_ns)
+                    if t1 > cursor:
+                        self._record(cursor, t1, self.mode, 1)
+                        # The usual rate and range learn only from the part sampled in the old mode
+                        # (no level moved in it), again independent of the watermarks.
+                        n_before = int(np.searchsorted(ev_ts, t1, "left")) - i_ev
+                        self._update_usual(0, n_before, (t1 - cursor) / 1e9)
+                    gpu = self._busiest_dev(devs, per_dev, i_mem, j_mem)
+                    self.window = _OpenWindow(start=t1, reason=reason, gpu=gpu, baseline=entering,
+                                              peak=dict(self.level_dev), last_volatile_end=t1)
+                    self.mode, self.interval_ns = BURST, burst_ns
+                    self.bursts += 1
+                    # Walk again from t1: nothing before it moved a level, so the levels hold.
+                    i_mem = int(np.searchsorted(mem_ts, t1, "left"))
+                    i_ev = int(np.searchsorted(ev_ts, t1, "left"))
+                    cursor = t1
+                    continue
+            if early:
+                break
+            # The interval is closed as sampled: note its peaks, move the levels to its end.
+            peaks = self._dev_peaks(devs, per_dev, i_mem, j_mem)
+            self.last_peak = peaks
+            if j_mem > i_mem:
+                self.level = int(total[j_mem - 1])
+                if self._one_dev is not None:
+                    self.level_dev[self._one_dev] = int(per_dev[j_mem - 1])
+                for d in ([] if self._one_dev is not None else np.unique(devs[i_mem:j_mem]).tolist()):
+                    last = i_mem + int(np.flatnonzero(devs[i_mem:j_mem] == d)[-1])
+                    self.level_dev[d] = int(per_dev[last])
+            sampled_mode = self.mode
+            if self.mode == BURST:
+                self._burst_frame(end, rng, entering, n_events, secs, peaks)
+            else:
+                quiet = self._quiet(rng, entering, n_events, secs)
+                self._update_usual(rng, n_events, secs)
+                if quiet:
+                    self.mode = QUIET
+                    self.interval_ns = min(iv * 2, cfg.max_ms * _MS)
+                else:
+                    self.mode, self.interval_ns = STEADY, cfg.steady_ms * _MS
+            self._record(cursor, end, sampled_mode, 1, iv)
+            i_mem, i_ev = j_mem, j_ev
+            cursor = end
+        if final and self.window is not None:
+            self._close_window(max(cursor, limit))
+        if final and self.mode == BURST:
+            self.mode, self.interval_ns = STEADY, cfg.steady_ms * _MS
+        self.cursor = cursor
+        # What the walk did not reach waits for the next watermark; its levels are
+        # recomputed then from self.level, the level at the cursor.
+        if i_mem < n_mem:
+            self._mem = [(mem_ts[i_mem:], delta[i_mem:], devs[i_mem:])]
+        rest = other[int(np.searchsorted(other, cursor, "left")):] if len(other) else other
+        if len(rest):
+            self._events = [rest]
+
+    # --- decisions ------------------------------------------------------------------
+
+    def _volatile(self, rng: int, entering: int, n_events: int, secs: float) -> str | None:
+        cfg = self.config
+        if not cfg.enabled:
+            return None
+        floor = max(entering, cfg.volatile_min_bytes)
+        if (rng >= cfg.volatile_min_bytes and rng > 0 and rng >= cfg.volatile_rel_change * floor
+                and rng > cfg.range_jump_factor * (self.range_ewma or 0.0)):
+            return "footprint_change"
+        rate = n_events / secs if secs > 0 else 0.0
+        if n_events >= cfg.rate_min_events and rate >= cfg.rate_jump_factor * max(self.rate_ewma or 0.0,
+                                                                                  cfg.quiet_max_rate):
+            return "event_rate"
+        return None
+
+    def _quiet(self, rng: int, entering: int, n_events: int, secs: float) -> bool:
+        cfg = self.config
+        if not cfg.enabled:
+            return False
+        rate = n_events / secs if secs > 0 else 0.0
+        return rate <= cfg.quiet_max_rate and rng <= cfg.quiet_rel_change * max(entering, cfg.volatile_min_bytes)
+
+    def _update_usual(self, rng: int, n_events: int, secs: float) -> None:
+        a = self.config.ewma_alpha
+        rate = n_events / secs if secs > 0 else 0.0
+        self.rate_ewma = rate if self.rate_ewma is None else (1 - a) * self.rate_ewma + a * rate
+        self.range_ewma = float(rng) if self.range_ewma is None else (1 - a) * self.range_ewma + a * rng
+
+    def _decay(self, k: int) -> None:
+        keep = (1 - self.config.ewma_alpha) ** k
+        if self.rate_ewma is not None:
+            self.rate_ewma *= keep
+        if self.range_ewma is not None:
+            self.range_ewma *= keep
+
+    def _burst_frame(self, end: int, rng: int, entering: int, n_events: int, secs: float,
+                     peaks: dict[int, int]) -> None:
+        cfg = self.config
+        win = self.window
+        assert win is not None
+        for d, p in peaks.items():
+            win.peak[d] = max(win.peak.get(d, 0), p)
+        if self._volatile(rng, entering, n_events, secs) is not None:
+            win.calm = 0
+            win.last_volatile_end = end
+        else:
+            win.calm += 1
+        tolerance = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * max(win.baseline, cfg.volatile_min_bytes))
+        back = abs(self.level - win.baseline) < tolerance
+        settled = end - win.last_volatile_end >= cfg.burst_settle_ms * _MS
+        if (win.calm >= cfg.burst_min_frames and (back or settled)) or end - win.start >= cfg.burst_max_ms * _MS:
+            self._close_window(end)
+            self.mode, self.interval_ns = STEADY, cfg.steady_ms * _MS
+
+    def _close_window(self, end: int) -> None:
+        win = self.window
+        assert win is not None
+        self.closed_windows.append(AnomalyWindow(pid=self.pid, gpu=win.gpu, start_ns=win.start, end_ns=end,
+                                                 reason=win.reason, peak_bytes=win.peak.get(win.gpu, 0)))
+        self.window = None
+
+    # --- helpers ----------------------------------------------------------------------
+
+    @staticmethod
+    def _first_change(mem_ts: np.ndarray, delta: np.ndarray, i: int, j: int) -> int:
+        moved = np.flatnonzero(delta[i:j])
+        return int(mem_ts[i + int(moved[0])]) if len(moved) else int(mem_ts[i])
+
+    def _dev_peaks(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> dict[int, int]:
+        peaks = dict(self.level_dev)
+        if j > i and self._one_dev is not None:
+            d = self._one_dev
+            peaks[d] = max(self.level_dev.get(d, 0), int(per_dev[i:j].max()))
+        elif j > i:
+            sub_dev, sub_lv = devs[i:j], per_dev[i:j]
+            for d in np.unique(sub_dev).tolist():
+                peaks[d] = max(self.level_dev.get(d, 0), int(sub_lv[sub_dev == d].max()))
+        return peaks
+
+    def _busiest_dev(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> int:
+        if j <= i:
+            return min(self.level_dev) if self.level_dev else 0
+        best, best_rng = int(devs[i]), -1
+        sub_dev, sub_lv = devs[i:j], per_dev[i:j]
+        for d in np.unique(sub_dev).tolist():
+            lv = sub_lv[sub_dev == d]
+            base = self.level_dev.get(d, 0)
+            rng = max(base, int(lv.max())) - min(base, int(lv.min()))
+            if rng > best_rng:
+                best, best_rng = d, rng
+        return best
+
+    def _record(self, start: int, end: int, mode: str, n: int, iv: int | None = None) -> None:
+        iv_ms = (iv if iv is not None else self.interval_ns) // _MS
+        last = self.history[-1] if self.history else None
+        if last is not None and last[1] == start and last[2] == iv_ms and last[3] == mode:
+            last[1] = end
+            last[4] += n
+        else:
+            self.history.append([start, end, iv_ms, mode, n])
+
+    def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        chunks, self._mem = self._mem, []
+        if not chunks:
+            e = np.zeros(0, np.int64)
+            return e, e.copy(), np.zeros(0, np.int32)
+        if len(chunks) == 1:
+            return chunks[0]
+        ts = np.concatenate([c[0] for c in chunks])
+        order = np.argsort(ts, kind="stable")
+        return (ts[order], np.concatenate([c[1] for c in chunks])[order],
+                np.concatenate([c[2] for c in chunks])[order])
+
+    def _take_events(self) -> np.ndarray:
+        chunks, self._events = self._events, []
+        if not chunks:
+            return np.zeros(0, np.int64)
+        return np.sort(np.concatenate(chunks), kind="stable")
+
+    def intervals(self) -> list[dict[str, Any]]:
+        return [{"start": s, "end": e, "interval_ms": iv, "mode": m, "count": n} for s, e, iv, m, n in self.history]

@@ -1,0 +1,251 @@
+"""The adaptive sampler on synthetic and replayed traces: bursts, windows, back-off, control."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gpufootprint.config import FootprintConfig, SamplerConfig
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.replay import replay_file
+from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tracegen import MS, quiet_minute_with_spike, read_jsonl, write_jsonl
+
+
+def replay_lines(tmp_path: Path, lines: list[dict[str, Any]], sampler: SamplerConfig | None = None) -> Pipeline:
+    path = write_jsonl(tmp_path / "trace.jsonl.gz", lines)
+    pipeline = Pipeline(FootprintConfig(), hub=FeatureHub(sampler=sampler))
+    assert replay_file(path, pipeline).problems == []
+    return pipeline
+
+
+def covering(windows: list[Any], start: int, end: int) -> list[Any]:
+    return [w for w in windows if w.start_ns <= start and w.end_ns >= end]
+
+
+def test_30ms_spike_in_a_quiet_minute_is_caught_in_a_burst_with_an_exact_peak(tmp_path: Path) -> None:
+    # GIVEN a process that holds 1 GiB and only allocates 1 KiB twice a second for a minute,
+    # except once, when it holds 256 MiB more for 30 ms
+    lines, facts = quiet_minute_with_spike()
+    pipeline = replay_lines(tmp_path, lines)
+    hub = pipeline.hub
+    windows = list(hub.windows)
+    # THEN exactly one window covers the spike, and its peak is exact to the byte
+    (win,) = covering(windows, facts["spike_start"], facts["spike_end"])
+    assert win.reason == "footprint_change"
+    assert win.peak_bytes == facts["peak"]
+    assert win.gpu == 0 and win.pid == 4242
+    # ... the window is tight: it opens in the 5 ms frame of the spike and closes soon after it ends
+    assert facts["spike_start"] - win.start_ns < 5 * MS
+    assert win.end_ns - facts["spike_end"] <= 4 * 5 * MS
+    # ... and the spike's whole span was sampled in consecutive 5 ms burst frames (at least 3)
+    bursts = [i for i in hub.samplers[4242].intervals() if i["mode"] == BURST]
+    spike_bursts = [i for i in bursts if i["start"] <= facts["spike_start"] and i["end"] >= facts["spike_end"]]
+    assert len(spike_bursts) == 1 and spike_bursts[0]["interval_ms"] == 5 and spike_bursts[0]["count"] >= 3
+    # ... while the rest of the minute ran at 200 ms: no other window after the startup one
+    others = [w for w in windows if w is not win]
+    # (the startup window: from nothing to 1 GiB, closed once that level held for burst_settle_ms)
+    assert all(w.end_ns <= facts["t0"] + 200 * MS or w.start_ns >= facts["end"] for w in others)
+    assert hub.window_counts["footprint_change"] == len(windows)
+
+
+def test_spike_spanning_an_interval_boundary_is_still_one_covering_window(tmp_path: Path) -> None:
+    for offset_ms in range(0, 200, 13):  # move the spike across the 200 ms grid
+        lines, facts = quiet_minute_with_spike(spike_at_ms=20_000 + offset_ms, minute_ms=25_000)
+        pipeline = replay_lines(tmp_path, lines)
+        (win,) = covering(list(pipeline.hub.windows), facts["spike_start"], facts["spike_end"])
+        assert win.peak_bytes == facts["peak"], offset_ms
+
+
+def test_spike_of_5ms_is_caught_too(tmp_path: Path) -> None:
+    lines, facts = quiet_minute_with_spike(spike_ms=5, spike=64 << 20)
+    pipeline = replay_lines(tmp_path, lines)
+    (win,) = covering(list(pipeline.hub.windows), facts["spike_start"], facts["spike_end"])
+    assert win.peak_bytes == facts["peak"]
+
+
+def test_spike_added_to_a_real_h200_trace_is_caught_when_replayed(tmp_path: Path, data_dir: Path) -> None:
+    # GIVEN the real caching-allocator trace, then a quiet minute, in which the trace's own largest
+    # allocation is made again (new address) and released 30 ms later
+    lines = read_jsonl(data_dir / "h200_caching.jsonl.gz")
+    mems = [o for o in lines if o["k"] == "mem"]
+    biggest = max((o for o in mems if o["op"] == 1 and o["mk"] == 3), key=lambda o: o["bytes"])
+    end = max(o.get("ts", o.get("start", 0)) for o in lines[1:])
+    s0 = end + 30_000 * MS + 7_777
+    s1 = s0 + 30 * MS
+    extra = [dict(biggest, ts=s0, addr=0x7F00_0000_0000), dict(biggest, ts=s1, op=2, addr=0x7F00_0000_0000)]
+    extra.append(dict(mems[0], ts=end + 60_000 * MS, op=1, mk=2, addr=0x7E00_0000_0000, bytes=4096))  # pinned
+    # Expected peak by a plain reconstruction: the level just before the spike plus the spike.
+    live: dict[int, tuple[int, int]] = {}
+    for o in sorted(mems, key=lambda o: o["ts"]):
+        if o["op"] == 1:
+            live[o["addr"]] = (o["bytes"], o["mk"])
+        else:
+            live.pop(o["addr"], None)
+    level = sum(b for b, k in live.values() if k in (3, 4, 6))
+    pipeline = replay_lines(tmp_path, lines + extra)
+    (win,) = covering(list(pipeline.hub.windows), s0, s1)
+    assert win.peak_bytes == level + biggest["bytes"]
+    assert win.pid == lines[0]["pid"]
+    # the quiet minute before the spike backed off to 200 ms
+    ivs = pipeline.hub.samplers[win.pid].intervals()
+    before = [i for i in ivs if i["end"] > end + 1000 * MS and i["start"] < s0 - 1000 * MS]
+    assert before and all(i["interval_ms"] == 200 and i["mode"] == QUIET for i in before)
+
+
+def test_quiet_traffic_backs_off_step_by_step_to_200ms(tmp_path: Path) -> None:
+    lines, facts = quiet_minute_with_spike(spike=0, minute_ms=10_000)
+    lines = [o for o in lines if o.get("bytes") != 0]
+    pipeline = replay_lines(tmp_path, lines)
+    ivs = pipeline.hub.samplers[4242].intervals()
+    after_start = [i for i in ivs if i["start"] >= facts["t0"] + 100 * MS]
+    sizes = [i["interval_ms"] for i in after_start]
+    # 20 (steady) -> 40 -> 80 -> 160 -> 200 and then 200 until the end
+    first_quiet = sizes.index(40)
+    assert sizes[first_quiet:first_quiet + 4] == [40, 80, 160, 200]
+    assert all(s == 200 for s in sizes[first_quiet + 3:])
+    assert sum(i["end"] - i["start"] for i in after_start if i["interval_ms"] == 200) > 9_000 * MS
+    assert pipeline.hub.samplers[4242].mode == QUIET
+
+
+def test_event_rate_jump_bursts_without_any_footprint_change() -> None:
+    s = ProcessSampler(1, SamplerConfig())
+    t0 = 1_000_000_000_000
+    # a quiet second, then 400 copies in 40 ms
+    s.add_levels(np.array([t0], np.int64), np.array([1 << 30], np.int64), 0)
+    s.add_events(np.arange(t0 + 1000 * MS, t0 + 1040 * MS, 100_000, dtype=np.int64))
+    s.advance(t0 + 2000 * MS)
+    reasons = [w.reason for w in s.closed_windows]
+    assert "event_rate" in reasons
+    w = next(w for w in s.closed_windows if w.reason == "event_rate")
+    # A rate jump is seen at interval resolution: the window may start up to one interval late.
+    assert t0 + 1000 * MS <= w.start_ns <= t0 + 1020 * MS and w.end_ns >= t0 + 1040 * MS
+    assert w.peak_bytes == 1 << 30
+
+
+def test_feeding_watermarks_piecewise_gives_the_same_intervals_and_windows() -> None:
+    rng = np.random.default_rng(3)
+    t0 = 5_000_000_000_000
+    ts = np.sort(t0 + rng.integers(0, 20_000 * MS, 4000)).astype(np.int64)
+    deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 0], 4000).astype(np.int64)
+    whole = ProcessSampler(1, SamplerConfig())
+    whole.add_levels(ts, deltas, 0)
+    whole.finish(t0 + 20_001 * MS)
+    parts = ProcessSampler(1, SamplerConfig())
+    marks = np.sort(rng.integers(0, 20_000 * MS, 50)) + t0
+    fed = 0
+    for m in marks.tolist() + [t0 + 20_001 * MS]:
+        upto = int(np.searchsorted(ts, m, "right"))
+        if upto > fed:
+            parts.add_levels(ts[fed:upto], deltas[fed:upto], 0)
+            fed = upto
+        parts.advance(m)
+    parts.finish(t0 + 20_001 * MS)
+    assert parts.intervals() == whole.intervals()
+    assert parts.closed_windows == whole.closed_windows
+    assert len(whole.closed_windows) > 3
+
+
+def test_window_peak_equals_brute_force_max_level_inside_the_window() -> None:
+    rng = np.random.default_rng(11)
+    t0 = 7_000_000_000_000
+    ts = np.sort(t0 + rng.integers(0, 30_000 * MS, 3000)).astype(np.int64)
+    deltas = (rng.integers(-50, 51, 3000) << 20).astype(np.int64)
+    deltas[0] = 10 << 30
+    s = ProcessSampler(1, SamplerConfig())
+    s.add_levels(ts, deltas, 0)
+    s.finish(int(ts[-1]) + 1)
+    assert s.closed_windows
+    levels = np.cumsum(deltas)
+    for w in s.closed_windows:
+        before = levels[ts < w.start_ns]
+        inside = levels[(ts >= w.start_ns) & (ts < w.end_ns)]
+        expect = max([int(before[-1]) if len(before) else 0] + inside.tolist())
+        assert w.peak_bytes == expect
+
+
+def test_sampler_sends_flush_interval_and_kernel_window_to_probes_only() -> None:
+    sent: list[tuple[int, dict[str, Any]]] = []
+    hub = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50))
+    hub.control = lambda pid, body: sent.append((pid, body)) or True
+    pipeline = Pipeline(FootprintConfig(), hub=hub)
+    lines, facts = quiet_minute_with_spike(minute_ms=5_000, spike_at_ms=2_000)
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+    for source, pid in (("probe", 10), ("trace", 11)):
+        recs = np.zeros(len([o for o in lines if o["k"] == "mem"]), MEMORY_DTYPE)
+        m = [o for o in lines if o["k"] == "mem"]
+        for f in ("ts", "op", "mk", "addr", "bytes"):
+            recs[f] = [o[f] for o in m]
+        recs["pid"] = pid
+        pipeline.process(pid, source)
+        fed = 0
+        for t in range(facts["t0"], facts["end"] + 10 * MS, 5 * MS):  # as a live probe's batches would come
+            upto = int(np.searchsorted(recs["ts"], t, "right"))
+            if upto > fed:
+                pipeline.submit(RecordKind.MEMORY, recs[fed:upto])
+                fed = upto
+            pipeline.advance(pid, t)
+        pipeline.finish(pid)
+    assert {pid for pid, _ in sent} == {10}
+    ops = [b["op"] for _, b in sent]
+    assert "kernel_window" in ops
+    flushes = [b["ms"] for _, b in sent if b["op"] == "flush_interval"]
+    assert 5 in flushes and 200 in flushes and 20 in flushes
+    assert all(a != b for a, b in itertools.pairwise(flushes))  # only on change
+    assert all(1 <= ms <= 1000 for ms in flushes)
+
+
+def test_a_failing_control_callback_never_breaks_ingest() -> None:
+    hub = FeatureHub()
+
+    def boom(pid: int, body: dict[str, Any]) -> bool:
+        raise OSError("peer gone")
+
+    hub.control = boom
+    pipeline = Pipeline(FootprintConfig(), hub=hub)
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+    recs = np.zeros(2, MEMORY_DTYPE)
+    recs["ts"] = [1_000_000_000_000, 1_000_050_000_000]
+    recs["op"], recs["mk"], recs["bytes"], recs["pid"] = [1, 2], 3, 1 << 30, 9
+    pipeline.process(9, "probe")
+    pipeline.submit(RecordKind.MEMORY, recs)
+    pipeline.finish(9)
+    assert hub.controls_sent["flush_interval:failed"] >= 1
+
+
+def test_disabled_sampler_stays_steady_and_records_no_windows(tmp_path: Path) -> None:
+    lines, _ = quiet_minute_with_spike(minute_ms=3_000, spike_at_ms=1_000)
+    pipeline = replay_lines(tmp_path, lines, SamplerConfig(enabled=False))
+    assert not pipeline.hub.windows
+    assert {i["interval_ms"] for i in pipeline.hub.samplers[4242].intervals()} == {20}
+
+
+def test_two_devices_window_reports_the_device_that_moved_and_its_own_peak() -> None:
+    s = ProcessSampler(1, SamplerConfig())
+    t0 = 9_000_000_000_000
+    s.add_levels(np.array([t0], np.int64), np.array([8 << 30], np.int64), 0)
+    s.add_levels(np.array([t0 + 1, t0 + 3000 * MS, t0 + 3030 * MS], np.int64),
+                 np.array([1 << 30, 2 << 30, -(2 << 30)], np.int64), 1)
+    s.finish(t0 + 6000 * MS)
+    spike = [w for w in s.closed_windows if w.start_ns <= t0 + 3000 * MS <= w.end_ns]
+    assert len(spike) == 1 and spike[0].gpu == 1 and spike[0].peak_bytes == 3 << 30
+    assert s.last_peak == {0: 8 << 30, 1: 1 << 30}
+
+
+@pytest.mark.parametrize("bad", [{"steady_ms": 0}, {"burst_min_frames": 0}, {"volatile_rel_change": -1}])
+def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
+    from gpufootprint.config import load_config
+    from gpufootprint.errors import ConfigError
+
+    key, value = next(iter(bad.items()))
+    with pytest.raises(ConfigError, match=f"sampler.{key}"):
+        load_config(env={}, overrides={f"sampler.{key}": value})
