@@ -166,7 +166,7 @@ class Session:
 
     def _counters(self, body: dict[str, Any]) -> None:
         if "torch" in body:  # allocator statistics (contract: HEARTBEAT "torch"), for allocator slack
-            for pid in self.pids:
+            for pid in self._speakers(body):
                 self.pipeline.note_torch(pid, body["torch"])
         counters = body.get("counters")
         if not isinstance(counters, dict):
