@@ -15,10 +15,13 @@ from types import FrameType as _PyFrame
 from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
-from gpufootprint.exporter.collector import FootprintCollector
+from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines
+from gpufootprint.exporter.collector import EngineCollector, FootprintCollector
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
+from gpufootprint.snapshot import PipelineSnapshot
+from gpufootprint.wire.framing import FrameType, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,38 @@ class App:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot)
         self.registry.register(self.collector)
+        self._wire_engines(config)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set)
         self._thread: threading.Thread | None = None
+
+    # --- decision engines (issue 5) --------------------------------------------------
+
+    def _wire_engines(self, config: Config) -> None:
+        self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
+        self.pipeline.snapshot_live_tables = config.leaks.enabled
+        self.engines = Engines(config)
+        self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
+        self.ingest.on_snapshot = self._engine_tick
+        self.engine_collector = EngineCollector(lambda: self.engine_outputs)
+        self.registry.register(self.engine_collector)
+
+    def _engine_tick(self, snap: PipelineSnapshot) -> None:
+        """Run the engines on the new snapshot (ingest thread): send actions, log events."""
+        out = self.engines.step(snap)
+        self.engine_outputs = out
+        for a in out.budget_actions:
+            sent = self.ingest.send(a.pid, encode_json(FrameType.CONTROL, a.control()))
+            log.info("budget action scope=%s name=%s pid=%d action=%s sent=%s reason=%r",
+                     a.scope, a.name, a.pid, a.action, sent, a.reason)
+        for leak in out.new_leaks:
+            log.warning("leak suspected pid=%d gpu=%d suspect_bytes=%d growth_bytes_per_second=%.0f sites=%s",
+                        leak.pid, leak.dev, leak.suspect_bytes, leak.growth_bytes_per_second or 0.0,
+                        ",".join(f"{s.label}x{s.count}" for s in leak.top_sites))
+        for adv in out.new_degradation:
+            log.info("degradation advice gpu=%d pid=%d advice=%s reason=%r", adv.gpu, adv.pid, adv.advice, adv.reason)
 
     def _daemon_values(self) -> dict[str, float]:
         age = 0.0

@@ -33,6 +33,8 @@ from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnaps
 log = logging.getLogger(__name__)
 
 _FAR_FUTURE = (1 << 63) - 1
+_NO_KERNELS = np.zeros(0, DTYPES[RecordKind.KERNEL])
+_NO_KERNELS.flags.writeable = False
 
 
 @dataclass
@@ -47,13 +49,53 @@ class ProcessState:
     max_ts: int = 0
     exited_at: float | None = None  # monotonic seconds
     probe_counters: dict[str, float] = field(default_factory=dict)
+    kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
+
+
+class KernelRetention:
+    """The newest ``limit`` KERNEL records of one process, in the order applied.
+
+    Chunks are kept as they come and joined only when a snapshot asks, and only
+    when something changed, so a tick without kernels costs nothing.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._chunks: list[np.ndarray] = []
+        self._n = 0
+        self._joined: np.ndarray | None = None
+
+    def add(self, recs: np.ndarray) -> None:
+        if len(recs) == 0:
+            return
+        self._joined = None
+        if len(recs) >= self.limit:
+            self._chunks, self._n = [recs[-self.limit:]], self.limit
+            return
+        self._chunks.append(recs)
+        self._n += len(recs)
+        while self._n - len(self._chunks[0]) >= self.limit:
+            self._n -= len(self._chunks.pop(0))
+
+    def array(self) -> np.ndarray:
+        if self._joined is None:
+            if not self._chunks:
+                joined = np.zeros(0, DTYPES[RecordKind.KERNEL])
+            else:
+                joined = np.concatenate(self._chunks)[-self.limit:]
+            joined.flags.writeable = False
+            self._joined, self._chunks, self._n = joined, ([joined] if len(joined) else []), len(joined)
+        return self._joined
 
 
 class Pipeline:
     """Owns every process's footprint. Single-threaded: call it from one thread."""
 
-    def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic,
+                 kernel_retention: int = 0) -> None:
         self.config = config
+        self.kernel_retention = kernel_retention  # KERNEL records kept per process (0: none)
+        self.snapshot_live_tables = False  # leak suspicion reads allocation ages from snapshots
         self._frame_ns = config.frame_ms * 1_000_000
         self._window_ns = int(config.window_peak_seconds * 1e9)
         self._reorder_ns = config.reorder_window_ms * 1_000_000
@@ -193,6 +235,10 @@ class Pipeline:
                 fp.apply_memset(sub)
             elif kind is RecordKind.KERNEL:
                 fp.apply_kernel(sub)
+                if self.kernel_retention > 0:
+                    if proc.kernels is None:
+                        proc.kernels = KernelRetention(self.kernel_retention)
+                    proc.kernels.add(sub)
             elif kind is RecordKind.UNIFIED_MEMORY:
                 fp.apply_unified(sub)
 
@@ -207,12 +253,14 @@ class Pipeline:
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
         for proc in self.processes.values():
-            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns)
+            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns, self.snapshot_live_tables)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
                 pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,
                 info=dict(proc.info), devices=devices, pending_records=proc.pending_records,
                 as_of_ns=proc.applied_to, probe_counters=dict(proc.probe_counters),
+                recent_kernels=proc.kernels.array() if proc.kernels is not None else (
+                    _NO_KERNELS if self.kernel_retention > 0 else None),
             ))
         return PipelineSnapshot(
             taken_at=time.time() if wall_time is None else wall_time,
@@ -231,7 +279,22 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
     return recs[np.argsort(times, kind="stable")]
 
 
-def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int) -> DeviceSnapshot:
+LIVE_TABLE_DTYPE = np.dtype([("ts", "<u8"), ("bytes", "<u8"), ("mk", "u1")])
+
+
+def _live_table(fp: DeviceFootprint) -> np.ndarray:
+    n = len(fp.live)
+    table = np.empty(n, LIVE_TABLE_DTYPE)
+    if n:
+        entries = fp.live.values()
+        table["ts"] = np.fromiter((a.ts for a in entries), np.uint64, n)
+        table["bytes"] = np.fromiter((a.bytes for a in entries), np.uint64, n)
+        table["mk"] = np.fromiter((a.kind for a in entries), np.uint8, n)
+    table.flags.writeable = False
+    return table
+
+
+def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int, live_table: bool = False) -> DeviceSnapshot:
     live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
     return DeviceSnapshot(
         dev=fp.dev,
@@ -255,6 +318,7 @@ def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int) -> DeviceS
         kernel_seconds=fp.kernel_ns / 1e9,
         um_count=dict(fp.um_count),
         um_value=dict(fp.um_value),
+        live_table=_live_table(fp) if live_table else None,
     )
 
 

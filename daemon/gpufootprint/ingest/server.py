@@ -105,6 +105,8 @@ class IngestServer:
         self.published = threading.Event()
         self.disconnects: Counter[str] = Counter()
         self.connections_total = 0
+        # Called on the ingest thread with each new snapshot (the engines); may call send().
+        self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -173,6 +175,11 @@ class IngestServer:
             daemon_values.update(self._extra())
         self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values)
         self.published.set()
+        if self.on_snapshot is not None:
+            try:
+                self.on_snapshot(self.snapshot)
+            except Exception:  # noqa: BLE001 - an engine bug must not stop ingest
+                log.exception("snapshot consumer failed")
 
     # --- injected streams (demo, tests) ---------------------------------------------
 
