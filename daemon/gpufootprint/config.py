@@ -140,6 +140,8 @@ class CostConfig:
     default_model: str | None = _spec(None, doc="model assumed for GPUs NVML does not describe (None: unpriced)")
     max_interval_seconds: float = _spec(60.0, lo=0.001, hi=86_400,
                                         doc="longer gaps between snapshots are not accrued")
+    forget_after_seconds: float = _spec(600.0, lo=0, hi=86_400 * 7,
+                                        doc="a process absent from snapshots this long loses its cost series")
 
 
 @dataclass(frozen=True)

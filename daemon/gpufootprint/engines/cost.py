@@ -78,6 +78,7 @@ class CostLedger:
         self._labels: dict[tuple[int, int, str], tuple[str | None, str | None]] = {}
         self._gpu: dict[int, list[float]] = defaultdict(lambda: [0.0] * 6)  # wall, idle s, idle $, time $, mem $, unalloc $
         self._gpu_model: dict[int, tuple[str | None, float | None]] = {}
+        self._seen: dict[tuple[int, int, str], float] = {}  # last snapshot time each process was in
 
     def price(self, model: str | None) -> float | None:
         key = inputs.model_key(model, self.cfg.prices)
@@ -93,11 +94,16 @@ class CostLedger:
         for idx, g in gpus.items():
             model = inputs.gpu_model(g, self.cfg.default_model)
             self._gpu_model[idx] = (model, self.price(model))
-        present = {(p.pid, d.dev, p.source) for p in snap.processes for d in p.devices}
+        for p in snap.processes:
+            for d in p.devices:
+                self._seen[(p.pid, d.dev, p.source)] = snap.taken_at
         for key in list(self._proc):
-            if key not in present:  # the process left the snapshot: its series end
+            # A process gone from snapshots for a while (past the pipeline's grace period)
+            # has ended: its series end. A brief absence (an NVML-only process) keeps them.
+            if snap.taken_at - self._seen.get(key, snap.taken_at) > self.cfg.forget_after_seconds:
                 del self._proc[key]
                 self._labels.pop(key, None)
+                self._seen.pop(key, None)
         return self.totals()
 
     def _accrue(self, prev: PipelineSnapshot, now: PipelineSnapshot, dt: float) -> None:
