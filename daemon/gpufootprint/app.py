@@ -15,7 +15,7 @@ from types import FrameType as _PyFrame
 from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
-from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines
+from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
 from gpufootprint.exporter.collector import EngineCollector, FootprintCollector
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.ingest.pipeline import Pipeline
@@ -59,12 +59,12 @@ class App:
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot)
         self.registry.register(self.collector)
-        self._wire_engines(config)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set)
         self._thread: threading.Thread | None = None
+        self._wire_engines(config)
 
     # --- decision engines (issue 5) --------------------------------------------------
 
@@ -76,6 +76,8 @@ class App:
         self.ingest.on_snapshot = self._engine_tick
         self.engine_collector = EngineCollector(lambda: self.engine_outputs)
         self.registry.register(self.engine_collector)
+        if self.http is not None:
+            self.http.json_routes["/api/engines"] = lambda: engine_report(self.engine_outputs)
 
     def _engine_tick(self, snap: PipelineSnapshot) -> None:
         """Run the engines on the new snapshot (ingest thread): send actions, log events."""

@@ -8,8 +8,11 @@ cached while a process's kernel window is unchanged) and does no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -92,3 +95,32 @@ class Engines:
             taken_at=snap.taken_at, graph=graph, budgets=budgets, budget_actions=actions,
             budget_action_counts=dict(self.budgets.action_counts), leaks=leaks, new_leaks=new_leaks,
             degradation=advice, new_degradation=new_advice, cost=cost)
+
+
+def engine_report(out: EngineOutputs) -> dict[str, Any]:
+    """The outputs as plain JSON (``GET /api/engines``): every decision with its reasons.
+
+    Infinite ratios (a zero budget in use) become null, since JSON has no infinity.
+    """
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    def rows(items: tuple[Any, ...]) -> list[Any]:
+        return [clean(dataclasses.asdict(x)) for x in items]
+
+    report: dict[str, Any] = {
+        "taken_at": out.taken_at, "graph": rows(out.graph), "budgets": rows(out.budgets),
+        "budget_actions_total": [{"scope": s, "name": n, "action": a, "count": c}
+                                 for (s, n, a), c in sorted(out.budget_action_counts.items())],
+        "leaks": rows(out.leaks), "degradation": rows(out.degradation)}
+    if out.cost is not None:
+        report["cost"] = {"processes": rows(out.cost.processes), "gpus": rows(out.cost.gpus),
+                          "pods": [{"namespace": ns, "pod": pod, "time_dollars": t, "memory_dollars": m}
+                                   for (ns, pod), (t, m) in sorted(out.cost.by_pod().items(), key=str)]}
+    return report
