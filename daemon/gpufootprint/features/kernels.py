@@ -66,6 +66,23 @@ def detect_period(seq: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3
     return None
 
 
+def detect_recent_period(seq: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3,
+                         max_period: int = 4096) -> tuple[int, float, int] | None:
+    """``detect_period`` on the newest part of ``seq`` that has one: (period, match, kernels used).
+
+    Warm-up steps (lazy optimizer state, autotuning) launch other kernels than the
+    steady step; dropping the oldest eighths one at a time, down to half the
+    window, lets the steady period show.
+    """
+    n = len(seq)
+    for eighths in range(8, 3, -1):
+        m = n * eighths // 8
+        found = detect_period(seq[n - m:], min_match=min_match, min_steps=min_steps, max_period=max_period)
+        if found is not None:
+            return found[0], found[1], m
+    return None
+
+
 def stream_stats(kernels: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3, max_period: int = 4096,
                  analysis_kernels: int = 16384, host_gap_ns: int = 1_000_000,
                  graph_gap_ns: int = 2_000) -> dict[tuple[int, int], StreamKernelStats]:
@@ -90,12 +107,12 @@ def _one_stream(k: np.ndarray, dev: int, stream: int, *, min_match: float, min_s
     end = np.maximum(k["end"].astype(np.int64), start)
     dur = end - start
     n = len(k)
-    found = detect_period(k["name_id"], min_match=min_match, min_steps=min_steps, max_period=max_period)
+    found = detect_recent_period(k["name_id"], min_match=min_match, min_steps=min_steps, max_period=max_period)
     period = match = step_s = gap_s = launch_s = save_s = None
     steps = 0
     if found is not None:
-        period, match = found
-        steps = n // period
+        period, match, used = found
+        steps = used // period
         lo = n - steps * period
         n_full = steps - 1  # steps whose following step's first kernel is in the window
         # gaps[i]: idle time between kernel i and kernel i+1 (overlaps count as none)

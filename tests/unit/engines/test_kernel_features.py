@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufootprint.features.kernels import detect_period, stream_stats
+from gpufootprint.features.kernels import detect_period, detect_recent_period, stream_stats
 from gpufootprint.records import KERNEL_DTYPE
 
 
@@ -66,3 +66,14 @@ def test_overlapping_kernels_count_no_gap_and_streams_are_separate() -> None:
 
 def test_empty_input_has_no_streams() -> None:
     assert stream_stats(np.zeros(0, KERNEL_DTYPE)) == {}
+
+
+def test_warm_up_step_with_other_kernels_does_not_hide_the_steady_period() -> None:
+    # GIVEN a first step that launches different kernels (optimizer state init), then 4 steady steps
+    warm = list(range(100, 112))
+    steady = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    seq = np.array(warm + steady * 4)
+    assert detect_period(seq) is None  # over the whole window only 3 of 4 steps match
+    p, match, used = detect_recent_period(seq)  # type: ignore[misc]
+    assert p == 12 and match >= 0.9 and used >= 36
+    assert detect_recent_period(np.array(warm + steady * 2)) is None  # 2 steady steps are not enough
