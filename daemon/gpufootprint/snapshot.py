@@ -35,7 +35,7 @@ class DeviceSnapshot:
     kernel_seconds: float
     um_count: dict[int, int]
     um_value: dict[int, int]
-    # Live allocations as a structured array (ts, bytes, mk), oldest first; filled only
+    # Live allocations as a read-only structured array (ts, bytes, mk); filled only
     # when the pipeline is asked to (``Pipeline.snapshot_live_tables``): the leak engine.
     live_table: np.ndarray | None = None
 

@@ -50,6 +50,10 @@ class ProcessState:
     exited_at: float | None = None  # monotonic seconds
     probe_counters: dict[str, float] = field(default_factory=dict)
     kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
+    # Per device: how many times its live table changed, and the snapshot array built
+    # at some version, so an unchanged table is not rebuilt every tick.
+    live_versions: dict[int, int] = field(default_factory=dict)
+    live_tables: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
 
 
 class KernelRetention:
@@ -181,6 +185,7 @@ class Pipeline:
         proc = self.process(pid, "probe")
         self.advance(pid, ts)
         for dev in set(proc.devices) | set(np.unique(recs["dev"]).tolist()):
+            proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
             self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
 
     def process_exited(self, pid: int, ts: int | None = None) -> None:
@@ -189,7 +194,8 @@ class Pipeline:
             return
         self.finish(pid)
         end = ts if ts is not None else max(proc.max_ts, proc.applied_to)
-        for fp in proc.devices.values():
+        for dev, fp in proc.devices.items():
+            proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
             fp.release_all(end)
         proc.exited_at = self._monotonic()
 
@@ -225,6 +231,7 @@ class Pipeline:
         for dev, sub in groups:
             fp = self._device(proc, dev)
             if kind is RecordKind.MEMORY:
+                proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
                 fp.apply_memory(sub, self.errors)
                 fp.note_pool_config(sub)
             elif kind is RecordKind.MEMORY_POOL:
@@ -253,7 +260,8 @@ class Pipeline:
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
         for proc in self.processes.values():
-            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns, self.snapshot_live_tables)
+            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns,
+                                             _cached_live_table(proc, fp) if self.snapshot_live_tables else None)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
                 pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,
@@ -294,7 +302,17 @@ def _live_table(fp: DeviceFootprint) -> np.ndarray:
     return table
 
 
-def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int, live_table: bool = False) -> DeviceSnapshot:
+def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:
+    version = proc.live_versions.get(fp.dev, 0)
+    cached = proc.live_tables.get(fp.dev)
+    if cached is None or cached[0] != version:
+        cached = (version, _live_table(fp))
+        proc.live_tables[fp.dev] = cached
+    return cached[1]
+
+
+def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
+                     live_table: np.ndarray | None = None) -> DeviceSnapshot:
     live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
     return DeviceSnapshot(
         dev=fp.dev,
@@ -318,7 +336,7 @@ def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int, live_table
         kernel_seconds=fp.kernel_ns / 1e9,
         um_count=dict(fp.um_count),
         um_value=dict(fp.um_value),
-        live_table=_live_table(fp) if live_table else None,
+        live_table=live_table,
     )
 
 

@@ -57,3 +57,27 @@ def test_live_tables_appear_in_snapshots_only_when_asked() -> None:
     p.snapshot_live_tables = True
     t = p.snapshot(0.0).processes[0].devices[0].live_table
     assert t is not None and t["ts"].tolist() == [5, 6] and t["bytes"].tolist() == [100, 200]
+
+
+def test_live_table_is_rebuilt_only_when_the_table_changed() -> None:
+    from gpufootprint.records import MEMORY_DTYPE
+
+    def mem(ts: int, op: int, addr: int) -> np.ndarray:
+        m = np.zeros(1, MEMORY_DTYPE)
+        m["ts"], m["op"], m["addr"], m["bytes"], m["mk"], m["pid"] = ts, op, addr, 64, 3, 1
+        return m
+
+    p = Pipeline(FootprintConfig(reorder_window_ms=0))
+    p.snapshot_live_tables = True
+    p.submit(RecordKind.MEMORY, mem(10, 1, 16))
+    p.advance(1, 10)
+    a = p.snapshot(0.0).processes[0].devices[0].live_table
+    assert p.snapshot(0.0).processes[0].devices[0].live_table is a  # no change: the same array
+    p.submit(RecordKind.MEMORY, mem(20, 2, 16))
+    p.advance(1, 20)
+    b = p.snapshot(0.0).processes[0].devices[0].live_table
+    assert b is not a and len(b) == 0 and len(a) == 1
+    p.submit(RecordKind.MEMORY, mem(30, 1, 32))
+    p.advance(1, 30)
+    p.process_exited(1, 40)  # the driver freed it all
+    assert len(p.snapshot(0.0).processes[0].devices[0].live_table) == 0
