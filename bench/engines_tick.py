@@ -21,12 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from synth_traces import kernel_stream  # noqa: E402
-
-from gpufootprint.config import Config, FootprintConfig  # noqa: E402
-from gpufootprint.engines.runner import Engines  # noqa: E402
-from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
-from gpufootprint.records import MEMORY_DTYPE, RecordKind  # noqa: E402
+from gpufootprint.config import Config, FootprintConfig
+from gpufootprint.engines.runner import Engines
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from synth_traces import kernel_stream
 
 
 def median_ms(fn, reps: int) -> float:  # type: ignore[no-untyped-def]

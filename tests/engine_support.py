@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session

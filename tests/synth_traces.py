@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from gpufootprint.records import KERNEL_DTYPE, MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
 

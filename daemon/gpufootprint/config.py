@@ -182,7 +182,7 @@ def load_config(
         _set_path(tree, keypath, _parse_scalar(raw, f"environment {name}"), origin, f"environment {name}")
     for dotted, value in (overrides or {}).items():
         _set_path(tree, dotted.split("."), value, origin, "command line")
-    config = _build(Config, tree, (), origin)
+    config: Config = _build(Config, tree, (), origin)
     validate_engine_config(config, origin)
     return config
 

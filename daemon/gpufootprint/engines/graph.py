@@ -14,6 +14,7 @@ input the policy needs).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -82,21 +83,23 @@ def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int],
 def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPolicy, *, pid: int,
                   source: str, exited: bool = False) -> GraphDecision:
     """The policy's verdict on one stream's statistics."""
-    base = dict(pid=pid, source=source, dev=stats.dev, stream=stats.stream, kernels=stats.kernels,
-                graph_kernels=stats.graph_kernels, op_count=stats.period, steps=stats.steps,
-                mean_kernel_seconds=stats.mean_kernel_seconds if stats.kernels else None, reuse_ratio=reuse,
-                step_seconds=stats.step_seconds, gap_share=stats.gap_share,
-                launch_overhead_seconds=stats.saveable_seconds, exited=exited)
+    base = GraphDecision(pid=pid, source=source, dev=stats.dev, stream=stats.stream, decision=INSUFFICIENT,
+                         reasons=(), kernels=stats.kernels, graph_kernels=stats.graph_kernels, op_count=stats.period,
+                         steps=stats.steps, mean_kernel_seconds=stats.mean_kernel_seconds if stats.kernels else None,
+                         reuse_ratio=reuse, step_seconds=stats.step_seconds, gap_share=stats.gap_share,
+                         launch_overhead_seconds=stats.saveable_seconds, exited=exited)
+
+    def verdict(decision: str, *reasons: str) -> GraphDecision:
+        return dataclasses.replace(base, decision=decision, reasons=reasons)
+
     if stats.kernels == 0:
-        return GraphDecision(decision=INSUFFICIENT, reasons=("no kernel records on this stream",), **base)
+        return verdict(INSUFFICIENT, "no kernel records on this stream")
     if stats.graph_kernels and stats.graph_share >= policy.captured_share:
-        return GraphDecision(decision=ALREADY, reasons=(
-            f"{stats.graph_kernels} of {stats.kernels} kernels were replayed from a captured CUDA graph "
-            f"(share {stats.graph_share:.2f} >= {policy.captured_share})",), **base)
+        return verdict(ALREADY, f"{stats.graph_kernels} of {stats.kernels} kernels were replayed from a captured "
+                                f"CUDA graph (share {stats.graph_share:.2f} >= {policy.captured_share})")
     if stats.period is None:
-        return GraphDecision(decision=INSUFFICIENT, reasons=(
-            f"no kernel sequence repeats at least {policy.min_steps} times with {policy.min_match:.0%} "
-            f"of kernels matching (in {stats.kernels} kernels)",), **base)
+        return verdict(INSUFFICIENT, f"no kernel sequence repeats at least {policy.min_steps} times with "
+                                     f"{policy.min_match:.0%} of kernels matching (in {stats.kernels} kernels)")
     reasons: list[str] = []
     failed = unknown = False
     mean_ms = stats.mean_kernel_seconds * 1e3
@@ -121,11 +124,10 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
         reasons.append(("pass: " if ok else "fail: ") +
                        f"allocation reuse {reuse:.2f} {'>=' if ok else '<'} {policy.min_reuse}")
         failed |= not ok
-    if stats.gap_share is not None and stats.saveable_seconds is not None:
+    if stats.gap_share is not None and stats.saveable_seconds is not None and stats.step_seconds is not None:
         reasons.append(f"info: launch gaps {stats.gap_share:.1%} of a {stats.step_seconds * 1e3:.3f} ms step; "
                        f"capture would save about {stats.saveable_seconds * 1e6:.1f} us per step")
-    decision = KEEP if failed else (INSUFFICIENT if unknown else CAPTURE)
-    return GraphDecision(decision=decision, reasons=tuple(reasons), **base)
+    return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
 
 
 def advise(snap: PipelineSnapshot, policy: GraphPolicy,

@@ -229,10 +229,10 @@ def engine_families(out: EngineOutputs) -> Iterator[Metric]:
                                 "Live bytes in allocations older than leaks.min_age_seconds.", labels=PROC_LABELS)
     l_flag = GaugeMetricFamily("gpufootprint_leak_suspect",
                                "1 when old allocations coincide with a growing footprint.", labels=PROC_LABELS)
-    for s in out.leaks:
-        labels = [str(s.pid), str(s.dev), s.source]
-        l_bytes.add_metric(labels, s.suspect_bytes)
-        l_flag.add_metric(labels, 1 if s.suspect else 0)
+    for leak in out.leaks:
+        labels = [str(leak.pid), str(leak.dev), leak.source]
+        l_bytes.add_metric(labels, leak.suspect_bytes)
+        l_flag.add_metric(labels, 1 if leak.suspect else 0)
     yield from (l_bytes, l_flag)
 
     deg = GaugeMetricFamily("gpufootprint_degradation_advice", "Degradation advice in force (1).",

@@ -11,7 +11,6 @@ import sys
 import time
 
 import numpy as np
-
 from gpufootprint.records import KERNEL_DTYPE, MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json, encode_watermark
 
@@ -37,7 +36,7 @@ def main(path: str, want: int, alloc_bytes: int) -> int:
     while got < want and time.monotonic() < deadline:
         try:
             data = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         if not data:
             break

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import synth_traces
-
 from gpufootprint.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]

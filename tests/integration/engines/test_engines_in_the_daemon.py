@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.app import App
 from gpufootprint.config import load_config
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 import math
 
 from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
-
 from gpufootprint.config import BudgetsConfig, load_config
 from gpufootprint.engines.budgets import BudgetTracker
 from gpufootprint.snapshot import GpuState

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
-
 from gpufootprint.config import CostConfig
 from gpufootprint.engines.cost import CostLedger
 from gpufootprint.snapshot import GpuState

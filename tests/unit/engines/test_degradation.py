@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from engine_support import GIB, dev, proc, snap
-
 from gpufootprint.config import BudgetsConfig, DegradationConfig
 from gpufootprint.engines.budgets import BudgetTracker
 from gpufootprint.engines.degradation import DegradationTracker

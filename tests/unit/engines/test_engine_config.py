@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import pytest
-
 from gpufootprint.config import load_config
 from gpufootprint.errors import ConfigError
 

@@ -4,15 +4,14 @@ import math
 
 import numpy as np
 from engine_support import GIB, dev, proc, snap
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.config import BudgetsConfig, Config, CostConfig
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, Engines
 from gpufootprint.exporter.collector import EngineCollector
 from gpufootprint.records import KERNEL_DTYPE
 from gpufootprint.snapshot import GpuState
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 
 def kernels(pid: int) -> np.ndarray:

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 from engine_support import DATA, dev, proc, replay_snapshots, snap
-
 from gpufootprint.engines.graph import GraphPolicy, advise
 from gpufootprint.records import KERNEL_DTYPE
 

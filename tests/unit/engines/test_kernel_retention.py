@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.ingest.pipeline import KernelRetention, Pipeline
 from gpufootprint.records import KERNEL_DTYPE, RecordKind

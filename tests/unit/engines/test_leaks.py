@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 from engine_support import DATA, MIB, dev, proc, replay_snapshots, snap
-
 from gpufootprint.config import LeaksConfig
 from gpufootprint.engines.leaks import LeakTracker
 from gpufootprint.ingest.pipeline import LIVE_TABLE_DTYPE
