@@ -73,6 +73,7 @@ class App:
         self.pipeline.snapshot_live_tables = config.leaks.enabled
         self.engines = Engines(config)
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
+        self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick
         self.engine_collector = EngineCollector(lambda: self.engine_outputs)
         self.registry.register(self.engine_collector)
@@ -81,7 +82,13 @@ class App:
 
     def _engine_tick(self, snap: PipelineSnapshot) -> None:
         """Run the engines on the new snapshot (ingest thread): send actions, log events."""
-        out = self.engines.step(snap)
+        try:
+            out = self.engines.step(snap)
+        except Exception:  # noqa: BLE001 - keep ingesting; the last outputs stay exported
+            self.engine_errors += 1
+            if self.engine_errors == 1 or self.engine_errors % 1000 == 0:
+                log.exception("engines failed on a snapshot (%d times so far)", self.engine_errors)
+            return
         self.engine_outputs = out
         for a in out.budget_actions:
             sent = self.ingest.send(a.pid, encode_json(FrameType.CONTROL, a.control()))
