@@ -50,7 +50,7 @@ class ProcessSnapshot:
     pending_records: int
     as_of_ns: int
     probe_counters: dict[str, float] = field(default_factory=dict)
-    # The newest KERNEL records of this process (read-only, start-time order), bounded by
+    # The newest KERNEL records of this process (read-only, in the order applied), bounded by
     # graph_advisor.kernel_retention; None when the pipeline keeps none.
     recent_kernels: np.ndarray | None = None
 
