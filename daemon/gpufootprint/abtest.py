@@ -78,8 +78,14 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
         if memory:
             reuse_counter.add(np.concatenate(memory))
         snap = pipeline.snapshot(wall_time=0.0)
-        reuse = {(p.pid, d.dev): r for p in snap.processes for d in p.devices
-                 if (r := reuse_counter.ratio(p.pid)) is not None}
+        reuse: dict[tuple[int, int], float] = {}
+        for p in snap.processes:
+            k = p.recent_kernels
+            # the steady part: allocations from the median kernel start on
+            since = int(np.median(k["start"])) if k is not None and len(k) else None
+            r = reuse_counter.ratio(p.pid, since)
+            if r is not None:
+                reuse.update({(p.pid, d.dev): r for d in p.devices})
         per_policy: list[tuple[NamedPolicy, tuple[GraphDecision, ...]]] = []
         cache: dict[tuple[float, ...], dict[int, Any]] = {}
         for np_ in policies:

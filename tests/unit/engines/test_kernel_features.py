@@ -76,3 +76,18 @@ def test_warm_up_step_with_other_kernels_does_not_hide_the_steady_period() -> No
     p, match, used = detect_recent_period(seq)  # type: ignore[misc]
     assert p == 12 and match >= 0.9 and used >= 36
     assert detect_recent_period(np.array(warm + steady * 2)) is None  # 2 steady steps are not enough
+
+
+def test_a_step_of_identical_tiny_kernels_is_the_whole_step_not_one_kernel() -> None:
+    seq = np.array(([1] * 100 + [2]) * 6)
+    assert detect_period(seq) == (101, 1.0)
+    noisy = seq.copy()
+    noisy[[50, 333]] = 7  # a little noise does not bring period 1 back
+    p, match = detect_period(noisy)  # type: ignore[misc]
+    assert p == 101 and match > 0.99
+
+
+def test_a_stray_kernel_after_the_last_step_does_not_hide_the_period() -> None:
+    seq = np.array(list(range(1, 31)) * 5 + [99])
+    p, match = detect_period(seq)  # type: ignore[misc]
+    assert p == 30 and match == 120 / 121
