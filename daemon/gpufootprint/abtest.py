@@ -65,7 +65,7 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
         pipeline = Pipeline(config.footprint, kernel_retention=OFFLINE_RETENTION)
         memory: list[np.ndarray] = []
 
-        def keep_memory(frame: Frame) -> None:
+        def keep_memory(frame: Frame, memory: list[np.ndarray] = memory) -> None:
             if frame.type is FrameType.BATCH and frame.tag == RecordKind.MEMORY:
                 try:
                     memory.append(frame.records().copy())

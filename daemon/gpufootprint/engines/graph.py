@@ -105,11 +105,11 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     mean_ms = stats.mean_kernel_seconds * 1e3
     for ok, text in (
         (stats.period >= policy.min_op_count,
-         f"op_count {stats.period} kernels/step {'>=' if stats.period >= policy.min_op_count else '<'} "
-         f"{policy.min_op_count}"),
+         (f"op_count {stats.period} kernels/step {'>=' if stats.period >= policy.min_op_count else '<'} "
+          f"{policy.min_op_count}")),
         (mean_ms >= policy.min_mean_kernel_ms,
-         f"mean kernel duration {mean_ms:.3f} ms {'>=' if mean_ms >= policy.min_mean_kernel_ms else '<'} "
-         f"{policy.min_mean_kernel_ms} ms"),
+         (f"mean kernel duration {mean_ms:.3f} ms {'>=' if mean_ms >= policy.min_mean_kernel_ms else '<'} "
+          f"{policy.min_mean_kernel_ms} ms")),
     ):
         reasons.append(("pass: " if ok else "fail: ") + text)
         failed |= not ok
@@ -148,8 +148,7 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
         if not per_stream:
             out.append(GraphDecision(pid=proc.pid, source=proc.source, dev=None, stream=None,
                                      decision=INSUFFICIENT, exited=proc.exited,
-                                     reasons=("no kernel records seen yet (kernel activity is sampled in "
-                                              "windows)",)))
+                                     reasons=("no kernel records seen yet (kernel activity is sampled in windows)",)))
             continue
         devs = {d.dev: d for d in proc.devices}
         for (dev, stream), st in sorted(per_stream.items()):
