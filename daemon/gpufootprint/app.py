@@ -15,13 +15,16 @@ from types import FrameType as _PyFrame
 from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
-from gpufootprint.exporter.collector import FootprintCollector
+from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
+from gpufootprint.exporter.collector import EngineCollector, FootprintCollector
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.snapshot import PipelineSnapshot
+from gpufootprint.wire.framing import FrameType, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,42 @@ class App:
                                       json_routes={"/api/anomalies": self.anomalies_json,
                                                    "/api/migrations": self.migrations_json})
         self._thread: threading.Thread | None = None
+        self._wire_engines(config)
+
+    # --- decision engines (issue 5) --------------------------------------------------
+
+    def _wire_engines(self, config: Config) -> None:
+        self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
+        self.pipeline.snapshot_live_tables = config.leaks.enabled
+        self.engines = Engines(config)
+        self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
+        self.engine_errors = 0
+        self.ingest.on_snapshot = self._engine_tick
+        self.engine_collector = EngineCollector(lambda: self.engine_outputs)
+        self.registry.register(self.engine_collector)
+        if self.http is not None:
+            self.http.json_routes["/api/engines"] = lambda: engine_report(self.engine_outputs)
+
+    def _engine_tick(self, snap: PipelineSnapshot) -> None:
+        """Run the engines on the new snapshot (ingest thread): send actions, log events."""
+        try:
+            out = self.engines.step(snap)
+        except Exception:  # noqa: BLE001 - keep ingesting; the last outputs stay exported
+            self.engine_errors += 1
+            if self.engine_errors == 1 or self.engine_errors % 1000 == 0:
+                log.exception("engines failed on a snapshot (%d times so far)", self.engine_errors)
+            return
+        self.engine_outputs = out
+        for a in out.budget_actions:
+            sent = self.ingest.send(a.pid, encode_json(FrameType.CONTROL, a.control()))
+            log.info("budget action scope=%s name=%s pid=%d action=%s sent=%s reason=%r",
+                     a.scope, a.name, a.pid, a.action, sent, a.reason)
+        for leak in out.new_leaks:
+            log.warning("leak suspected pid=%d gpu=%d suspect_bytes=%d growth_bytes_per_second=%.0f sites=%s",
+                        leak.pid, leak.dev, leak.suspect_bytes, leak.growth_bytes_per_second or 0.0,
+                        ",".join(f"{s.label}x{s.count}" for s in leak.top_sites))
+        for adv in out.new_degradation:
+            log.info("degradation advice gpu=%d pid=%d advice=%s reason=%r", adv.gpu, adv.pid, adv.advice, adv.reason)
 
     def _daemon_values(self) -> dict[str, float]:
         age = 0.0

@@ -1,4 +1,4 @@
-"""Command line: ``gpufootprint daemon|demo|replay|convert|check-config|run|record``.
+"""Command line: ``gpufootprint daemon|demo|replay|convert|check-config|run|record|abtest``.
 
 Errors become one line on stderr and an exit status (2: configuration or usage,
 1: damaged input or runtime failure); ``-v`` adds the traceback.
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--socket", metavar="PATH", help="daemon socket the probes connect to")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+
+    p = sub.add_parser("abtest", help="compare CUDA Graph advisor policies on recorded traces")
+    _common(p)
+    p.add_argument("traces", nargs="+", metavar="TRACE", help="native or CUPTI-JSONL traces with kernel records")
+    p.add_argument("--policy", action="append", required=True, metavar="FILE",
+                   help="YAML with graph_advisor keys (repeat: A, B, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
     p = sub.add_parser("record", help="run a command with the probe, writing frames to a file (-- CMD ARGS...)")
     _common(p)
@@ -290,6 +297,25 @@ def cmd_record(args: argparse.Namespace) -> int:
     return launcher.record(_command(args.cmd), output=args.output)
 
 
+def cmd_abtest(args: argparse.Namespace) -> int:
+    from gpufootprint.abtest import load_policy, render_table, run_abtest
+
+    config = _config(args)
+    _setup(config, args.verbose)
+    policies = [load_policy(p) for p in args.policy]
+    names = [p.name for p in policies]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"command line --policy: policy files need distinct names, got {', '.join(names)}")
+    report = run_abtest(args.traces, policies, config)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_table(report))
+    for problem in report["problems"][:20]:
+        print(f"gpufootprint abtest: error: {problem}", file=sys.stderr)
+    return 1 if report["problems"] else 0
+
+
 def _command(cmd: list[str]) -> list[str]:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -314,4 +340,5 @@ _COMMANDS = {
     "check-config": cmd_check_config,
     "run": cmd_run,
     "record": cmd_record,
+    "abtest": cmd_abtest,
 }

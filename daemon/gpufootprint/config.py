@@ -134,6 +134,80 @@ class ProbeConfig:
     torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
     untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
+# --- decision engines (issue 5) ------------------------------------------------
+# Lists and tables (budget rules, the price table) are checked by
+# ``validate_engine_config`` so an error still names its key path.
+
+
+@dataclass(frozen=True)
+class GraphAdvisorConfig:
+    enabled: bool = _spec(True, doc="run the CUDA Graph advisor on retained kernel records")
+    min_op_count: int = _spec(8, lo=1, hi=1_000_000, doc="capture needs at least this many kernels per step")
+    min_mean_kernel_ms: float = _spec(0.5, lo=0, hi=60_000, doc="capture needs this mean kernel duration")
+    min_reuse: float = _spec(0.7, lo=0, hi=1, doc="capture needs this allocation reuse ratio")
+    allow_unknown_reuse: bool = _spec(False, doc="treat an unknown reuse ratio as passing")
+    captured_share: float = _spec(0.5, lo=0, hi=1,
+                                  doc="a stream whose kernels come from graphs at least this share is captured")
+    min_steps: int = _spec(3, lo=2, hi=10_000, doc="repetitions of the step needed to trust its period")
+    min_match: float = _spec(0.9, lo=0.5, hi=1, doc="share of kernels that must repeat at the period")
+    max_period: int = _spec(4096, lo=1, hi=1_000_000, doc="longest step (in kernels) looked for")
+    analysis_kernels: int = _spec(16384, lo=16, hi=10_000_000, doc="newest kernels per stream analysed")
+    kernel_retention: int = _spec(65536, lo=0, hi=10_000_000,
+                                  doc="KERNEL records kept per process for the advisor (0: none)")
+    host_gap_ms: float = _spec(1.0, lo=0, hi=60_000,
+                               doc="gaps longer than this are host work a graph does not remove")
+    graph_gap_us: float = _spec(2.0, lo=0, hi=1_000_000, doc="gap between kernels of a replayed graph")
+
+
+@dataclass(frozen=True)
+class BudgetsConfig:
+    enabled: bool = _spec(True)
+    rules: list[dict[str, Any]] = field(default_factory=list, metadata={
+        "doc": "list of {scope: process|pod|namespace|gpu, name: ID or '*', bytes: N | fraction: F, "
+               "soft_action: bool, hard_action: bool, soft_fraction: F}"})
+    trend_window_seconds: float = _spec(300.0, lo=1, hi=86_400, doc="least-squares window of the usage trend")
+    min_trend_points: int = _spec(5, lo=2, hi=100_000, doc="samples needed before predicting exhaustion")
+    action_cooldown_seconds: float = _spec(60.0, lo=0, hi=86_400, doc="an action repeats at most this often")
+
+
+@dataclass(frozen=True)
+class LeaksConfig:
+    enabled: bool = _spec(True)
+    min_age_seconds: float = _spec(300.0, lo=0, hi=86_400 * 30, doc="allocations older than this are suspects")
+    growth_window_seconds: float = _spec(600.0, lo=1, hi=86_400 * 7, doc="window of the footprint trend")
+    min_growth_bytes_per_second: float = _spec(1024.0, lo=0, hi=1e15, doc="the footprint must grow this fast")
+    min_suspect_bytes: int = _spec(1 << 20, lo=0, hi=1 << 50, doc="suspect bytes below this are ignored")
+    min_trend_points: int = _spec(5, lo=2, hi=100_000)
+    top_sites: int = _spec(5, lo=1, hi=100, doc="allocation sites reported per process")
+
+
+@dataclass(frozen=True)
+class DegradationConfig:
+    enabled: bool = _spec(True)
+    low_utilization: float = _spec(0.30, lo=0, hi=1, doc="GPU utilisation below this ...")
+    low_utilization_seconds: float = _spec(300.0, lo=1, hi=86_400 * 7, doc="... for this long: smaller GPU")
+    memory_quota_ratio: float = _spec(0.80, lo=0, hi=10, doc="requested memory above this share of the quota")
+
+
+#: Example list prices, $ per GPU-hour (on-demand cloud, late 2026); replace with your own.
+DEFAULT_PRICES: dict[str, float] = {"H200": 3.80, "H100": 2.90, "A100": 1.60, "L40S": 1.10, "L4": 0.70, "T4": 0.35}
+#: Memory per model in bytes, used when NVML does not say.
+DEFAULT_MEMORY: dict[str, int] = {"H200": 150_754_820_096, "H100": 85_520_809_984, "A100": 85_899_345_920,
+                                  "L40S": 48_305_799_168, "L4": 24_152_899_584, "T4": 16_106_127_360}
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    enabled: bool = _spec(True)
+    prices: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_PRICES), metadata={
+        "doc": "$ per GPU-hour by model name (matched as a substring of the NVML name)"})
+    memory_bytes: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MEMORY), metadata={
+        "doc": "GPU memory by model, when NVML does not report it"})
+    default_model: str | None = _spec(None, doc="model assumed for GPUs NVML does not describe (None: unpriced)")
+    max_interval_seconds: float = _spec(60.0, lo=0.001, hi=86_400,
+                                        doc="longer gaps between snapshots are not accrued")
+    forget_after_seconds: float = _spec(600.0, lo=0, hi=86_400 * 7,
+                                        doc="a process absent from snapshots this long loses its cost series")
 
 
 @dataclass(frozen=True)
@@ -147,6 +221,11 @@ class Config:
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     nvml: NvmlConfig = field(default_factory=NvmlConfig)
+    graph_advisor: GraphAdvisorConfig = field(default_factory=GraphAdvisorConfig)
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    leaks: LeaksConfig = field(default_factory=LeaksConfig)
+    degradation: DegradationConfig = field(default_factory=DegradationConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
 
 # --- loading ------------------------------------------------------------------
@@ -173,7 +252,9 @@ def load_config(
         _set_path(tree, keypath, _parse_scalar(raw, f"environment {name}"), origin, f"environment {name}")
     for dotted, value in (overrides or {}).items():
         _set_path(tree, dotted.split("."), value, origin, "command line")
-    return _build(Config, tree, (), origin)
+    config: Config = _build(Config, tree, (), origin)
+    validate_engine_config(config, origin)
+    return config
 
 
 def parse_set_option(text: str) -> tuple[str, Any]:
@@ -322,3 +403,52 @@ def parse_listen(value: str, where: str = "listen") -> tuple[str, int]:
 def _src(origin: dict[str, str], path: tuple[str, ...]) -> str:
     source = origin.get(".".join(path))
     return f"{source}: " if source else ""
+
+
+# --- engine tables (issue 5) ---------------------------------------------------
+
+BUDGET_SCOPES = ("process", "pod", "namespace", "gpu")
+_RULE_KEYS = {"scope", "name", "bytes", "fraction", "soft_action", "hard_action", "soft_fraction"}
+
+
+def validate_engine_config(config: Config, origin: dict[str, str] | None = None) -> None:
+    """Check the list/table keys the dataclass schema cannot type; errors name the key path."""
+    origin = origin or {}
+    rules = config.budgets.rules
+    if not isinstance(rules, list):
+        raise ConfigError(f"{_src(origin, ('budgets', 'rules'))}budgets.rules: expected a list, got {rules!r}")
+    for i, rule in enumerate(rules):
+        where = f"{_src(origin, ('budgets', 'rules'))}budgets.rules[{i}]"
+        if not isinstance(rule, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {rule!r}")
+        unknown = set(rule) - _RULE_KEYS
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: {', '.join(sorted(_RULE_KEYS))})")
+        if rule.get("scope") not in BUDGET_SCOPES:
+            raise ConfigError(f"{where}.scope: {rule.get('scope')!r} is not one of {', '.join(BUDGET_SCOPES)}")
+        if not isinstance(rule.get("name"), (str, int)) or isinstance(rule.get("name"), bool):
+            raise ConfigError(f"{where}.name: expected a name, id or '*', got {rule.get('name')!r}")
+        has_bytes, has_fraction = rule.get("bytes") is not None, rule.get("fraction") is not None
+        if has_bytes == has_fraction:
+            raise ConfigError(f"{where}: give exactly one of bytes or fraction")
+        if has_bytes and (isinstance(rule["bytes"], bool) or not isinstance(rule["bytes"], int) or rule["bytes"] < 0):
+            raise ConfigError(f"{where}.bytes: expected a non-negative integer, got {rule['bytes']!r}")
+        for key, lo, hi in (("fraction", 0.0, 1.0), ("soft_fraction", 0.0, 1.0)):
+            if rule.get(key) is not None:
+                v = rule[key]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                    raise ConfigError(f"{where}.{key}: expected a number in [{lo}, {hi}], got {v!r}")
+        for key in ("soft_action", "hard_action"):
+            if key in rule and not isinstance(rule[key], bool):
+                raise ConfigError(f"{where}.{key}: expected true or false, got {rule[key]!r}")
+    for table, kind in (("prices", float), ("memory_bytes", int)):
+        value = getattr(config.cost, table)
+        where = f"{_src(origin, ('cost', table))}cost.{table}"
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of GPU model to a number, got {value!r}")
+        for model, v in value.items():
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            if kind is int:
+                ok = ok and isinstance(v, int)
+            if not ok:
+                raise ConfigError(f"{where}.{model}: expected a non-negative {kind.__name__}, got {v!r}")

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class DeviceSnapshot:
@@ -33,6 +35,9 @@ class DeviceSnapshot:
     kernel_seconds: float
     um_count: dict[int, int]
     um_value: dict[int, int]
+    # Live allocations as a read-only structured array (ts, bytes, mk); filled only
+    # when the pipeline is asked to (``Pipeline.snapshot_live_tables``): the leak engine.
+    live_table: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,20 @@ class ProcessSnapshot:
     pending_records: int
     as_of_ns: int
     probe_counters: dict[str, float] = field(default_factory=dict)
+    # The newest KERNEL records of this process (read-only, in the order applied), bounded by
+    # graph_advisor.kernel_retention; None when the pipeline keeps none.
+    recent_kernels: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """What the engines need to know about one GPU; None means unknown (the NVML source fills it)."""
+
+    index: int
+    model: str | None = None
+    uuid: str | None = None
+    total_bytes: int | None = None
+    utilization_ratio: float | None = None  # 0..1, the latest NVML sample
 
 
 # --- issue 4: features, sampler, NVML (all optional: absent means "not computed") ---------
@@ -130,6 +149,7 @@ class PipelineSnapshot:
     anomaly_windows: tuple[AnomalyWindow, ...] = ()  # recent ones, oldest first
     anomaly_counts: dict[str, int] = field(default_factory=dict)  # all since start, by reason
     nvml: NvmlSnapshot | None = None
+    gpus: tuple[GpuState, ...] = ()  # engines' view of the GPUs (empty: unknown)
 
 
 EMPTY_SNAPSHOT = PipelineSnapshot(

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from gpufootprint import __version__
+from gpufootprint.engines.runner import EngineOutputs
 from gpufootprint.records import COPY_KIND_NAMES
 from gpufootprint.snapshot import PipelineSnapshot, ProcessSnapshot
 from gpufootprint.wire.framing import WIRE_VERSION
@@ -340,3 +341,111 @@ def sampler_nvml_families(snap: PipelineSnapshot) -> Iterator[Metric]:
                              "Current NVML poll interval (follows the fastest sampler interval).")
     poll.add_metric([], nv.poll_interval_s)
     yield poll
+
+
+# --- decision engines (issue 5) ---------------------------------------------------
+# A separate collector over the engines' latest outputs, so the footprint families
+# above stay independent of them.
+
+
+class EngineCollector(Collector):
+    def __init__(self, outputs: Callable[[], EngineOutputs]) -> None:
+        self._outputs = outputs
+        self.collect_errors = 0
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            families = list(engine_families(self._outputs()))
+        except Exception:  # noqa: BLE001 - a scrape must always answer
+            self.collect_errors += 1
+            log.exception("building engine metrics failed")
+            families = []
+        yield from families
+
+
+def engine_families(out: EngineOutputs) -> Iterator[Metric]:
+    """Metric families of the engines' decisions (docs/metrics.md, section Engines)."""
+    advice = GaugeMetricFamily("gpufootprint_graph_advice",
+                               "CUDA Graph advisor decision per process and stream (1 for the current decision).",
+                               labels=["pid", "source", "stream", "decision"])
+    overhead = GaugeMetricFamily("gpufootprint_graph_launch_overhead_seconds",
+                                 "Launch gaps per repeated step that CUDA Graph capture would save.",
+                                 labels=["pid", "source", "stream"])
+    for d in out.graph:
+        stream = "" if d.stream is None else str(d.stream)
+        advice.add_metric([str(d.pid), d.source, stream, d.decision], 1)
+        if d.launch_overhead_seconds is not None:
+            overhead.add_metric([str(d.pid), d.source, stream], d.launch_overhead_seconds)
+    yield advice
+    yield overhead
+
+    b_bytes = GaugeMetricFamily("gpufootprint_budget_bytes", "Configured memory budget.", labels=["scope", "name"])
+    b_used = GaugeMetricFamily("gpufootprint_budget_used_bytes", "GPU-resident bytes of the budget's live members.",
+                               labels=["scope", "name"])
+    b_ratio = GaugeMetricFamily("gpufootprint_budget_utilization_ratio",
+                                "Used over budget (+Inf for a zero budget in use).", labels=["scope", "name"])
+    b_exh = GaugeMetricFamily("gpufootprint_budget_exhaustion_seconds",
+                              "Predicted seconds until the budget is used up, from the least-squares trend "
+                              "(absent when not growing; 0 when exceeded).", labels=["scope", "name"])
+    for s in out.budgets:
+        labels = [s.scope, s.name]
+        b_used.add_metric(labels, s.used_bytes)
+        if s.budget_bytes is not None:
+            b_bytes.add_metric(labels, s.budget_bytes)
+        if s.utilization_ratio is not None:
+            b_ratio.add_metric(labels, s.utilization_ratio)
+        if s.exhaustion_seconds is not None:
+            b_exh.add_metric(labels, s.exhaustion_seconds)
+    b_act = CounterMetricFamily("gpufootprint_budget_actions", "Budget actions sent to probes, by action.",
+                                labels=["scope", "name", "action"])
+    for (scope, name, action), n in sorted(out.budget_action_counts.items()):
+        b_act.add_metric([scope, name, action], n)
+    yield from (b_bytes, b_used, b_ratio, b_exh, b_act)
+
+    l_bytes = GaugeMetricFamily("gpufootprint_leak_suspect_bytes",
+                                "Live bytes in allocations older than leaks.min_age_seconds.", labels=PROC_LABELS)
+    l_flag = GaugeMetricFamily("gpufootprint_leak_suspect",
+                               "1 when old allocations coincide with a growing footprint.", labels=PROC_LABELS)
+    for leak in out.leaks:
+        labels = [str(leak.pid), str(leak.dev), leak.source]
+        l_bytes.add_metric(labels, leak.suspect_bytes)
+        l_flag.add_metric(labels, 1 if leak.suspect else 0)
+    yield from (l_bytes, l_flag)
+
+    deg = GaugeMetricFamily("gpufootprint_degradation_advice", "Degradation advice in force (1).",
+                            labels=["gpu", "pid", "advice"])
+    for a in out.degradation:
+        deg.add_metric([str(a.gpu), str(a.pid), a.advice], 1)
+    yield deg
+
+    if out.cost is None:
+        return
+    price = GaugeMetricFamily("gpufootprint_gpu_price_dollars_per_hour", "Configured price of the GPU model.",
+                              labels=["gpu", "model"])
+    idle_s = CounterMetricFamily("gpufootprint_idle_gpu_seconds", "GPU seconds not used by any process.",
+                                 labels=["gpu"])
+    idle_c = CounterMetricFamily("gpufootprint_idle_cost_dollars", "Dollars of GPU time not used by any process.",
+                                 labels=["gpu"])
+    unalloc = CounterMetricFamily("gpufootprint_unallocated_memory_cost_dollars",
+                                  "Dollars of GPU memory no process held (memory basis remainder).", labels=["gpu"])
+    for g in out.cost.gpus:
+        if g.dollars_per_hour is None:
+            continue
+        price.add_metric([str(g.gpu), g.model or ""], g.dollars_per_hour)
+        idle_s.add_metric([str(g.gpu)], g.idle_seconds)
+        idle_c.add_metric([str(g.gpu)], g.idle_dollars)
+        unalloc.add_metric([str(g.gpu)], g.unallocated_memory_dollars)
+    cost = CounterMetricFamily("gpufootprint_cost_dollars", "Dollars accrued by the process, by basis.",
+                               labels=[*PROC_LABELS, "basis"])
+    unused = CounterMetricFamily("gpufootprint_unused_memory_cost_dollars",
+                                 "Dollars of GPU memory the process held but did not use (allocator slack, pool "
+                                 "headroom).", labels=PROC_LABELS)
+    for p in out.cost.processes:
+        base = [str(p.pid), str(p.dev), p.source]
+        cost.add_metric([*base, "time"], p.time_dollars)
+        cost.add_metric([*base, "memory"], p.memory_dollars)
+        unused.add_metric(base, p.unused_memory_dollars)
+    yield from (price, idle_s, idle_c, unalloc, cost, unused)

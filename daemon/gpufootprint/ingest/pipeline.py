@@ -33,6 +33,8 @@ from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnaps
 log = logging.getLogger(__name__)
 
 _FAR_FUTURE = (1 << 63) - 1
+_NO_KERNELS = np.zeros(0, DTYPES[RecordKind.KERNEL])
+_NO_KERNELS.flags.writeable = False
 
 
 @dataclass
@@ -48,16 +50,59 @@ class ProcessState:
     max_ts: int = 0
     exited_at: float | None = None  # monotonic seconds
     probe_counters: dict[str, float] = field(default_factory=dict)
+    kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
+    # Per device: how many times its live table changed, and the snapshot array built
+    # at some version, so an unchanged table is not rebuilt every tick.
+    live_versions: dict[int, int] = field(default_factory=dict)
+    live_tables: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+
+
+class KernelRetention:
+    """The newest ``limit`` KERNEL records of one process, in the order applied.
+
+    Chunks are kept as they come and joined only when a snapshot asks, and only
+    when something changed, so a tick without kernels costs nothing.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._chunks: list[np.ndarray] = []
+        self._n = 0
+        self._joined: np.ndarray | None = None
+
+    def add(self, recs: np.ndarray) -> None:
+        if len(recs) == 0:
+            return
+        self._joined = None
+        if len(recs) >= self.limit:
+            self._chunks, self._n = [recs[-self.limit:]], self.limit
+            return
+        self._chunks.append(recs)
+        self._n += len(recs)
+        while self._n - len(self._chunks[0]) >= self.limit:
+            self._n -= len(self._chunks.pop(0))
+
+    def array(self) -> np.ndarray:
+        if self._joined is None:
+            if not self._chunks:
+                joined = np.zeros(0, DTYPES[RecordKind.KERNEL])
+            else:
+                joined = np.concatenate(self._chunks)[-self.limit:]
+            joined.flags.writeable = False
+            self._joined, self._chunks, self._n = joined, ([joined] if len(joined) else []), len(joined)
+        return self._joined
 
 
 class Pipeline:
     """Owns every process's footprint. Single-threaded: call it from one thread."""
 
     def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic,
-                 *, hub: FeatureHub | None = None) -> None:
+                 *, hub: FeatureHub | None = None, kernel_retention: int = 0) -> None:
         self.config = config
         # Feature frames and adaptive sampler (issue 4): fed after records are applied in time order.
         self.hub = hub if hub is not None else FeatureHub()
+        self.kernel_retention = kernel_retention  # KERNEL records kept per process (0: none)
+        self.snapshot_live_tables = False  # leak suspicion reads allocation ages from snapshots
         self._frame_ns = config.frame_ms * 1_000_000
         self._window_ns = int(config.window_peak_seconds * 1e9)
         self._reorder_ns = config.reorder_window_ms * 1_000_000
@@ -155,6 +200,7 @@ class Pipeline:
         proc = self.process(pid, "probe")
         self.advance(pid, ts)
         for dev in set(proc.devices) | set(np.unique(recs["dev"]).tolist()):
+            proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
             self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
 
     def process_exited(self, pid: int, ts: int | None = None) -> None:
@@ -163,7 +209,8 @@ class Pipeline:
             return
         self.finish(pid)
         end = ts if ts is not None else max(proc.max_ts, proc.applied_to)
-        for fp in proc.devices.values():
+        for dev, fp in proc.devices.items():
+            proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
             fp.release_all(end)
         self.hub.on_finish(pid, max(end, proc.applied_to), proc.source)
         proc.exited_at = self._monotonic()
@@ -203,6 +250,7 @@ class Pipeline:
         for dev, sub in groups:
             fp = self._device(proc, dev)
             if kind is RecordKind.MEMORY:
+                proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
                 fp.apply_memory(sub, self.errors)
                 fp.note_pool_config(sub)
             elif kind is RecordKind.MEMORY_POOL:
@@ -213,6 +261,10 @@ class Pipeline:
                 fp.apply_memset(sub)
             elif kind is RecordKind.KERNEL:
                 fp.apply_kernel(sub)
+                if self.kernel_retention > 0:
+                    if proc.kernels is None:
+                        proc.kernels = KernelRetention(self.kernel_retention)
+                    proc.kernels.add(sub)
             elif kind is RecordKind.UNIFIED_MEMORY:
                 fp.apply_unified(sub)
             self.hub.on_records(proc.pid, dev, kind, sub)
@@ -228,12 +280,15 @@ class Pipeline:
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
         for proc in self.processes.values():
-            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns)
+            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns,
+                                             _cached_live_table(proc, fp) if self.snapshot_live_tables else None)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
                 pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,
                 info=dict(proc.info), devices=devices, pending_records=proc.pending_records,
                 as_of_ns=proc.applied_to, probe_counters=dict(proc.probe_counters),
+                recent_kernels=proc.kernels.array() if proc.kernels is not None else (
+                    _NO_KERNELS if self.kernel_retention > 0 else None),
             ))
         return PipelineSnapshot(
             taken_at=time.time() if wall_time is None else wall_time,
@@ -269,7 +324,32 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
     return recs[np.argsort(times, kind="stable")]
 
 
-def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int) -> DeviceSnapshot:
+LIVE_TABLE_DTYPE = np.dtype([("ts", "<u8"), ("bytes", "<u8"), ("mk", "u1")])
+
+
+def _live_table(fp: DeviceFootprint) -> np.ndarray:
+    n = len(fp.live)
+    table = np.empty(n, LIVE_TABLE_DTYPE)
+    if n:
+        entries = fp.live.values()
+        table["ts"] = np.fromiter((a.ts for a in entries), np.uint64, n)
+        table["bytes"] = np.fromiter((a.bytes for a in entries), np.uint64, n)
+        table["mk"] = np.fromiter((a.kind for a in entries), np.uint8, n)
+    table.flags.writeable = False
+    return table
+
+
+def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:
+    version = proc.live_versions.get(fp.dev, 0)
+    cached = proc.live_tables.get(fp.dev)
+    if cached is None or cached[0] != version:
+        cached = (version, _live_table(fp))
+        proc.live_tables[fp.dev] = cached
+    return cached[1]
+
+
+def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
+                     live_table: np.ndarray | None = None) -> DeviceSnapshot:
     live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
     return DeviceSnapshot(
         dev=fp.dev,
@@ -293,6 +373,7 @@ def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int) -> DeviceS
         kernel_seconds=fp.kernel_ns / 1e9,
         um_count=dict(fp.um_count),
         um_value=dict(fp.um_value),
+        live_table=live_table,
     )
 
 

@@ -29,7 +29,7 @@ from gpufootprint.config import Config
 from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import MarkCallback, Session
-from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
+from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState, PipelineSnapshot
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class IngestServer:
         self.published = threading.Event()
         self.disconnects: Counter[str] = Counter()
         self.connections_total = 0
+        # Called on the ingest thread with each new snapshot (the engines); may call send().
+        self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -187,9 +189,18 @@ class IngestServer:
         extra: dict[str, Any] = {}
         if self.nvml is not None:
             self._poll_nvml()
-            extra["nvml"] = self.nvml.snapshot()
+            nvml_snap = self.nvml.snapshot()
+            extra["nvml"] = nvml_snap
+            # The engines' view of each GPU (model for prices, size, utilisation for advice).
+            extra["gpus"] = tuple(GpuState(index=g.index, model=g.model, uuid=g.uuid, total_bytes=g.memory_total_bytes,
+                                           utilization_ratio=g.utilization_ratio) for g in nvml_snap.gpus)
         self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values, **extra)
         self.published.set()
+        if self.on_snapshot is not None:
+            try:
+                self.on_snapshot(self.snapshot)
+            except Exception:  # noqa: BLE001 - an engine bug must not stop ingest
+                log.exception("snapshot consumer failed")
 
     # --- injected streams (demo, tests) ---------------------------------------------
 

@@ -1,0 +1,147 @@
+"""``gpufootprint abtest``: compare CUDA Graph advisor policies offline on recorded traces.
+
+Each trace is replayed through the daemon's own decoder, session and pipeline
+(with kernel retention on); the allocation reuse ratio is computed from the
+trace's MEMORY records; then every policy judges every stream of every process.
+A policy file is YAML: either the keys of ``graph_advisor`` at the top level, or
+a whole configuration with a ``graph_advisor:`` section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from gpufootprint import config as config_mod
+from gpufootprint.config import Config, GraphAdvisorConfig
+from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
+from gpufootprint.errors import ConfigError, GpuFootprintError
+from gpufootprint.features.reuse import ReuseCounter
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.records import RecordKind
+from gpufootprint.replay import replay_file
+from gpufootprint.wire.framing import Frame, FrameType
+
+OFFLINE_RETENTION = 1 << 22  # kernels kept per process when replaying a file
+
+
+@dataclass(frozen=True)
+class NamedPolicy:
+    name: str
+    path: str
+    policy: GraphPolicy
+
+
+def load_policy(path: str) -> NamedPolicy:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read policy ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a policy must be a mapping, got {type(data).__name__}")
+    tree = data if "graph_advisor" in data else {"graph_advisor": data}
+    origin = {leaf: str(path) for leaf in config_mod._leaf_paths(tree, ())}
+    cfg = config_mod._build(Config, tree, (), origin)
+    assert isinstance(cfg.graph_advisor, GraphAdvisorConfig)
+    return NamedPolicy(p.stem, str(path), GraphPolicy.from_config(cfg.graph_advisor))
+
+
+def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for trace in traces:
+        if not Path(trace).is_file():
+            raise GpuFootprintError(f"{trace}: no such file")
+        pipeline = Pipeline(config.footprint, kernel_retention=OFFLINE_RETENTION)
+        memory: list[np.ndarray] = []
+
+        def keep_memory(frame: Frame, memory: list[np.ndarray] = memory) -> None:
+            if frame.type is FrameType.BATCH and frame.tag == RecordKind.MEMORY:
+                try:
+                    memory.append(frame.records().copy())
+                except GpuFootprintError:
+                    pass  # the session reports the damaged frame
+
+        result = replay_file(trace, pipeline, on_frame=keep_memory, max_frame_bytes=config.daemon.max_frame_bytes)
+        problems.extend(result.problems)
+        reuse_counter = ReuseCounter()
+        if memory:
+            reuse_counter.add(np.concatenate(memory))
+        snap = pipeline.snapshot(wall_time=0.0)
+        reuse: dict[tuple[int, int], float] = {}
+        for p in snap.processes:
+            k = p.recent_kernels
+            # the steady part: allocations from the median kernel start on
+            since = int(np.median(k["start"])) if k is not None and len(k) else None
+            r = reuse_counter.ratio(p.pid, since)
+            if r is not None:
+                reuse.update({(p.pid, d.dev): r for d in p.devices})
+        per_policy: list[tuple[NamedPolicy, tuple[GraphDecision, ...]]] = []
+        cache: dict[tuple[float, ...], dict[int, Any]] = {}
+        for np_ in policies:
+            key = np_.policy.stats_key()
+            if key not in cache:
+                cache[key] = {p.pid: compute_stats(p.recent_kernels, np_.policy) for p in snap.processes
+                              if p.recent_kernels is not None}
+            per_policy.append((np_, advise(snap, np_.policy, reuse=reuse, stats=cache[key])))
+        index: dict[tuple[int, int | None, int | None], dict[str, Any]] = {}
+        for np_, decisions in per_policy:
+            for d in decisions:
+                row = index.get((d.pid, d.dev, d.stream))
+                if row is None:
+                    row = {"trace": trace, "pid": d.pid, "dev": d.dev, "stream": d.stream, "kernels": d.kernels,
+                           "graph_kernels": d.graph_kernels, "op_count": d.op_count, "steps": d.steps,
+                           "mean_kernel_ms": None if d.mean_kernel_seconds is None else d.mean_kernel_seconds * 1e3,
+                           "reuse_ratio": d.reuse_ratio, "gap_share": d.gap_share,
+                           "step_ms": None if d.step_seconds is None else d.step_seconds * 1e3, "policies": {}}
+                    index[(d.pid, d.dev, d.stream)] = row
+                    rows.append(row)
+                save = d.launch_overhead_seconds if d.decision == CAPTURE and d.launch_overhead_seconds else 0.0
+                row["policies"][np_.name] = {
+                    "decision": d.decision, "saved_us_per_step": save * 1e6,
+                    "saved_share_of_step": (save / d.step_seconds) if d.step_seconds else 0.0,
+                    "reasons": list(d.reasons)}
+    summary = {}
+    for np_ in policies:
+        chosen = [r["policies"][np_.name] for r in rows if np_.name in r["policies"]]
+        summary[np_.name] = {"capture": sum(c["decision"] == CAPTURE for c in chosen),
+                             "saved_us_per_step": sum(c["saved_us_per_step"] for c in chosen)}
+    return {"policies": [{"name": p.name, "file": p.path, **dataclasses.asdict(p.policy)} for p in policies],
+            "rows": rows, "summary": summary, "problems": problems}
+
+
+def render_table(report: dict[str, Any]) -> str:
+    names = [p["name"] for p in report["policies"]]
+    head = ["trace", "pid", "stream", "kernels", "ops/step", "mean ms", "reuse", "gaps"]
+    for n in names:
+        head += [f"{n}", f"{n} saved us/step"]
+    lines = [head]
+
+    def fmt(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    for r in report["rows"]:
+        line = [Path(r["trace"]).name, str(r["pid"]), "-" if r["stream"] is None else str(r["stream"]),
+                str(r["kernels"]), fmt(r["op_count"], "d"), fmt(r["mean_kernel_ms"], ".3f"),
+                fmt(r["reuse_ratio"], ".2f"), fmt(r["gap_share"], ".1%")]
+        for n in names:
+            c = r["policies"].get(n, {})
+            line += [c.get("decision", "-"), f"{c.get('saved_us_per_step', 0.0):.1f}"]
+        lines.append(line)
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines]
+    for n in names:
+        s = report["summary"][n]
+        out.append(f"policy {n}: {s['capture']} stream(s) to capture, {s['saved_us_per_step']:.1f} us "
+                   f"of launch gaps saved per step in total")
+    return "\n".join(out)

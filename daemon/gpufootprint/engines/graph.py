@@ -1,0 +1,159 @@
+"""CUDA Graph advisor: which streams would gain from graph capture, and why.
+
+Per process and stream, from the retained kernel window: kernels per repeated
+step (the period of the kernel-name sequence), mean kernel duration, the
+allocation reuse ratio (a graph replays fixed addresses) and the share of the
+step the stream sat idle between kernels. The policy (op count, duration and
+reuse thresholds) decides; every decision lists each check with its value.
+
+Decisions: ``capture`` (every check passes), ``keep`` (a check fails),
+``already_captured`` (the stream's kernels are replayed from a graph: graph id
+!= 0), ``insufficient_data`` (no kernels, no repeating step, or an unknown
+input the policy needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpufootprint.config import GraphAdvisorConfig
+from gpufootprint.engines import inputs
+from gpufootprint.features.kernels import StreamKernelStats, stream_stats
+from gpufootprint.snapshot import PipelineSnapshot
+
+CAPTURE, KEEP, ALREADY, INSUFFICIENT = "capture", "keep", "already_captured", "insufficient_data"
+DECISIONS = (CAPTURE, KEEP, ALREADY, INSUFFICIENT)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphPolicy:
+    min_op_count: int = 8
+    min_mean_kernel_ms: float = 0.5
+    min_reuse: float = 0.7
+    allow_unknown_reuse: bool = False
+    captured_share: float = 0.5
+    min_steps: int = 3
+    min_match: float = 0.9
+    max_period: int = 4096
+    analysis_kernels: int = 16384
+    host_gap_ms: float = 1.0
+    graph_gap_us: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg: GraphAdvisorConfig) -> GraphPolicy:
+        return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
+
+    def stats_key(self) -> tuple[float, ...]:
+        """The fields that change the kernel statistics (not the verdict)."""
+        return (self.min_steps, self.min_match, self.max_period, self.analysis_kernels, self.host_gap_ms,
+                self.graph_gap_us)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphDecision:
+    pid: int
+    source: str
+    dev: int | None
+    stream: int | None  # None: the process had no kernel records at all
+    decision: str
+    reasons: tuple[str, ...]
+    kernels: int = 0
+    graph_kernels: int = 0
+    op_count: int | None = None
+    steps: int = 0
+    mean_kernel_seconds: float | None = None
+    reuse_ratio: float | None = None
+    step_seconds: float | None = None
+    gap_share: float | None = None
+    launch_overhead_seconds: float | None = None  # per step, what capture would save
+    exited: bool = False
+
+
+def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int], StreamKernelStats]:
+    import numpy as np
+
+    assert isinstance(kernels, np.ndarray)
+    return stream_stats(kernels, min_match=policy.min_match, min_steps=policy.min_steps,
+                        max_period=policy.max_period, analysis_kernels=policy.analysis_kernels,
+                        host_gap_ns=int(policy.host_gap_ms * 1e6), graph_gap_ns=int(policy.graph_gap_us * 1e3))
+
+
+def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPolicy, *, pid: int,
+                  source: str, exited: bool = False) -> GraphDecision:
+    """The policy's verdict on one stream's statistics."""
+    base = GraphDecision(pid=pid, source=source, dev=stats.dev, stream=stats.stream, decision=INSUFFICIENT,
+                         reasons=(), kernels=stats.kernels, graph_kernels=stats.graph_kernels, op_count=stats.period,
+                         steps=stats.steps, mean_kernel_seconds=stats.mean_kernel_seconds if stats.kernels else None,
+                         reuse_ratio=reuse, step_seconds=stats.step_seconds, gap_share=stats.gap_share,
+                         launch_overhead_seconds=stats.saveable_seconds, exited=exited)
+
+    def verdict(decision: str, *reasons: str) -> GraphDecision:
+        return dataclasses.replace(base, decision=decision, reasons=reasons)
+
+    if stats.kernels == 0:
+        return verdict(INSUFFICIENT, "no kernel records on this stream")
+    if stats.graph_kernels and stats.graph_share >= policy.captured_share:
+        return verdict(ALREADY, f"{stats.graph_kernels} of {stats.kernels} kernels were replayed from a captured "
+                                f"CUDA graph (share {stats.graph_share:.2f} >= {policy.captured_share})")
+    if stats.period is None:
+        return verdict(INSUFFICIENT, f"no kernel sequence repeats at least {policy.min_steps} times with "
+                                     f"{policy.min_match:.0%} of kernels matching (in {stats.kernels} kernels)")
+    reasons: list[str] = []
+    failed = unknown = False
+    mean_ms = stats.mean_kernel_seconds * 1e3
+    for ok, text in (
+        (stats.period >= policy.min_op_count,
+         (f"op_count {stats.period} kernels/step {'>=' if stats.period >= policy.min_op_count else '<'} "
+          f"{policy.min_op_count}")),
+        (mean_ms >= policy.min_mean_kernel_ms,
+         (f"mean kernel duration {mean_ms:.3f} ms {'>=' if mean_ms >= policy.min_mean_kernel_ms else '<'} "
+          f"{policy.min_mean_kernel_ms} ms")),
+    ):
+        reasons.append(("pass: " if ok else "fail: ") + text)
+        failed |= not ok
+    if reuse is None:
+        if policy.allow_unknown_reuse:
+            reasons.append("pass: allocation reuse ratio unknown (allowed by policy)")
+        else:
+            reasons.append("unknown: allocation reuse ratio not available")
+            unknown = True
+    else:
+        ok = reuse >= policy.min_reuse
+        reasons.append(("pass: " if ok else "fail: ") +
+                       f"allocation reuse {reuse:.2f} {'>=' if ok else '<'} {policy.min_reuse}")
+        failed |= not ok
+    if stats.gap_share is not None and stats.saveable_seconds is not None and stats.step_seconds is not None:
+        reasons.append(f"info: launch gaps {stats.gap_share:.1%} of a {stats.step_seconds * 1e3:.3f} ms step; "
+                       f"capture would save about {stats.saveable_seconds * 1e6:.1f} us per step")
+    return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
+
+
+def advise(snap: PipelineSnapshot, policy: GraphPolicy,
+           reuse: Mapping[tuple[int, int], float] | None = None,
+           stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None) -> tuple[GraphDecision, ...]:
+    """Decisions for every process whose kernels the pipeline retains.
+
+    ``reuse`` overrides the reuse ratio per (pid, dev) (offline replays compute it
+    from the trace); otherwise the snapshot's own feature is used. ``stats`` lets a
+    caller pass per-pid statistics it cached (they depend only on the kernels).
+    """
+    out: list[GraphDecision] = []
+    for proc in snap.processes:
+        if proc.recent_kernels is None:
+            continue  # kernel retention is off: no opinion
+        per_stream = stats[proc.pid] if stats is not None and proc.pid in stats else compute_stats(
+            proc.recent_kernels, policy)
+        if not per_stream:
+            out.append(GraphDecision(pid=proc.pid, source=proc.source, dev=None, stream=None,
+                                     decision=INSUFFICIENT, exited=proc.exited,
+                                     reasons=("no kernel records seen yet (kernel activity is sampled in windows)",)))
+            continue
+        devs = {d.dev: d for d in proc.devices}
+        for (dev, stream), st in sorted(per_stream.items()):
+            r = reuse.get((proc.pid, dev)) if reuse is not None else None
+            if r is None and dev in devs:
+                r = inputs.reuse_ratio(devs[dev])
+            out.append(decide_stream(st, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited))
+    return tuple(out)

@@ -1,0 +1,84 @@
+"""Where the engines read each input from the snapshot, in one place.
+
+Some inputs come from other stages (the sampler's reuse ratio and allocator
+slack, the NVML source's GPU model, memory and utilisation, Kubernetes pod and
+namespace). Each is read here, tolerantly: a field that is absent or None means
+"unknown", and an engine that needs it gives no advice rather than a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gpufootprint.snapshot import DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
+
+
+def gpu_states(snap: PipelineSnapshot) -> dict[int, GpuState]:
+    """Every GPU the snapshot knows of: NVML's, plus devices only the probes reported."""
+    out = {g.index: g for g in snap.gpus}
+    for proc in snap.processes:
+        for dev in proc.devices:
+            out.setdefault(dev.dev, GpuState(index=dev.dev))
+    return out
+
+
+def model_key(model: str | None, table: Mapping[str, object]) -> str | None:
+    """The table key for a GPU model name: exact, else the longest key contained in it (case-insensitive)."""
+    if not model:
+        return None
+    if model in table:
+        return model
+    low = model.lower()
+    hits = [k for k in table if k.lower() in low]
+    return max(hits, key=len) if hits else None
+
+
+def gpu_model(gpu: GpuState, default_model: str | None) -> str | None:
+    return gpu.model or default_model
+
+
+def gpu_total_bytes(gpu: GpuState, memory_table: Mapping[str, int], default_model: str | None) -> int | None:
+    if gpu.total_bytes:
+        return gpu.total_bytes
+    key = model_key(gpu_model(gpu, default_model), memory_table)
+    return memory_table[key] if key is not None else None
+
+
+def reuse_ratio(dev: DeviceSnapshot) -> float | None:
+    """The sampler's allocation reuse ratio (issue 4), when that stage provides it."""
+    value = getattr(dev, "allocation_reuse_ratio", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def allocator_slack_bytes(proc: ProcessSnapshot, dev: DeviceSnapshot) -> int:
+    """PyTorch reserved minus allocated on this device (0 when unknown)."""
+    value = getattr(dev, "allocator_slack_bytes", None)
+    if isinstance(value, (int, float)):
+        return max(0, int(value))
+    torch = proc.info.get("torch")
+    if isinstance(torch, dict):
+        res, alloc = torch.get("reserved", {}), torch.get("allocated", {})
+        if isinstance(res, dict) and isinstance(alloc, dict):
+            r, a = res.get(str(dev.dev), res.get(dev.dev)), alloc.get(str(dev.dev), alloc.get(dev.dev))
+            if isinstance(r, (int, float)) and isinstance(a, (int, float)):
+                return max(0, int(r - a))
+    return 0
+
+
+def pool_headroom_bytes(dev: DeviceSnapshot) -> int:
+    """Bytes a stream-ordered pool reserved but no live allocation uses."""
+    return max(0, dev.pool_reserved_bytes - dev.pool_used_bytes)
+
+
+def pod_of(proc: ProcessSnapshot) -> str | None:
+    value = proc.info.get("pod")
+    return value if isinstance(value, str) and value else None
+
+
+def namespace_of(proc: ProcessSnapshot) -> str | None:
+    value = proc.info.get("namespace")
+    return value if isinstance(value, str) and value else None
+
+
+def live(proc: ProcessSnapshot) -> bool:
+    return not proc.exited

@@ -1,0 +1,126 @@
+"""All engines on one snapshot: what the daemon calls each tick.
+
+``Engines.step(snapshot)`` returns one frozen ``EngineOutputs``: decisions to
+export, actions to send, advice that is new since the last step (to log). It
+keeps the engines' small state (trends, the cost ledger, kernel statistics
+cached while a process's kernel window is unchanged) and does no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpufootprint.config import Config
+from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
+from gpufootprint.engines.cost import CostLedger, CostTotals
+from gpufootprint.engines.degradation import Advice, DegradationTracker
+from gpufootprint.engines.graph import GraphDecision, GraphPolicy, advise, compute_stats
+from gpufootprint.engines.leaks import LeakStatus, LeakTracker
+from gpufootprint.features.kernels import StreamKernelStats
+from gpufootprint.snapshot import PipelineSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutputs:
+    taken_at: float
+    graph: tuple[GraphDecision, ...] = ()
+    budgets: tuple[BudgetStatus, ...] = ()
+    budget_actions: tuple[BudgetAction, ...] = ()  # to send now
+    budget_action_counts: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    leaks: tuple[LeakStatus, ...] = ()
+    new_leaks: tuple[LeakStatus, ...] = ()  # became suspect in this step (log them)
+    degradation: tuple[Advice, ...] = ()
+    new_degradation: tuple[Advice, ...] = ()  # appeared in this step (log them)
+    cost: CostTotals | None = None
+
+
+EMPTY_OUTPUTS = EngineOutputs(taken_at=0.0)
+
+
+class Engines:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.policy = GraphPolicy.from_config(config.graph_advisor)
+        self.budgets = BudgetTracker(config.budgets, config.cost)
+        self.leaks = LeakTracker(config.leaks)
+        self.degradation = DegradationTracker(config.degradation, config.cost)
+        self.cost = CostLedger(config.cost)
+        self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats]]] = {}
+        self._suspects: set[tuple[int, int]] = set()
+        self._advice: set[tuple[int, int, str]] = set()
+
+    def step(self, snap: PipelineSnapshot) -> EngineOutputs:
+        cfg = self.config
+        graph: tuple[GraphDecision, ...] = ()
+        if cfg.graph_advisor.enabled:
+            stats: dict[int, dict[tuple[int, int], StreamKernelStats]] = {}
+            for proc in snap.processes:
+                arr = proc.recent_kernels
+                if arr is None:
+                    continue
+                cached = self._stats.get(proc.pid)
+                if cached is None or cached[0] is not arr:
+                    cached = (arr, compute_stats(arr, self.policy))
+                    self._stats[proc.pid] = cached
+                stats[proc.pid] = cached[1]
+            for pid in set(self._stats) - set(stats):
+                del self._stats[pid]
+            graph = advise(snap, self.policy, stats=stats)
+        budgets: tuple[BudgetStatus, ...] = ()
+        actions: tuple[BudgetAction, ...] = ()
+        if cfg.budgets.enabled:
+            budgets, actions = self.budgets.evaluate(snap)
+        leaks: tuple[LeakStatus, ...] = ()
+        new_leaks: tuple[LeakStatus, ...] = ()
+        if cfg.leaks.enabled:
+            leaks = self.leaks.evaluate(snap)
+            suspects = {(s.pid, s.dev) for s in leaks if s.suspect}
+            new_leaks = tuple(s for s in leaks if s.suspect and (s.pid, s.dev) not in self._suspects)
+            self._suspects = suspects
+        advice: tuple[Advice, ...] = ()
+        new_advice: tuple[Advice, ...] = ()
+        if cfg.degradation.enabled:
+            advice = self.degradation.evaluate(snap, budgets)
+            keys = {(a.gpu, a.pid, a.advice) for a in advice}
+            new_advice = tuple(a for a in advice if (a.gpu, a.pid, a.advice) not in self._advice)
+            self._advice = keys
+        cost = self.cost.observe(snap) if cfg.cost.enabled else None
+        return EngineOutputs(
+            taken_at=snap.taken_at, graph=graph, budgets=budgets, budget_actions=actions,
+            budget_action_counts=dict(self.budgets.action_counts), leaks=leaks, new_leaks=new_leaks,
+            degradation=advice, new_degradation=new_advice, cost=cost)
+
+
+def engine_report(out: EngineOutputs) -> dict[str, Any]:
+    """The outputs as plain JSON (``GET /api/engines``): every decision with its reasons.
+
+    Infinite ratios (a zero budget in use) become null, since JSON has no infinity.
+    """
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {str(k): clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    def rows(items: tuple[Any, ...]) -> list[Any]:
+        return [clean(dataclasses.asdict(x)) for x in items]
+
+    report: dict[str, Any] = {
+        "taken_at": out.taken_at, "graph": rows(out.graph), "budgets": rows(out.budgets),
+        "budget_actions_total": [{"scope": s, "name": n, "action": a, "count": c}
+                                 for (s, n, a), c in sorted(out.budget_action_counts.items())],
+        "leaks": rows(out.leaks), "degradation": rows(out.degradation)}
+    if out.cost is not None:
+        report["cost"] = {"processes": rows(out.cost.processes), "gpus": rows(out.cost.gpus),
+                          "pods": [{"namespace": ns, "pod": pod, "time_dollars": t, "memory_dollars": m}
+                                   for (ns, pod), (t, m) in sorted(out.cost.by_pod().items(), key=str)]}
+    return report

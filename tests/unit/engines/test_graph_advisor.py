@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import numpy as np
+from engine_support import DATA, dev, proc, replay_snapshots, snap
+from gpufootprint.engines.graph import GraphPolicy, advise
+from gpufootprint.records import KERNEL_DTYPE
+
+DEFAULT = GraphPolicy()
+
+
+def steps(n_steps: int, ids: list[int], dur_ns: int, gap_ns: int, *, pid: int = 1, stream: int = 7,
+          graph: int = 0) -> np.ndarray:
+    recs = np.zeros(n_steps * len(ids), KERNEL_DTYPE)
+    t = 1_000_000_000
+    for i in range(len(recs)):
+        recs[i] = (t, t + dur_ns, 0, pid, 0, stream, i, graph, ids[i % len(ids)])
+        t += dur_ns + gap_ns
+    recs.flags.writeable = False
+    return recs
+
+
+def one(decisions):  # type: ignore[no-untyped-def]
+    assert len(decisions) == 1, decisions
+    return decisions[0]
+
+
+def test_replayed_synthetic_trace_decisions_under_the_default_policy() -> None:
+    final = list(replay_snapshots(DATA / "synth_kernels.gfp.gz", kernel_retention=100_000))[-1]
+    reuse = {(4242, 0): 0.73, (4343, 0): 0.95, (4444, 0): 0.97}
+    got = {(d.pid, d.stream): d for d in advise(final, DEFAULT, reuse=reuse)}
+    assert {k: d.decision for k, d in got.items()} == {
+        (4242, 7): "capture", (4242, 13): "already_captured", (4343, 7): "keep", (4444, 7): "capture",
+        (4545, 21): "insufficient_data"}
+    assert got[(4242, 7)].op_count == 10 and got[(4343, 7)].op_count == 101 and got[(4444, 7)].op_count == 16
+    # the tiny-kernel stream fails on duration only, and says so
+    assert [r.split(":")[0] for r in got[(4343, 7)].reasons[:3]] == ["pass", "fail", "pass"]
+    assert "mean kernel duration 0.006 ms < 0.5 ms" in got[(4343, 7)].reasons[1]
+    # about 9 launch gaps of ~25 us, less the ~2 us a graph keeps: ~200 us per step
+    assert 150e-6 < got[(4242, 7)].launch_overhead_seconds < 250e-6  # type: ignore[operator]
+    assert got[(4242, 13)].graph_kernels == got[(4242, 13)].kernels == 640
+
+
+def test_control_policy_keeps_what_the_treatment_captures() -> None:
+    final = list(replay_snapshots(DATA / "synth_kernels.gfp.gz", kernel_retention=100_000))[-1]
+    control = GraphPolicy(min_op_count=12, min_mean_kernel_ms=1.0, min_reuse=0.8)
+    d = {x.stream: x for x in advise(final, control, reuse={(4242, 0): 0.73}) if x.pid == 4242}
+    assert d[7].decision == "keep"
+    assert sum(r.startswith("fail") for r in d[7].reasons) == 3  # 10 < 12, 0.67 ms < 1.0, 0.73 < 0.8
+
+
+def test_thresholds_are_inclusive() -> None:
+    s = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(8)), 500_000, 10_000)))
+    assert one(advise(s, DEFAULT, reuse={(1, 0): 0.7})).decision == "capture"
+    s = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(7)), 500_000, 10_000)))
+    assert one(advise(s, DEFAULT, reuse={(1, 0): 0.7})).decision == "keep"
+
+
+def test_unknown_reuse_gives_no_capture_unless_the_policy_allows_it() -> None:
+    s = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(10)), 800_000, 10_000)))
+    d = one(advise(s, DEFAULT))
+    assert d.decision == "insufficient_data" and any("reuse ratio not available" in r for r in d.reasons)
+    assert one(advise(s, GraphPolicy(allow_unknown_reuse=True))).decision == "capture"
+    # a failing known check still decides "keep" even with reuse unknown
+    s = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(10)), 100_000, 10_000)))
+    assert one(advise(s, DEFAULT)).decision == "keep"
+
+
+def test_no_kernels_seen_is_insufficient_data_and_retention_off_is_silent() -> None:
+    empty = np.zeros(0, KERNEL_DTYPE)
+    d = one(advise(snap(1.0, proc(1, dev(0, 5), recent_kernels=empty)), DEFAULT))
+    assert (d.decision, d.stream) == ("insufficient_data", None)
+    assert advise(snap(1.0, proc(1, dev(0, 5), recent_kernels=None)), DEFAULT) == ()
+    # a replayed trace without kernel records (the real H200 memory trace)
+    final = list(replay_snapshots(DATA / "h200_caching.jsonl.gz", kernel_retention=1000))[-1]
+    assert [x.decision for x in advise(final, DEFAULT)] == ["insufficient_data"]
+
+
+def test_process_that_exits_mid_window_is_judged_on_what_it_ran() -> None:
+    # GIVEN a process that ran 2.5 steps and exited: too few repetitions to trust a period
+    k = steps(5, list(range(10)), 800_000, 10_000)[:25]
+    d = one(advise(snap(1.0, proc(1, dev(), exited=True, recent_kernels=k)), DEFAULT, reuse={(1, 0): 0.9}))
+    assert d.decision == "insufficient_data" and d.exited
+    # AND one that exited after 4 whole steps still gets its verdict
+    k = steps(4, list(range(10)), 800_000, 10_000)
+    d = one(advise(snap(1.0, proc(1, dev(), exited=True, recent_kernels=k)), DEFAULT, reuse={(1, 0): 0.9}))
+    assert d.decision == "capture" and d.exited
+
+
+def test_mixed_stream_is_already_captured_only_above_the_share() -> None:
+    captured = steps(4, list(range(10)), 800_000, 2_000, graph=3)
+    loose = steps(4, list(range(10)), 800_000, 20_000)
+    mixed = np.concatenate([captured[:20], loose[:30]])
+    mixed["start"][20:] += 100_000_000
+    mixed["end"][20:] += 100_000_000
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=mixed)), DEFAULT, reuse={(1, 0): 0.9}))
+    assert d.decision != "already_captured"  # 20 of 50 < 0.5
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=mixed)), GraphPolicy(captured_share=0.4)))
+    assert d.decision == "already_captured"
