@@ -75,9 +75,7 @@ class KubeApiPodSource:
         self.token_file = token_file
         self.ca_file = ca_file
         self.timeout_s = timeout_s
-        self._ssl: ssl.SSLContext | None = None
-        if self.server.startswith("https://"):
-            self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else ssl.create_default_context()
+        self._ssl: ssl.SSLContext | None = None  # built at the first call: a missing CA is a listing error
 
     @property
     def url(self) -> str:
@@ -92,6 +90,12 @@ class KubeApiPodSource:
             raise PodListError(f"kubernetes.token_file: cannot read {self.token_file} ({exc.strerror})") from None
         headers["Authorization"] = f"Bearer {token}"
         req = urllib.request.Request(self.url, headers=headers)
+        if self._ssl is None and self.server.startswith("https://"):
+            try:
+                self._ssl = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else \
+                    ssl.create_default_context()
+            except (OSError, ssl.SSLError) as exc:
+                raise PodListError(f"kubernetes.ca_file: cannot load {self.ca_file} ({exc})") from None
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:
                 doc = json.load(resp)
