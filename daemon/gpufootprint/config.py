@@ -125,7 +125,10 @@ def load_config(
         if name.startswith(ENV_PREFIX + "PROBE_"):
             continue  # the probe's own environment, read inside workloads
         keypath = name[len(ENV_PREFIX):].lower().split("__")
-        _set_path(tree, keypath, _parse_scalar(raw, f"environment {name}"), origin, f"environment {name}")
+        # YAML 1.1 reads 0666 as the octal number 438: keep permission modes as written.
+        value = raw if keypath[-1].endswith("mode") and raw.strip().isdigit() else \
+            _parse_scalar(raw, f"environment {name}")
+        _set_path(tree, keypath, value, origin, f"environment {name}")
     for dotted, value in (overrides or {}).items():
         _set_path(tree, dotted.split("."), value, origin, "command line")
     return _build(Config, tree, (), origin)
