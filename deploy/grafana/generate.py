@@ -121,7 +121,7 @@ def build() -> dict:  # type: ignore[type-arg]
         "GPU memory per process, stacked by kind",
         "Bytes held by live allocations (CUPTI MEMORY2), per process and memory kind, as of each process's "
         "watermark. Includes memory PyTorch's own statistics cannot see (CUDA libraries' workspaces).",
-        [Q(f"sum by (namespace, pod, pid, kind) (gpufootprint_live_bytes{{{SEL}}})",
+        [Q(f"sum by (node, namespace, pod, pid, kind) (gpufootprint_live_bytes{{{SEL}}})",
            "{{namespace}}/{{pod}} pid {{pid}} {{kind}}")], "bytes", stacked=True, w=24, h=9))
     d = d.with_panel(ts(
         "Window peak vs NVML used memory",
@@ -150,16 +150,16 @@ def build() -> dict:  # type: ignore[type-arg]
     d = d.with_row(db.Row("Sampler and advice"))
     d = d.with_panel(with_targets(
         statetimeline.Panel().merge_values(True).fill_opacity(70), [
-            Q(f"max by (namespace, pod, pid, mode) (gpufootprint_sampler_mode{{{PROC_SEL}}}) == 1",
+            Q(f"max by (node, namespace, pod, pid, mode) (gpufootprint_sampler_mode{{{PROC_SEL}}}) == 1",
               "{{pod}} pid {{pid}} {{mode}}")],
         "Sampler mode", "quiet / steady / burst, as the adaptive sampler chose it; anomaly windows show as "
         "annotations (red).", 12, 7))
     d = d.with_panel(table_panel(
         "CUDA Graph advice",
         "Per stream: capture (launch overhead worth saving), keep, already captured, or not enough data.",
-        [Q(f"max by (namespace, pod, pid, stream, decision) (gpufootprint_graph_advice{{{PROC_SEL}}}) == 1",
+        [Q(f"max by (node, namespace, pod, pid, stream, decision) (gpufootprint_graph_advice{{{PROC_SEL}}}) == 1",
            instant=True),
-         Q(f"max by (namespace, pod, pid, stream) (gpufootprint_graph_launch_overhead_seconds{{{PROC_SEL}}})",
+         Q(f"max by (node, namespace, pod, pid, stream) (gpufootprint_graph_launch_overhead_seconds{{{PROC_SEL}}})",
            instant=True)], "s"))
 
     d = d.with_row(db.Row("Budgets and leaks"))
@@ -172,7 +172,7 @@ def build() -> dict:  # type: ignore[type-arg]
         [Q("min by (scope, name) (gpufootprint_budget_exhaustion_seconds)", "{{scope}} {{name}}")], "s", w=8))
     d = d.with_panel(ts(
         "Leak suspects", "Bytes held by allocations the leak engine flags, per process.",
-        [Q(f"sum by (namespace, pod, pid) (gpufootprint_leak_suspect_bytes{{{SEL}}})", "{{pod}} pid {{pid}}")],
+        [Q(f"sum by (node, namespace, pod, pid) (gpufootprint_leak_suspect_bytes{{{SEL}}})", "{{pod}} pid {{pid}}")],
         "bytes", w=8))
 
     d = d.with_row(db.Row("Cost"))
@@ -198,12 +198,12 @@ def build() -> dict:  # type: ignore[type-arg]
     d = d.with_panel(ts(
         "Probe overhead", "CPU seconds per second the probe's CUPTI callbacks take inside each workload, "
         "and the probe's own device memory.",
-        [Q(f"sum by (namespace, pod, pid) (rate(gpufootprint_probe_callback_seconds_total{{{PROC_SEL}}}[{r}]))",
+        [Q(f"sum by (node, namespace, pod, pid) (rate(gpufootprint_probe_callback_seconds_total{{{PROC_SEL}}}[{r}]))",
            "{{pod}} pid {{pid}} callbacks")], "percentunit", w=8))
     d = d.with_panel(ts(
         "Probe drops", "Records the probe dropped rather than slow the workload down, and records the daemon "
         "refused (by reason) or got too late to order.",
-        [Q(f"sum by (namespace, pod, pid) (rate(gpufootprint_probe_records_dropped_total{{{PROC_SEL}}}[{r}]))",
+        [Q(f"sum by (node, namespace, pod, pid) (rate(gpufootprint_probe_records_dropped_total{{{PROC_SEL}}}[{r}]))",
            "{{pod}} pid {{pid}} dropped"),
          Q(f"sum by (reason) (rate(gpufootprint_ingest_errors_total{{{NODE_SEL}}}[{r}])) "
            "or on() vector(0)", "daemon refused {{reason}}"),

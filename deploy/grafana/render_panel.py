@@ -94,7 +94,7 @@ def render_svg(title: str, series: list[Series], unit: str, stacked: bool, note:
             base = hi
     vmax = max((max(hi) for _, hi in bands), default=0.0) or 1.0
     ticks = nice_ticks(vmax, unit)
-    ymax = ticks[-1] if ticks[-1] >= vmax else vmax
+    ymax = max(ticks[-1], vmax)
 
     def x(t: float) -> float:
         return left + (t - t0) / (t1 - t0) * pw

@@ -7,14 +7,13 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
-from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.exporter.cardinality import OVERFLOW_PID, SeriesCap, build_postprocess
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.k8s.attribution import PodIdentity
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 MiB = 1 << 20
 
@@ -126,11 +125,11 @@ def test_slot_of_an_exited_process_goes_to_a_waiting_one() -> None:
 def test_memory_of_the_cap_is_bounded_by_the_cap() -> None:
     cap = SeriesCap(10)
     registry = CollectorRegistry(auto_describe=False)
-    current = [list(range(1, 5001))]
+    current = [list(range(1, 1501))]
     registry.register(FootprintCollector(lambda: snapshot(current[0]),
                                          postprocess=lambda fams: cap.apply(fams)))
-    for start in (1, 5001, 10001):
-        current[0] = list(range(start, start + 5000))
+    for start in (1, 1501, 3001):  # three generations of 1,500 processes, 150x the cap
+        current[0] = list(range(start, start + 1500))
         scrape(registry)
         assert all(len(keys) <= 10 for keys in cap._admitted.values())
 

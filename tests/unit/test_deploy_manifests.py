@@ -22,7 +22,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from gpufootprint.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,7 +231,7 @@ def test_hadolint_does_find_problems_so_the_clean_result_means_something(tmp_pat
 
 def test_dockerfile_runs_as_nonroot_on_a_cuda_base() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.0\.\d+-base-ubuntu24\.04$", text, re.M)
-    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.0\.\d+-base-ubuntu24\.04$", text, re.MULTILINE)
+    users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert "--cap-add" not in text and "setcap" not in text

@@ -69,7 +69,7 @@ def test_dashboard_has_the_panels_and_variables_the_issue_asks_for() -> None:
     assert names == ["datasource", "cluster", "node", "namespace", "pod", "gpu"]
     stacked = next(p for p in dash["panels"] if p["title"] == "GPU memory per process, stacked by kind")
     assert stacked["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
-    assert "by (namespace, pod, pid, kind)" in stacked["targets"][0]["expr"]
+    assert "by (node, namespace, pod, pid, kind)" in stacked["targets"][0]["expr"]
     assert dash["annotations"]["list"][0]["expr"].count("gpufootprint_anomaly_windows_total") == 1
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))

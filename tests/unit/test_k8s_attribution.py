@@ -12,11 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.errors import ConfigError
 from gpufootprint.k8s.apiserver import KubeApiPodSource, PodInfo, PodListError, pods_from_list
-from gpufootprint.k8s.attribution import (DaemonSetAttributor, PodIdentity, SidecarAttributor, build_attributor,
-                                          parse_extra_labels, prom_label_name, read_downward_labels)
+from gpufootprint.k8s.attribution import (
+    DaemonSetAttributor,
+    PodIdentity,
+    SidecarAttributor,
+    build_attributor,
+    parse_extra_labels,
+    prom_label_name,
+    read_downward_labels,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cgroup"
 PODS = json.loads((DATA / "pods.json").read_text())

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.k8s.cgroup import parse_cgroup, read_container
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cgroup"
