@@ -7,6 +7,7 @@ command exports through the same path.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -16,7 +17,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
-from gpufootprint.exporter.collector import EngineCollector, FootprintCollector
+from gpufootprint.exporter.collector import FootprintCollector, Postprocess, engine_families
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
@@ -52,6 +53,21 @@ def detect_gpu() -> tuple[bool, str]:
     return count > 0, f"{count} GPU(s), driver {driver}"
 
 
+def _postprocess(config: Config) -> Postprocess:
+    """Issue 6: pod labels (kubernetes.mode) and the per-metric series cap."""
+    from gpufootprint.exporter.cardinality import build_postprocess
+    from gpufootprint.k8s.attribution import build_attributor
+
+    k = config.kubernetes
+    attributor = build_attributor(
+        k.mode, env=os.environ, extra_labels=config.exporter.extra_pod_labels, pod_env=k.pod_name_env,
+        namespace_env=k.namespace_env, container_env=k.container_env, labels_file=k.labels_file,
+        node_name_env=k.node_name_env, api_server=k.api_server, token_file=k.token_file, ca_file=k.ca_file,
+        proc_root=k.proc_root, refresh_s=k.pod_refresh_seconds, retry_s=k.unresolved_retry_seconds,
+        timeout_s=k.api_timeout_seconds)
+    return build_postprocess(attributor, config.exporter.series_cap)
+
+
 class App:
     def __init__(self, config: Config, *, socket_path: str | None, listen: str | None,
                  nvml_client: NvmlClient | None = None) -> None:
@@ -63,7 +79,8 @@ class App:
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path,
                                    extra_daemon_values=self._daemon_values, nvml=self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = FootprintCollector(lambda: self.ingest.snapshot)
+        self.collector = FootprintCollector(lambda: self.ingest.snapshot, postprocess=_postprocess(config),
+                                            extra=lambda: engine_families(self.engine_outputs))
         self.registry.register(self.collector)
         self.http: MetricsServer | None = None
         if listen:
@@ -83,8 +100,6 @@ class App:
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick
-        self.engine_collector = EngineCollector(lambda: self.engine_outputs)
-        self.registry.register(self.engine_collector)
         if self.http is not None:
             self.http.json_routes["/api/engines"] = lambda: engine_report(self.engine_outputs)
 

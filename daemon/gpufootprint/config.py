@@ -45,6 +45,11 @@ class DaemonConfig:
 @dataclass(frozen=True)
 class ExporterConfig:
     listen: str = _spec("0.0.0.0:9878", doc="HOST:PORT of /metrics, /healthz, /readyz")
+    # issue 6: cardinality and pod labels
+    series_cap: int = _spec(2000, lo=2, hi=10_000_000,
+                            doc="max series per metric; past it one pid=\"__overflow__\" series carries the sum")
+    extra_pod_labels: str = _spec("", doc="comma-separated pod label keys exported as label_<key> "
+                                          "(kubernetes.mode sidecar or daemonset)")
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,27 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """Issue 6: pod, namespace and container labels on per-process series (docs/kubernetes.md)."""
+
+    mode: str = _spec("off", choices=("off", "sidecar", "daemonset"),
+                      doc="off: no pod labels; sidecar: from the Downward API env; daemonset: cgroup + API")
+    pod_name_env: str = _spec("POD_NAME", doc="sidecar: env var holding the pod name")
+    namespace_env: str = _spec("POD_NAMESPACE", doc="sidecar: env var holding the namespace")
+    container_env: str = _spec("CONTAINER_NAME", doc="sidecar: env var holding the workload container's name")
+    labels_file: str | None = _spec(None, doc="sidecar: Downward API volume file of metadata.labels")
+    node_name_env: str = _spec("NODE_NAME", doc="daemonset: env var holding spec.nodeName")
+    api_server: str | None = _spec(None, doc="daemonset: API URL (None: from KUBERNETES_SERVICE_HOST/PORT)")
+    token_file: str = _spec("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    ca_file: str | None = _spec("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    proc_root: str = _spec("/proc", doc="daemonset: where /proc/PID/cgroup is read (hostPID: the host's)")
+    pod_refresh_seconds: float = _spec(30.0, lo=1, hi=86_400, doc="daemonset: pod list refresh period")
+    unresolved_retry_seconds: float = _spec(5.0, lo=0.1, hi=86_400,
+                                            doc="daemonset: earliest re-list after an unknown container")
+    api_timeout_seconds: float = _spec(2.0, lo=0.1, hi=60)
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
@@ -226,6 +252,7 @@ class Config:
     leaks: LeaksConfig = field(default_factory=LeaksConfig)
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
 
 # --- loading ------------------------------------------------------------------
@@ -249,7 +276,10 @@ def load_config(
         if name.startswith(ENV_PREFIX + "PROBE_"):
             continue  # the probe's own environment, read inside workloads
         keypath = name[len(ENV_PREFIX):].lower().split("__")
-        _set_path(tree, keypath, _parse_scalar(raw, f"environment {name}"), origin, f"environment {name}")
+        # YAML 1.1 reads 0666 as the octal number 438: keep permission modes as written.
+        value = raw if keypath[-1].endswith("mode") and raw.strip().isdigit() else \
+            _parse_scalar(raw, f"environment {name}")
+        _set_path(tree, keypath, value, origin, f"environment {name}")
     for dotted, value in (overrides or {}).items():
         _set_path(tree, dotted.split("."), value, origin, "command line")
     config: Config = _build(Config, tree, (), origin)

@@ -30,10 +30,19 @@ def _proc_values(proc: ProcessSnapshot, dev: int) -> list[str]:
     return [str(proc.pid), str(dev), proc.source]
 
 
+Postprocess = Callable[[list[Metric]], list[Metric]]
+
+
 class FootprintCollector(Collector):
-    def __init__(self, snapshot: Callable[[], PipelineSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], PipelineSnapshot], postprocess: Postprocess | None = None,
+                 extra: Callable[[], Iterator[Metric]] | None = None) -> None:
         self._snapshot = snapshot
+        # More families built with the same scrape (the engines'), so that pod labels and
+        # the series cap apply to them as well.
+        self._extra = extra
         self.collect_errors = 0
+        # Issue 6: pod labels and the series cap (exporter/cardinality.py), over all families.
+        self._postprocess = postprocess
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the snapshot; skip registration-time collection
@@ -45,6 +54,19 @@ class FootprintCollector(Collector):
             self.collect_errors += 1
             log.exception("building metrics failed; serving self-metrics only")
             families = []
+        if self._extra is not None:
+            try:
+                families.extend(self._extra())
+            except Exception:  # noqa: BLE001
+                self.collect_errors += 1
+                log.exception("building engine metrics failed")
+        if self._postprocess is not None:
+            try:
+                families = self._postprocess(families)
+            except Exception:  # noqa: BLE001 - never fall back to uncapped per-process series
+                self.collect_errors += 1
+                log.exception("post-processing metrics failed; serving families without per-process series")
+                families = [f for f in families if not any("pid" in s.labels for s in f.samples)]
         yield from families
         errors = CounterMetricFamily("gpufootprint_exporter_collect_errors",
                                      "Scrapes whose metrics could not be built from the snapshot.")
