@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="run a recorded trace through the daemon's pipeline")
     _common(p)
-    p.add_argument("file", metavar="FILE", help="native or CUPTI-JSONL trace, gzip or plain")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="native or CUPTI-JSONL trace, gzip or plain (several: replayed one after another)")
     p.add_argument("--speed", type=float, default=None, help="X times real time (default: as fast as possible)")
     p.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics while replaying")
     p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
@@ -208,8 +209,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     _setup(config, args.verbose)
     if args.speed is not None and args.speed <= 0:
         raise ConfigError(f"command line --speed: {args.speed} must be positive")
-    if not Path(args.file).exists():
-        raise GpuFootprintError(f"{args.file}: no such file")
+    for name in args.files:
+        if not Path(name).exists():
+            raise GpuFootprintError(f"{name}: no such file")
     app: App | None = None
     guard: Any = contextlib.nullcontext()
     if args.listen:
@@ -222,9 +224,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         from gpufootprint.sampler.hub import FeatureHub
 
         pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
+    results = []
     try:
-        result = replay_file(args.file, pipeline, speed=args.speed, guard=guard,
-                             max_frame_bytes=config.daemon.max_frame_bytes)
+        for name in args.files:
+            results.append(replay_file(name, pipeline, speed=args.speed, guard=guard,
+                                       max_frame_bytes=config.daemon.max_frame_bytes))
         if app is not None:
             app.ingest.tick()
             if args.linger > 0:
@@ -232,20 +236,26 @@ def cmd_replay(args: argparse.Namespace) -> int:
     finally:
         if app is not None:
             app.stop()
+    marks = [m for r in results for m in r.marks]
+    problems = [p for r in results for p in r.problems]
+    records = sum(r.records for r in results)
+    elapsed = sum(r.elapsed_s for r in results)
+    formats = ",".join(sorted({r.format for r in results}))
     if args.report_json:
-        report = {"file": result.path, "format": result.format, "records": result.records,
-                  "elapsed_s": result.elapsed_s, "marks": result.marks, "problems": result.problems,
-                  "ingest_errors": dict(pipeline.errors.counts), "late_records": pipeline.late_records}
+        report = {"file": results[0].path if len(results) == 1 else [r.path for r in results],
+                  "format": formats, "records": records, "elapsed_s": elapsed, "marks": marks,
+                  "problems": problems, "ingest_errors": dict(pipeline.errors.counts),
+                  "late_records": pipeline.late_records}
         report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals (issue 4)
         _write_json(args.report_json, report)
-    mismatched = [m["label"] for m in result.marks if m.get("matches") is False]
-    print(f"replayed {result.records} records ({result.format}) in {result.elapsed_s:.3f} s; "
-          f"{len(result.marks)} marks, {len(mismatched)} differ from the trace's expectation", file=sys.stderr)
-    for problem in result.problems[:20]:
+    mismatched = [m["label"] for m in marks if m.get("matches") is False]
+    print(f"replayed {records} records ({formats}) in {elapsed:.3f} s; "
+          f"{len(marks)} marks, {len(mismatched)} differ from the trace's expectation", file=sys.stderr)
+    for problem in problems[:20]:
         print(f"gpufootprint replay: error: {problem}", file=sys.stderr)
-    if len(result.problems) > 20:
-        print(f"gpufootprint replay: ... and {len(result.problems) - 20} more problems", file=sys.stderr)
-    return 1 if result.problems else 0
+    if len(problems) > 20:
+        print(f"gpufootprint replay: ... and {len(problems) - 20} more problems", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
