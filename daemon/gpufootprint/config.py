@@ -402,8 +402,11 @@ def _check_leaf(hint: Any, value: Any, meta: Mapping[str, Any], path: tuple[str,
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         value = float(value)
     elif base is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and path[-1].endswith("mode"):
-            value = f"{value:04d}" if isinstance(value, int) else str(value)
+        if isinstance(value, int) and not isinstance(value, bool) and path[-1].endswith("mode"):
+            # YAML 1.1 reads an unquoted 0600 as the octal number 384; an unquoted 660 is the
+            # decimal 660 whose digits were meant as octal. Quoting ("0660") avoids both guesses.
+            digits = str(value)
+            value = digits.zfill(4) if value > 0o777 and set(digits) <= set("01234567") else f"{value:04o}"
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
     lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")

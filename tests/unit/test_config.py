@@ -53,3 +53,10 @@ def test_set_option_parses_yaml_scalars() -> None:
     assert parse_set_option("footprint.frame_ms=7") == ("footprint.frame_ms", 7)
     with pytest.raises(ConfigError, match="KEY.PATH=VALUE"):
         parse_set_option("nonsense")
+
+
+@pytest.mark.parametrize(("text", "mode"), [("0600", "0600"), ("0660", "0660"), ("660", "0660"), ('"0640"', "0640")])
+def test_socket_mode_in_yaml_means_what_it_looks_like(tmp_path: Path, text: str, mode: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"daemon:\n  socket_mode: {text}\n")
+    assert load_config(path, env={}).daemon.socket_mode == mode
