@@ -60,3 +60,26 @@ def test_socket_mode_in_yaml_means_what_it_looks_like(tmp_path: Path, text: str,
     path = tmp_path / "c.yaml"
     path.write_text(f"daemon:\n  socket_mode: {text}\n")
     assert load_config(path, env={}).daemon.socket_mode == mode
+
+
+def test_the_shipped_config_lists_every_key() -> None:
+    import dataclasses
+
+    import yaml
+
+    def keys(obj: object, prefix: str = "") -> set[str]:
+        out = set()
+        for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+            value = getattr(obj, f.name)
+            out |= keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else {prefix + f.name}
+        return out
+
+    def yaml_keys(tree: dict, prefix: str = "") -> set[str]:
+        out = set()
+        for k, v in tree.items():
+            sub = yaml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and k not in ("prices", "memory_bytes") else None
+            out |= sub if sub else {prefix + k}
+        return out
+
+    shipped = yaml.safe_load((ROOT / "config" / "gpufootprint.yaml").read_text())
+    assert yaml_keys(shipped) == keys(Config())
