@@ -117,6 +117,13 @@ def _runs(idx: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return starts, idx[starts].tolist()
 
 
+def _reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """One 64-bit key per (address, size): cheap to hash in sets. A collision needs two pairs
+    with equal mixed values (about n^2 / 2^64): it could only nudge the reuse ratio."""
+    with np.errstate(over="ignore"):
+        return addr.astype(np.uint64) ^ (size.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+
+
 class FrameBuilder:
     """Frames and feature counters of one (pid, device). Feed it batches in time order."""
 
@@ -136,7 +143,7 @@ class FrameBuilder:
         self._newest_frame = -1
         self._newest_window = -1
         # Reuse: (address, size) pairs released before, and how many allocations hit one.
-        self._freed: set[tuple[int, int]] = set()
+        self._freed: set[int] = set()  # _reuse_keys of freed (address, size) pairs
         self._reuse_capacity = reuse_capacity
         self.allocations_seen = 0
         self.allocations_reused = 0
@@ -176,18 +183,59 @@ class FrameBuilder:
         self._prune()
 
     def _reuse(self, recs: np.ndarray) -> None:
+        """Allocations served at an (address, size) freed before: counted in time order."""
+        step = max(1, self._reuse_capacity // 4)
+        for lo in range(0, len(recs), step):
+            chunk = recs[lo : lo + step]
+            if len(self._freed) + len(chunk) < self._reuse_capacity:
+                self._reuse_bulk(chunk)
+            else:
+                self._reuse_each(chunk)  # the set may fill up inside this chunk: exact order matters
+
+    def _reuse_bulk(self, recs: np.ndarray) -> None:
+        # Same result as _reuse_each while the set cannot overflow in this batch: an
+        # allocation is reused when its key was released earlier in the batch, or before it.
+        op = recs["op"]
+        is_alloc = op == MemoryOp.ALLOCATION
+        is_rel = op == MemoryOp.RELEASE
+        n = len(recs)
+        if n == 0:
+            return
+        addr, size = recs["addr"], recs["bytes"]
+        order = np.lexsort((np.arange(n), size, addr))
+        a, s = addr[order], size[order]
+        rel = is_rel[order].astype(np.int64)
+        start = np.ones(n, dtype=bool)
+        start[1:] = (a[1:] != a[:-1]) | (s[1:] != s[:-1])
+        cum = np.cumsum(rel) - rel  # releases before each element, whole batch
+        group_base = np.maximum.accumulate(np.where(start, cum, 0))
+        released_before = (cum - group_base) > 0  # within its own key group
+        alloc_sorted = is_alloc[order]
+        need = alloc_sorted & ~released_before
+        freed = self._freed
+        if need.any() and freed:
+            hits = [k in freed for k in _reuse_keys(a[need], s[need]).tolist()]
+            from_before = int(sum(hits))
+        else:
+            from_before = 0
+        self.allocations_seen += int(is_alloc.sum())
+        self.allocations_reused += int((alloc_sorted & released_before).sum()) + from_before
+        if is_rel.any():
+            freed.update(_reuse_keys(addr[is_rel], size[is_rel]).tolist())
+
+    def _reuse_each(self, recs: np.ndarray) -> None:
         freed = self._freed
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         seen = reused = 0
-        for op, addr, size in zip(recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist()):
+        for op, key in zip(recs["op"].tolist(), _reuse_keys(recs["addr"], recs["bytes"]).tolist()):
             if op == alloc:
                 seen += 1
-                if (addr, size) in freed:
+                if key in freed:
                     reused += 1
             elif op == release:
                 if len(freed) >= self._reuse_capacity:
                     freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-                freed.add((addr, size))
+                freed.add(key)
         self.allocations_seen += seen
         self.allocations_reused += reused
 
