@@ -11,14 +11,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType as _PyFrame
 
+from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
 from gpufootprint.exporter.collector import FootprintCollector, Postprocess, engine_families
 from gpufootprint.exporter.http import MetricsServer
+from gpufootprint.exporter.reliability import daemon_families
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.nvml.client import NvmlClient
@@ -65,7 +68,7 @@ def _postprocess(config: Config) -> Postprocess:
         node_name_env=k.node_name_env, api_server=k.api_server, token_file=k.token_file, ca_file=k.ca_file,
         proc_root=k.proc_root, refresh_s=k.pod_refresh_seconds, retry_s=k.unresolved_retry_seconds,
         timeout_s=k.api_timeout_seconds)
-    return build_postprocess(attributor, config.exporter.series_cap)
+    return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length)
 
 
 class App:
@@ -80,7 +83,7 @@ class App:
                                    extra_daemon_values=self._daemon_values, nvml=self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot, postprocess=_postprocess(config),
-                                            extra=lambda: engine_families(self.engine_outputs))
+                                            extra=self._extra_families)
         self.registry.register(self.collector)
         self.http: MetricsServer | None = None
         if listen:
@@ -123,6 +126,10 @@ class App:
                         ",".join(f"{s.label}x{s.count}" for s in leak.top_sites))
         for adv in out.new_degradation:
             log.info("degradation advice gpu=%d pid=%d advice=%s reason=%r", adv.gpu, adv.pid, adv.advice, adv.reason)
+
+    def _extra_families(self) -> Iterator[Metric]:
+        yield from engine_families(self.engine_outputs)
+        yield from daemon_families(self.ingest.stats, self.ingest.snapshot)  # issue 7
 
     def _daemon_values(self) -> dict[str, float]:
         age = 0.0

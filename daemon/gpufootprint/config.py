@@ -40,6 +40,17 @@ class DaemonConfig:
     socket_group: str | None = _spec(None, doc="group that owns the socket (None: the daemon's)")
     tick_ms: int = _spec(100, lo=5, hi=10_000, doc="how often the snapshot is rebuilt")
     max_frame_bytes: int = _spec(16 * 1024 * 1024, lo=1024, hi=1 << 30, doc="larger frames are refused")
+    # issue 7: limits on what probes can make the daemon hold (docs/reliability.md)
+    hello_timeout_seconds: float = _spec(10.0, lo=0, hi=3600,
+                                         doc="a connection that has not sent its HELLO by then is cut off (0: never)")
+    max_connections: int = _spec(1024, lo=1, hi=1_000_000,
+                                 doc="probe connections at most; more are accepted and closed at once, counted")
+    max_buffered_bytes: int = _spec(64 * 1024 * 1024, lo=1 << 16, hi=1 << 34,
+                                    doc="partial frames held across all connections; past it the largest holder "
+                                        "is cut off")
+    max_future_seconds: float = _spec(300.0, lo=0, hi=86_400 * 365,
+                                      doc="live records stamped further ahead of the daemon's clock are clamped "
+                                          "to it and counted")
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,12 @@ class ExporterConfig:
                             doc="max series per metric; past it one pid=\"__overflow__\" series carries the sum")
     extra_pod_labels: str = _spec("", doc="comma-separated pod label keys exported as label_<key> "
                                           "(kubernetes.mode sidecar or daemonset)")
+    # issue 7: TLS and basic auth, in the Prometheus exporter-toolkit web config format
+    web_config_file: str | None = _spec(None, doc="YAML with tls_server_config and basic_auth_users "
+                                                  "(exporter-toolkit format; None: plain HTTP, no auth)")
+    max_label_value_length: int = _spec(256, lo=16, hi=65_536,
+                                        doc="longer label values are cut (with a hash suffix); control "
+                                            "characters are replaced")
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,10 @@ class SeriesCap:
         return fam
 
 
-def build_postprocess(attributor: Attributor | None, max_series: int) -> Callable[[list[Metric]], list[Metric]]:
-    """The collector's hook: pod labels (when Kubernetes attribution is on), then the cap."""
+def build_postprocess(attributor: Attributor | None, max_series: int,
+                      max_label_len: int | None = None) -> Callable[[list[Metric]], list[Metric]]:
+    """The collector's hook: pod labels (when Kubernetes attribution is on), then the cap;
+    issue 7: label values cut to ``max_label_len`` and cleaned of control characters first."""
     cap = SeriesCap(max_series)
 
     def labels_for(pid: str) -> dict[str, str]:
@@ -137,6 +139,10 @@ def build_postprocess(attributor: Attributor | None, max_series: int) -> Callabl
     def postprocess(families: list[Metric]) -> list[Metric]:
         if attributor is not None:
             families = attach_pod_labels(families, labels_for)
+        if max_label_len is not None:
+            from gpufootprint.exporter.reliability import sanitize_label_values
+
+            families = sanitize_label_values(families, max_label_len)
         return cap.apply(families)
 
     postprocess.cap = cap  # type: ignore[attr-defined]  # for tests and self-metrics

@@ -9,6 +9,7 @@ demo's feeder, tests) hand frames in through ``inject``.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import grp
 import logging
 import os
@@ -30,6 +31,7 @@ from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState, PipelineSnapshot
+from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
 
 if TYPE_CHECKING:
@@ -49,6 +51,59 @@ class Connection:
     pid: int
     uid: int
     opened: float = field(default_factory=time.monotonic)
+    # issue 7: the protocol's order (HELLO first, one GOODBYE last, RESYNC_BEGIN/END paired)
+    hello: bool = False
+    goodbye: bool = False
+    resync: bool = False
+    records: int = 0  # records received in BATCH frames outside resyncs (the probe counts these as sent)
+    resync_records: int = 0
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """The ingest server's own counters, copied at each tick for the exporter (issue 7)."""
+
+    connections_total: int = 0
+    disconnects: tuple[tuple[str, int], ...] = ()
+    refused: tuple[tuple[str, int], ...] = ()
+    accept_errors: int = 0
+    buffered_bytes: int = 0
+    # (pid, records, resync_records) per probe pid seen on a connection, alive or closed
+    received: tuple[tuple[int, int, int], ...] = ()
+    config_reloads: tuple[tuple[str, int], ...] = ()
+    config_last_reload_ok: float = 1.0
+
+
+def _decoder_reason(error: Exception) -> str:
+    """A short, bounded label for why a stream broke (the message itself goes to the log)."""
+    text = str(error)
+    for needle, reason in (("wire version", "bad_version"), ("preamble", "bad_preamble"),
+                           ("exceeds the limit", "frame_too_large"), ("checksum", "bad_checksum"),
+                           ("unknown frame type", "bad_frame_type")):
+        if needle in text:
+            return reason
+    return "bad_frame"
+
+
+class RateLimitedLog:
+    """At most ``burst`` lines per ``period`` seconds per key, then one summary: a flood of bad
+    peers must not turn into a flood of log lines."""
+
+    def __init__(self, burst: int = 10, period: float = 60.0) -> None:
+        self.burst, self.period = burst, period
+        self._window: dict[str, tuple[float, int]] = {}
+
+    def __call__(self, key: str, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        start, n = self._window.get(key, (now, 0))
+        if now - start > self.period:
+            if n > self.burst:
+                log.log(level, "%d more %s events in the last %.0f s not logged", n - self.burst, key, now - start)
+            start, n = now, 0
+        n += 1
+        self._window[key] = (start, n)
+        if n <= self.burst:
+            log.log(level, msg, *args, exc_info=exc_info)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -115,6 +170,17 @@ class IngestServer:
         self.published = threading.Event()
         self.disconnects: Counter[str] = Counter()
         self.connections_total = 0
+        # issue 7: refused connections, accept failures, records received per pid, config reloads
+        self.refused: Counter[str] = Counter()
+        self.accept_errors = 0
+        self.loop_errors = 0
+        self.received: dict[int, list[int]] = {}  # pid -> [records, resync records]
+        self.config_reloads: Counter[str] = Counter()
+        self.config_last_reload_ok = 1.0
+        self.stats = ServerStats()
+        self._buffered = 0  # partial-frame bytes held by all decoders
+        self._accept_paused_until = 0.0
+        self._rlog = RateLimitedLog()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
@@ -129,25 +195,34 @@ class IngestServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
 
     def run(self) -> None:
-        tick_s = self.config.daemon.tick_ms / 1000
         next_tick = time.monotonic()
         while not self.stop_event.is_set():
-            wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
-            timeout = max(0.0, wake - time.monotonic())
-            for key, _ in self._sel.select(timeout):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    self._drain_wake()
-                else:
-                    self._read(key.data)
-            self._drain_inbox()
-            if time.monotonic() >= next_tick:
-                self.tick()
-                next_tick = time.monotonic() + tick_s
-            elif self.nvml is not None:
-                self._poll_nvml()  # between ticks, at the sampler's cadence
+            try:
+                next_tick = self._iterate(next_tick, self.config.daemon.tick_ms / 1000)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bug (issue 7)
+                self.loop_errors += 1
+                self._rlog("loop_error", logging.ERROR, "ingest loop iteration failed (%d so far)", self.loop_errors,
+                           exc_info=True)
+                time.sleep(0.01)
         self._shutdown()
+
+    def _iterate(self, next_tick: float, tick_s: float) -> float:
+        wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
+        timeout = max(0.0, wake - time.monotonic())
+        for key, _ in self._sel.select(timeout):
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                self._drain_wake()
+            else:
+                self._read(key.data)
+        self._drain_inbox()
+        if time.monotonic() >= next_tick:
+            self.tick()
+            next_tick = time.monotonic() + tick_s
+        elif self.nvml is not None:
+            self._poll_nvml()  # between ticks, at the sampler's cadence
+        return next_tick
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -177,6 +252,7 @@ class IngestServer:
             self._tick()
 
     def _tick(self) -> None:
+        self._enforce_timeouts()
         now = self._clock_ns()
         horizon = now - self.config.footprint.reorder_window_ms * 1_000_000
         for pid, proc in list(self.pipeline.processes.items()):
@@ -195,6 +271,7 @@ class IngestServer:
             extra["gpus"] = tuple(GpuState(index=g.index, model=g.model, uuid=g.uuid, total_bytes=g.memory_total_bytes,
                                            utilization_ratio=g.utilization_ratio) for g in nvml_snap.gpus)
         self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values, **extra)
+        self._publish_stats()
         self.published.set()
         if self.on_snapshot is not None:
             try:
@@ -235,25 +312,68 @@ class IngestServer:
 
     def _accept(self) -> None:
         assert self._listener is not None
+        limit = self.config.daemon.max_connections
         while True:
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:
-                log.warning("accept failed: %s", exc)
+                self.accept_errors += 1
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors: the listener stays readable, so stop selecting it for a
+                    # moment instead of spinning; waiting peers sit in the backlog.
+                    self._pause_accepting(0.5)
+                self._rlog("accept_error", logging.WARNING, "accept failed: %s", exc)
                 return
-            sock.setblocking(False)
-            pid, uid, _gid = peer_credentials(sock)
+            if len(self._conns) >= limit:
+                self.refused["max_connections"] += 1
+                self._rlog("refused", logging.WARNING, "probe connection refused: daemon.max_connections=%d reached",
+                           limit)
+                sock.close()
+                continue
+            try:
+                sock.setblocking(False)
+                pid, uid, _gid = peer_credentials(sock)
+            except OSError as exc:
+                self.refused["peer_credentials"] += 1
+                self._rlog("refused", logging.WARNING, "probe connection refused: no peer credentials (%s)", exc)
+                sock.close()
+                continue
             session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid,
                               on_mark=self._on_mark)
+            session.future_limit_ns = self._future_limit_ns  # issue 7: clock steps
             conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes), session, pid, uid)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.connections_total += 1
-            log.info("probe connected pid=%d uid=%d", pid, uid)
+            self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d", pid, uid)
+
+    def _pause_accepting(self, seconds: float) -> None:
+        if self._listener is None or self._accept_paused_until:
+            return
+        try:
+            self._sel.unregister(self._listener)
+        except (KeyError, ValueError):
+            return
+        self._accept_paused_until = time.monotonic() + seconds
+
+    def _future_limit_ns(self) -> int:
+        return self._clock_ns() + int(self.config.daemon.max_future_seconds * 1e9)
+
+    def _enforce_timeouts(self) -> None:
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until and self._listener is not None:
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+            self._accept_paused_until = 0.0
+        timeout = self.config.daemon.hello_timeout_seconds
+        if timeout > 0:
+            for conn in [c for c in self._conns.values() if not c.hello and now - c.opened > timeout]:
+                self._cut(conn, "hello_timeout", f"no HELLO within {timeout:g} s")
 
     def _read(self, conn: Connection) -> None:
+        if conn.sock.fileno() < 0:
+            return  # cut off earlier in this round (memory_limit picks the largest holder)
         try:
             data = conn.sock.recv(_RECV)
         except BlockingIOError:
@@ -263,13 +383,91 @@ class IngestServer:
             log.info("probe pid=%d socket error: %s", conn.pid, exc)
             return
         if not data:
-            self._close(conn, "eof")
+            if conn.decoder.pending:
+                self._cut(conn, "truncated_frame", f"stream ended inside a frame ({conn.decoder.pending} bytes "
+                                                   f"left over at byte {conn.decoder.offset})")
+            else:
+                self._close(conn, "goodbye" if conn.goodbye else "eof")
             return
-        for frame in conn.decoder.feed(data):
-            conn.session.handle(frame)
+        before = conn.decoder.pending
+        frames = conn.decoder.feed(data)
+        self._buffered += conn.decoder.pending - before
+        try:
+            for frame in frames:
+                reason = self._order(conn, frame)
+                if reason is not None:
+                    self._cut(conn, reason, f"byte {frame.offset}: {frame.type.name} frame {_ORDER_TEXT[reason]}")
+                    return
+                conn.session.handle(frame)
+        except Exception as exc:  # noqa: BLE001 - a probe must never be able to crash the daemon
+            log.exception("probe pid=%d: frame handling failed", conn.pid)
+            self._cut(conn, "internal_error", f"frame handling failed ({type(exc).__name__})")
+            return
         if conn.decoder.error is not None:
-            conn.session.problem("bad_frame", f"probe pid={conn.pid}: {conn.decoder.error}")
-            self._close(conn, "bad_frame")
+            self._cut(conn, _decoder_reason(conn.decoder.error), str(conn.decoder.error))
+            return
+        if self._buffered > self.config.daemon.max_buffered_bytes:
+            hog = max(self._conns.values(), key=lambda c: c.decoder.pending)
+            self._cut(hog, "memory_limit", f"holds {hog.decoder.pending} bytes of partial frames while all "
+                                           f"connections hold {self._buffered} (daemon.max_buffered_bytes="
+                                           f"{self.config.daemon.max_buffered_bytes})")
+
+    def _order(self, conn: Connection, frame: Frame) -> str | None:
+        """Why this frame breaks the protocol's order on a live connection, or None (and note it)."""
+        ftype = frame.type
+        if conn.goodbye:
+            return "frame_after_goodbye"
+        if not conn.hello:
+            if ftype is not FrameType.HELLO:
+                return "frame_before_hello"
+            conn.hello = True
+            return None
+        if ftype is FrameType.HELLO:
+            return "duplicate_hello"
+        if ftype is FrameType.CONTROL:
+            return "unexpected_frame"
+        if ftype is FrameType.RESYNC_BEGIN:
+            if conn.resync:
+                return "resync_mismatch"
+            conn.resync = True
+        elif ftype is FrameType.RESYNC_END:
+            if not conn.resync:
+                return "resync_mismatch"
+            conn.resync = False
+        elif ftype is FrameType.GOODBYE:
+            conn.goodbye = True
+        elif ftype is FrameType.BATCH:
+            try:
+                n = len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
+            except ValueError:
+                n = 0
+            counts = self.received.setdefault(conn.pid, [0, 0])
+            if conn.resync:
+                conn.resync_records += n
+                counts[1] += n
+            else:
+                conn.records += n
+                counts[0] += n
+        return None
+
+    def _cut(self, conn: Connection, reason: str, detail: str) -> None:
+        """Cut one bad peer off: counted under ``reason``, logged (rate-limited), others untouched."""
+        conn.session.problem(_SESSION_REASONS.get(reason, reason), f"probe pid={conn.pid}: {detail}")
+        self._rlog("cut:" + reason, logging.WARNING, "probe pid=%d cut off reason=%s: %s", conn.pid, reason, detail)
+        self._close(conn, reason)
+
+    def _publish_stats(self) -> None:
+        # Forget the received counts of pids the pipeline has forgotten (bounded memory).
+        live = {c.pid for c in self._conns.values()}
+        for pid in [p for p in self.received if p not in live and p not in self.pipeline.processes]:
+            del self.received[pid]
+        self.stats = ServerStats(
+            connections_total=self.connections_total,
+            disconnects=tuple(sorted(self.disconnects.items())), refused=tuple(sorted(self.refused.items())),
+            accept_errors=self.accept_errors, buffered_bytes=self._buffered,
+            received=tuple((pid, r[0], r[1]) for pid, r in sorted(self.received.items())),
+            config_reloads=tuple(sorted(self.config_reloads.items())),
+            config_last_reload_ok=self.config_last_reload_ok)
 
     def _poll_nvml(self) -> None:
         assert self.nvml is not None
@@ -295,17 +493,36 @@ class IngestServer:
 
     def _close(self, conn: Connection, reason: str) -> None:
         self.disconnects[reason] += 1
+        self._buffered -= conn.decoder.pending
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
         self._conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
-        conn.session.close()
+        try:
+            conn.session.close()
+        except Exception:  # noqa: BLE001 - closing one stream must not stop the loop
+            log.exception("probe pid=%d: closing its session failed", conn.pid)
         # Without a goodbye the process may still run (the probe will reconnect
         # and resync); if it is gone, the driver freed its memory.
         if not _pid_alive(conn.pid):
             self.pipeline.process_exited(conn.pid)
+
+
+_ORDER_TEXT = {
+    "frame_after_goodbye": "after GOODBYE",
+    "frame_before_hello": "before HELLO",
+    "duplicate_hello": "twice on one connection",
+    "unexpected_frame": "from a probe (daemon -> probe only)",
+    "resync_mismatch": "out of place (RESYNC_BEGIN and RESYNC_END must pair)",
+}
+# The gpufootprint_ingest_errors_total reason a cut-off counts under (its own name if not listed):
+# wire damage stays "bad_frame", order violations "unexpected_frame", as before issue 7.
+_SESSION_REASONS = {"bad_preamble": "bad_frame", "bad_version": "bad_frame", "frame_too_large": "bad_frame",
+                    "bad_checksum": "bad_frame", "bad_frame_type": "bad_frame",
+                    "frame_before_hello": "unexpected_frame", "frame_after_goodbye": "unexpected_frame",
+                    "duplicate_hello": "unexpected_frame", "resync_mismatch": "unexpected_frame"}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -9,7 +9,9 @@ frame starts.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +19,37 @@ import numpy as np
 
 from gpufootprint.errors import FrameError
 from gpufootprint.ingest.pipeline import Pipeline
-from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.records import MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
 
 MarkCallback = Callable[[dict[str, Any]], None]
+
+# issue 7: what a live probe may store about itself. HELLO values reach reports, engine
+# scopes (pod, namespace) and label values, so they are bounded in size and characters.
+_MAX_COUNTERS = 64
+_COUNTER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_MAX_INFO_KEYS = 64
+_MAX_INFO_STR = 256
+_MAX_INFO_BYTES = 64 * 1024
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def clean_info(hello: dict[str, Any]) -> dict[str, Any]:
+    """A probe's HELLO as the daemon keeps it: at most 64 keys named like identifiers, strings cut
+    to 256 characters without control characters, nested values kept only while small."""
+    out: dict[str, Any] = {}
+    for key, value in list(hello.items())[:_MAX_INFO_KEYS]:
+        if not isinstance(key, str) or not _COUNTER_KEY.match(key):
+            continue
+        if isinstance(value, str):
+            out[key] = _UNSAFE.sub("?", value[:_MAX_INFO_STR])
+        elif value is None or isinstance(value, (bool, int, float)):
+            out[key] = value
+        elif isinstance(value, (dict, list)) and len(json.dumps(value, default=str)) <= _MAX_INFO_BYTES:
+            out[key] = value
+    return out
 
 
 class Session:
@@ -50,6 +77,9 @@ class Session:
         self.records = 0
         self._resync: list[np.ndarray] | None = None
         self._resync_ts = 0
+        # issue 7: for live probes, the latest credible timestamp (daemon clock + max_future_seconds);
+        # later ones are clamped to it and counted, so one stepped clock cannot stall the reorder buffer.
+        self.future_limit_ns: Callable[[], int] | None = None
 
     # --- frames -----------------------------------------------------------------
 
@@ -126,6 +156,8 @@ class Session:
                 recs = recs[~foreign]
         if len(recs) == 0:
             return
+        if self.future_limit_ns is not None:
+            recs = self._clamp_future(kind, recs)
         self.records += len(recs)
         if self._resync is not None and kind is RecordKind.MEMORY:
             self._resync.append(recs)
@@ -134,6 +166,22 @@ class Session:
             for pid in np.unique(recs["pid"]).tolist():
                 self._own(pid)
         self.pipeline.submit(kind, recs)
+
+    def _clamp_future(self, kind: RecordKind, recs: np.ndarray) -> np.ndarray:
+        assert self.future_limit_ns is not None
+        field = TIME_FIELD[kind]
+        limit = self.future_limit_ns()
+        ahead = recs[field] > limit
+        if not ahead.any():
+            return recs
+        n = int(ahead.sum())
+        self.problem("future_timestamp", f"{self.name}: {n} {kind.name} records stamped more than the allowed "
+                                         f"skew ahead of the daemon's clock: clamped to it")
+        recs = recs.copy()
+        if "end" in (recs.dtype.names or ()):  # keep durations: move the interval, not just its start
+            recs["end"][ahead] = recs["end"][ahead] - recs[field][ahead] + np.uint64(limit)
+        recs[field][ahead] = limit
+        return recs
 
     def _finish_resync(self) -> None:
         if self._resync is None:
@@ -161,7 +209,7 @@ class Session:
             known = self.pipeline.restart(key, self.source)  # the pid was reused by a new process
         proc = self._own(key)
         proc.source = self.source
-        proc.info.update(hello)
+        proc.info.update(clean_info(hello) if self.peer_pid is not None else hello)
         proc.exited_at = None
 
     def _counters(self, body: dict[str, Any]) -> None:
@@ -172,6 +220,8 @@ class Session:
         if not isinstance(counters, dict):
             return
         clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
+        if self.peer_pid is not None:  # issue 7: keys become label values (connections_*, disconnects_*)
+            clean = {k: v for k, v in list(clean.items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
         for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).probe_counters.update(clean)
 

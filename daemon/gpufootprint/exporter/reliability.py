@@ -1,0 +1,95 @@
+"""Issue 7: the daemon's own defences as metrics, and label values made safe.
+
+``daemon_families`` exports what the ingest server counted (connections cut off and
+why, connections refused, bytes of partial frames held, records received per probe,
+config reloads). ``sanitize_label_values`` runs over every family at scrape time:
+whatever a probe managed to put into a label value (a HELLO field, a counter name)
+comes out bounded in length and without control characters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gpufootprint.ingest.server import ServerStats
+from gpufootprint.snapshot import PipelineSnapshot
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def safe_label_value(value: str, max_len: int) -> str:
+    """Control characters become '?'; a value over ``max_len`` is cut and ends in '~' and 8 hex
+    digits of its hash, so two long values that share a prefix stay two series."""
+    if _CONTROL.search(value):
+        value = _CONTROL.sub("?", value)
+    if len(value) > max_len:
+        digest = hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()[:8]
+        value = value[: max_len - 9] + "~" + digest
+    return value
+
+
+def sanitize_label_values(families: Iterable[Metric], max_len: int) -> list[Metric]:
+    out = []
+    for fam in families:
+        samples = fam.samples
+        for i, s in enumerate(samples):
+            labels = s.labels
+            if any(len(v) > max_len or _CONTROL.search(v) for v in labels.values()):
+                samples[i] = s._replace(labels={k: safe_label_value(v, max_len) for k, v in labels.items()})
+        out.append(fam)
+    return out
+
+
+def daemon_families(stats: ServerStats, snap: PipelineSnapshot) -> Iterator[Metric]:
+    disc = CounterMetricFamily("gpufootprint_daemon_disconnects",
+                               "Probe connections the daemon closed or lost, by reason (eof, goodbye, "
+                               "truncated_frame, bad_preamble, bad_version, frame_too_large, bad_checksum, "
+                               "bad_frame_type, bad_frame, frame_before_hello, duplicate_hello, frame_after_goodbye, "
+                               "resync_mismatch, unexpected_frame, hello_timeout, memory_limit, internal_error, "
+                               "socket_error, daemon_shutdown).", labels=["reason"])
+    for reason, n in stats.disconnects:
+        disc.add_metric([reason], n)
+    yield disc
+    refused = CounterMetricFamily("gpufootprint_daemon_connections_refused",
+                                  "Probe connections closed at accept, by reason (max_connections, "
+                                  "peer_credentials).", labels=["reason"])
+    for reason, n in stats.refused:
+        refused.add_metric([reason], n)
+    yield refused
+    total = CounterMetricFamily("gpufootprint_daemon_connections", "Probe connections accepted.")
+    total.add_metric([], stats.connections_total)
+    yield total
+    errs = CounterMetricFamily("gpufootprint_daemon_accept_errors",
+                               "Failed accept() calls on the probe socket (e.g. out of file descriptors).")
+    errs.add_metric([], stats.accept_errors)
+    yield errs
+    buf = GaugeMetricFamily("gpufootprint_daemon_buffered_bytes",
+                            "Bytes of partial frames the daemon holds for all connections "
+                            "(bounded by daemon.max_buffered_bytes).")
+    buf.add_metric([], stats.buffered_bytes)
+    yield buf
+    sources = {p.pid: p.source for p in snap.processes}
+    recv = CounterMetricFamily("gpufootprint_daemon_records_received",
+                               "Records received from a probe in BATCH frames, outside resyncs: compare with "
+                               "gpufootprint_probe_records_sent_total.", labels=["pid", "source"])
+    resync = CounterMetricFamily("gpufootprint_daemon_resync_records_received",
+                                 "Live-table records received from a probe inside resyncs.", labels=["pid", "source"])
+    for pid, n, n_resync in stats.received:
+        source = sources.get(pid, "probe")
+        recv.add_metric([str(pid), source], n)
+        resync.add_metric([str(pid), source], n_resync)
+    yield recv
+    yield resync
+    reloads = CounterMetricFamily("gpufootprint_daemon_config_reloads",
+                                  "SIGHUP configuration reloads, by result (applied, refused).", labels=["result"])
+    for result, n in stats.config_reloads:
+        reloads.add_metric([result], n)
+    yield reloads
+    ok = GaugeMetricFamily("gpufootprint_daemon_config_last_reload_successful",
+                           "1 when the last configuration reload was applied (or none was tried), 0 when refused.")
+    ok.add_metric([], stats.config_last_reload_ok)
+    yield ok
