@@ -6,12 +6,13 @@ command exports through the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType as _PyFrame
 
 from prometheus_client.core import Metric
@@ -22,6 +23,7 @@ from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, e
 from gpufootprint.exporter.collector import FootprintCollector, Postprocess, engine_families
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families
+from gpufootprint.exporter.webconfig import load_web_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.nvml.client import NvmlClient
@@ -31,6 +33,22 @@ from gpufootprint.snapshot import PipelineSnapshot
 from gpufootprint.wire.framing import FrameType, encode_json
 
 log = logging.getLogger(__name__)
+
+# issue 7: configuration keys a SIGHUP applies without a restart (the rest are reported as needing one).
+LIVE_PREFIXES = ("logging.",)
+LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
+                       "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
+                       "exporter.series_cap", "exporter.web_config_file"})
+
+
+def _flatten(tree: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix:  # sections only; tables (prices, rules) compare whole
+            out.update(_flatten(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 def detect_gpu() -> tuple[bool, str]:
@@ -90,7 +108,8 @@ class App:
             host, port = parse_listen(listen, "exporter.listen")
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set,
                                       json_routes={"/api/anomalies": self.anomalies_json,
-                                                   "/api/migrations": self.migrations_json})
+                                                   "/api/migrations": self.migrations_json},
+                                      web_config=load_web_config(config.exporter.web_config_file))
         self._thread: threading.Thread | None = None
         self._wire_engines(config)
 
@@ -178,12 +197,64 @@ class App:
         if self.nvml is not None:
             self.nvml.close()
 
-    def wait_for_signal(self, stop: threading.Event) -> None:
+    def wait_for_signal(self, stop: threading.Event, reload: Callable[[], Config] | None = None) -> None:
+        hup = threading.Event()
+
         def _handler(signum: int, _frame: _PyFrame | None) -> None:
             log.info("signal %s: shutting down", signal.Signals(signum).name)
             stop.set()
 
+        def _hup(_signum: int, _frame: _PyFrame | None) -> None:
+            hup.set()  # the work happens below, outside the signal handler
+
         signal.signal(signal.SIGTERM, _handler)
         signal.signal(signal.SIGINT, _handler)
-        while not stop.wait(0.5):
-            pass
+        if reload is not None:
+            signal.signal(signal.SIGHUP, _hup)
+        while not stop.wait(0.1):
+            if hup.is_set():
+                hup.clear()
+                self.reload(reload)
+
+    # --- SIGHUP (issue 7) ------------------------------------------------------------
+
+    def reload(self, load: Callable[[], Config] | None) -> bool:
+        """Re-read the configuration; apply what can change live, keep the rest, refuse a bad one."""
+        from gpufootprint.config import config_to_dict
+        from gpufootprint.errors import GpuFootprintError
+        from gpufootprint.exporter.webconfig import load_web_config as _load_web
+        from gpufootprint.log import setup_logging
+
+        if load is None:
+            return False
+        try:
+            new = load()
+            web = _load_web(new.exporter.web_config_file) if self.http is not None else None
+        except GpuFootprintError as exc:
+            self.ingest.config_reloads["refused"] += 1
+            self.ingest.config_last_reload_ok = 0.0
+            log.error("config reload refused, keeping the previous configuration: %s", exc)
+            return False
+        old_flat, new_flat = _flatten(config_to_dict(self.config)), _flatten(config_to_dict(new))
+        changed = sorted(k for k in new_flat.keys() | old_flat.keys() if old_flat.get(k) != new_flat.get(k))
+        live = [k for k in changed if k.startswith(LIVE_PREFIXES) or k in LIVE_KEYS]
+        later = [k for k in changed if k not in live]
+        # Keep the running values of what needs a restart, so the config object tells the truth.
+        applied = self.config
+        for key in live:
+            section, name = key.split(".", 1)
+            applied = dataclasses.replace(applied, **{section: dataclasses.replace(getattr(applied, section),
+                                                                                 **{name: getattr(getattr(new, section),
+                                                                                                  name)})})
+        self.config = applied
+        self.ingest.config = applied  # daemon.* limits are read per event
+        setup_logging(applied.logging.level, applied.logging.format)
+        cap = getattr(self.collector._postprocess, "cap", None)
+        if cap is not None:
+            cap.max_series = applied.exporter.series_cap
+        if self.http is not None and web is not None:
+            self.http.set_web_config(web)
+        self.ingest.config_reloads["applied"] += 1
+        self.ingest.config_last_reload_ok = 1.0
+        log.info("config reloaded: applied=%s needs_restart=%s", ",".join(live) or "-", ",".join(later) or "-")
+        return True

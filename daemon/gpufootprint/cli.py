@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address (exporter.listen)")
     p.add_argument("--socket", metavar="PATH", help="probe socket (daemon.socket)")
+    p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
+                   help="TLS and basic auth, exporter-toolkit format (exporter.web_config_file)")
 
     p = sub.add_parser("demo", help="replay bundled real H200 traces in a loop and serve /metrics")
     _common(p)
@@ -142,7 +144,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     from gpufootprint.app import App, detect_gpu
 
-    config = _config(args, {"exporter.listen": args.listen, "daemon.socket": args.socket})
+    flags = {"exporter.listen": args.listen, "daemon.socket": args.socket,
+             "exporter.web_config_file": getattr(args, "web_config_file", None)}
+    config = _config(args, flags)
     _setup(config, args.verbose)
     present, detail = detect_gpu()
     nvml_client = None
@@ -163,7 +167,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     log.info("serving metrics url=%s", app.http.url if app.http else "-")
     stop = threading.Event()
     try:
-        app.wait_for_signal(stop)
+        app.wait_for_signal(stop, reload=lambda: _config(args, flags))  # SIGHUP re-reads file, env, flags
     finally:
         app.stop()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,21 +19,63 @@ from typing import Any
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from gpufootprint.exporter.webconfig import WebConfig
+
 log = logging.getLogger(__name__)
 
 JsonRoute = Callable[[], Any]
 
 
+#: Paths served without basic auth (liveness and readiness probes carry no secrets and say nothing).
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+#: A client that has not finished its request (or TLS handshake) by then is dropped.
+REQUEST_TIMEOUT_S = 30.0
+
+
+class _Server(ThreadingHTTPServer):
+    """Issue 7: TLS is negotiated in the request's own thread (a client that stalls its handshake
+    holds one thread, never the accept loop), with the web config current at that moment."""
+
+    daemon_threads = True
+    web_config: WebConfig
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(REQUEST_TIMEOUT_S)
+        tls = self.web_config.tls
+        if tls is None:
+            super().finish_request(request, client_address)
+            return
+        try:
+            wrapped = tls.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            log.debug("tls handshake from %s failed: %s", client_address, exc)
+            return
+        try:
+            super().finish_request(wrapped, client_address)
+        finally:
+            wrapped.close()
+
+
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 ready: Callable[[], bool], json_routes: dict[str, JsonRoute] | None = None) -> None:
+                 ready: Callable[[], bool], json_routes: dict[str, JsonRoute] | None = None,
+                 web_config: WebConfig | None = None) -> None:
         self.registry = registry
         self.ready = ready
         self.json_routes = dict(json_routes or {})
         handler = _make_handler(self)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), handler)
+        self.httpd.web_config = web_config or WebConfig()
+        self.auth_failures = 0
         self._thread: threading.Thread | None = None
+
+    @property
+    def web_config(self) -> WebConfig:
+        return self.httpd.web_config
+
+    def set_web_config(self, web_config: WebConfig) -> None:
+        """SIGHUP: new TLS files and users apply from the next connection on."""
+        self.httpd.web_config = web_config
 
     @property
     def port(self) -> int:
@@ -42,7 +85,8 @@ class MetricsServer:
     def url(self) -> str:
         host = self.httpd.server_address[0]
         shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
-        return f"http://{shown}:{self.port}/metrics"
+        scheme = "https" if self.web_config.tls is not None else "http"
+        return f"{scheme}://{shown}:{self.port}/metrics"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="gpufootprint-http", daemon=True)
@@ -57,8 +101,16 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        timeout = REQUEST_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?", 1)[0]
+            web = server.web_config
+            if path not in OPEN_PATHS and not web.check_authorization(self.headers.get("Authorization")):
+                server.auth_failures += 1
+                self._send(401, b"unauthorized\n", "text/plain; charset=utf-8",
+                           extra={"WWW-Authenticate": 'Basic realm="gpufootprint"'})
+                return
             try:
                 if path == "/metrics":
                     encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
@@ -86,10 +138,13 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
                 log.exception("request %s failed", path)
                 self._send(500, b"internal error\n", "text/plain; charset=utf-8")
 
-        def _send(self, code: int, body: bytes, ctype: str, gzip_body: bool = False) -> None:
+        def _send(self, code: int, body: bytes, ctype: str, gzip_body: bool = False,
+                  extra: dict[str, str] | None = None) -> None:
             if gzip_body:
                 body = gzip.compress(body)
             self.send_response(code)
+            for name, value in {**server.web_config.headers, **(extra or {})}.items():
+                self.send_header(name, value)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             if gzip_body:
