@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _RECV = 256 * 1024
+_LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
 _PEERCRED = struct.Struct("3i")
 
 
@@ -180,6 +181,7 @@ class IngestServer:
         self.stats = ServerStats()
         self._buffered = 0  # partial-frame bytes held by all decoders
         self._accept_paused_until = 0.0
+        self._next_liveness = 0.0
         self._rlog = RateLimitedLog()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
@@ -232,6 +234,7 @@ class IngestServer:
             pass
 
     def _shutdown(self) -> None:
+        closed = len(self._conns)
         for conn in list(self._conns.values()):
             self._close(conn, "daemon_shutdown")
         if self._listener is not None:
@@ -242,7 +245,9 @@ class IngestServer:
                     os.unlink(self.socket_path)
                 except OSError:
                     pass
-        self.tick()
+        self.tick()  # the final flush: what the closed sessions applied is in the last snapshot
+        log.info("shut down cleanly connections_closed=%d pending_records=%d", closed,
+                 sum(p.pending_records for p in self.pipeline.processes.values()))
 
     # --- the pipeline's clock -------------------------------------------------------
 
@@ -366,6 +371,15 @@ class IngestServer:
         if self._accept_paused_until and now >= self._accept_paused_until and self._listener is not None:
             self._sel.register(self._listener, selectors.EVENT_READ, "listen")
             self._accept_paused_until = 0.0
+        if now >= self._next_liveness:
+            # A probe that lost its connection without a GOODBYE while its pid was still alive (or a
+            # zombie) stays "running" until this notices the pid is gone.
+            self._next_liveness = now + _LIVENESS_S
+            connected = {c.pid for c in self._conns.values()}
+            for pid, proc in list(self.pipeline.processes.items()):
+                if proc.source == "probe" and proc.exited_at is None and pid not in connected \
+                        and not _pid_alive(pid):
+                    self.pipeline.process_exited(pid)
         timeout = self.config.daemon.hello_timeout_seconds
         if timeout > 0:
             for conn in [c for c in self._conns.values() if not c.hello and now - c.opened > timeout]:
@@ -532,4 +546,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie (killed, not yet reaped by its parent) holds no GPU memory any more
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True

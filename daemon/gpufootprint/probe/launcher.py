@@ -17,6 +17,7 @@ import selectors
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -26,7 +27,7 @@ from typing import IO, Any
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
-from gpufootprint.records import RecordKind
+from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder, FrameType
 
@@ -114,10 +115,15 @@ class Relay:
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(64)
         self._listener.setblocking(False)
-        raw: IO[bytes] = open(output, "wb")  # noqa: SIM115
+        # issue 7: a write that fails (disk full) loses the frame, counted; the relay keeps reading so
+        # the probes never back up into the workload.
+        self.frames_lost = 0
+        self.records_lost = 0
+        self.write_error: str | None = None
+        raw: IO[bytes] = open(output, "wb", buffering=0)  # noqa: SIM115 - unbuffered: a failed write is one frame
         self._raw = raw
         self._fh: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) if output.endswith(".gz") else raw  # type: ignore[assignment]
-        self._fh.write(PREAMBLE)
+        self._put(PREAMBLE, 0)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._stop = threading.Event()
@@ -166,6 +172,18 @@ class Relay:
         sock.close()
         self._open -= 1
 
+    def _put(self, data: bytes, records: int) -> None:
+        if self.write_error is None:
+            try:
+                self._fh.write(data)
+                return
+            except OSError as exc:  # ENOSPC, EIO, EFBIG...: from here on the file cannot be trusted
+                self.write_error = f"{self.output}: {exc.strerror or exc}"
+                log.error("record: cannot write %s (%s); the workload goes on, frames from here on are counted as "
+                          "lost", self.output, exc.strerror or exc)
+        self.frames_lost += 1
+        self.records_lost += records
+
     def _write(self, frame: Frame, state: dict) -> None:  # type: ignore[type-arg]
         if frame.type is FrameType.WATERMARK:
             return
@@ -186,11 +204,17 @@ class Relay:
             state["resync"].append(data)
             if frame.type is FrameType.RESYNC_END:
                 for part in state["resync"]:
-                    self._fh.write(part)
+                    self._put(part, 0)
                 self.frames += len(state["resync"])
                 state["resync"] = None
             return
-        self._fh.write(data)
+        records = 0
+        if frame.type is FrameType.BATCH:
+            try:
+                records = len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
+            except ValueError:
+                pass
+        self._put(data, records)
         self.frames += 1
 
     def close(self, linger_s: float = 5.0) -> None:
@@ -203,9 +227,13 @@ class Relay:
         self._thread.join(2.0)
         self._sel.close()
         self._listener.close()
-        self._fh.close()
-        if self._raw is not self._fh:
-            self._raw.close()
+        for fh in (self._fh, self._raw) if self._raw is not self._fh else (self._fh,):
+            try:
+                fh.close()
+            except OSError as exc:  # the last buffered bytes did not fit either
+                if self.write_error is None:
+                    self.write_error = f"{self.output}: {exc.strerror or exc}"
+                    log.error("record: cannot finish %s (%s)", self.output, exc.strerror or exc)
         try:
             os.unlink(self.socket_path)
             os.rmdir(self._dir)
@@ -227,3 +255,7 @@ def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
     finally:
         relay.close()
         log.info("recorded frames=%d file=%s", relay.frames, output)
+        if relay.write_error is not None:
+            # The workload's exit status stays the command's; the loss is said once, on stderr.
+            print(f"gpufootprint record: error: {relay.write_error}; {relay.frames_lost} frames "
+                  f"({relay.records_lost} records) lost, the recording is incomplete", file=sys.stderr)
