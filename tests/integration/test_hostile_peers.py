@@ -341,3 +341,40 @@ def test_label_values_are_cut_with_a_hash_and_cleaned_at_scrape_time() -> None:
     (out,) = sanitize_label_values([g], 64)
     assert [len(s.labels["name"]) for s in out.samples] == [64, 4]
     assert np.isclose(sum(s.value for s in out.samples), 3.0)
+
+
+def test_control_frames_to_a_probe_that_does_not_read_are_never_torn(tmp_path: Path) -> None:
+    from gpufootprint.wire.framing import FrameDecoder
+
+    cfg = load_config(env={})
+    srv = IngestServer(cfg, Pipeline(cfg.footprint), socket_path=str(tmp_path / "c.sock"))
+    srv.open()
+    peer = _connect(str(tmp_path / "c.sock"))
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    srv._accept()
+    body = {"op": "flush_interval", "ms": 5, "pad": "x" * 3000}
+    sent = sum(srv.send_control(os.getpid(), body) for _ in range(2000))  # far more than the socket takes
+    assert 0 < sent < 2000, "some were refused whole while the socket was full"
+    peer.setblocking(False)
+    data = bytearray()
+    for _ in range(200):
+        srv._enforce_timeouts()  # where the ingest loop flushes a kept tail
+        try:
+            while chunk := peer.recv(1 << 16):
+                data += chunk
+        except BlockingIOError:
+            pass
+        if not any(c.unsent for c in srv._conns.values()):
+            break
+    try:
+        while chunk := peer.recv(1 << 16):
+            data += chunk
+    except BlockingIOError:
+        pass
+    dec = FrameDecoder()
+    dec.feed(PREAMBLE)
+    frames = dec.feed(bytes(data))
+    assert dec.error is None and dec.pending == 0, "no torn frame"
+    assert len(frames) == sent and all(f.json()["ms"] == 5 for f in frames)
+    peer.close()
+    srv.stop()

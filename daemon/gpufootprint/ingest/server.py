@@ -57,6 +57,7 @@ class Connection:
     goodbye: bool = False
     resync: bool = False
     records: int = 0  # records received in BATCH frames outside resyncs (the probe counts these as sent)
+    unsent: bytes = b""  # tail of a CONTROL frame the socket did not take at once (at most one frame)
     resync_records: int = 0
 
 
@@ -380,6 +381,8 @@ class IngestServer:
                 if proc.source == "probe" and proc.exited_at is None and pid not in connected \
                         and not _pid_alive(pid):
                     self.pipeline.process_exited(pid)
+        for conn in [c for c in self._conns.values() if c.unsent]:
+            self._flush_unsent(conn)
         timeout = self.config.daemon.hello_timeout_seconds
         if timeout > 0:
             for conn in [c for c in self._conns.values() if not c.hello and now - c.opened > timeout]:
@@ -498,12 +501,24 @@ class IngestServer:
         """Best-effort control message to a probe; never blocks the ingest thread."""
         for conn in self._conns.values():
             if conn.pid == pid:
+                if conn.unsent and not self._flush_unsent(conn):
+                    return False  # the tail of an earlier frame is still waiting: drop this one whole
                 try:
-                    conn.sock.send(payload)
-                    return True
+                    n = conn.sock.send(payload)
                 except (BlockingIOError, OSError):
                     return False
+                if n < len(payload):  # keep the tail, or the probe would see a torn frame
+                    conn.unsent = payload[n:]
+                return True
         return False
+
+    def _flush_unsent(self, conn: Connection) -> bool:
+        try:
+            n = conn.sock.send(conn.unsent)
+        except (BlockingIOError, OSError):
+            return False
+        conn.unsent = conn.unsent[n:]
+        return not conn.unsent
 
     def _close(self, conn: Connection, reason: str) -> None:
         self.disconnects[reason] += 1
