@@ -13,7 +13,7 @@ as the real probe does. Nothing here waits for the daemon.
 Per rate, after a 3 s warm-up, for --seconds: records/s ingested (the daemon's
 gpufootprint_records_ingested_total), daemon CPU (utime+stime / wall, so 1.0 = one core
 busy), RSS (VmRSS max over the window, VmHWM), /metrics latency p50/p99 (a scrape every
-100 ms from this script: far more often than Prometheus would), drops (sum of the probes'
+--scrape-interval, 100 ms by default, from this script: far more often than Prometheus would), drops (sum of the probes'
 own counts) and whether the daemon's received count equals the probes' sent count.
 """
 
@@ -132,7 +132,7 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
     while time.time() < stop_at:
         lat.append(daemon.timed_scrape())
         rss.append(daemon.usage().rss_bytes)
-        time.sleep(0.1)
+        time.sleep(args.scrape_interval)
     u1 = daemon.usage()
     _, m1 = daemon.scrape()
     wall = time.monotonic() - t0
@@ -170,6 +170,7 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--rates", default="32000,200000", help="total records/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--scrape-interval", type=float, default=0.1, help="seconds between timed scrapes")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})

@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -47,6 +48,8 @@ def load_frames(path: Path) -> list[Frame]:
 
 
 def worker(sock_path: str, trace: str, speed: float, lifetime: float, stop_at: float) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's handlers came along with fork
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     frames = load_frames(ROOT / "tests" / "data" / trace)
     batches = [(f, f.records()) if f.type is FrameType.BATCH else (f, None) for f in frames]
     t_first = min(int(r[TIME_FIELD[RecordKind(f.tag)]].min()) for f, r in batches if r is not None and len(r))
@@ -110,6 +113,13 @@ def main() -> int:
     ap.add_argument("--json", help="write samples and summary here")
     args = ap.parse_args()
     daemon = Daemon("footprint.process_grace_seconds=60", core=0)
+    ended_early: list[str] = []
+
+    def _stop(signum: int, _frame: object) -> None:  # SIGINT/SIGTERM: finish the report with what ran
+        ended_early.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})
     t0 = time.time()
     stop_at = t0 + args.minutes * 60
@@ -120,7 +130,7 @@ def main() -> int:
     spawned = 0
     started_cpu = daemon.usage().cpu_s
     try:
-        while time.time() < stop_at:
+        while time.time() < stop_at and not ended_early:
             for i, p in enumerate(procs):
                 if p is None or not p.is_alive():
                     if p is not None:
@@ -146,7 +156,8 @@ def main() -> int:
     finally:
         for p in procs:
             if p is not None:
-                p.join(10)
+                p.terminate() if ended_early else None
+                p.join(args.lifetime + 10)
         rc = daemon.stop()
     half = [s for s in samples if s["t_s"] >= samples[-1]["t_s"] / 2] if samples else []
     slope = float("nan")
@@ -157,6 +168,7 @@ def main() -> int:
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)), "machine": machine(),
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]), "minutes_run": round((time.time() - t0) / 60, 2),
+        "ended_early_by": ended_early[0] if ended_early else None,
         "speed": args.speed, "workers": args.workers, "processes_started": spawned,
         "records_ingested": samples[-1]["records"] if samples else 0,
         "rss_mib_first": samples[0]["rss_mib"] if samples else None,
