@@ -145,7 +145,8 @@ def test_garbage_peer_is_cut_off_alone_and_a_good_peer_is_untouched(daemon) -> N
     bad.close()
     assert _wait(lambda: _live(port, good.pid) == {"device": 64 << 20})
     assert proc.poll() is None
-    errors = {lab["reason"]: v for lab, v in _scrape(port)["gpufootprint_ingest_errors_total"]}
+    # The cut-off is in the next snapshot (daemon.tick_ms): wait for it rather than race it.
+    errors = _wait(lambda: {lab["reason"]: v for lab, v in _scrape(port).get("gpufootprint_ingest_errors_total", [])})
     assert errors.get("bad_frame", 0) >= 1
     good.communicate("\n", timeout=10)
 

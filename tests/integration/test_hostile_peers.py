@@ -276,6 +276,7 @@ def test_records_stamped_far_in_the_future_are_clamped_and_counted_not_stalling_
     year = 365 * 86400 * 10**9
     s.sendall(PREAMBLE + _hello(pid))
     s.sendall(encode_batch(RecordKind.MEMORY, mem_batch([mem(now + year, ALLOC, 0xA000, 1 << 20, pid=pid)])))
+    srv.wait(lambda: srv.pipeline.errors.counts.get("future_timestamp", 0) == 1)  # the step, then normal time
     s.sendall(encode_batch(RecordKind.MEMORY, mem_batch([mem(now - year, ALLOC, 0xB000, 2 << 20, pid=pid)])))
     s.sendall(encode_batch(RecordKind.MEMORY, mem_batch([mem(now + 1000, FREE, 0xA000, 1 << 20, pid=pid)])))
     s.sendall(encode_watermark(now + 2000))
