@@ -37,9 +37,11 @@ def sanitize_label_values(families: Iterable[Metric], max_len: int) -> list[Metr
     for fam in families:
         samples = fam.samples
         for i, s in enumerate(samples):
-            labels = s.labels
-            if any(len(v) > max_len or _CONTROL.search(v) for v in labels.values()):
-                samples[i] = s._replace(labels={k: safe_label_value(v, max_len) for k, v in labels.items()})
+            for v in s.labels.values():
+                # str.isprintable is one C loop: the common clean value costs next to nothing
+                if len(v) > max_len or not v.isprintable():
+                    samples[i] = s._replace(labels={k: safe_label_value(v, max_len) for k, v in s.labels.items()})
+                    break
         out.append(fam)
     return out
 
