@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpufootprint.records import RecordKind
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
-from tests.conftest import ALLOC, FREE, cli_env, mem, mem_batch
+from tests.conftest import cli_env
 
 
 def _free_port() -> int:

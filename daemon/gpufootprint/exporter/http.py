@@ -40,7 +40,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = self.httpd.server_address[0]
+        host = str(self.httpd.server_address[0])
         shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
         return f"http://{shown}:{self.port}/metrics"
 
