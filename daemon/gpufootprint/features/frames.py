@@ -215,8 +215,12 @@ class FrameBuilder:
         need = alloc_sorted & ~released_before
         freed = self._freed
         if need.any() and freed:
-            hits = [key in freed for key in k[need].tolist()]
-            from_before = int(sum(hits))
+            need_keys = k[need].tolist()
+            unique = set(need_keys)
+            if len(unique) == len(need_keys):  # the usual case: one count per key, done in C
+                from_before = len(unique & freed)
+            else:
+                from_before = sum(key in freed for key in need_keys)
         else:
             from_before = 0
         self.allocations_seen += int(is_alloc.sum())
