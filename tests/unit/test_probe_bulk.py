@@ -1,7 +1,7 @@
 """Bulk packing reads CUPTI's raw structs: their layout against cupti-python's own dtypes.
 
-Needs cupti-python only (no GPU), but lives with the GPU tests because it is
-about the library actually installed there. Records are built in real memory
+Needs cupti-python only (no GPU): it is a dependency, so this runs everywhere, and on
+the GPU machine it checks the library installed there. Records are built in real memory
 with cupti-python's ``activity_*_dtype`` and read back through ``ptr``, as the
 probe reads CUPTI's buffers; the result must equal the attribute-by-attribute
 packing, field for field.
@@ -18,7 +18,7 @@ import pytest
 from gpufootprint.probe import packing
 from gpufootprint.records import DTYPES, RecordKind
 
-cupti = pytest.importorskip("cupti.cupti")
+from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
 
 
 class Rec:
