@@ -298,14 +298,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gpufootprint.probe import launcher
 
     config = _config(args, {"daemon.socket": getattr(args, "socket", None)})
-    return launcher.run(_command(args.cmd), socket_path=config.daemon.socket)
+    return launcher.run(_command(args.cmd), socket_path=config.daemon.socket, probe_config=config.probe)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
     from gpufootprint.probe import launcher
 
-    _config(args)
-    return launcher.record(_command(args.cmd), output=args.output)
+    config = _config(args)
+    return launcher.record(_command(args.cmd), output=args.output, probe_config=config.probe)
 
 
 def cmd_abtest(args: argparse.Namespace) -> int:
