@@ -10,10 +10,13 @@ the machine hits both sides.
 
 Workloads: (a) a transformer training step (6 layers, d=1024, bf16, batch
 16x512); (b) a loop of 100 tiny ``add_`` launches per step. Configurations:
-none, probe (daemon listening), probe_daemon_away (socket missing: drops and
-counts), probe_gil_flush (the probe flushing through cupti-python's wrapper,
-which holds the GIL), torch_profiler (torch.profiler(profile_memory=True) around each
-round), memory_history (torch.cuda.memory._record_memory_history).
+none; probe (the probe's default settings, daemon listening); the probe_*
+variants in PROBE_CONFIGS (flush mode, GIL-free flush, bulk packing, CUPTI
+buffer size; probe_daemon_away: socket missing, records dropped and counted);
+torch_profiler (torch.profiler(profile_memory=True) around each round);
+memory_history (torch.cuda.memory._record_memory_history). Each probed
+configuration has a daemon (IngestServer) of its own, so the records it applied
+late (behind its reorder window) are counted per configuration.
 """
 
 from __future__ import annotations
@@ -31,7 +34,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ["none", "probe", "probe_daemon_away", "probe_gil_flush", "torch_profiler", "memory_history"]
+_PERIOD = {"flush_mode": "period", "flush_nogil": True, "bulk_pack": True, "cupti_buffer_bytes": 64 << 10}
+_FORCED_OLD = {"flush_mode": "forced", "flush_nogil": False, "bulk_pack": False, "cupti_buffer_bytes": 4 << 20}
+PROBE_CONFIGS: dict[str, dict[str, Any]] = {
+    "probe": {},  # the defaults of ProbeSettings
+    # The default until 2026-12-02: forced flush through cupti-python (GIL held) every 100 ms.
+    "probe_gil_flush": _FORCED_OLD,
+    "probe_nogil": {**_FORCED_OLD, "flush_nogil": True, "bulk_pack": True},
+    "probe_period": _PERIOD,
+    "probe_period_gil": {**_PERIOD, "flush_nogil": False},
+    "probe_period_nobulk": {**_PERIOD, "bulk_pack": False},
+    "probe_period_4m": {**_PERIOD, "cupti_buffer_bytes": 4 << 20},
+    "probe_forced_bulk": {**_FORCED_OLD, "bulk_pack": True},
+    "probe_copies_off": {"copies": False},  # the defaults without MEMCPY/MEMSET records
+    "probe_daemon_away": {},  # the defaults, socket missing
+}
+CONFIGS = ["none", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
 HERE = Path(__file__).resolve()
 
 
@@ -43,7 +61,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
         from gpufootprint import probe
 
         ok = probe.start(socket=socket_path + ".absent" if config == "probe_daemon_away" else socket_path,
-                         flush_nogil=config != "probe_gil_flush")
+                         **PROBE_CONFIGS[config])
         if not ok:
             print(json.dumps({"error": "probe did not start", "status": probe.status()}), flush=True)
     import torch
@@ -118,6 +136,7 @@ def main() -> int:
     ap.add_argument("--steps-a", type=int, default=15)
     ap.add_argument("--steps-b", type=int, default=100)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--progress", action="store_true", help="a line per round on stderr")
     ap.add_argument("--out", default="-")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -127,18 +146,21 @@ def main() -> int:
 
     configs = args.configs.split(",")
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
-    sock = os.path.join(tmp, "probe.sock")
     from gpufootprint.config import load_config
     from gpufootprint.ingest.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
 
     cfg = load_config(env={})
-    server = IngestServer(cfg, Pipeline(cfg.footprint), socket_path=sock)
-    server.open()
-    threading.Thread(target=server.run, daemon=True).start()
+    servers: dict[str, IngestServer] = {}
+    for c in configs:
+        if c.startswith("probe") and c != "probe_daemon_away":
+            servers[c] = IngestServer(cfg, Pipeline(cfg.footprint), socket_path=os.path.join(tmp, f"{c}.sock"))
+            servers[c].open()
+            threading.Thread(target=servers[c].run, daemon=True).start()
 
     procs: dict[str, subprocess.Popen[str]] = {}
     for c in configs:
+        sock = os.path.join(tmp, f"{c}.sock")
         procs[c] = subprocess.Popen([sys.executable, str(HERE), "--worker", c, "--socket", sock,
                                      "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -149,7 +171,9 @@ def main() -> int:
     rng = random.Random(args.seed)
     steps: dict[str, dict[str, list[list[float]]]] = {c: {"a": [], "b": []} for c in configs}
     t_start = time.time()
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
+        if args.progress:
+            print(f"round {rnd} at {time.time() - t_start:.1f} s", file=sys.stderr, flush=True)
         order = configs[:]
         rng.shuffle(order)
         for c in order:
@@ -165,7 +189,13 @@ def main() -> int:
         p.stdin.flush()  # type: ignore[union-attr]
         finals[c] = json.loads(p.stdout.readline())  # type: ignore[union-attr]
         p.wait(30)
-    server.stop()
+    time.sleep(0.5)
+    daemons = {}
+    for c, server in servers.items():
+        pl = server.pipeline
+        daemons[c] = {"late_records": pl.late_records, "records_ingested": dict(pl.records_ingested),
+                      "errors": dict(pl.errors.counts)}
+        server.stop()
 
     summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
                                "wall_seconds": round(time.time() - t_start, 1), "configs": {}}
@@ -186,13 +216,24 @@ def main() -> int:
                 row[w]["round_ratio_max"] = round(max(ratios), 4)
                 row[w]["p99_ratio"] = round(pct(flat, 99) / pct(bflat, 99), 4)
         row["final"] = finals.get(c)
+        row["settings"] = PROBE_CONFIGS.get(c)
+        row["daemon"] = daemons.get(c)
         summary["configs"][c] = row
     text = json.dumps(summary, indent=1)
     if args.out == "-":
         print(text)
-    else:
-        Path(args.out).write_text(text + "\n")
-        print(text)
+        return 0
+    Path(args.out).write_text(text + "\n")
+    for c, row in summary["configs"].items():  # a short table; the whole summary is in --out
+        cells = [f"{w}: med {row[w]['median_step_ms']} ms x{row[w].get('median_ratio')} "
+                 f"[{row[w].get('round_ratio_min')}..{row[w].get('round_ratio_max')}] "
+                 f"p99 {row[w]['p99_step_ms']} ms x{row[w].get('p99_ratio')}" for w in ("a", "b")]
+        print(f"{c:20s}", " | ".join(cells))
+        st = (row.get("final") or {}).get("probe") or {}
+        if st:
+            print(" " * 21, {k: st.get(k) for k in ("flush_mode", "flushes", "flush_seconds", "callback_seconds",
+                                                     "buffers_completed", "records_sent", "bulk_records",
+                                                     "bulk_fallbacks", "records_dropped")}, row.get("daemon"))
     return 0
 
 

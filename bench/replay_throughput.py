@@ -5,6 +5,9 @@ Two inputs, both replayed by ``gpufootprint.replay.replay_file`` exactly as ``gp
     tenth record) written in the native framing, and the real H200 caching trace looped;
   * cupti-jsonl: the same churn written as CUPTI-JSONL (gzip).
 
+"native churn, footprint only" runs the same file with the feature frames and the sampler
+switched off, to show side by side what they cost (the daemon always runs them).
+
 Usage: python bench/replay_throughput.py [--records N] [--rounds R] [--json OUT]
 Prints one line per input with the median records/s of R rounds, and the machine.
 """
@@ -27,7 +30,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from gpufootprint.config import FootprintConfig  # noqa: E402
+from gpufootprint.footprint.peaks import FramePeaks  # noqa: E402
 from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
+from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
 from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, RecordKind  # noqa: E402
 from gpufootprint.replay import load_frames, shift_frame  # noqa: E402
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_batch, encode_json  # noqa: E402
@@ -113,13 +118,21 @@ def write_jsonl_gz(native: Path, path: Path) -> None:
         write_jsonl(iter_frames(TraceFile(native).chunks()), fh)
 
 
-def time_replay(path: Path, rounds: int) -> tuple[float, int, list[float]]:
+class FootprintOnlyHub(FeatureHub):
+    """Frames and sampler switched off: only to show, side by side, what they cost."""
+
+    def peaks_for(self, pid: int, dev: int, frame_ns: int, keep_ns: int) -> FramePeaks:
+        return FramePeaks(frame_ns, keep_ns)
+
+
+def time_replay(path: Path, rounds: int, footprint_only: bool = False) -> tuple[float, int, list[float]]:
     from gpufootprint.replay import replay_file
 
     rates = []
     records = 0
     for _ in range(rounds):
-        pipeline = Pipeline(FootprintConfig())
+        hub = FootprintOnlyHub() if footprint_only else FeatureHub()
+        pipeline = Pipeline(FootprintConfig(), hub=hub)
         started = time.perf_counter()
         result = replay_file(path, pipeline)
         elapsed = time.perf_counter() - started
@@ -146,11 +159,13 @@ def main() -> int:
         write_looped_h200(looped, args.loops)
         write_native(small, args.jsonl_records)
         write_jsonl_gz(small, jsonl)
-        for name, path in (("native churn", native), ("native h200 looped", looped), ("cupti-jsonl churn", jsonl)):
-            median, n, rates = time_replay(path, args.rounds)
+        cases = (("native churn", native, False), ("native churn, footprint only", native, True),
+                 ("native h200 looped", looped, False), ("cupti-jsonl churn", jsonl, False))
+        for name, path, footprint_only in cases:
+            median, n, rates = time_replay(path, args.rounds, footprint_only)
             results[name] = {"records": n, "median_records_per_s": median, "rates": rates,
                              "file_bytes": os.path.getsize(path)}
-            print(f"{name:22s} {n:>10,} records  median {median:>12,.0f} records/s  "
+            print(f"{name:30s} {n:>10,} records  median {median:>12,.0f} records/s  "
                   f"(min {min(rates):,.0f}, max {max(rates):,.0f}, {args.rounds} rounds)")
     machine = f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}, numpy {np.__version__}"
     print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")

@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -263,7 +263,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from gpufootprint.wire.framing import FrameDecoder
+    from gpufootprint.wire.framing import Frame, FrameDecoder
     from gpufootprint.wire.jsonl import write_jsonl
     from gpufootprint.wire.sources import TraceFile
 
@@ -271,26 +271,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
     to_jsonl = ".jsonl" in out.suffixes
     trace = TraceFile(args.input)
     problems = trace.problems
-    opener = gzip.open if out.suffix == ".gz" else open
-    with opener(out, "wt" if to_jsonl else "wb") as fh:  # type: ignore[operator]
-        if to_jsonl:
-            decoder = FrameDecoder()
+    compress = out.suffix == ".gz"
+    if to_jsonl:
+        decoder = FrameDecoder()
 
-            def frames():  # type: ignore[no-untyped-def]
-                for chunk in trace.chunks():
-                    yield from decoder.feed(chunk)
-                    if decoder.error is not None:
-                        problems.append(f"{args.input}: {decoder.error}")
-                        return
-
-            n = write_jsonl(frames(), fh)
-            what = f"{n} lines"
-        else:
-            n = 0
+        def frames() -> Iterator[Frame]:
             for chunk in trace.chunks():
-                fh.write(chunk)
+                yield from decoder.feed(chunk)
+                if decoder.error is not None:
+                    problems.append(f"{args.input}: {decoder.error}")
+                    return
+
+        with (gzip.open(out, "wt") if compress else open(out, "w")) as text_out:
+            n = write_jsonl(frames(), text_out)
+        what = f"{n} lines"
+    else:
+        n = 0
+        with (gzip.open(out, "wb") if compress else open(out, "wb")) as bin_out:
+            for chunk in trace.chunks():
+                bin_out.write(chunk)
                 n += len(chunk)
-            what = f"{n} bytes"
+        what = f"{n} bytes"
     print(f"wrote {out} ({what}, from {trace.format})", file=sys.stderr)
     for problem in problems[:20]:
         print(f"gpufootprint convert: error: {problem}", file=sys.stderr)
@@ -301,14 +302,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gpufootprint.probe import launcher
 
     config = _config(args, {"daemon.socket": getattr(args, "socket", None)})
-    return launcher.run(_command(args.cmd), socket_path=config.daemon.socket)
+    return launcher.run(_command(args.cmd), socket_path=config.daemon.socket, probe_config=config.probe)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
     from gpufootprint.probe import launcher
 
-    _config(args)
-    return launcher.record(_command(args.cmd), output=args.output)
+    config = _config(args)
+    return launcher.record(_command(args.cmd), output=args.output, probe_config=config.probe)
 
 
 def cmd_abtest(args: argparse.Namespace) -> int:

@@ -144,11 +144,16 @@ class NvmlConfig:
 class ProbeConfig:
     """Settings handed to probes started by ``gpufootprint run`` (as GPUFOOTPRINT_PROBE_* variables)."""
 
-    flush_ms: int = _spec(100, lo=1, hi=1000, doc="forced CUPTI flush and watermark cadence")
+    flush_mode: str = _spec("period", choices=("period", "forced"),
+                            doc="period: CUPTI's own thread delivers buffers every flush_ms, forced flush only every "
+                                "watermark_ms; forced: a forced flush every flush_ms (docs/performance.md)")
+    flush_ms: int = _spec(100, lo=1, hi=1000, doc="flush cadence (the sampler may change it)")
+    watermark_ms: int = _spec(1000, lo=10, hi=60_000, doc="period mode: forced flush and WATERMARK cadence")
     heartbeat_ms: int = _spec(1000, lo=10, hi=60_000, doc="probe counters to the daemon")
     buffer_bytes: int = _spec(16 << 20, lo=1 << 16, hi=1 << 30,
                               doc="frames waiting for the socket before records are dropped")
-    cupti_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="host buffer per CUPTI request")
+    cupti_buffer_bytes: int = _spec(64 << 10, lo=1 << 12, hi=1 << 28,
+                                    doc="host buffer per CUPTI request (small: buffers complete sooner)")
     device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
     device_buffer_pool_limit: int = _spec(2, lo=1, hi=64, doc="CUPTI device buffers at most")
     kernels: bool = _spec(False, doc="CONCURRENT_KERNEL always on (else only in sampled windows)")
@@ -156,6 +161,8 @@ class ProbeConfig:
     torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
     untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
+    bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
+    copies: bool = _spec(True, doc="record MEMCPY, MEMCPY2 and MEMSET (copy metrics and frames need them)")
 # --- decision engines (issue 5) ------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.

@@ -38,6 +38,7 @@ class DeviceSnapshot:
     # Live allocations as a read-only structured array (ts, bytes, mk); filled only
     # when the pipeline is asked to (``Pipeline.snapshot_live_tables``): the leak engine.
     live_table: np.ndarray | None = None
+    peer_copy_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # (src gpu, dst gpu) -> bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,9 +112,10 @@ def build() -> dict:  # type: ignore[type-arg]
     d = d.with_variable(variable("pod", "pod", f'label_values(gpufootprint_device_bytes{{{NODE_SEL}, '
                                                'namespace=~"$namespace"}, pod)'))
     d = d.with_variable(variable("gpu", "gpu", f"label_values(gpufootprint_device_bytes{{{NODE_SEL}}}, gpu)"))
-    # Anomaly windows (issue 4) as annotations: one mark per window opened in the interval.
+    # Anomaly windows (issue 4) as annotations: a mark where windows closed. The counter is
+    # per daemon (label reason only, no pid/pod), so only the node variables can select it.
     d = d.annotation(db.AnnotationQuery().name("anomaly windows").datasource(DS).enable(True).icon_color("red")
-                     .expr(f"sum by (reason) (increase(gpufootprint_anomaly_windows_total{{{PROC_SEL}}}[1m])) > 0"))
+                     .expr(f"sum by (reason) (increase(gpufootprint_anomaly_windows_total{{{NODE_SEL}}}[1m])) > 0"))
 
     d = d.with_row(db.Row("Footprint"))
     d = d.with_panel(ts(
@@ -164,12 +165,14 @@ def build() -> dict:  # type: ignore[type-arg]
 
     d = d.with_row(db.Row("Budgets and leaks"))
     d = d.with_panel(bars_panel(
-        "Budget utilisation", "Used bytes over budget bytes, per budget scope.",
-        [Q("max by (scope, name) (gpufootprint_budget_utilization_ratio)", "{{scope}} {{name}}")],
+        "Budget utilisation", "Used bytes over budget bytes, per budget (budgets.rules). Budgets carry scope and "
+        "name, not pod labels: only the cluster and node variables select them.",
+        [Q(f"max by (scope, name) (gpufootprint_budget_utilization_ratio{{{NODE_SEL}}})", "{{scope}} {{name}}")],
         "percentunit", w=8, lo=0, hi=1))
     d = d.with_panel(bars_panel(
         "Time to budget exhaustion", "Predicted from the recent growth; no bar: not growing.",
-        [Q("min by (scope, name) (gpufootprint_budget_exhaustion_seconds)", "{{scope}} {{name}}")], "s", w=8))
+        [Q(f"min by (scope, name) (gpufootprint_budget_exhaustion_seconds{{{NODE_SEL}}})", "{{scope}} {{name}}")],
+        "s", w=8))
     d = d.with_panel(ts(
         "Leak suspects", "Bytes held by allocations the leak engine flags, per process.",
         [Q(f"sum by (node, namespace, pod, pid) (gpufootprint_leak_suspect_bytes{{{SEL}}})", "{{pod}} pid {{pid}}")],
@@ -196,8 +199,8 @@ def build() -> dict:  # type: ignore[type-arg]
 
     d = d.with_row(db.Row("Probe and daemon health"))
     d = d.with_panel(ts(
-        "Probe overhead", "CPU seconds per second the probe's CUPTI callbacks take inside each workload, "
-        "and the probe's own device memory.",
+        "Probe overhead", "CPU seconds per second the probe's CUPTI callbacks take inside each workload "
+        "(thread CPU time packing records).",
         [Q(f"sum by (node, namespace, pod, pid) (rate(gpufootprint_probe_callback_seconds_total{{{PROC_SEL}}}[{r}]))",
            "{{pod}} pid {{pid}} callbacks")], "percentunit", w=8))
     d = d.with_panel(ts(

@@ -24,7 +24,9 @@ from gpufootprint.config import load_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.probe.launcher import probe_env
-from gpufootprint.records import MemoryKind
+from gpufootprint.records import MemoryKind, RecordKind
+from gpufootprint.wire.framing import FrameType, iter_frames
+from gpufootprint.wire.sources import TraceFile
 
 WORKLOAD = str(Path(__file__).with_name("workload.py"))
 OUT = os.environ.get("GPUFOOTPRINT_GPU_OUT")
@@ -59,8 +61,9 @@ def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = No
     sock = str(tmp / "probe.sock")
     daemon = Daemon(sock)
     env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
-    if OUT:
-        env["GPUFOOTPRINT_PROBE_TEE"] = os.path.join(OUT, f"h200_probe_{scenario}.gfp.gz")
+    tag = os.environ.get("GPUFOOTPRINT_GPU_TAG", "")  # a second pass (another flush mode) keeps its own traces
+    env["GPUFOOTPRINT_PROBE_TEE"] = (os.path.join(OUT, f"h200_probe_{scenario}{tag}.gfp.gz") if OUT
+                                     else str(tmp / "tee.gfp.gz"))
     env.update(extra_env or {})
     args = [sys.executable, WORKLOAD, scenario]
     if scenario == "restart":
@@ -71,8 +74,9 @@ def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = No
     out, _ = child.communicate(timeout=240)
     time.sleep(0.3)
     daemon.stop()
+    SUMMARY.setdefault("workload_tails", {})[scenario] = out[-600:]
     assert child.returncode == 0, out[-3000:]
-    return daemon, subprocess.CompletedProcess(args, child.returncode, out, "")
+    return daemon, subprocess.CompletedProcess(args, child.returncode, out, env["GPUFOOTPRINT_PROBE_TEE"])
 
 
 def inside(addr: int, segs: list[list[int]], dev: int) -> bool:
@@ -103,9 +107,14 @@ def check_marks(daemon: Daemon, scenario: str, *, async_alloc: bool = False) -> 
             assert row["library_device_bytes"] == m.get("expect_library_device_bytes"), row
         rows.append(row)
     SUMMARY[scenario] = rows
-    if OUT:
-        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    _save()
     return rows
+
+
+def _save() -> None:
+    if OUT:
+        tag = os.environ.get("GPUFOOTPRINT_GPU_TAG", "")
+        Path(OUT, f"gpu_marks{tag}.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
 
 
 def test_caching_allocator_matches_torch_reserved_at_every_mark(tmp_path: Path) -> None:
@@ -145,8 +154,7 @@ def test_torch_profiler_mid_run_is_detected_rearmed_and_resynced(tmp_path: Path)
     assert grow >= 300 << 20, "the allocation after the profiler was not seen"
     counters = next(iter(daemon.pipeline.processes.values())).probe_counters
     SUMMARY["profiler_counters"] = counters
-    if OUT:
-        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    _save()
     assert counters.get("profiler_gaps", 0) >= 1 and counters.get("cupti_gap_seconds", 0) > 0
 
 
@@ -171,8 +179,7 @@ def test_daemon_restart_mid_run_resyncs_the_footprint(tmp_path: Path) -> None:
     assert [r["label"] for r in rows] == ["after_restart", "end"]
     counters = next(iter(daemon.pipeline.processes.values())).probe_counters
     SUMMARY["restart_counters"] = counters
-    if OUT:
-        Path(OUT, "gpu_marks.json").write_text(json.dumps(SUMMARY, indent=1, default=str))
+    _save()
     assert counters["reconnects"] >= 1
     assert counters["marks_dropped"] >= 1
     assert counters["records_dropped"] > 0
@@ -185,4 +192,39 @@ def test_cuda_started_before_the_probe_is_reported_as_untracked(tmp_path: Path) 
     assert m["matches"] is True
     assert m["live_bytes"].get("device", 0) >= m["late_bytes"]  # seen by CUPTI
     assert m["live_bytes"].get("untracked", 0) >= m["early_bytes"]  # NVML minus CUPTI: the early tensor, the context
-    SUMMARY["late_start"] = m["live_bytes"]
+    SUMMARY["late_start"] = {k: v for k, v in m.items() if k != "entries"}
+    _save()
+
+
+def test_kernel_window_opened_by_a_control_message_records_kernels_only_inside_it(tmp_path: Path) -> None:
+    def open_window(daemon: Daemon, child: subprocess.Popen[str], tmp: Path) -> Daemon:
+        end = time.monotonic() + 120
+        while not any(m["label"] == "ready" for m in daemon.marks):
+            assert time.monotonic() < end and child.poll() is None, "no ready mark"
+            time.sleep(0.01)
+        pid = daemon.marks[0]["pid"]
+        assert daemon.server.send_control(pid, {"op": "kernel_window", "ms": 300, "id": 7})
+        return daemon
+
+    daemon, done = run_workload("kernel_window", tmp_path, during=open_window)
+    assert done is not None
+    windows, kernels = [], []
+    for f in iter_frames(TraceFile(done.stderr).chunks()):
+        if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json():
+            windows.append(f.json()["kernel_window"])
+        elif f.type is FrameType.BATCH and f.tag == RecordKind.KERNEL:
+            kernels.extend(f.records()["start"].tolist())
+    by = {m["label"]: m for m in daemon.marks}
+    seen = {"windows": windows, "kernel_records": len(kernels), "launched": by["end"].get("launched"),
+            "pipeline_kernels": daemon.pipeline.records_ingested.get("kernel", 0)}
+    SUMMARY["kernel_window"] = seen
+    assert len(windows) == 1 and windows[0]["id"] == 7, seen
+    w = windows[0]
+    assert 0.25e9 <= w["end_ns"] - w["start_ns"] <= 2e9, seen
+    assert kernels, seen
+    seen["outside_window"] = sum(1 for t in kernels if not w["start_ns"] - 0.1e9 <= t <= w["end_ns"] + 0.1e9)
+    _save()
+    # The workload launched a matmul every ~6 ms for 3 s: about a tenth of them fall in the window.
+    assert seen["outside_window"] == 0, seen
+    assert 10 <= len(kernels) < by["end"]["launched"], seen
+    assert seen["pipeline_kernels"] == len(kernels), seen

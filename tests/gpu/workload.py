@@ -14,7 +14,8 @@ import time
 
 from gpufootprint import probe
 
-if not probe.status().get("started") and os.environ.get("WORKLOAD_LATE_START") != "1":
+NO_PROBE = os.environ.get("WORKLOAD_NO_PROBE") == "1"  # the same workload unprobed (a baseline)
+if not probe.status().get("started") and os.environ.get("WORKLOAD_LATE_START") != "1" and not NO_PROBE:
     probe.start()  # before torch: CUPTI must see the first allocation
 
 import torch
@@ -164,6 +165,21 @@ def scenario_late_start() -> None:
     del early, late
 
 
+def scenario_kernel_window() -> None:
+    """Kernels run for 3 s; the daemon opens one kernel window by CONTROL when it sees "ready"."""
+    a = torch.randn(1024, 1024, device="cuda")
+    mark("ready")
+    end = time.monotonic() + 3.0
+    launched = 0
+    while time.monotonic() < end:
+        b = a @ a
+        torch.cuda.synchronize()
+        launched += 1
+        time.sleep(0.005)
+    del b
+    mark("end", launched=launched)
+
+
 def _transformer(layers: int = 6, d: int = 1024) -> torch.nn.Module:
     layer = torch.nn.TransformerEncoderLayer(d, 16, 4 * d, batch_first=True, dropout=0.0)
     return torch.nn.TransformerEncoder(layer, layers).cuda().to(torch.bfloat16)
@@ -218,7 +234,7 @@ def main() -> int:
     torch.cuda.synchronize()
     st = probe.status()
     print(f"workload {name}: done; probe {st}", flush=True)
-    return 0 if st.get("started") else 3
+    return 0 if st.get("started") or NO_PROBE else 3
 
 
 if __name__ == "__main__":

@@ -83,3 +83,15 @@ def test_the_shipped_config_lists_every_key() -> None:
 
     shipped = yaml.safe_load((ROOT / "config" / "gpufootprint.yaml").read_text())
     assert yaml_keys(shipped) == keys(Config())
+
+
+def test_probe_section_defaults_are_the_probes_own() -> None:
+    import dataclasses
+
+    from gpufootprint.config import ProbeConfig
+    from gpufootprint.probe.settings import ProbeSettings
+
+    ours = {f.name: getattr(ProbeConfig(), f.name) for f in dataclasses.fields(ProbeConfig)}
+    probe = {f.name: getattr(ProbeSettings(), f.name) for f in dataclasses.fields(ProbeSettings)}
+    assert set(ours) <= set(probe)
+    assert {k: probe[k] for k in ours} == ours

@@ -111,6 +111,9 @@ class FootprintCollector(Collector):
         cpy_s = CounterMetricFamily("gpufootprint_memcpy_seconds", "GPU time spent in copies, by direction.",
                                     labels=[*PROC_LABELS, "direction"])
         set_b = CounterMetricFamily("gpufootprint_memset_bytes", "Bytes set by memset.", labels=PROC_LABELS)
+        peer = CounterMetricFamily("gpufootprint_peer_copy_bytes",
+                                   "Bytes copied between two GPUs (peer copies), by source and destination GPU.",
+                                   labels=["pid", "source", "src_gpu", "dst_gpu"])
         pending = GaugeMetricFamily("gpufootprint_pending_records",
                                     "Records received but not yet applied (waiting to be put in time order).",
                                     labels=["pid", "source"])
@@ -139,8 +142,14 @@ class FootprintCollector(Collector):
                     cpy_b.add_metric([*base, direction], dev.memcpy_bytes.get(ck, 0))
                     cpy_s.add_metric([*base, direction], dev.memcpy_seconds.get(ck, 0.0))
                 set_b.add_metric(base, dev.memset_bytes)
+            peers: dict[tuple[int, int], int] = {}
+            for dev in proc.devices:
+                for pair, n in dev.peer_copy_bytes.items():
+                    peers[pair] = peers.get(pair, 0) + n
+            for (src, dst), n in sorted(peers.items()):
+                peer.add_metric([str(proc.pid), proc.source, str(src), str(dst)], n)
         yield from (live, device, peak, pool_res, pool_used, nlive, allocs, rels, abytes, rbytes,
-                    cpy_n, cpy_b, cpy_s, set_b, pending, lag)
+                    cpy_n, cpy_b, cpy_s, set_b, peer, pending, lag)
         yield from probe_families(snap)
 
         window = GaugeMetricFamily("gpufootprint_window_peak_window_seconds",

@@ -83,7 +83,7 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        host = self.httpd.server_address[0]
+        host = str(self.httpd.server_address[0])
         shown = "localhost" if host in ("0.0.0.0", "127.0.0.1", "::") else host
         scheme = "https" if self.web_config.tls is not None else "http"
         return f"{scheme}://{shown}:{self.port}/metrics"

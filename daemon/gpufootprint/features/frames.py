@@ -202,11 +202,12 @@ class FrameBuilder:
         if n == 0:
             return
         addr, size = recs["addr"], recs["bytes"]
-        order = np.lexsort((np.arange(n), size, addr))
-        a, s = addr[order], size[order]
+        keys = _reuse_keys(addr, size)
+        order = np.argsort(keys, kind="stable")  # by key, then time
+        k = keys[order]
         rel = is_rel[order].astype(np.int64)
         start = np.ones(n, dtype=bool)
-        start[1:] = (a[1:] != a[:-1]) | (s[1:] != s[:-1])
+        start[1:] = k[1:] != k[:-1]
         cum = np.cumsum(rel) - rel  # releases before each element, whole batch
         group_base = np.maximum.accumulate(np.where(start, cum, 0))
         released_before = (cum - group_base) > 0  # within its own key group
@@ -214,14 +215,18 @@ class FrameBuilder:
         need = alloc_sorted & ~released_before
         freed = self._freed
         if need.any() and freed:
-            hits = [k in freed for k in _reuse_keys(a[need], s[need]).tolist()]
-            from_before = int(sum(hits))
+            need_keys = k[need].tolist()
+            unique = set(need_keys)
+            if len(unique) == len(need_keys):  # the usual case: one count per key, done in C
+                from_before = len(unique & freed)
+            else:
+                from_before = sum(key in freed for key in need_keys)
         else:
             from_before = 0
         self.allocations_seen += int(is_alloc.sum())
         self.allocations_reused += int((alloc_sorted & released_before).sum()) + from_before
         if is_rel.any():
-            freed.update(_reuse_keys(addr[is_rel], size[is_rel]).tolist())
+            freed.update(keys[is_rel].tolist())
 
     def _reuse_each(self, recs: np.ndarray) -> None:
         freed = self._freed

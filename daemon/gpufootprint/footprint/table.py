@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.records import DEVICE_RESIDENT_KINDS, MemoryOp, PoolOp
+from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, PoolOp
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class DeviceFootprint:
     memcpy_count: Counter[int] = field(default_factory=Counter)  # by copy kind
     memcpy_bytes: Counter[int] = field(default_factory=Counter)
     memcpy_ns: Counter[int] = field(default_factory=Counter)
+    # Peer copies (MEMCPY2): bytes by (source device, destination device), so both ends show.
+    peer_copy_bytes: Counter[tuple[int, int]] = field(default_factory=Counter)
     memset_count: int = 0
     memset_bytes: int = 0
     kernel_count: int = 0
@@ -128,15 +130,26 @@ class DeviceFootprint:
                        f"pid={self.pid} addr={int(a[i]):#x} allocated {int(size[i])} released {int(claimed[i])}",
                        int(mismatch.sum()))
         signed = np.where(is_rel, -size, size)
-        for k in np.unique(kind).tolist():
-            sel = kind == k
-            alloc_sel = sel & ~is_rel
-            rel_sel = sel & is_rel
-            self.live_by_kind[k] += int(signed[sel].sum())
-            self.allocations[k] += int(alloc_sel.sum())
-            self.releases[k] += int(rel_sel.sum())
-            self.allocated_bytes[k] += int(size[alloc_sel].sum())
-            self.released_bytes[k] += int(size[rel_sel].sum())
+        # Per-kind sums with bincount (float64 weights: exact while a batch moves < 2**53 bytes).
+        exact = int(size.sum()) < (1 << 53)
+        n_alloc = np.bincount(kind[~is_rel], minlength=_N_KINDS).tolist()
+        n_rel = np.bincount(kind[is_rel], minlength=_N_KINDS).tolist()
+        if exact:
+            b_alloc = np.bincount(kind[~is_rel], weights=size[~is_rel], minlength=_N_KINDS).tolist()
+            b_rel = np.bincount(kind[is_rel], weights=size[is_rel], minlength=_N_KINDS).tolist()
+        for k in range(_N_KINDS):
+            if not (n_alloc[k] or n_rel[k]):
+                continue
+            if exact:
+                ab, rb = int(b_alloc[k]), int(b_rel[k])
+            else:
+                ab = int(size[(kind == k) & ~is_rel].sum())
+                rb = int(size[(kind == k) & is_rel].sum())
+            self.live_by_kind[k] += ab - rb
+            self.allocations[k] += n_alloc[k]
+            self.releases[k] += n_rel[k]
+            self.allocated_bytes[k] += ab
+            self.released_bytes[k] += rb
         if is_async.any():
             self.async_device_bytes += int(signed[is_async].sum())
         # The table: addresses whose last record allocates hold that allocation;
@@ -275,6 +288,12 @@ class DeviceFootprint:
             self.memcpy_count[k] += int(sel.sum())
             self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
             self.memcpy_ns[k] += int(dur[sel].sum())
+        peer = ck == CopyKind.PTOP
+        if peer.any():
+            pairs = np.stack([recs["src_dev"][peer], recs["dst_dev"][peer]], axis=1)
+            sizes = recs["bytes"][peer]
+            for (src, dst), size in zip(pairs.tolist(), sizes.tolist()):
+                self.peer_copy_bytes[(src, dst)] += size
 
     def apply_memset(self, recs: np.ndarray) -> None:
         self.memset_count += len(recs)

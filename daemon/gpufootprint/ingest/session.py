@@ -107,9 +107,9 @@ class Session:
                 self.pipeline.advance(pid, ts)
         elif ftype is FrameType.META:
             meta = frame.json()
-            pid = meta.get("pid")
-            if isinstance(pid, int):
-                self._own(pid).info.update({k: v for k, v in meta.items() if k != "k"})
+            meta_pid = meta.get("pid")
+            if isinstance(meta_pid, int):
+                self._own(meta_pid).info.update({k: v for k, v in meta.items() if k != "k"})
         elif ftype is FrameType.HELLO:
             self._hello(frame.json())
         elif ftype is FrameType.HEARTBEAT:

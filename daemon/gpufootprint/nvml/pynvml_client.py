@@ -41,7 +41,7 @@ class PynvmlClient:
 
     def init(self) -> None:
         try:
-            import pynvml  # type: ignore[import-untyped]
+            import pynvml
         except ImportError as exc:
             raise NvmlCallError("not_found", f"nvidia-ml-py is not installed ({exc})") from None
         try:

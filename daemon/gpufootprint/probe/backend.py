@@ -21,6 +21,7 @@ Completed = Callable[[list[Any]], None]
 # CUPTI_ActivityKind values the probe enables.
 MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UNIFIED_MEMORY_COUNTER, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
 ALWAYS_ON = (MEMORY2, MEMORY_POOL, MEMCPY, MEMCPY2, MEMSET)
+FOOTPRINT_ONLY = (MEMORY2, MEMORY_POOL)
 
 
 class Backend(Protocol):
@@ -28,6 +29,7 @@ class Backend(Protocol):
     def enable(self, kind: int) -> bool: ...
     def disable(self, kind: int) -> bool: ...
     def flush(self, forced: bool) -> None: ...
+    def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
     def configure_unified_memory(self) -> bool: ...
     def dropped_records(self) -> int: ...
@@ -77,6 +79,19 @@ class CuptiBackend:
                 self.errors.append(f"cuptiActivityFlushAll: status {status}")
             return
         self._call("activity_flush_all", self._c.activity_flush_all, 1 if forced else 0)
+
+    def flush_period(self, ms: int) -> bool:
+        """CUPTI's worker thread delivers full, completed buffers every ``ms`` (0: CUPTI's heuristics)."""
+        return self._call("activity_flush_period", self._c.activity_flush_period, int(ms))
+
+    def libcupti_paths(self) -> list[str]:
+        """Every libcupti file mapped into this process (two copies: see docs/probe.md)."""
+        try:
+            with open("/proc/self/maps") as fh:
+                return sorted({line.split(None, 5)[5].strip() for line in fh
+                               if "libcupti.so" in line and len(line.split(None, 5)) == 6})
+        except OSError:
+            return []
 
     def _set(self, attr: int, value: int) -> bool:
         v = ctypes.c_size_t(value)
@@ -140,11 +155,15 @@ class CuptiBackend:
             if get_version is not None:
                 out["cupti"] = int(get_version())
             else:
-                lib = ctypes.CDLL("libcupti.so.13")
-                v = ctypes.c_uint32(0)
-                if lib.cuptiGetVersion(ctypes.byref(v)) == 0:
-                    out["cupti"] = int(v.value)
-        except OSError:
+                # Only the copy cupti-python already mapped: a dlopen by soname can load
+                # a second libcupti (a CUDA toolkit's) into the process.
+                paths = self.libcupti_paths()
+                if len(paths) == 1:
+                    lib = ctypes.CDLL(paths[0])
+                    v = ctypes.c_uint32(0)
+                    if lib.cuptiGetVersion(ctypes.byref(v)) == 0:
+                        out["cupti"] = int(v.value)
+        except (OSError, AttributeError):
             pass
         try:
             from cuda.bindings import driver  # type: ignore[import-untyped]

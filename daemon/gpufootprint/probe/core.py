@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.probe import hostinfo
-from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER, Backend
+from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, FOOTPRINT_ONLY, UNIFIED_MEMORY_COUNTER, Backend
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.packing import Packer
@@ -57,7 +57,7 @@ class Probe:
         self._records_out = 0  # the sender
         self._urgent = threading.Event()  # a mark or a profiler hand-over waits in the queue
         self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
-        self.packer = Packer(self.pid, self._sink, capacity=settings.capacity)
+        self.packer = Packer(self.pid, self._sink, capacity=settings.capacity, bulk=settings.bulk_pack)
         self.table = LiveTable()
         self.link: SocketLink | None = None
         if settings.socket:
@@ -71,6 +71,12 @@ class Probe:
         self.buffers_requested = 0
         self.buffers_completed = 0
         self.flush_s = settings.flush_ms / 1000
+        # "period": CUPTI's worker delivers full buffers every flush_s; forced flushes
+        # (which stall the workload while they run) only every watermark_s.
+        self.period = settings.flush_mode == "period"
+        self.watermark_s = max(1, settings.watermark_ms) / 1000
+        self.libcupti: list[str] = []
+        self._kinds = ALWAYS_ON if settings.copies else FOOTPRINT_ONLY
         self.in_gap = False
         self._gap_started_ns = 0
         self.gap_seconds = 0.0
@@ -101,9 +107,13 @@ class Probe:
                 self._backend = CuptiBackend(self.settings.flush_nogil)
             if self._discover:
                 self.devices, self.cuda_before = hostinfo.cuda_devices()
-            self.versions = self._backend.versions()
+            # configure() is the first CUPTI call (cupti-python maps its libcupti); the
+            # versions are read from that copy afterwards.
             self.own_device_bytes = self._backend.configure(self.settings.device_buffer_bytes,
                                                             self.settings.device_buffer_pool_limit)
+            self.versions = self._backend.versions()
+            paths = getattr(self._backend, "libcupti_paths", None)
+            self.libcupti = paths() if paths is not None else []
             self._arm()
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
                 self._kernels_always = True
@@ -114,6 +124,10 @@ class Probe:
             log.warning("gpufootprint probe not started: %s", exc)
             return False
         self.hello = hostinfo.hello(self.pid, self.versions, self.devices, self.cuda_before)
+        # How often this probe promises a watermark: a daemon that advances probes by its
+        # own clock must wait at least this long (docs/performance.md, late records).
+        self.hello["flush_mode"] = self.settings.flush_mode
+        self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:
                 self.tee = FileSink(self.settings.tee)
@@ -129,9 +143,24 @@ class Probe:
     def _arm(self) -> None:
         assert self._backend is not None
         self._backend.register(self._requested, self._completed)
-        for kind in ALWAYS_ON:
+        for kind in self._kinds:
             if not self._backend.enable(kind):
                 self.counters[f"kind_unavailable_{kind}"] += 1
+        if self.period:
+            self._set_period(self.flush_s)
+
+    def _set_period(self, seconds: float) -> None:
+        fn = getattr(self._backend, "flush_period", None)
+        if fn is not None and not fn(int(round(seconds * 1000))):
+            self.counters["flush_period_failures"] += 1
+
+    def _quiesce(self) -> None:
+        """Our kinds off and CUPTI's periodic delivery back to its default (sender thread)."""
+        assert self._backend is not None
+        for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
+            self._backend.disable(kind)
+        if self.period:
+            self._set_period(0)
 
     def stop(self, timeout: float = 3.0) -> None:
         """Final flush, GOODBYE, close. Safe to call twice and from atexit."""
@@ -187,7 +216,8 @@ class Probe:
 
     def status(self) -> dict[str, Any]:
         return {"started": self.started, "connected": bool(self.link and self.link.connected),
-                "in_gap": self.in_gap, **self._counter_values()}
+                "in_gap": self.in_gap, "flush_mode": self.settings.flush_mode, "libcupti": self.libcupti,
+                **self._counter_values()}
 
     # --- torch.profiler hand-over (workload thread) ----------------------------------------
 
@@ -232,7 +262,8 @@ class Probe:
     def _run(self) -> None:
         s = self.settings
         now = time.monotonic()
-        next_flush = now + self.flush_s
+        next_flush = now + self._forced_every()
+        next_drain = now + self.flush_s
         next_hb = now + s.heartbeat_ms / 1000
         next_untracked = now if self.cuda_before else float("inf")
         while True:
@@ -245,9 +276,10 @@ class Probe:
                 self._urgent.clear()
                 if stopping or urgent or now >= next_flush:
                     self._flush_and_drain()
-                    next_flush = now + self.flush_s
+                    next_flush = now + self._forced_every()
                 else:
                     self._drain()
+                next_drain = now + self.flush_s
                 if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
                     self._close_kernel_window()
                 if now >= next_untracked:
@@ -272,11 +304,14 @@ class Probe:
             if stopping:
                 self._goodbye()
                 return
-            wait = min(next_flush, next_hb) - time.monotonic()
+            wait = min(next_flush, next_hb, next_drain if self.period else next_flush) - time.monotonic()
             if self._kernel_window is not None:
                 wait = min(wait, self._kernel_window_end - time.monotonic())
             self._wake.wait(max(0.0005, wait))
             self._wake.clear()
+
+    def _forced_every(self) -> float:
+        return self.watermark_s if self.period else self.flush_s
 
     def _count_lost(self) -> None:
         """Frames buffered for a connection that broke before they were sent (sender thread)."""
@@ -321,11 +356,11 @@ class Probe:
                 item[2].set()
             elif head == "gap_begin":
                 if self._backend is not None:
-                    self._backend.flush(True)
                     # Stop producing records: buffers CUPTI fills after the profiler
                     # registers its callbacks belong to the profiler, not to us.
-                    for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
-                        self._backend.disable(kind)
+                    # Kinds off first, then the flush: no record of ours is left behind.
+                    self._quiesce()
+                    self._backend.flush(True)
                 self.packer.flush()
                 self.in_gap = True
                 item[2].set()
@@ -441,6 +476,8 @@ class Probe:
             if op == "flush_interval":
                 ms = int(body["ms"])  # type: ignore[index]
                 self.flush_s = min(1000, max(1, ms)) / 1000
+                if self.period and not self.in_gap:
+                    self._set_period(self.flush_s)  # CUPTI's thread delivers sooner; no forced flushes
                 self.counters["control_flush_interval"] += 1
             elif op == "kernel_window":
                 self._open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
@@ -497,6 +534,9 @@ class Probe:
         used = self._nvml_used(self.pid, self.devices)
         if used is None:
             return
+        if self.period and not self.in_gap:
+            # NVML minus the table: the table must be as of now, not of the last watermark.
+            self._flush_and_drain()
         ts = self._clock_ns()
         rows = []
         for dev, nbytes in used.items():
@@ -535,6 +575,8 @@ class Probe:
                                        if self.in_gap else self.gap_seconds, 6),
             "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
+            "buffers_completed": self.buffers_completed, "bulk_records": self.packer.bulk_records,
+            "bulk_fallbacks": self.packer.bulk_fallbacks,
             "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
             "cupti_dropped_records": self._cupti_dropped(),
             **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},
@@ -560,6 +602,10 @@ class Probe:
 
     def _goodbye(self) -> None:
         try:
+            if not self.in_gap and self._backend is not None:
+                # Nothing of ours may stay inside CUPTI after this: a buffer delivered
+                # while the interpreter shuts down would call into a dying Python.
+                self._quiesce()
             self._flush_and_drain()
             if self._kernel_window is not None:
                 self._close_kernel_window()

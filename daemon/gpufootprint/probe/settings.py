@@ -17,16 +17,23 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
+FLUSH_MODES = ("forced", "period")
 
 
 @dataclass(frozen=True)
 class ProbeSettings:
     socket: str = DEFAULT_SOCKET  # daemon socket ("" = none)
     tee: str = ""  # also write every frame to this file (gzip when it ends in .gz)
-    flush_ms: int = 100  # forced CUPTI flush and watermark cadence (the sampler may change it)
+    # "forced": a forced CUPTI flush (and watermark) every flush_ms, from the sender thread.
+    # "period": CUPTI's own worker thread hands over full buffers every flush_ms
+    # (cuptiActivityFlushPeriod); a forced flush and watermark only every watermark_ms,
+    # and for marks, resyncs and the profiler hand-over. See docs/performance.md.
+    flush_mode: str = "period"  # measured on the H200 2026-12-02: docs/performance.md
+    flush_ms: int = 100  # flush cadence (the sampler may change it): forced, or CUPTI's period
+    watermark_ms: int = 1000  # "period" mode: forced flush and watermark cadence
     heartbeat_ms: int = 1000
     buffer_bytes: int = 16 << 20  # bytes of frames waiting for the socket before records are dropped
-    cupti_buffer_bytes: int = 4 << 20  # host buffer handed to CUPTI per request
+    cupti_buffer_bytes: int = 64 << 10  # host buffer handed to CUPTI per request (small: full sooner)
     device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE
     device_buffer_pool_limit: int = 2  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_POOL_LIMIT
     kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
@@ -35,6 +42,8 @@ class ProbeSettings:
     untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
+    bulk_pack: bool = True  # read MEMORY2/MEMCPY/MEMSET as raw structs (checked; falls back to attributes)
+    copies: bool = True  # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself)
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
     # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
@@ -62,6 +71,11 @@ class ProbeSettings:
                 log.warning("GPUFOOTPRINT_PROBE_%s=%r is not valid; using %r", f.name.upper(), raw, default)
                 values.pop(f.name, None)
         values.update({k: v for k, v in overrides.items() if v is not None})
+        mode = values.get("flush_mode")
+        if mode is not None and mode not in FLUSH_MODES:
+            log.warning("GPUFOOTPRINT_PROBE_FLUSH_MODE=%r is not one of %s; using %r", mode, FLUSH_MODES,
+                        cls.flush_mode)
+            values.pop("flush_mode")
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:

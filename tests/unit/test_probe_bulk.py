@@ -1,0 +1,120 @@
+"""Bulk packing reads CUPTI's raw structs: their layout against cupti-python's own dtypes.
+
+Needs cupti-python only (no GPU): it is a dependency, so this runs everywhere, and on
+the GPU machine it checks the library installed there. Records are built in real memory
+with cupti-python's ``activity_*_dtype`` and read back through ``ptr``, as the
+probe reads CUPTI's buffers; the result must equal the attribute-by-attribute
+packing, field for field.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpufootprint.probe import packing
+from gpufootprint.records import DTYPES, RecordKind
+
+from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
+
+
+class Rec:
+    """A record object like cupti-python's: attributes over a struct in memory, plus ``ptr``."""
+
+    def __init__(self, arr: np.ndarray, i: int) -> None:
+        self._row = arr[i]
+        self.ptr = arr.ctypes.data + i * arr.dtype.itemsize
+
+    def __getattr__(self, name: str) -> Any:
+        v = self._row[name]
+        if v.dtype.names:  # nested struct
+            row = v
+            return SimpleNamespace(**{n: (SimpleNamespace(**{m: int(row[n][m]) for m in row[n].dtype.names})
+                                          if row[n].dtype.names else int(row[n])) for n in row.dtype.names})
+        return int(v)
+
+
+def _records(rng: np.random.Generator) -> tuple[list[Any], list[np.ndarray]]:
+    keep: list[np.ndarray] = []
+    recs: list[Any] = []
+    m = np.zeros(40, dtype=cupti.activity_memory4_dtype)
+    m["kind"] = packing.CUPTI_MEMORY2
+    for f in ("address", "bytes", "timestamp", "correlation_id", "device_id", "context_id", "stream_id"):
+        m[f] = rng.integers(1, 2**31, len(m))
+    m["memory_operation_type"] = rng.integers(1, 3, len(m))
+    m["memory_kind"] = rng.integers(1, 6, len(m))
+    m["is_async"] = np.arange(len(m)) % 2
+    cfg = m["memory_pool_config"]
+    cfg["memory_pool_type"] = np.arange(len(m)) % 3
+    cfg["address"] = rng.integers(1, 2**40, len(m))
+    cfg["release_threshold"] = rng.integers(1, 2**40, len(m))
+    cfg["utilized_size"] = rng.integers(1, 2**40, len(m))
+    cfg["pool"]["size_"] = rng.integers(1, 2**40, len(m))
+    m["memory_pool_config"] = cfg
+    c = np.zeros(7, dtype=cupti.activity_memcpy6_dtype)
+    c["kind"] = packing.CUPTI_MEMCPY
+    for f in ("bytes", "start", "end", "device_id", "context_id", "stream_id", "correlation_id", "graph_id"):
+        c[f] = rng.integers(1, 2**31, len(c))
+    c["copy_kind"], c["src_kind"], c["dst_kind"] = 1, 2, 3
+    s = np.zeros(5, dtype=cupti.activity_memset4_dtype)
+    s["kind"] = packing.CUPTI_MEMSET
+    for f in ("bytes", "start", "end", "device_id", "stream_id", "correlation_id"):
+        s[f] = rng.integers(1, 2**31, len(s))
+    s["memory_kind"] = 3
+    for arr in (m, c, s):
+        keep.append(arr)
+        recs.extend(Rec(arr, i) for i in range(len(arr)))
+    order = rng.permutation(len(recs))
+    return [recs[i] for i in order], keep
+
+
+def _pack(records: list[Any], bulk: bool) -> tuple[dict[RecordKind, np.ndarray], packing.Packer]:
+    out: dict[RecordKind, list[np.ndarray]] = {}
+    p = packing.Packer(7, lambda ch: out.setdefault(ch[0], []).append(ch[1].copy()), capacity=16, bulk=bulk)
+    assert p.pack(records) == len(records)
+    p.flush()
+    return {k: np.concatenate(v) for k, v in out.items()}, p
+
+
+def test_bulk_packing_equals_attribute_packing_field_for_field() -> None:
+    for seed in range(3):
+        records, _keep = _records(np.random.default_rng(seed))
+        slow, _ = _pack(records, bulk=False)
+        fast, p = _pack(records, bulk=True)
+        assert p.bulk and p.bulk_fallbacks == 0 and p.bulk_records == len(records)
+        assert set(slow) == set(fast) == {RecordKind.MEMORY, RecordKind.MEMCPY, RecordKind.MEMSET}
+        for kind in slow:
+            # Bulk groups by kind; order within a kind is kept.
+            assert slow[kind].dtype == DTYPES[kind]
+            assert slow[kind].tobytes() == fast[kind].tobytes(), kind
+
+
+def test_raw_offsets_agree_with_cupti_pythons_dtypes() -> None:
+    theirs = {packing.CUPTI_MEMORY2: cupti.activity_memory4_dtype, packing.CUPTI_MEMCPY: cupti.activity_memcpy6_dtype,
+              packing.CUPTI_MEMSET: cupti.activity_memset4_dtype}
+    names = {"op": "memory_operation_type", "mk": "memory_kind", "corr": "correlation_id", "dev": "device_id",
+             "ctx": "context_id", "stream": "stream_id", "ck": "copy_kind", "src": "src_kind", "dst": "dst_kind",
+             "graph": "graph_id"}
+    pool = {"pool_type": "memory_pool_type", "pool_addr": "address", "pool_thresh": "release_threshold",
+            "pool_size": "pool", "pool_used": "utilized_size"}
+    for k, ours in packing.RAW_DTYPES.items():
+        dt = theirs[k]
+        assert ours.itemsize == dt.itemsize
+        for name, (fmt, off) in ours.fields.items():
+            if name in pool:
+                base = dt.fields["memory_pool_config"][1]
+                sub = dt.fields["memory_pool_config"][0]
+                assert off == base + sub.fields[pool[name]][1], name
+                continue
+            t, o = dt.fields[names.get(name, name)][:2]
+            assert (o, t.itemsize) == (off, fmt.itemsize), name
+
+
+def test_records_without_ptr_fall_back_to_attributes_once() -> None:
+    rec = SimpleNamespace(kind=packing.CUPTI_MEMSET, start=1, end=2, bytes=3, device_id=0, stream_id=1,
+                          correlation_id=5, memory_kind=3)
+    out, p = _pack([rec, rec], bulk=True)
+    assert not p.bulk and p.bulk_fallbacks == 1 and len(out[RecordKind.MEMSET]) == 2
