@@ -253,13 +253,13 @@ def test_a_probe_killed_in_the_middle_of_a_large_frame_is_counted_and_forgotten(
 
 def test_probe_sent_and_dropped_reconcile_with_what_the_daemon_received_across_a_stall(daemons,
                                                                                         tmp_path: Path) -> None:
-    # GIVEN a probe with a small send buffer reporting to a daemon that stalls (SIGSTOP) mid-run
+    # GIVEN a probe with a small (1 MiB) send buffer reporting to a daemon that stalls (SIGSTOP) mid-run
     d = daemons().ready()
     sync = tmp_path / "sync"
     sync.mkdir()
     p = probe_child(d.sock, sync, "burst:500", "sleep:0.5", "touch:ready", "wait:stopped", "burst:20000",
                     "touch:burst_done", "wait:resumed", "burst:500", "sleep:0.5",
-                    GPUFOOTPRINT_PROBE_BUFFER_BYTES="65536")
+                    GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576")
     _touch_when(sync / "ready")
     d.proc.send_signal(signal.SIGSTOP)
     (sync / "stopped").touch()
