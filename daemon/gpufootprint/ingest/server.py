@@ -446,8 +446,11 @@ class IngestServer:
         except BlockingIOError:
             return
         except OSError as exc:
-            self._close(conn, "socket_error")
-            log.info("probe pid=%d socket error: %s", conn.pid, exc)
+            # A peer that exits with our CONTROL frames unread resets the socket: after its
+            # GOODBYE that is still a clean end.
+            self._close(conn, "goodbye" if conn.goodbye else "socket_error")
+            if not conn.goodbye:
+                log.info("probe pid=%d socket error: %s", conn.pid, exc)
             return
         if not data:
             if conn.decoder.pending:
