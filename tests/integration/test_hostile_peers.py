@@ -379,3 +379,14 @@ def test_control_frames_to_a_probe_that_does_not_read_are_never_torn(tmp_path: P
     assert len(frames) == sent and all(f.json()["ms"] == 5 for f in frames)
     peer.close()
     srv.stop()
+
+
+def test_a_probe_that_exits_after_goodbye_with_control_frames_unread_ends_cleanly(live) -> None:
+    srv, good = live()
+    s = _connect(srv.server.socket_path)
+    s.sendall(PREAMBLE + _hello(os.getpid()) + encode_json(FrameType.GOODBYE, {}))
+    srv.wait(lambda: any(c.goodbye for c in list(srv.server._conns.values())))
+    assert srv.server.send_control(os.getpid(), {"op": "flush_interval", "ms": 5})  # never read
+    s.close()  # unread data: the daemon's recv sees a reset, not an EOF
+    srv.wait(lambda: srv.server.disconnects["goodbye"] == 1)
+    assert srv.server.disconnects["socket_error"] == 0
