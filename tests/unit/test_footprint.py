@@ -207,3 +207,19 @@ def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() 
             each._apply_memory_each(batch, ee)
         assert _state(bulk) == _state(each), trial
         assert eb.counts == ee.counts, trial
+
+
+def test_timestamps_beyond_int64_are_dropped_and_counted_not_fatal() -> None:
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.sampler.hub import FeatureHub
+    from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch
+
+    pipeline = Pipeline(FootprintConfig(reorder_window_ms=0), hub=FeatureHub())
+    session = Session(pipeline, name="t")
+    rows = [mem(5 * MS, ALLOC, 0x10, 64), mem((1 << 64) - 1, ALLOC, 0x20, 128), mem(6 * MS, ALLOC, 0x30, 32)]
+    raw = encode_batch(RecordKind.MEMORY, mem_batch(rows))
+    session.handle(Frame(FrameType.BATCH, RecordKind.MEMORY, raw[HEADER_SIZE:], 0))
+    session.close()
+    pipeline.process_exited(100)
+    assert pipeline.errors.counts == {"bad_timestamp": 1}
+    assert pipeline.snapshot().processes[0].exited

@@ -24,6 +24,8 @@ from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
 
+_MAX_TS = 1 << 63
+
 MarkCallback = Callable[[dict[str, Any]], None]
 
 # issue 7: what a live probe may store about itself. HELLO values reach reports, engine
@@ -103,6 +105,11 @@ class Session:
             self._mark(frame.json())
         elif ftype is FrameType.WATERMARK:
             ts = frame.watermark()
+            if ts >= _MAX_TS:
+                self.problem("bad_timestamp", f"{self.name}: byte {frame.offset}: WATERMARK beyond the year 2262")
+                return
+            if self.future_limit_ns is not None:
+                ts = min(ts, self.future_limit_ns())
             for pid in self.pids:
                 self.pipeline.advance(pid, ts)
         elif ftype is FrameType.META:
@@ -156,6 +163,15 @@ class Session:
                 recs = recs[~foreign]
         if len(recs) == 0:
             return
+        # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
+        # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
+        absurd = recs[TIME_FIELD[kind]] >= np.uint64(_MAX_TS)
+        if absurd.any():
+            self.problem("bad_timestamp", f"{self.name}: byte {frame.offset}: {int(absurd.sum())} {kind.name} "
+                                          f"records with a timestamp beyond the year 2262: dropped")
+            recs = recs[~absurd]
+            if len(recs) == 0:
+                return
         if self.future_limit_ns is not None:
             recs = self._clamp_future(kind, recs)
         self.records += len(recs)
