@@ -307,13 +307,26 @@ class IngestServer:
         with self.lock:
             self._tick()
 
+    def clock_lag_ns(self, hello: dict[str, Any]) -> int:
+        """How far behind the daemon's clock a live probe's records are applied without its word.
+
+        A probe's WATERMARK frames move its watermark as soon as it sends them. The clock is the
+        fallback for a probe that has gone quiet; it must not overtake records still on their
+        way, so it waits for the reorder window or, for a probe whose HELLO says it sends a
+        watermark only every ``watermark_ms``, for two and a half of those.
+        """
+        lag = self.config.footprint.reorder_window_ms
+        declared = hello.get("watermark_ms")
+        if isinstance(declared, (int, float)) and not isinstance(declared, bool) and 0 < declared <= 60_000:
+            lag = max(lag, int(2.5 * declared))
+        return lag * 1_000_000
+
     def _tick(self) -> None:
         self._enforce_timeouts()
         now = self._clock_ns()
-        horizon = now - self.config.footprint.reorder_window_ms * 1_000_000
         for pid, proc in list(self.pipeline.processes.items()):
             if proc.source == "probe" and proc.exited_at is None:
-                self.pipeline.advance(pid, horizon)
+                self.pipeline.advance(pid, now - self.clock_lag_ns(proc.info))
         self.pipeline.expire()
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
