@@ -215,31 +215,3 @@ def test_allocator_slack_comes_from_the_probe_heartbeat_torch_field() -> None:
     for frame in decoder.feed(encode_json(FrameType.HEARTBEAT, {"torch": {"allocated": 3}})):
         session.handle(frame)
     assert pipeline.snapshot().features[0].allocator_slack_bytes == 5 << 20
-
-
-def test_reuse_ratio_bulk_path_equals_record_by_record() -> None:
-    import random
-
-    from gpufootprint.features.frames import FrameBuilder
-    from gpufootprint.footprint.peaks import FramePeaks
-    from tests.conftest import mem, mem_batch
-
-    rng = random.Random(5)
-    for trial in range(40):
-        rows, live, ts = [], {}, 1_000_000
-        for _ in range(300):
-            ts += rng.randint(1, 50_000)
-            addr = 0x1000 * rng.randrange(12)
-            if addr in live and rng.random() < 0.6:
-                rows.append(mem(ts, 2, addr, live.pop(addr)))
-            elif addr not in live:
-                live[addr] = rng.choice([256, 512, 4096])
-                rows.append(mem(ts, 1, addr, live[addr]))
-        builders = [FrameBuilder(1, 0, FramePeaks(10_000_000, 10**9), keep_ns=10**9, migration_ns=50_000_000,
-                                 reuse_capacity=10**6) for _ in range(2)]
-        for lo in range(0, len(rows), rng.randint(5, 80)):
-            batch = mem_batch(rows[lo : lo + 80])
-            builders[0]._reuse(batch)
-            builders[1]._reuse_each(batch)
-        assert (builders[0].allocations_seen, builders[0].allocations_reused) == (
-            builders[1].allocations_seen, builders[1].allocations_reused), trial

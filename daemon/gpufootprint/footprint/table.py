@@ -19,6 +19,7 @@ from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, Pool
 
 log = logging.getLogger(__name__)
 
+_BULK_MIN = 192  # below this many records the per-record loop is faster than numpy's fixed costs
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
@@ -80,7 +81,7 @@ class DeviceFootprint:
         otherwise record by record, which counts each anomaly. Both give the
         same state; a test holds them to that.
         """
-        if len(recs) and not self._apply_memory_bulk(recs, errors):
+        if len(recs) < _BULK_MIN or not self._apply_memory_bulk(recs, errors):
             self._apply_memory_each(recs, errors)
 
     def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> bool:
