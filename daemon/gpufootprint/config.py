@@ -150,8 +150,9 @@ class ProbeConfig:
     flush_ms: int = _spec(100, lo=1, hi=1000, doc="flush cadence (the sampler may change it)")
     watermark_ms: int = _spec(1000, lo=10, hi=60_000, doc="period mode: forced flush and WATERMARK cadence")
     heartbeat_ms: int = _spec(1000, lo=10, hi=60_000, doc="probe counters to the daemon")
-    buffer_bytes: int = _spec(16 << 20, lo=1 << 16, hi=1 << 30,
-                              doc="frames waiting for the socket before records are dropped")
+    buffer_bytes: int = _spec(16 << 20, lo=1 << 20, hi=1 << 30,
+                              doc="frames waiting for the socket before records are dropped (at least 1 MiB: "
+                                  "one packing array's frame is up to 4096 x 80 bytes)")
     cupti_buffer_bytes: int = _spec(64 << 10, lo=1 << 12, hi=1 << 28,
                                     doc="host buffer per CUPTI request (small: buffers complete sooner)")
     device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")

@@ -95,3 +95,10 @@ def test_probe_section_defaults_are_the_probes_own() -> None:
     probe = {f.name: getattr(ProbeSettings(), f.name) for f in dataclasses.fields(ProbeSettings)}
     assert set(ours) <= set(probe)
     assert {k: probe[k] for k in ours} == ours
+
+
+def test_probe_buffer_smaller_than_one_frame_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("probe:\n  buffer_bytes: 65536\n")
+    with pytest.raises(ConfigError, match="probe.buffer_bytes: 65536 is below the minimum 1048576"):
+        load_config(path, env={})
