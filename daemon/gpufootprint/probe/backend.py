@@ -40,7 +40,7 @@ class CuptiBackend:
     """cupti-python 13.x. Dispatches on ints, never on record class names."""
 
     def __init__(self, flush_nogil: bool = False) -> None:
-        from cupti import cupti  # type: ignore[import-untyped]  # lazy: the first call loads libcupti
+        from cupti import cupti  # lazy: the first call loads libcupti
 
         self._c = cupti
         self.errors: list[str] = []
@@ -166,7 +166,7 @@ class CuptiBackend:
         except (OSError, AttributeError):
             pass
         try:
-            from cuda.bindings import driver  # type: ignore[import-untyped]
+            from cuda.bindings import driver
 
             err, v = driver.cuDriverGetVersion()
             if int(err) == 0:

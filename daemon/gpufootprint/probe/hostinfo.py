@@ -38,7 +38,7 @@ def cuda_devices() -> tuple[list[dict[str, Any]], bool]:
     devices: list[dict[str, Any]] = []
     active = False
     try:
-        from cuda.bindings import driver  # type: ignore[import-untyped]
+        from cuda.bindings import driver
 
         if int(driver.cuInit(0)[0]) != 0:
             return devices, False

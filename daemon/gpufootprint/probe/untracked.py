@@ -17,7 +17,7 @@ _state: dict[str, Any] = {}
 def nvml_used_bytes(pid: int, devices: list[dict[str, Any]]) -> dict[int, int] | None:
     """{cuda device index: bytes NVML says ``pid`` uses}; None when NVML is unavailable."""
     try:
-        import pynvml  # type: ignore[import-untyped]
+        import pynvml
     except ImportError:
         return None
     try:
