@@ -9,16 +9,15 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.kube_api import FakeKubeApi
 
 pytestmark = pytest.mark.integration
 
@@ -26,30 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
 
 
-class _Api(BaseHTTPRequestHandler):
-    body = (DATA / "cgroup" / "pods.json").read_bytes()
-    paths: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        type(self).paths.append(self.path)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture()
-def api() -> Iterator[str]:
-    _Api.paths = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Api)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+def api() -> Iterator[FakeKubeApi]:
+    with FakeKubeApi((DATA / "cgroup" / "pods.json").read_bytes()) as server:
+        yield server
 
 
 def _port() -> int:
@@ -82,14 +61,14 @@ def _scrape(url: str, timeout: float = 60) -> dict[str, list[dict[str, str]]]:
     ("v1-cgroupfs-docker.txt", ("legacy-job-x", "batch", "worker", "resolved", "")),
     ("v2-host-session.txt", ("", "", "", "unresolved", "")),
 ])
-def test_replayed_process_is_labelled_with_its_pod(tmp_path: Path, api: str, fixture: str,
+def test_replayed_process_is_labelled_with_its_pod(tmp_path: Path, api: FakeKubeApi, fixture: str,
                                                     expect: tuple[str, ...]) -> None:
     (tmp_path / "proc" / "855").mkdir(parents=True)
     (tmp_path / "proc" / "855" / "cgroup").write_text((DATA / "cgroup" / fixture).read_text())
     (tmp_path / "token").write_text("t0ken")
     port = _port()
     env = {**os.environ, "GPUFOOTPRINT_KUBERNETES__MODE": "daemonset", "NODE_NAME": "gpu-node-1",
-           "GPUFOOTPRINT_KUBERNETES__API_SERVER": api, "GPUFOOTPRINT_KUBERNETES__PROC_ROOT": str(tmp_path / "proc"),
+           "GPUFOOTPRINT_KUBERNETES__API_SERVER": api.url, "GPUFOOTPRINT_KUBERNETES__PROC_ROOT": str(tmp_path / "proc"),
            "GPUFOOTPRINT_KUBERNETES__TOKEN_FILE": str(tmp_path / "token"),
            "GPUFOOTPRINT_EXPORTER__EXTRA_POD_LABELS": "team"}
     proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "replay", str(DATA / "h200_caching.jsonl.gz"),
@@ -107,5 +86,5 @@ def test_replayed_process_is_labelled_with_its_pod(tmp_path: Path, api: str, fix
         assert (labels["pod"], labels["namespace"], labels["container"], labels["attribution"],
                 labels["label_team"]) == expect, labels
     if expect[3] == "resolved":
-        assert _Api.paths == ["/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"]  # one list, cached
+        assert api.paths == ["/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"]  # one list, cached
     assert b"Traceback" not in err

@@ -5,9 +5,7 @@ against a local HTTP server)."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,8 @@ from gpufootprint.k8s.attribution import (
     prom_label_name,
     read_downward_labels,
 )
+
+from tests.kube_api import FakeKubeApi
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cgroup"
 PODS = json.loads((DATA / "pods.json").read_text())
@@ -187,48 +187,27 @@ def test_daemonset_reused_pid_gets_the_new_process_pod(tmp_path: Path) -> None:
 # --- the stdlib API client, against a real local HTTP server --------------------------------
 
 
-class _ApiHandler(BaseHTTPRequestHandler):
-    seen: list[tuple[str, str | None]] = []
-    body = json.dumps(PODS).encode()
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        type(self).seen.append((self.path, self.headers.get("Authorization")))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture()
-def api_server() -> Iterator[str]:
-    _ApiHandler.seen = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ApiHandler)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+def api_server() -> Iterator[FakeKubeApi]:
+    with FakeKubeApi(json.dumps(PODS).encode()) as server:
+        yield server
 
 
-def test_api_client_lists_this_nodes_pods_with_the_token(tmp_path: Path, api_server: str) -> None:
+def test_api_client_lists_this_nodes_pods_with_the_token(tmp_path: Path, api_server: FakeKubeApi) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret-token\n")
-    source = KubeApiPodSource(api_server, "gpu-node-1", token_file=str(token), ca_file=None)
+    source = KubeApiPodSource(api_server.url, "gpu-node-1", token_file=str(token), ca_file=None)
     pods = source.list_pods()
     assert [p.name for p in pods] == ["trainer-7d9f8-abcde", "notebook-0", "inference-5c6b", "legacy-job-x",
                                       "pending-pod"]
     assert pods[0].containers["3f1b2c4d5e6f708192a3b4c5d6e7f8091a2b3c4d5e6f708192a3b4c5d6e7f809"] == "trainer"
     assert pods[4].containers == {}  # a waiting container has no id yet
-    path, auth = _ApiHandler.seen[0]
+    path, auth = api_server.requests[0]
     assert path == "/api/v1/pods?fieldSelector=spec.nodeName%3Dgpu-node-1"
     assert auth == "Bearer s3cret-token"
     token.write_text("rotated")  # projected service-account tokens rotate: read at every call
     source.list_pods()
-    assert _ApiHandler.seen[1][1] == "Bearer rotated"
+    assert api_server.requests[1][1] == "Bearer rotated"
 
 
 def test_api_client_errors_are_one_line_errors(tmp_path: Path) -> None:
