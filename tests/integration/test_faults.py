@@ -24,16 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.server import bind_probe_socket
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
 from gpufootprint.wire.sources import TraceFile
-from tests.conftest import ALLOC, DATA, ROOT, cli_env, mem, mem_batch
+from prometheus_client.parser import text_string_to_metric_families
 
-CHILD = str(Path(__file__).with_name("probe_child.py"))
+from tests.conftest import ALLOC, DATA, ROOT, cli_env, mem, mem_batch
+from tests.probe_process import CHILD, finish_probe_child, start_probe_child
 
 
 def _free_port() -> int:
@@ -125,20 +124,12 @@ def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
         d.stop()
 
 
-def probe_child(sock: Path, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
-    e = cli_env()
-    e.update({"GPUFOOTPRINT_PROBE_SOCKET": str(sock), "GPUFOOTPRINT_PROBE_FLUSH_MS": "20",
-              "GPUFOOTPRINT_PROBE_HEARTBEAT_MS": "100", "GPUFOOTPRINT_PROBE_RECONNECT_MAX_MS": "200"})
-    e.pop("GPUFOOTPRINT_PROBE", None)
-    e.update(env)
-    return subprocess.Popen([sys.executable, CHILD, str(sync), *steps], env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def probe_child(sock: str | Path, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
+    return start_probe_child(sock, sync, *steps, **env)
 
 
 def finish(p: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = p.communicate(timeout=90)
-    assert p.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return finish_probe_child(p, timeout=90)
 
 
 def _touch_when(path: Path, timeout: float = 30) -> None:

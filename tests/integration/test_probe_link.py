@@ -22,7 +22,8 @@ from gpufootprint.ingest.server import IngestServer
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameType
 
-CHILD = str(Path(__file__).with_name("probe_child.py"))
+from tests.probe_process import CHILD, finish_probe_child, start_probe_child
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,21 +54,12 @@ class Daemon:
         return dict(self.pipeline.processes[pid].probe_counters)
 
 
-def child(sock: str, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
-    e = dict(os.environ)
-    e.update({"GPUFOOTPRINT_PROBE_SOCKET": sock, "GPUFOOTPRINT_PROBE_FLUSH_MS": "20",
-              "GPUFOOTPRINT_PROBE_HEARTBEAT_MS": "100", "GPUFOOTPRINT_PROBE_RECONNECT_MAX_MS": "200",
-              "PYTHONPATH": os.pathsep.join([str(ROOT / "daemon"), e.get("PYTHONPATH", "")])})
-    e.pop("GPUFOOTPRINT_PROBE", None)
-    e.update(env)
-    return subprocess.Popen([sys.executable, CHILD, str(sync), *steps], env=e, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def child(sock: str | Path, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
+    return start_probe_child(sock, sync, *steps, **env)
 
 
 def finish(p: subprocess.Popen[str]) -> dict[str, Any]:
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
+    return finish_probe_child(p, timeout=60)
 
 
 def test_footprint_at_marks_matches_and_peercred_pins_the_pid(tmp_path: Path) -> None:
