@@ -30,7 +30,6 @@ from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
-from gpufootprint.wire.framing import FrameType, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +135,7 @@ class App:
             return
         self.engine_outputs = out
         for a in out.budget_actions:
-            sent = self.ingest.send(a.pid, encode_json(FrameType.CONTROL, a.control()))
+            sent = self.ingest.send_control(a.pid, a.control())
             log.info("budget action scope=%s name=%s pid=%d action=%s sent=%s reason=%r",
                      a.scope, a.name, a.pid, a.action, sent, a.reason)
         for leak in out.new_leaks:

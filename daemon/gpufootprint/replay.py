@@ -12,7 +12,7 @@ from typing import Any
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import TIME_FIELD, RecordKind
-from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameDecoder, FrameType
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameDecoder, FrameType, encode_batch, encode_json
 from gpufootprint.wire.sources import TraceFile
 
 
@@ -125,8 +125,6 @@ _SHIFT_FIELDS = {
 
 def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
     """The same frame with every timestamp moved by ``delta_ns`` (and pid replaced): for looping demos."""
-    from gpufootprint.wire.framing import encode_batch, encode_json  # local: keeps the import graph flat
-
     if frame.type is FrameType.BATCH:
         kind = RecordKind(frame.tag)
         recs = frame.records().copy()

@@ -314,7 +314,3 @@ class DeviceFootprint:
     @property
     def pool_reserved_bytes(self) -> int:
         return sum(r for r, _ in self.pools.values())
-
-    @property
-    def pool_used_bytes(self) -> int:
-        return sum(u for _, u in self.pools.values())

@@ -32,7 +32,6 @@ from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnaps
 
 log = logging.getLogger(__name__)
 
-_FAR_FUTURE = (1 << 63) - 1
 _NO_KERNELS = np.zeros(0, DTYPES[RecordKind.KERNEL])
 _NO_KERNELS.flags.writeable = False
 
@@ -378,4 +377,4 @@ def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
     )
 
 
-__all__ = ["Pipeline", "ProcessState", "DTYPES"]
+__all__ = ["Pipeline", "ProcessState"]
