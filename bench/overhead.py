@@ -11,7 +11,7 @@ the machine hits both sides.
 Workloads: (a) a transformer training step (6 layers, d=1024, bf16, batch
 16x512); (b) a loop of 100 tiny ``add_`` launches per step. Configurations:
 none; probe (the probe's default settings, daemon listening); the probe_*
-variants in PROBE_CONFIGS (flush mode, GIL-free flush, bulk packing, CUPTI
+variants in PROBE_CONFIGS (delivery, flush mode, GIL-free flush, bulk packing, CUPTI
 buffer size; probe_daemon_away: socket missing, records dropped and counted);
 torch_profiler (torch.profiler(profile_memory=True) around each round);
 memory_history (torch.cuda.memory._record_memory_history). Each probed
@@ -47,9 +47,13 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_period_4m": {**_PERIOD, "cupti_buffer_bytes": 4 << 20},
     "probe_forced_bulk": {**_FORCED_OLD, "bulk_pack": True},
     "probe_copies_off": {"copies": False},  # the defaults without MEMCPY/MEMSET records
+    # The default until the raw delivery: cupti-python's record objects on CUPTI's thread.
+    "probe_objects": {"delivery": "objects"},
     "probe_daemon_away": {},  # the defaults, socket missing
 }
-CONFIGS = ["none", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
+# none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
+# instrumentation at all (A/A): the noise and bias floor for every other ratio.
+CONFIGS = ["none", "none_b", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
 HERE = Path(__file__).resolve()
 
 
@@ -231,7 +235,9 @@ def main() -> int:
         print(f"{c:20s}", " | ".join(cells))
         st = (row.get("final") or {}).get("probe") or {}
         if st:
-            print(" " * 21, {k: st.get(k) for k in ("flush_mode", "flushes", "flush_seconds", "callback_seconds",
+            print(" " * 21, {k: st.get(k) for k in ("flush_mode", "delivery", "flushes", "flush_seconds",
+                                                     "callback_seconds", "raw_buffers", "raw_buffers_refused",
+                                                     "cupti_dropped_records",
                                                      "buffers_completed", "records_sent", "bulk_records",
                                                      "bulk_fallbacks", "records_dropped")}, row.get("daemon"))
     return 0

@@ -143,3 +143,117 @@ class FakeCupti:
 
     def free(self, addr: int, size: int, **kw: Any) -> None:
         self.emit(memory_record(2, addr, size, **kw))
+
+
+# cupti-python's struct for each kind: what CUPTI 13 writes into its buffers.
+_STRUCTS = {MEMORY2: "memory4", MEMORY_POOL: "memory_pool3", MEMCPY: "memcpy6", MEMCPY2: "memcpy_pto_p4",
+            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3"}
+
+
+def _struct_dtype(kind: int) -> Any:
+    from cupti import cupti  # a pinned dependency; importable without a GPU
+
+    return getattr(cupti, f"activity_{_STRUCTS[kind]}_dtype")
+
+
+class FakeRawCupti(FakeCupti):
+    """The same in-memory CUPTI, delivering buffers of C structs through the probe's raw callbacks.
+
+    Each record object is written into cupti-python's ``activity_*_dtype`` layout
+    (kernel names as C strings this fake owns), records back to back in a buffer
+    the probe's ``requested`` thunk handed out, and ``completed`` is called through
+    the real ctypes thunk. Registering cupti-python callbacks (``register``)
+    replaces the raw ones, as a second registration does in CUPTI.
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.delivery: Any = None
+        self._names: dict[str, Any] = {}  # name -> ctypes buffer (kept alive like CUPTI's strings)
+        self.refused_records = 0
+        self.buffers_delivered = 0
+
+    def register(self, requested: Any, completed: Any) -> None:
+        super().register(requested, completed)
+        self.delivery = None
+
+    def register_raw(self, delivery: Any) -> bool:
+        self.delivery = delivery
+        self.requested = self.completed = None
+        self.registrations += 1
+        return True
+
+    def dropped_records(self) -> int:
+        n, self.refused_records = self.refused_records, 0
+        return n
+
+    def to_struct(self, rec: Any) -> bytes:
+        import ctypes
+
+        import numpy as np
+
+        dt = _struct_dtype(rec.kind)
+        row = np.zeros(1, dtype=dt)
+        for f in dt.names:
+            if f == "memory_pool_config":
+                cfg = rec.memory_pool_config
+                sub = row[f]
+                sub["memory_pool_type"] = cfg.memory_pool_type
+                sub["address"] = cfg.address
+                sub["release_threshold"] = cfg.release_threshold
+                sub["utilized_size"] = cfg.utilized_size
+                sub["pool"]["size_"] = cfg.pool.size_
+                row[f] = sub
+            elif f == "name" and rec.kind == CONCURRENT_KERNEL:
+                buf = self._names.get(rec.name)
+                if buf is None:
+                    self._names[rec.name] = buf = ctypes.create_string_buffer(rec.name.encode())
+                row[f] = ctypes.addressof(buf)
+            else:
+                v = getattr(rec, f, None)
+                if isinstance(v, int) and not dt.fields[f][0].shape:
+                    row[f] = v
+        return row.tobytes()
+
+    def flush(self, forced: bool) -> None:
+        if self.delivery is None:
+            super().flush(forced)
+            return
+        import ctypes
+
+        with self.lock:
+            recs, self.pending = self.pending, []
+            self.flushes += 1
+        if self.shuffle:
+            self.rng.shuffle(recs)
+        structs = [self.to_struct(r) for r in recs]
+        i = 0
+        while i < len(structs):
+            # Like CUPTI: ask for a buffer, write whole records while they fit, complete it.
+            buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+            self.delivery._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+            if not buf.value or size.value < len(structs[i]):
+                self.refused_records += 1  # no buffer: CUPTI drops the record and counts it
+                i += 1
+                continue
+            used = 0
+            while i < len(structs) and used + len(structs[i]) <= size.value:
+                ctypes.memmove(buf.value + used, structs[i], len(structs[i]))
+                used += len(structs[i])
+                i += 1
+            self.buffers_delivered += 1
+            self.delivery._cmp(None, 0, buf.value, size.value, used)
+
+    def walk_raw(self, address: int, valid: int) -> dict[int, list[int]] | None:
+        """The reference walk (cuptiActivityGetNextRecord's job): by each struct's size."""
+        import ctypes
+
+        out: dict[int, list[int]] = {}
+        off = 0
+        while off < valid:
+            kind = ctypes.c_int32.from_address(address + off).value
+            if kind not in _STRUCTS:
+                return None
+            out.setdefault(kind, []).append(off)
+            off += _struct_dtype(kind).itemsize
+        return out

@@ -164,6 +164,12 @@ class ProbeConfig:
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
     bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
     copies: bool = _spec(True, doc="record MEMCPY, MEMCPY2 and MEMSET (copy metrics and frames need them)")
+    delivery: str = _spec("raw", choices=("raw", "objects"),
+                          doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
+                              "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
+    raw_buffers: int = _spec(256, lo=4, hi=4096,
+                             doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
+                                 "drops and counts records")
 # --- decision engines (issue 5) ------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.

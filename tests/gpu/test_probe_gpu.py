@@ -61,6 +61,9 @@ def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = No
     sock = str(tmp / "probe.sock")
     daemon = Daemon(sock)
     env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
+    # Raw delivery (the default): every real CUPTI buffer is also walked by
+    # cuptiActivityGetNextRecord, and any disagreement with our walk is counted.
+    env["GPUFOOTPRINT_PROBE_RAW_VERIFY_WALK"] = "1"
     tag = os.environ.get("GPUFOOTPRINT_GPU_TAG", "")  # a second pass (another flush mode) keeps its own traces
     env["GPUFOOTPRINT_PROBE_TEE"] = (os.path.join(OUT, f"h200_probe_{scenario}{tag}.gfp.gz") if OUT
                                      else str(tmp / "tee.gfp.gz"))
@@ -76,7 +79,27 @@ def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = No
     daemon.stop()
     SUMMARY.setdefault("workload_tails", {})[scenario] = out[-600:]
     assert child.returncode == 0, out[-3000:]
+    check_delivery(daemon, scenario, env)
     return daemon, subprocess.CompletedProcess(args, child.returncode, out, env["GPUFOOTPRINT_PROBE_TEE"])
+
+
+def check_delivery(daemon: Daemon, scenario: str, env: dict[str, str]) -> None:
+    """The probe's own account from its GOODBYE: how CUPTI's buffers were read, and that nothing was misread."""
+    rows = {}
+    for pid, proc in daemon.pipeline.processes.items():
+        c = proc.probe_counters
+        if not c:
+            continue
+        rows[pid] = {k: c.get(k) for k in ("raw_delivery", "raw_buffers", "raw_records", "raw_walks_verified",
+                                           "raw_walk_mismatches", "raw_walk_fallbacks", "raw_buffers_unreadable",
+                                           "raw_buffers_refused", "raw_foreign_buffers", "packer_bad_records",
+                                           "cupti_dropped_records", "records_sent", "callback_seconds")}
+        if env.get("GPUFOOTPRINT_PROBE_DELIVERY", "raw") == "raw":
+            assert c.get("raw_delivery") == 1, f"{scenario}: raw delivery not registered: {rows[pid]}"
+            assert c.get("raw_buffers", 0) > 0 and c.get("raw_walks_verified") == c.get("raw_buffers"), rows[pid]
+            assert c.get("raw_walk_mismatches") == 0 and c.get("raw_walk_fallbacks") == 0, rows[pid]
+            assert c.get("raw_buffers_unreadable") == 0 and c.get("packer_bad_records") == 0, rows[pid]
+    SUMMARY.setdefault("delivery", {})[scenario] = rows
 
 
 def inside(addr: int, segs: list[list[int]], dev: int) -> bool:

@@ -25,7 +25,10 @@ from gpufootprint import probe
 
 def main() -> int:
     sync, steps = sys.argv[1], sys.argv[2:]
-    fake = probe_fakes.FakeCupti(shuffle=True, buffer_records=16)
+    # The raw delivery (CUPTI's buffers as bytes) is the probe's default; FAKE_DELIVERY=objects
+    # drives cupti-python's record-object callbacks instead.
+    cls = probe_fakes.FakeCupti if os.environ.get("FAKE_DELIVERY") == "objects" else probe_fakes.FakeRawCupti
+    fake = cls(shuffle=True, buffer_records=16)
     t0 = time.perf_counter()
     ok = probe.start(backend=fake, discover_devices=False)
     start_s = time.perf_counter() - t0

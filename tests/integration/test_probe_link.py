@@ -203,7 +203,8 @@ def test_pth_startup_line_is_inert_unless_enabled(value: str, started: bool) -> 
     assert r.stdout.strip() == str(started)
 
 
-def test_a_daemon_that_stops_reading_never_blocks_the_workload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("delivery", ["raw", "objects"])
+def test_a_daemon_that_stops_reading_never_blocks_the_workload(tmp_path: Path, delivery: str) -> None:
     # GIVEN a "daemon" that accepts the connection and then never reads from it
     import socket as socketlib
 
@@ -215,7 +216,8 @@ def test_a_daemon_that_stops_reading_never_blocks_the_workload(tmp_path: Path) -
     threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
     try:
         # WHEN the workload produces far more than the kernel's socket buffer and the probe's own
-        p = child(path, tmp_path, "sleep:0.2", "burst:20000", "mark:m", GPUFOOTPRINT_PROBE_BUFFER_BYTES="65536")
+        p = child(path, tmp_path, "sleep:0.2", "burst:20000", "mark:m", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
+                  FAKE_DELIVERY=delivery)
         res = finish(p)
     finally:
         for s in held:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.probe import packing
+from gpufootprint.probe import packing, rawrecords
 from gpufootprint.records import DTYPES, RecordKind
 
 from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
@@ -92,25 +92,31 @@ def test_bulk_packing_equals_attribute_packing_field_for_field() -> None:
             assert slow[kind].tobytes() == fast[kind].tobytes(), kind
 
 
-def test_raw_offsets_agree_with_cupti_pythons_dtypes() -> None:
-    theirs = {packing.CUPTI_MEMORY2: cupti.activity_memory4_dtype, packing.CUPTI_MEMCPY: cupti.activity_memcpy6_dtype,
-              packing.CUPTI_MEMSET: cupti.activity_memset4_dtype}
+def test_raw_offsets_agree_with_cupti_pythons_dtypes_for_every_kind() -> None:
+    # Our field name -> cupti-python's, where they differ; pool fields live in the nested config.
     names = {"op": "memory_operation_type", "mk": "memory_kind", "corr": "correlation_id", "dev": "device_id",
              "ctx": "context_id", "stream": "stream_id", "ck": "copy_kind", "src": "src_kind", "dst": "dst_kind",
-             "graph": "graph_id"}
+             "graph": "graph_id", "src_dev": "src_device_id", "dst_dev": "dst_device_id", "node": "graph_node_id"}
+    per_kind = {rawrecords.MEMORY_POOL: {"ptype": "memory_pool_type", "op": "memory_pool_operation_type",
+                                         "keep": "min_bytes_to_keep", "size": "size_", "thresh": "release_threshold",
+                                         "used": "utilized_size"},
+                rawrecords.UNIFIED_MEMORY_COUNTER: {"ck": "counter_kind", "src": "src_id", "dst": "dst_id"}}
     pool = {"pool_type": "memory_pool_type", "pool_addr": "address", "pool_thresh": "release_threshold",
             "pool_size": "pool", "pool_used": "utilized_size"}
-    for k, ours in packing.RAW_DTYPES.items():
-        dt = theirs[k]
-        assert ours.itemsize == dt.itemsize
+    assert set(rawrecords.CUPTI_PYTHON_NAMES) | {rawrecords.KERNEL} == set(rawrecords.RAW_DTYPES)
+    for k, struct_name in rawrecords.CUPTI_PYTHON_NAMES.items():
+        ours = rawrecords.RAW_DTYPES[k]
+        dt = getattr(cupti, f"activity_{struct_name}_dtype")
+        assert ours.itemsize == dt.itemsize, struct_name
         for name, (fmt, off) in ours.fields.items():
-            if name in pool:
+            if k == rawrecords.MEMORY2 and name in pool:
                 base = dt.fields["memory_pool_config"][1]
                 sub = dt.fields["memory_pool_config"][0]
                 assert off == base + sub.fields[pool[name]][1], name
                 continue
-            t, o = dt.fields[names.get(name, name)][:2]
-            assert (o, t.itemsize) == (off, fmt.itemsize), name
+            theirs = per_kind.get(k, {}).get(name) or names.get(name, name)
+            t, o = dt.fields[theirs][:2]
+            assert (o, t.itemsize) == (off, fmt.itemsize), (struct_name, name)
 
 
 def test_records_without_ptr_fall_back_to_attributes_once() -> None:

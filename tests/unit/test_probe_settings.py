@@ -14,3 +14,20 @@ def test_overrides_win_over_the_environment_and_round_trip_through_env() -> None
     s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_FLUSH_MS": "25"}, flush_ms=7, socket=None)
     assert s.flush_ms == 7 and s.socket == ProbeSettings().socket
     assert ProbeSettings.from_env(s.to_env()) == s
+
+
+def test_values_below_what_works_fall_back_with_a_warning(caplog: object) -> None:
+    import logging
+
+    import pytest
+
+    assert isinstance(caplog, pytest.LogCaptureFixture)
+    caplog.set_level(logging.WARNING)
+    # a socket buffer smaller than one batch frame would drop every batch
+    s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_BUFFER_BYTES": "65536", "GPUFOOTPRINT_PROBE_RAW_BUFFERS": "1",
+                                "GPUFOOTPRINT_PROBE_DELIVERY": "fast", "GPUFOOTPRINT_PROBE_CUPTI_BUFFER_BYTES": "8192"})
+    assert (s.buffer_bytes, s.raw_buffers, s.delivery) == (16 << 20, 256, "raw")
+    assert s.cupti_buffer_bytes == 8192
+    text = caplog.text
+    assert "GPUFOOTPRINT_PROBE_BUFFER_BYTES='65536' is not valid" in text
+    assert "GPUFOOTPRINT_PROBE_RAW_BUFFERS='1'" in text and "GPUFOOTPRINT_PROBE_DELIVERY='fast'" in text

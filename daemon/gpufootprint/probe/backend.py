@@ -136,6 +136,40 @@ class CuptiBackend:
             return False
         return self.enable(UNIFIED_MEMORY_COUNTER)
 
+    def register_raw(self, delivery: Any) -> bool:
+        """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""
+        lib = _libcupti()
+        if lib is None:
+            self.errors.append("raw delivery: not exactly one libcupti mapped")
+            return False
+        try:
+            status = delivery.register(lib)
+        except (OSError, AttributeError) as exc:
+            self.errors.append(f"raw delivery: {exc}")
+            return False
+        if status != 0:
+            self.errors.append(f"cuptiActivityRegisterCallbacks: status {status}")
+            return False
+        # The same libcupti serves the flush, through ctypes: the GIL is released while
+        # CUPTI flushes, and our ctypes callbacks take it only to queue a buffer.
+        self._flush_nogil = True
+        self._lib_next = lib.cuptiActivityGetNextRecord
+        self._lib_next.restype = ctypes.c_int
+        self._lib_next.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
+        return True
+
+    def walk_raw(self, address: int, valid: int) -> dict[int, list[int]] | None:
+        """Offsets of each kind's records by cuptiActivityGetNextRecord (the reference walk)."""
+        fn = getattr(self, "_lib_next", None)
+        if fn is None:
+            return None
+        rec = ctypes.c_void_p(None)
+        out: dict[int, list[int]] = {}
+        while fn(address, valid, ctypes.byref(rec)) == 0 and rec.value:
+            kind = ctypes.c_int32.from_address(rec.value).value
+            out.setdefault(kind, []).append(rec.value - address)
+        return out
+
     def dropped_records(self) -> int:
         v = ctypes.c_size_t(0)
         ok = self._call("activity_get_num_dropped_records", self._c.activity_get_num_dropped_records, 0, 0,
@@ -176,13 +210,8 @@ class CuptiBackend:
         return out
 
 
-def _libcupti_function(name: str) -> Any:
-    """A libcupti function through ctypes (GIL released during the call), or None.
-
-    Only when exactly one libcupti is mapped into the process, opened by that exact
-    path (so dlopen returns the copy cupti-python uses). A soname lookup found a
-    second copy on the H200 test machine (PyTorch's), with records lost and a crash.
-    """
+def _libcupti() -> Any:
+    """The one libcupti mapped into this process, opened by its path; None when not exactly one."""
     try:
         with open("/proc/self/maps") as fh:
             paths = {line.split(None, 5)[5].strip() for line in fh
@@ -192,8 +221,24 @@ def _libcupti_function(name: str) -> Any:
     if len(paths) != 1:
         return None
     try:
-        fn = getattr(ctypes.CDLL(paths.pop()), name)
-    except (OSError, AttributeError):
+        return ctypes.CDLL(paths.pop())
+    except OSError:
+        return None
+
+
+def _libcupti_function(name: str) -> Any:
+    """A libcupti function through ctypes (GIL released during the call), or None.
+
+    Only when exactly one libcupti is mapped into the process, opened by that exact
+    path (so dlopen returns the copy cupti-python uses). A soname lookup found a
+    second copy on the H200 test machine (PyTorch's), with records lost and a crash.
+    """
+    lib = _libcupti()
+    if lib is None:
+        return None
+    try:
+        fn = getattr(lib, name)
+    except AttributeError:
         return None
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_uint32]

@@ -30,7 +30,9 @@ from gpufootprint.probe import hostinfo
 from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, FOOTPRINT_ONLY, UNIFIED_MEMORY_COUNTER, Backend
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe import rawrecords
 from gpufootprint.probe.packing import Packer
+from gpufootprint.probe.rawdelivery import RawDelivery, view
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire import framing
@@ -70,6 +72,10 @@ class Probe:
         self.own_device_bytes = 0
         self.buffers_requested = 0
         self.buffers_completed = 0
+        # Raw delivery (settings.delivery == "raw" and the backend can register it):
+        # CUPTI's buffers reach the sender as bytes. None: cupti-python's objects.
+        self.raw: RawDelivery | None = None
+        self._raw_tried = False
         self.flush_s = settings.flush_ms / 1000
         # "period": CUPTI's worker delivers full buffers every flush_s; forced flushes
         # (which stall the workload while they run) only every watermark_s.
@@ -127,6 +133,7 @@ class Probe:
         # How often this probe promises a watermark: a daemon that advances probes by its
         # own clock must wait at least this long (docs/performance.md, late records).
         self.hello["flush_mode"] = self.settings.flush_mode
+        self.hello["delivery"] = "raw" if self.raw is not None else "objects"
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:
@@ -142,12 +149,64 @@ class Probe:
 
     def _arm(self) -> None:
         assert self._backend is not None
-        self._backend.register(self._requested, self._completed)
+        if not self._arm_raw():
+            self._backend.register(self._requested, self._completed)
         for kind in self._kinds:
             if not self._backend.enable(kind):
                 self.counters[f"kind_unavailable_{kind}"] += 1
         if self.period:
             self._set_period(self.flush_s)
+
+    def _arm_raw(self) -> bool:
+        """Register the raw callbacks; False (cupti-python's objects instead) where that cannot be done."""
+        register_raw = getattr(self._backend, "register_raw", None)
+        if self.settings.delivery != "raw" or register_raw is None:
+            return False
+        if self.raw is None:
+            if self._raw_tried:
+                return False
+            self._raw_tried = True
+            self.raw = RawDelivery(self.settings.cupti_buffer_bytes, self.settings.raw_buffers, self._raw_completed)
+        if register_raw(self.raw):
+            return True
+        self.counters["raw_delivery_unavailable"] += 1
+        if self.counters["raw_buffers"] == 0:
+            self.raw = None  # never worked here: objects from now on
+        return False
+
+    def _raw_completed(self, address: int, valid: int) -> None:
+        # CUPTI's thread: queue the buffer for the sender, nothing else.
+        self._q.append(("raw", address, valid))
+
+    def _raw_buffer(self, address: int, valid: int) -> None:
+        """Read one CUPTI buffer's records into batches and give the buffer back (sender thread)."""
+        raw = self.raw
+        assert raw is not None
+        t0 = time.thread_time()
+        try:
+            buf = view(address, valid)
+            offsets = rawrecords.walk(buf, valid)
+            if self.settings.raw_verify_walk or offsets is None:
+                walk_raw = getattr(self._backend, "walk_raw", None)
+                reference = walk_raw(address, valid) if walk_raw is not None else None
+                if offsets is None:
+                    self.counters["raw_walk_fallbacks"] += 1
+                    offsets = reference
+                elif reference is not None:
+                    self.counters["raw_walks_verified"] += 1
+                    if reference != offsets:
+                        self.counters["raw_walk_mismatches"] += 1
+                        offsets = reference
+            if offsets is None:
+                self.counters["raw_buffers_unreadable"] += 1
+            else:
+                n = self.packer.pack_raw(buf, valid, offsets)
+                self.counters["raw_records"] += n
+                self.packer.flush()
+            self.counters["raw_buffers"] += 1
+        finally:
+            raw.give_back(address)
+            self.callback_seconds += time.thread_time() - t0
 
     def _set_period(self, seconds: float) -> None:
         fn = getattr(self._backend, "flush_period", None)
@@ -217,6 +276,7 @@ class Probe:
     def status(self) -> dict[str, Any]:
         return {"started": self.started, "connected": bool(self.link and self.link.connected),
                 "in_gap": self.in_gap, "flush_mode": self.settings.flush_mode, "libcupti": self.libcupti,
+                "delivery": "raw" if self.raw is not None else "objects",
                 **self._counter_values()}
 
     # --- torch.profiler hand-over (workload thread) ----------------------------------------
@@ -345,6 +405,8 @@ class Probe:
             if isinstance(head, RecordKind):
                 self._records_out += len(item[1])
                 self._records(head, item[1])
+            elif head == "raw":
+                self._raw_buffer(item[1], item[2])
             elif head == "mark":
                 # Everything CUPTI holds from before the mark goes out ahead of it.
                 if not self.in_gap and self._backend is not None:
@@ -460,6 +522,8 @@ class Probe:
             if isinstance(item[0], RecordKind):
                 self._records_out += len(item[1])
                 self._records(item[0], item[1])
+            elif item[0] == "raw":
+                self._raw_buffer(item[1], item[2])
             else:
                 rest.append(item)
         self._q.extendleft(reversed(rest))
@@ -562,8 +626,11 @@ class Probe:
 
     def _counter_values(self) -> dict[str, Any]:
         c = self.counters
-        outstanding = max(0, self.buffers_requested - self.buffers_completed)
-        host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
+        if self.raw is not None:
+            host = self.raw.allocated * self.raw.buffer_bytes + self.packer.host_bytes
+        else:
+            outstanding = max(0, self.buffers_requested - self.buffers_completed)
+            host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
         if self.link is not None:
             host += self.link.buffered
         return {
@@ -575,7 +642,13 @@ class Probe:
                                        if self.in_gap else self.gap_seconds, 6),
             "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
-            "buffers_completed": self.buffers_completed, "bulk_records": self.packer.bulk_records,
+            "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
+            "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,
+            "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
+            "raw_buffers_refused": self.raw.refused if self.raw else 0,
+            "raw_foreign_buffers": self.raw.foreign if self.raw else 0,
+            "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
+            "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
             "bulk_fallbacks": self.packer.bulk_fallbacks,
             "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
             "cupti_dropped_records": self._cupti_dropped(),

@@ -20,15 +20,18 @@ import numpy as np
 
 from gpufootprint.records import DTYPES, RecordKind
 
+from gpufootprint.probe import rawrecords
+from gpufootprint.probe.rawrecords import RAW_DTYPES
+
 # CUPTI_ActivityKind numbers (stable C ABI values; see notes/cupti-api.md).
-CUPTI_MEMCPY: Final = 1
-CUPTI_MEMSET: Final = 2
-CUPTI_KERNEL: Final = 3
-CUPTI_CONCURRENT_KERNEL: Final = 10
-CUPTI_MEMCPY2: Final = 22
-CUPTI_UNIFIED_MEMORY_COUNTER: Final = 25
-CUPTI_MEMORY2: Final = 49
-CUPTI_MEMORY_POOL: Final = 50
+CUPTI_MEMCPY: Final = rawrecords.MEMCPY
+CUPTI_MEMSET: Final = rawrecords.MEMSET
+CUPTI_KERNEL: Final = rawrecords.KERNEL
+CUPTI_CONCURRENT_KERNEL: Final = rawrecords.CONCURRENT_KERNEL
+CUPTI_MEMCPY2: Final = rawrecords.MEMCPY2
+CUPTI_UNIFIED_MEMORY_COUNTER: Final = rawrecords.UNIFIED_MEMORY_COUNTER
+CUPTI_MEMORY2: Final = rawrecords.MEMORY2
+CUPTI_MEMORY_POOL: Final = rawrecords.MEMORY_POOL
 
 _POOL_LOCAL: Final = 1
 _UM_DTOH: Final = 2
@@ -37,28 +40,8 @@ _U32: Final = 0xFFFFFFFF
 #: (RecordKind, array) handed from the callback to the sender.
 Chunk = tuple[RecordKind, np.ndarray]
 
-
-def _raw(itemsize: int, **fields: tuple[str, int]) -> np.dtype:
-    names = list(fields)
-    return np.dtype({"names": names, "formats": [fields[n][0] for n in names],
-                     "offsets": [fields[n][1] for n in names], "itemsize": itemsize})
-
-
-# The C structs CUPTI 13 writes for these kinds (CUpti_ActivityMemory4, _Memcpy6,
-# _Memset4), only the fields we read. Offsets agree with cupti-python's own
-# ``activity_*_dtype`` (checked by tests/gpu/test_probe_bulk.py); every batch is
-# also checked against the record objects' attributes before it is used.
-RAW_DTYPES: Final[dict[int, np.dtype]] = {
-    CUPTI_MEMORY2: _raw(128, op=("<i4", 4), mk=("<i4", 8), corr=("<u4", 12), address=("<u8", 16),
-                        bytes=("<u8", 24), timestamp=("<u8", 32), dev=("<u4", 52), ctx=("<u4", 56),
-                        stream=("<u4", 60), is_async=("<u4", 72), pool_type=("<i4", 80), pool_addr=("<u8", 88),
-                        pool_thresh=("<u8", 96), pool_size=("<u8", 104), pool_used=("<u8", 112)),
-    CUPTI_MEMCPY: _raw(96, ck=("u1", 4), src=("u1", 5), dst=("u1", 6), bytes=("<u8", 8), start=("<u8", 16),
-                       end=("<u8", 24), dev=("<u4", 32), ctx=("<u4", 36), stream=("<u4", 40), corr=("<u4", 44),
-                       graph=("<u4", 72)),
-    CUPTI_MEMSET: _raw(88, bytes=("<u8", 8), start=("<u8", 16), end=("<u8", 24), dev=("<u4", 32),
-                       stream=("<u4", 40), corr=("<u4", 44), mk=("<u2", 50)),
-}
+#: Kinds the object path reads as raw structs through each record's ``ptr``.
+_BULK_KINDS: Final = frozenset((CUPTI_MEMORY2, CUPTI_MEMCPY, CUPTI_MEMSET))
 
 
 class Packer:
@@ -146,7 +129,7 @@ class Packer:
         for rec in records:
             try:
                 k = rec.kind
-                if k in RAW_DTYPES:
+                if k in _BULK_KINDS:
                     g = groups.get(k)
                     if g is None:
                         groups[k] = g = []
@@ -170,19 +153,57 @@ class Packer:
                     except Exception:  # noqa: BLE001
                         self.bad_records += 1
                 continue
-            kind = _BULK_KIND[k]
-            i, n_rows = 0, len(rows)
-            while i < n_rows:
-                n = self._n[kind]
-                take = min(self.capacity - n, n_rows - i)
-                self._arr[kind][n:n + take] = rows[i:i + take]
-                i += take
-                self._n[kind] = n + take
-                if n + take == self.capacity:
-                    self._handoff(kind)
-            done += n_rows
-            self.bulk_records += n_rows
+            self._put_rows(rawrecords.RECORD_KIND[k], rows)
+            done += len(rows)
+            self.bulk_records += len(rows)
         return done
+
+    def _put_rows(self, kind: RecordKind, rows: np.ndarray) -> None:
+        i, n_rows = 0, len(rows)
+        while i < n_rows:
+            n = self._n[kind]
+            take = min(self.capacity - n, n_rows - i)
+            self._arr[kind][n:n + take] = rows[i:i + take]
+            i += take
+            self._n[kind] = n + take
+            if n + take == self.capacity:
+                self._handoff(kind)
+
+    def pack_raw(self, buf: memoryview, valid: int, offsets: dict[int, list[int]]) -> int:
+        """Records of one CUPTI buffer, already walked (sender thread); returns how many were packed."""
+        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+        done = 0
+        with self._lock:
+            for k, offs in offsets.items():
+                if k not in rawrecords.RECORD_KIND:
+                    self.unknown_kinds += len(offs)
+                    continue
+                try:
+                    src = rawrecords.gather(u8, k, offs)
+                    names: dict[int, int] = {}  # name pointer -> id, this buffer only
+                    rows = rawrecords.convert(k, src, self.pid,
+                                              (lambda p: self._name_id(names, p)) if k in _KERNEL_KINDS else None)
+                except Exception:  # noqa: BLE001 - a malformed buffer loses its records, counted
+                    self.bad_records += len(offs)
+                    continue
+                self._put_rows(rawrecords.RECORD_KIND[k], rows)
+                done += len(rows)
+            self.records_packed += done
+        return done
+
+    def _name_id(self, cache: dict[int, int], address: int) -> int:
+        nid = cache.get(address)
+        if nid is None:
+            cache[address] = nid = self._intern(rawrecords.c_string(address))
+        return nid
+
+    def _intern(self, name: str) -> int:
+        nid = self.names.get(name)
+        if nid is None:
+            nid = len(self.names) + 1
+            self.names[name] = nid
+            self.new_names.append((nid, name))
+        return nid
 
     def _convert(self, k: int, group: list[Any]) -> np.ndarray | None:
         """Raw structs -> our dtype, or None (and bulk off) when they disagree with the attributes."""
@@ -199,42 +220,7 @@ class Packer:
                          for j, r in ((0, first), (-1, last)))
             if not ok:
                 raise ValueError("raw struct disagrees with the record's attributes")
-            out = np.zeros(len(src), dtype=DTYPES[_BULK_KIND[k]])
-            out["pid"] = self.pid
-            out["dev"] = src["dev"]
-            out["stream"] = src["stream"]
-            out["corr"] = src["corr"]
-            out["bytes"] = src["bytes"]
-            if k == CUPTI_MEMORY2:
-                out["ts"] = src["timestamp"]
-                out["addr"] = src["address"]
-                out["ctx"] = src["ctx"]
-                out["op"] = src["op"]
-                out["mk"] = src["mk"]
-                is_async = src["is_async"] != 0
-                out["is_async"] = is_async
-                ptype = np.where(is_async, src["pool_type"], 0)
-                out["pool_type"] = ptype
-                has_pool = ptype != 0
-                out["pool_addr"] = np.where(has_pool, src["pool_addr"], 0)
-                out["pool_thresh"] = np.where(has_pool, src["pool_thresh"], 0)
-                out["pool_used"] = np.where(has_pool, src["pool_used"], 0)
-                out["pool_size"] = np.where(ptype == _POOL_LOCAL, src["pool_size"], 0)
-            elif k == CUPTI_MEMCPY:
-                out["start"] = src["start"]
-                out["end"] = src["end"]
-                out["src_dev"] = src["dev"]
-                out["dst_dev"] = src["dev"]
-                out["ctx"] = src["ctx"]
-                out["graph"] = src["graph"]
-                out["ck"] = src["ck"]
-                out["src"] = src["src"]
-                out["dst"] = src["dst"]
-            else:
-                out["start"] = src["start"]
-                out["end"] = src["end"]
-                out["mk"] = src["mk"]
-            return out
+            return rawrecords.convert(k, src, self.pid)
         except Exception:  # noqa: BLE001 - no ptr (fakes), another layout: attributes from now on
             self.bulk = False
             self.bulk_fallbacks += 1
@@ -310,12 +296,7 @@ class Packer:
         ))
 
     def _kernel(self, r: Any) -> None:
-        name = r.name
-        nid = self.names.get(name)
-        if nid is None:
-            nid = len(self.names) + 1
-            self.names[name] = nid
-            self.new_names.append((nid, name))
+        nid = self._intern(r.name)
         self._put(RecordKind.KERNEL, (
             r.start, r.end, r.graph_node_id, self.pid, r.device_id, r.stream_id & _U32,
             r.correlation_id, r.graph_id, nid,
@@ -334,6 +315,4 @@ class Packer:
         return names
 
 
-_BULK_KIND: Final[dict[int, RecordKind]] = {
-    CUPTI_MEMORY2: RecordKind.MEMORY, CUPTI_MEMCPY: RecordKind.MEMCPY, CUPTI_MEMSET: RecordKind.MEMSET,
-}
+_KERNEL_KINDS: Final = frozenset((CUPTI_CONCURRENT_KERNEL, CUPTI_KERNEL))

@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
+DELIVERIES = ("raw", "objects")
+# Smallest values that work (the daemon's config refuses less, with the same bounds):
+# a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
+MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4}
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,13 @@ class ProbeSettings:
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
     # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
     flush_nogil: bool = False
+    # "raw": CUPTI's buffers go to the sender thread as bytes (ctypes callbacks on the
+    # one mapped libcupti; read in bulk there). "objects": cupti-python's callbacks,
+    # which build a Python object per record on CUPTI's thread. "raw" falls back to
+    # "objects" where it cannot register (two libcupti copies). docs/performance.md.
+    delivery: str = "raw"
+    raw_buffers: int = 256  # raw delivery: CUPTI host buffers at most; past it CUPTI drops (and counts) records
+    raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeSettings:
@@ -63,8 +74,8 @@ class ProbeSettings:
                     values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
                 elif isinstance(default, int):
                     values[f.name] = int(raw)
-                    if values[f.name] < 0:
-                        raise ValueError("negative")
+                    if values[f.name] < MINIMUMS.get(f.name, 0):
+                        raise ValueError("below the minimum")
                 else:
                     values[f.name] = raw
             except ValueError:
@@ -76,6 +87,11 @@ class ProbeSettings:
             log.warning("GPUFOOTPRINT_PROBE_FLUSH_MODE=%r is not one of %s; using %r", mode, FLUSH_MODES,
                         cls.flush_mode)
             values.pop("flush_mode")
+        delivery = values.get("delivery")
+        if delivery is not None and delivery not in DELIVERIES:
+            log.warning("GPUFOOTPRINT_PROBE_DELIVERY=%r is not one of %s; using %r", delivery, DELIVERIES,
+                        cls.delivery)
+            values.pop("delivery")
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:

@@ -1,0 +1,119 @@
+"""CUPTI's buffers handed to the sender thread untouched (the ``raw`` delivery).
+
+cupti-python's buffer-completed wrapper builds one Python object per record on
+CUPTI's thread, holding the GIL, before our callback sees the list: on the H200
+that work, not CUPTI's recording, is what slowed the workload (docs/performance.md).
+Here the two activity callbacks are ctypes functions registered on the libcupti
+that cupti-python mapped (the only one in the process; see docs/probe.md):
+
+* ``requested`` hands CUPTI a buffer from a bounded pool (malloc'ed, so a buffer
+  that ever reached another owner, e.g. a profiler that registered its own
+  callbacks, is still a plain heap block). Pool exhausted: no buffer, CUPTI drops
+  and counts the records (``cupti_dropped_records``), the workload's memory stays bounded.
+* ``completed`` only queues ``(address, valid bytes)`` for the sender and
+  returns: no parsing, no locks, no I/O, never raises.
+
+The sender reads the records with ``rawrecords.walk`` and gives the buffer back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_REQUESTED = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+                              ctypes.POINTER(ctypes.c_size_t))
+_COMPLETED = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
+                              ctypes.c_size_t)
+
+_libc = ctypes.CDLL(None)
+_malloc = _libc.malloc
+_malloc.restype = ctypes.c_void_p
+_malloc.argtypes = [ctypes.c_size_t]
+
+#: Every RawDelivery ever registered: CUPTI may call a registered pointer until the
+#: process ends, so the ctypes thunks must never be garbage-collected.
+_KEEP_ALIVE: list[Any] = []
+
+
+class RawDelivery:
+    def __init__(self, buffer_bytes: int, max_buffers: int, on_completed: Callable[[int, int], None]) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.max_buffers = max(2, max_buffers)
+        self._on_completed = on_completed
+        self._free: list[int] = []
+        self._ours: set[int] = set()  # every buffer address we ever allocated
+        self.allocated = 0
+        self.requested = 0
+        self.completed = 0
+        self.refused = 0  # requests answered with no buffer (pool exhausted)
+        self.foreign = 0  # completed buffers that were not ours (left alone)
+        self.errors = 0
+        self._req = _REQUESTED(self._requested)
+        self._cmp = _COMPLETED(self._completed)
+        _KEEP_ALIVE.append(self)
+
+    def register(self, lib: Any) -> int:
+        """cuptiActivityRegisterCallbacks on ``lib``; returns CUPTI's status (0: success)."""
+        fn = lib.cuptiActivityRegisterCallbacks
+        fn.restype = ctypes.c_int
+        fn.argtypes = [_REQUESTED, _COMPLETED]
+        return int(fn(self._req, self._cmp))
+
+    @property
+    def outstanding(self) -> int:
+        """Buffers held by CUPTI or waiting for the sender."""
+        return self.allocated - len(self._free)
+
+    def give_back(self, address: int) -> None:
+        """The sender is done with a buffer (sender thread)."""
+        self._free.append(address)
+
+    # --- CUPTI's threads: list/set operations only (atomic under the GIL), never raise ---
+
+    def _requested(self, buf: Any, size: Any, max_records: Any) -> None:
+        try:
+            self.requested += 1
+            addr = 0
+            if self._free:
+                addr = self._free.pop()
+            elif self.allocated < self.max_buffers:
+                addr = _malloc(self.buffer_bytes + 8) or 0
+                if addr:
+                    addr = (addr + 7) & ~7  # CUPTI wants 8-byte alignment (malloc gives 16)
+                    self._ours.add(addr)
+                    self.allocated += 1
+            if not addr:
+                self.refused += 1
+            buf[0] = addr or None
+            size[0] = self.buffer_bytes if addr else 0
+            max_records[0] = 0
+        except BaseException:  # noqa: BLE001 - never into CUPTI
+            self.errors += 1
+            try:
+                buf[0] = None
+                size[0] = 0
+            except BaseException:  # noqa: BLE001
+                pass
+
+    def _completed(self, ctx: Any, stream: int, buf: int | None, size: int, valid: int) -> None:
+        try:
+            self.completed += 1
+            if not buf or buf not in self._ours:
+                self.foreign += 1
+                return
+            if valid <= 0:
+                self._free.append(buf)
+                return
+            self._on_completed(buf, min(int(valid), self.buffer_bytes))
+        except BaseException:  # noqa: BLE001
+            self.errors += 1
+
+
+def view(address: int, valid: int) -> memoryview:
+    """The first ``valid`` bytes of a buffer, without a copy (valid until given back)."""
+    return memoryview((ctypes.c_uint8 * valid).from_address(address)).cast("B")

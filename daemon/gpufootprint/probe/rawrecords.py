@@ -1,0 +1,202 @@
+"""CUPTI's activity buffers read as bytes: walk the records, convert them in bulk.
+
+A completed CUPTI buffer is a run of C structs, one after another, each starting
+with its ``CUpti_ActivityKind`` (``cuptiActivityGetNextRecord`` advances by the
+struct's size). For the kinds the probe enables, CUPTI 13 writes the structs
+below; their sizes and offsets agree with cupti-python's ``activity_*_dtype``
+(checked by ``tests/unit/test_probe_raw.py`` where cupti-python is installed and
+against ``cuptiActivityGetNextRecord`` on the GPU by ``tests/gpu/test_probe_gpu.py``).
+
+Reading the bytes replaces building one Python object per record inside CUPTI's
+callback, which is what cost the workload time (docs/performance.md). ``walk``
+refuses a buffer it cannot walk exactly (an unknown kind, a record running past
+the end); the caller then falls back to another way of reading it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Callable
+from typing import Final
+
+import numpy as np
+
+from gpufootprint.records import DTYPES, RecordKind
+
+# CUPTI_ActivityKind numbers (stable C ABI values).
+MEMCPY: Final = 1
+MEMSET: Final = 2
+KERNEL: Final = 3
+CONCURRENT_KERNEL: Final = 10
+MEMCPY2: Final = 22
+UNIFIED_MEMORY_COUNTER: Final = 25
+MEMORY2: Final = 49
+MEMORY_POOL: Final = 50
+
+_POOL_LOCAL: Final = 1
+_UM_DTOH: Final = 2
+
+
+def _raw(itemsize: int, **fields: tuple[str, int]) -> np.dtype:
+    names = list(fields)
+    return np.dtype({"names": names, "formats": [fields[n][0] for n in names],
+                     "offsets": [fields[n][1] for n in names], "itemsize": itemsize})
+
+
+# CUpti_ActivityMemory4, _Memcpy6, _Memset4, _MemoryPool3, _MemcpyPtoP4,
+# _UnifiedMemoryCounter3, _Kernel10: only the fields we read, at CUPTI 13's offsets.
+RAW_DTYPES: Final[dict[int, np.dtype]] = {
+    MEMORY2: _raw(128, op=("<i4", 4), mk=("<i4", 8), corr=("<u4", 12), address=("<u8", 16),
+                  bytes=("<u8", 24), timestamp=("<u8", 32), dev=("<u4", 52), ctx=("<u4", 56),
+                  stream=("<u4", 60), is_async=("<u4", 72), pool_type=("<i4", 80), pool_addr=("<u8", 88),
+                  pool_thresh=("<u8", 96), pool_size=("<u8", 104), pool_used=("<u8", 112)),
+    MEMCPY: _raw(96, ck=("u1", 4), src=("u1", 5), dst=("u1", 6), bytes=("<u8", 8), start=("<u8", 16),
+                 end=("<u8", 24), dev=("<u4", 32), ctx=("<u4", 36), stream=("<u4", 40), corr=("<u4", 44),
+                 graph=("<u4", 72)),
+    MEMSET: _raw(88, bytes=("<u8", 8), start=("<u8", 16), end=("<u8", 24), dev=("<u4", 32),
+                 stream=("<u4", 40), corr=("<u4", 44), mk=("<u2", 50)),
+    MEMORY_POOL: _raw(80, op=("<i4", 4), ptype=("<i4", 8), corr=("<u4", 12), dev=("<u4", 20),
+                      keep=("<u8", 24), address=("<u8", 32), size=("<u8", 40), thresh=("<u8", 48),
+                      timestamp=("<u8", 56), used=("<u8", 64)),
+    MEMCPY2: _raw(96, ck=("u1", 4), src=("u1", 5), dst=("u1", 6), bytes=("<u8", 8), start=("<u8", 16),
+                  end=("<u8", 24), dev=("<u4", 32), ctx=("<u4", 36), stream=("<u4", 40), src_dev=("<u4", 44),
+                  dst_dev=("<u4", 52), corr=("<u4", 60), graph=("<u4", 80)),
+    UNIFIED_MEMORY_COUNTER: _raw(104, ck=("<i4", 4), value=("<u8", 8), start=("<u8", 16), end=("<u8", 24),
+                                 address=("<u8", 32), src=("<u4", 40), dst=("<u4", 44)),
+    CONCURRENT_KERNEL: _raw(216, start=("<u8", 16), end=("<u8", 24), dev=("<u4", 40), stream=("<u4", 48),
+                            corr=("<u4", 92), name=("<u8", 104), node=("<u8", 144), graph=("<u4", 156)),
+}
+RAW_DTYPES[KERNEL] = RAW_DTYPES[CONCURRENT_KERNEL]
+
+#: The struct cupti-python names for each kind (its ``activity_<name>_dtype``).
+CUPTI_PYTHON_NAMES: Final[dict[int, str]] = {
+    MEMORY2: "memory4", MEMCPY: "memcpy6", MEMSET: "memset4", MEMORY_POOL: "memory_pool3",
+    MEMCPY2: "memcpy_pto_p4", UNIFIED_MEMORY_COUNTER: "unified_memory_counter3", CONCURRENT_KERNEL: "kernel10",
+}
+
+RECORD_KIND: Final[dict[int, RecordKind]] = {
+    MEMORY2: RecordKind.MEMORY, MEMORY_POOL: RecordKind.MEMORY_POOL, MEMCPY: RecordKind.MEMCPY,
+    MEMCPY2: RecordKind.MEMCPY, MEMSET: RecordKind.MEMSET, CONCURRENT_KERNEL: RecordKind.KERNEL,
+    KERNEL: RecordKind.KERNEL, UNIFIED_MEMORY_COUNTER: RecordKind.UNIFIED_MEMORY,
+}
+
+_SIZES: Final[dict[int, int]] = {k: dt.itemsize for k, dt in RAW_DTYPES.items()}
+_KIND = struct.Struct("<i")
+
+
+def walk(buf: bytes | memoryview, valid: int) -> dict[int, list[int]] | None:
+    """Offsets of each kind's records in ``buf[:valid]``; None when it cannot be walked exactly."""
+    offsets: dict[int, list[int]] = {}
+    sizes = _SIZES
+    unpack = _KIND.unpack_from
+    off = 0
+    while off < valid:
+        if off + 4 > valid:
+            return None
+        kind = unpack(buf, off)[0]
+        size = sizes.get(kind)
+        if size is None or off + size > valid:
+            return None
+        lst = offsets.get(kind)
+        if lst is None:
+            offsets[kind] = lst = []
+        lst.append(off)
+        off += size
+    return offsets
+
+
+def gather(u8: np.ndarray, kind: int, offsets: list[int]) -> np.ndarray:
+    """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``."""
+    dt = RAW_DTYPES[kind]
+    idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(dt.itemsize, dtype=np.intp)
+    rows: np.ndarray = u8[idx].view(dt).reshape(len(offsets))
+    return rows
+
+
+def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] | None = None) -> np.ndarray:
+    """Raw structs of one CUPTI kind -> our record dtype (``name_id`` maps a kernel's name pointer)."""
+    out = np.zeros(len(src), dtype=DTYPES[RECORD_KIND[kind]])
+    out["pid"] = pid
+    if kind == MEMORY2:
+        out["dev"] = src["dev"]
+        out["stream"] = src["stream"]
+        out["corr"] = src["corr"]
+        out["bytes"] = src["bytes"]
+        out["ts"] = src["timestamp"]
+        out["addr"] = src["address"]
+        out["ctx"] = src["ctx"]
+        out["op"] = src["op"]
+        out["mk"] = src["mk"]
+        is_async = src["is_async"] != 0
+        out["is_async"] = is_async
+        # The pool configuration is meaningful only on stream-ordered allocations.
+        ptype = np.where(is_async, src["pool_type"], 0)
+        out["pool_type"] = ptype
+        has_pool = ptype != 0
+        out["pool_addr"] = np.where(has_pool, src["pool_addr"], 0)
+        out["pool_thresh"] = np.where(has_pool, src["pool_thresh"], 0)
+        out["pool_used"] = np.where(has_pool, src["pool_used"], 0)
+        out["pool_size"] = np.where(ptype == _POOL_LOCAL, src["pool_size"], 0)
+    elif kind in (MEMCPY, MEMCPY2):
+        out["start"] = src["start"]
+        out["end"] = src["end"]
+        out["bytes"] = src["bytes"]
+        out["dev"] = src["dev"]
+        out["ctx"] = src["ctx"]
+        out["stream"] = src["stream"]
+        out["corr"] = src["corr"]
+        out["graph"] = src["graph"]
+        out["ck"] = src["ck"]
+        out["src"] = src["src"]
+        out["dst"] = src["dst"]
+        out["src_dev"] = src["src_dev"] if kind == MEMCPY2 else src["dev"]
+        out["dst_dev"] = src["dst_dev"] if kind == MEMCPY2 else src["dev"]
+    elif kind == MEMSET:
+        out["start"] = src["start"]
+        out["end"] = src["end"]
+        out["bytes"] = src["bytes"]
+        out["dev"] = src["dev"]
+        out["stream"] = src["stream"]
+        out["corr"] = src["corr"]
+        out["mk"] = src["mk"]
+    elif kind == MEMORY_POOL:
+        local = src["ptype"] == _POOL_LOCAL
+        out["ts"] = src["timestamp"]
+        out["addr"] = src["address"]
+        out["size"] = np.where(local, src["size"], 0)
+        out["used"] = np.where(local, src["used"], 0)
+        out["thresh"] = np.where(local, src["thresh"], 0)
+        out["keep"] = src["keep"]
+        out["dev"] = src["dev"]
+        out["corr"] = src["corr"]
+        out["op"] = src["op"]
+        out["ptype"] = src["ptype"]
+    elif kind == UNIFIED_MEMORY_COUNTER:
+        ck = src["ck"]
+        out["start"] = src["start"]
+        out["end"] = src["end"]
+        out["value"] = src["value"]
+        out["addr"] = src["address"]
+        out["src"] = src["src"]
+        out["dst"] = src["dst"]
+        out["dev"] = np.where(ck == _UM_DTOH, src["src"], src["dst"])
+        out["ck"] = ck
+    else:  # kernels
+        out["start"] = src["start"]
+        out["end"] = src["end"]
+        out["node"] = src["node"]
+        out["dev"] = src["dev"]
+        out["stream"] = src["stream"]
+        out["corr"] = src["corr"]
+        out["graph"] = src["graph"]
+        if name_id is not None:
+            out["name_id"] = [name_id(int(p)) for p in src["name"]]
+    return out
+
+
+def c_string(address: int) -> str:
+    """A NUL-terminated C string CUPTI owns (a kernel's name); '' for NULL."""
+    if not address:
+        return ""
+    return ctypes.string_at(address).decode("utf-8", "replace")

@@ -1,0 +1,190 @@
+"""The raw delivery: CUPTI's buffers read as bytes, against cupti-python's record objects.
+
+The fake CUPTI (tests/probe_fakes.py) writes the same record objects either as
+objects (cupti-python's callbacks) or as C structs in cupti-python's layouts
+into buffers handed out by the probe's real ctypes ``requested`` thunk and
+returned through its ``completed`` thunk. What reaches the wire must be the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpufootprint.probe import rawrecords
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.records import RecordKind
+from gpufootprint.wire.framing import FrameType, iter_frames
+from gpufootprint.wire.sources import TraceFile
+
+from tests import probe_fakes as fk
+
+
+def _workload_records() -> list[Any]:
+    """Every kind the probe reads, with the fields that matter set (built once, emitted to both fakes)."""
+    t = time.time_ns()
+    recs = [fk.memory_record(1, 0x1000 + i * 0x100, 256 + i, ts=t + i) for i in range(300)]
+    recs += [fk.memory_record(2, 0x1000 + i * 0x100, 256 + i, ts=t + 1000 + i) for i in range(0, 300, 2)]
+    recs.append(fk.memory_record(1, 0x9000_0000, 1 << 20, ts=t + 2000, is_async=1, pool_type=1,
+                                 pool_addr=0x8000_0000, pool_size=4 << 20, pool_used=1 << 20, stream=3))
+    recs.append(fk.pool_record(1, 0x8000_0000, 4 << 20, 1 << 20, ts=t + 2001))
+    for n in (64, 4096, 1 << 20):
+        recs += [fk.memcpy_record(n, start=t + 3000 + n), fk.memset_record(n)]
+    recs.append(fk.peer_copy_record(1 << 16, 0, 1))
+    recs += [fk.kernel_record(name, graph=5, node=9) for name in ("gemm", "softmax", "gemm", "a" * 300)]
+    recs += [fk.um_record(1, 4096, 0x7000), fk.um_record(2, 8192, 0x7000)]
+    return recs
+
+
+_RECORDS = _workload_records()
+
+
+def _workload(fake: fk.FakeCupti) -> None:
+    for rec in _RECORDS:
+        fake.emit(rec)
+
+
+def _run(tmp_path: Path, fake: fk.FakeCupti, name: str, **settings: Any) -> tuple[Probe, dict[RecordKind, list[Any]],
+                                                                                   dict[int, str]]:
+    out = tmp_path / f"{name}.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(out), kernels=True, flush_ms=10, **settings), fake,
+                  discover_devices=False)
+    assert probe.start()
+    try:
+        _workload(fake)
+        probe.mark("end")
+    finally:
+        probe.stop()
+    records: dict[RecordKind, list[Any]] = {}
+    names: dict[int, str] = {}
+    for f in iter_frames(TraceFile(out).chunks()):
+        if f.type is FrameType.BATCH:
+            records.setdefault(RecordKind(f.tag), []).extend(f.records())
+        elif f.type is FrameType.STRINGS:
+            names.update({int(k): v for k, v in f.json().items()})
+    return probe, records, names
+
+
+def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path: Path) -> None:
+    # GIVEN the same workload through cupti-python's objects and through raw buffers
+    _, objects, obj_names = _run(tmp_path, fk.FakeCupti(buffer_records=37), "objects", bulk_pack=False)
+    raw_fake = fk.FakeRawCupti(shuffle=True)
+    probe, raw, raw_names = _run(tmp_path, raw_fake, "raw", raw_verify_walk=True, cupti_buffer_bytes=4096)
+    st = probe.status()
+    # THEN the raw path was used, walked every buffer as CUPTI's own walk does ...
+    assert st["delivery"] == "raw" and raw_fake.buffers_delivered > 5
+    assert st["raw_buffers"] == raw_fake.buffers_delivered == st["raw_walks_verified"]
+    assert st["raw_walk_mismatches"] == st["raw_walk_fallbacks"] == st["packer_bad_records"] == 0
+    # ... and every record of every kind is the same, field for field (kernel names by name)
+    assert set(raw) == set(objects) == set(RecordKind)
+    for kind in RecordKind:
+        a, b = np.array(objects[kind]), np.array(raw[kind])
+        a_names, b_names = [""] * len(a), [""] * len(b)
+        if kind is RecordKind.KERNEL:  # ids are per probe: compare the names they stand for
+            a_names = [obj_names[int(i)] for i in a["name_id"]]
+            b_names = [raw_names[int(i)] for i in b["name_id"]]
+            a["name_id"] = b["name_id"] = 0
+        assert (sorted(zip((r.tobytes() for r in a), a_names, strict=True))
+                == sorted(zip((r.tobytes() for r in b), b_names, strict=True))), kind
+    assert len(raw[RecordKind.MEMORY]) == 451
+    assert sorted(raw_names.values()) == sorted({"gemm", "softmax", "a" * 300})
+    # every buffer went back to the pool
+    assert probe.raw is not None and probe.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))
+
+
+def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_nothing() -> None:
+    fake = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", flush_ms=10), fake, discover_devices=False)
+    assert probe.start()
+    try:
+        saved = dict(rawrecords._SIZES)
+        rawrecords._SIZES.pop(rawrecords.MEMSET)  # as if CUPTI wrote a kind we cannot size
+        try:
+            fake.alloc(0x1000, 512)
+            fake.emit(fk.memset_record(64))
+            fake.alloc(0x2000, 1024)
+            probe.mark("m")
+        finally:
+            rawrecords._SIZES.update(saved)
+    finally:
+        probe.stop()
+    st = probe.status()
+    assert st["raw_walk_fallbacks"] >= 1 and st["raw_buffers_unreadable"] == 0
+    assert probe.table.live_by_kind(0) == {"device": 1536}
+
+
+def test_walk_refuses_unknown_kinds_and_records_past_the_end() -> None:
+    rec = np.zeros(1, dtype=rawrecords.RAW_DTYPES[rawrecords.MEMSET])
+    body = bytearray(rec.tobytes())
+    body[0:4] = rawrecords.MEMSET.to_bytes(4, "little")
+    two = bytes(body) * 2
+    assert rawrecords.walk(two, len(two)) == {rawrecords.MEMSET: [0, 88]}
+    assert rawrecords.walk(two, len(two) - 8) is None  # the second record runs past the valid bytes
+    bad = bytearray(two)
+    bad[88:92] = (999).to_bytes(4, "little")
+    assert rawrecords.walk(bytes(bad), len(bad)) is None
+    assert rawrecords.walk(b"", 0) == {}
+
+
+def test_the_buffer_pool_is_bounded_and_cupti_counts_what_did_not_fit(tmp_path: Path) -> None:
+    # GIVEN a pool of 4 buffers and a sender that has not yet given any back
+    got: list[tuple[int, int]] = []
+    d = RawDelivery(4096, 4, lambda a, n: got.append((a, n)))
+    addrs = []
+    for _ in range(6):
+        buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+        d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+        addrs.append((buf.value, size.value))
+    # THEN 4 were handed out (8-byte aligned), then none: CUPTI drops those records and counts them
+    assert [s for _, s in addrs] == [4096] * 4 + [0, 0]
+    assert all(a is not None and a % 8 == 0 for a, _ in addrs[:4]) and addrs[4][0] is None
+    assert d.allocated == 4 and d.refused == 2
+    # a completed buffer reaches the sender; an empty one goes straight back; a foreign one is left alone
+    d._cmp(None, 0, addrs[0][0], 4096, 100)
+    d._cmp(None, 0, addrs[1][0], 4096, 0)
+    d._cmp(None, 0, 12345678, 4096, 100)
+    assert got == [(addrs[0][0], 100)] and d.foreign == 1 and d.outstanding == 3
+    d.give_back(addrs[0][0])
+    buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+    assert buf.value in (addrs[0][0], addrs[1][0]) and d.allocated == 4
+
+
+def test_a_callback_that_fails_inside_never_raises_into_cupti() -> None:
+    def boom(address: int, valid: int) -> None:
+        raise RuntimeError("sender queue broke")
+
+    d = RawDelivery(4096, 4, boom)
+    buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+    d._cmp(None, 0, buf.value, 4096, 64)  # would print a traceback from ctypes if it raised
+    assert d.errors == 1
+
+
+@pytest.mark.parametrize("delivery", ["raw", "objects"])
+def test_the_profiler_hand_over_re_registers_the_same_delivery(tmp_path: Path, delivery: str) -> None:
+    # GIVEN a probe on the raw-capable fake, asked for one delivery or the other
+    fake = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, delivery=delivery, torch_hook=False), fake,
+                  discover_devices=False)
+    assert probe.start()
+    try:
+        fake.alloc(0x1000, 100)
+        probe.takeover_begin()
+        fake.register(lambda: (0, 0), lambda recs: None)  # the profiler takes CUPTI
+        probe.takeover_end([], list)
+        fake.alloc(0x2000, 200)
+        probe.mark("after")
+    finally:
+        probe.stop()
+    # THEN the probe took CUPTI back with the same delivery and saw the allocation after the gap
+    assert (fake.delivery is not None) == (delivery == "raw")
+    assert probe.status()["delivery"] == delivery
+    assert probe.table.live_by_kind(0) == {"device": 300}
