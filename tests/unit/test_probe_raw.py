@@ -188,3 +188,23 @@ def test_the_profiler_hand_over_re_registers_the_same_delivery(tmp_path: Path, d
     assert (fake.delivery is not None) == (delivery == "raw")
     assert probe.status()["delivery"] == delivery
     assert probe.table.live_by_kind(0) == {"device": 300}
+
+
+def test_records_cupti_stamped_beyond_2_63_are_counted_in_the_probe_not_sent() -> None:
+    fake = fk.FakeRawCupti()
+    sent: list[Any] = []
+    probe = Probe(ProbeSettings(socket="", flush_ms=10), fake, discover_devices=False)
+    probe._emit = lambda frame, **kw: sent.append(frame) or True  # type: ignore[method-assign]
+    assert probe.start()
+    try:
+        fake.emit(fk.memset_record(64))
+        bad = fk.memset_record(128)
+        bad.start = bad.end = (1 << 64) - 1  # as CUPTI delivered a few on the H200
+        fake.emit(bad)
+        fake.alloc(0x1000, 512)
+        probe.mark("m")
+    finally:
+        probe.stop()
+    st = probe.status()
+    assert st["cupti_bad_timestamps"] == 1
+    assert st["records_sent"] == 2 and probe.table.live_by_kind(0) == {"device": 512}
