@@ -21,6 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 from gpufootprint.config import Config, parse_listen
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
 from gpufootprint.exporter.collector import FootprintCollector, Postprocess, engine_families
+from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families
 from gpufootprint.exporter.webconfig import load_web_config
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 LIVE_PREFIXES = ("logging.",)
 LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
                        "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
-                       "exporter.series_cap", "exporter.web_config_file"})
+                       "exporter.series_cap", "exporter.web_config_file", "exporter.render_interval_ms"})
 
 
 def _flatten(tree: dict[str, object], prefix: str = "") -> dict[str, object]:
@@ -108,7 +109,9 @@ class App:
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set,
                                       json_routes={"/api/anomalies": self.anomalies_json,
                                                    "/api/migrations": self.migrations_json},
-                                      web_config=load_web_config(config.exporter.web_config_file))
+                                      web_config=load_web_config(config.exporter.web_config_file),
+                                      exposition=ExpositionCache(self.registry,
+                                                                 config.exporter.render_interval_ms / 1000))
         self._thread: threading.Thread | None = None
         self._wire_engines(config)
 
@@ -253,6 +256,8 @@ class App:
             cap.max_series = applied.exporter.series_cap
         if self.http is not None and web is not None:
             self.http.set_web_config(web)
+        if self.http is not None and self.http.exposition is not None:
+            self.http.exposition.interval_s = applied.exporter.render_interval_ms / 1000
         self.ingest.config_reloads["applied"] += 1
         self.ingest.config_last_reload_ok = 1.0
         log.info("config reloaded: applied=%s needs_restart=%s", ",".join(live) or "-", ",".join(later) or "-")
