@@ -9,11 +9,13 @@ of time (exporter/exposition.py); without one, it renders at each scrape.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import logging
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -23,6 +25,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.webconfig import WebConfig
+from gpufootprint.ingest.server import ACCEPT_PAUSE_S
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,20 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
     web_config: WebConfig
+    accept_errors = 0
+
+    def get_request(self) -> tuple[Any, Any]:
+        """socketserver drops a failed accept() silently and selects again at once: out of file
+        descriptors, the listener stays readable and that loop would spin. Pause instead."""
+        try:
+            return super().get_request()
+        except OSError as exc:
+            self.accept_errors += 1
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if self.accept_errors == 1 or self.accept_errors % 100 == 0:
+                    log.warning("http accept failed (%d times so far): %s", self.accept_errors, exc)
+                time.sleep(ACCEPT_PAUSE_S)
+            raise
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(REQUEST_TIMEOUT_S)

@@ -62,7 +62,7 @@ def daemon_families(stats: ServerStats, snap: PipelineSnapshot) -> Iterator[Metr
     yield disc
     refused = CounterMetricFamily("gpufootprint_daemon_connections_refused",
                                   "Probe connections closed at accept, by reason (max_connections, "
-                                  "peer_credentials).", labels=["reason"])
+                                  "peer_credentials, fd_limit).", labels=["reason"])
     for reason, n in stats.refused:
         refused.add_metric([reason], n)
     yield refused
