@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import math
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,6 +173,25 @@ def test_a_stale_cache_is_not_served() -> None:
     assert _generation(cache.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4, False)) == 1
     clock.now += 0.02  # the render thread has not rendered for five intervals: render on the request
     assert _generation(cache.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4, False)) == 2
+
+
+def test_scrapes_that_find_no_body_at_the_same_time_render_once() -> None:
+    class Slow(CountingRegistry):
+        def collect(self) -> Iterator[Metric]:
+            time.sleep(0.2)  # a rendering long enough for the other scrapes to queue behind it
+            yield from super().collect()
+
+    reg = Slow()
+    cache = ExpositionCache(reg, 1.0)
+    bodies: list[bytes] = []
+    threads = [threading.Thread(target=lambda: bodies.append(cache.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4,
+                                                                        False))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(bodies) == 4 and reg.collections == 1
+    assert all(b is bodies[0] for b in bodies)
 
 
 def test_formats_are_bounded_and_forgotten_when_nobody_asks_for_them() -> None:

@@ -111,7 +111,7 @@ class ExpositionCache:
         if body is not None:
             return body
         if families is None:  # no rendering yet, or the render thread is far behind: render now
-            self.render()
+            self.render(unless_fresh=True)
             with self._lock:
                 body = self._bodies.get((content_type, gzipped))
                 families = self._families
@@ -134,18 +134,15 @@ class ExpositionCache:
     def _fresh(self, now: float) -> bool:
         return self._rendered_at is not None and now - self._rendered_at <= STALE_INTERVALS * self.interval_s
 
-    @property
-    def age_seconds(self) -> float | None:
-        """Seconds since the current body's families were collected (None before the first rendering)."""
-        at = self._rendered_at
-        return None if at is None else self._clock() - at
-
     # --- rendering ------------------------------------------------------------------
 
-    def render(self) -> None:
-        """Collect the families once and write every wanted format, plain and (if asked) gzipped."""
+    def render(self, unless_fresh: bool = False) -> None:
+        """Collect the families once and write every wanted format, plain and (if asked) gzipped.
+        ``unless_fresh``: not if another thread rendered while this one waited for the lock."""
         with self._render_lock:
             t0 = self._clock()
+            if unless_fresh and self._fresh(t0):
+                return
             wall = self._wall()
             with self._lock:
                 self._forget(t0)
