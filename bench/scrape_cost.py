@@ -3,9 +3,15 @@
   python bench/scrape_cost.py [--probes 64] [--gpus 8] [--repeat 30]
 
 Runs the daemon's App in this process, lets N simulated probes (bench/load.py's) report for
-4 s at 500 records/s each, stops ingest, then times ``generate_latest`` on the daemon's registry
-(the exact body /metrics serves) with thread CPU time: the floor under /metrics latency, before
-any contention with the ingest thread.
+4 s at 500 records/s each, stops ingest, then times with thread CPU time, side by side:
+
+* ``generate_latest`` on the daemon's registry: what a scrape cost before issue 7's cache
+  (collect the families and format them with prometheus_client on the request thread);
+* collecting the families alone, and formatting the same families with prometheus_client and
+  with the lean writer (exporter/text.py; the two bodies are checked to be equal);
+* one rendering of the cache (collect, lean text, gzip), which the render thread does every
+  ``exporter.render_interval_ms``;
+* what a scrape costs now: ``ExpositionCache.body`` returning the cached bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from load import probe  # noqa: E402
 
 from gpufootprint.app import App  # noqa: E402
 from gpufootprint.config import load_config  # noqa: E402
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # noqa: E402
 
 
 def main() -> int:
@@ -55,16 +62,35 @@ def main() -> int:
     t.join(5)
     from prometheus_client.exposition import generate_latest
 
-    cpu: list[float] = []
-    body = b""
-    for _ in range(args.repeat):
-        c0 = time.thread_time()
-        body = generate_latest(app.registry)
-        cpu.append(time.thread_time() - c0)
+    from gpufootprint.exporter.exposition import ExpositionCache, _Families
+    from gpufootprint.exporter.text import render_text
+
+    families = list(app.registry.collect())
+    cache = ExpositionCache(app.registry, 1.0)
+    cache.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4, True)  # the first scrape: asks for gzip too
+    bodies: dict[str, bytes] = {}
+    steps = {
+        "generate_latest (before: per scrape)": lambda: bodies.__setitem__("old", generate_latest(app.registry)),
+        "collect families": lambda: list(app.registry.collect()),
+        "format: prometheus_client": lambda: bodies.__setitem__("lib", generate_latest(_Families(families))),
+        "format: lean writer": lambda: bodies.__setitem__("lean", render_text(families)),
+        "render (collect, lean text, gzip)": cache.render,
+        "cached body (now: per scrape)": lambda: cache.body(generate_latest, CONTENT_TYPE_PLAIN_0_0_4, True),
+    }
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.repeat):  # interleaved, so drift in the machine's speed hits every step alike
+        for name, step in steps.items():
+            c0 = time.thread_time()
+            step()
+            cpu[name].append(time.thread_time() - c0)
+    assert bodies["lib"] == bodies["lean"], "the lean writer must write what prometheus_client writes"
+    body = bodies["old"]
     series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
     print(f"date {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; machine {machine()}")
     print(f"processes {len(app.ingest.snapshot.processes)}, series {series}, body {len(body)} bytes; "
-          f"exposition CPU p50 {percentile(cpu, 50) * 1000:.1f} ms, p90 {percentile(cpu, 90) * 1000:.1f} ms")
+          f"thread CPU per step over {args.repeat} rounds:")
+    for name, values in cpu.items():
+        print(f"  {name:40s} p50 {percentile(values, 50) * 1000:7.2f} ms   p90 {percentile(values, 90) * 1000:7.2f} ms")
     return 0
 
 

@@ -67,6 +67,8 @@ class ExporterConfig:
     max_label_value_length: int = _spec(256, lo=16, hi=65_536,
                                         doc="longer label values are cut (with a hash suffix); control "
                                             "characters are replaced")
+    render_interval_ms: int = _spec(1000, lo=100, hi=60_000,
+                                    doc="how often the /metrics body is rendered ahead of the scrapes")
 
 
 @dataclass(frozen=True)

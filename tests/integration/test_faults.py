@@ -11,6 +11,7 @@ import grp
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import ssl
@@ -74,7 +75,7 @@ def _wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
 
 
 class DaemonProcess:
-    def __init__(self, tmp: Path, *args: str, config: Path | None = None) -> None:
+    def __init__(self, tmp: Path, *args: str, config: Path | None = None, nofile: int | None = None) -> None:
         self.port = _free_port()
         self.sock = tmp / f"probe-{self.port}.sock"
         cmd = [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(self.sock),
@@ -84,7 +85,9 @@ class DaemonProcess:
             cmd += ["--config", str(config)]
         self.err_path = tmp / f"daemon-{self.port}.log"
         self.err = open(self.err_path, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=self.err, text=True)
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+        self.proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=self.err, text=True,
+                                     preexec_fn=limit)
 
     def ready(self, **kw: Any) -> DaemonProcess:
         _wait(lambda: self.sock.exists() and self.metrics(**kw) is not None)
@@ -114,8 +117,8 @@ class DaemonProcess:
 def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
     made: list[DaemonProcess] = []
 
-    def start(*args: str, config: Path | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path, *args, config=config)
+    def start(*args: str, config: Path | None = None, nofile: int | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path, *args, config=config, nofile=nofile)
         made.append(d)
         return d
 
@@ -269,6 +272,116 @@ def test_probe_sent_and_dropped_reconcile_with_what_the_daemon_received_across_a
     assert _value(m, "gpufootprint_daemon_records_received_total", pid=str(p.pid)) == st["records_sent"]
     assert _value(m, "gpufootprint_probe_records_dropped_total", pid=str(p.pid)) == st["records_dropped"]
     assert _value(m, "gpufootprint_daemon_disconnects_total", reason="goodbye") == 1
+
+
+# --- out of file descriptors ------------------------------------------------------------------------
+
+NOFILE = 128
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _knock(path: Path) -> socket.socket | None:
+    """A non-blocking connect to the probe socket: None while the daemon's listen backlog is full."""
+    s = socket.socket(socket.AF_UNIX)
+    s.setblocking(False)
+    try:
+        s.connect(str(path))
+    except BlockingIOError:
+        s.close()
+        return None
+    return s
+
+
+def _idle_http(port: int) -> socket.socket:
+    """A TCP connection to /metrics that never sends a request (the server holds a descriptor for it)."""
+    s = socket.socket()
+    s.setblocking(False)
+    s.connect_ex(("127.0.0.1", port))
+    return s
+
+
+def test_out_of_file_descriptors_the_daemon_keeps_a_reserve_counts_accept_errors_without_spinning_and_recovers(
+        daemons) -> None:
+    from tests.integration.test_hostile_peers import GoodPeer
+
+    # GIVEN a daemon allowed 128 descriptors (more probe connections than that are allowed by
+    # daemon.max_connections) and a good probe connected to it
+    d = daemons("--set", "daemon.hello_timeout_seconds=0", nofile=NOFILE).ready()
+    good = GoodPeer(str(d.sock))
+    blocks = good.blocks
+
+    def good_bytes(m: dict[str, Any]) -> float | None:
+        return _value(m, "gpufootprint_device_bytes", pid=str(good.pid))
+
+    _wait(lambda: good_bytes(d.metrics()) == blocks << 20)
+    # WHEN a flood of connections asks for more descriptors than the limit
+    flood: list[socket.socket] = []
+    end = time.monotonic() + 30
+    while len(flood) < NOFILE + 40 and time.monotonic() < end:
+        s = _knock(d.sock)
+        if s is None:
+            time.sleep(0.005)  # the backlog is full until the daemon's next accept round
+        else:
+            flood.append(s)
+    assert len(flood) == NOFILE + 40
+    # THEN the daemon keeps descriptors in reserve: the connections past it are refused and counted,
+    # /metrics still answers during the flood and the good probe goes on reporting
+    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_daemon_connections_refused_total",
+                                             reason="fd_limit") else None)(d.metrics()))
+    held = _value(m, "gpufootprint_daemon_probe_connections")
+    assert held is not None and NOFILE // 2 < held < NOFILE - 8, held
+    blocks = good.step()
+    _wait(lambda: good_bytes(d.metrics()) == blocks << 20)
+
+    # WHEN the reserve is used up as well (HTTP connections that never send a request, each holding
+    # a descriptor) and more probes knock: accept() fails with EMFILE on both sockets
+    idle: list[socket.socket] = []
+    end = time.monotonic() + 30
+    while _open_fds(d.proc.pid) < NOFILE and time.monotonic() < end:
+        try:
+            idle.append(socket.create_connection(("127.0.0.1", d.port), timeout=1))
+        except OSError:
+            pass  # the accept queue is full until the server's next accept
+    assert _open_fds(d.proc.pid) == NOFILE
+    idle += [_idle_http(d.port) for _ in range(8)]  # and some wait in the server's accept queue
+    knocks = [k for k in (_knock(d.sock) for _ in range(20)) if k is not None]
+    assert knocks
+    t0, cpu0 = time.monotonic(), _cpu_seconds(d.proc.pid)
+    blocks = good.step()  # the good probe reports while the daemon has no descriptor left
+    time.sleep(3.0)  # a measuring window, not a synchronisation: what does the daemon burn meanwhile?
+    cpu = (_cpu_seconds(d.proc.pid) - cpu0) / (time.monotonic() - t0)
+    # THEN it does not spin: a failed accept pauses that listener instead of retrying at once
+    assert cpu < 0.3, f"the daemon used {cpu:.2f} cores while out of descriptors"
+    for s in idle:
+        s.close()
+    m = _wait(lambda: d.metrics())  # descriptors are free again: /metrics answers
+    exhausted_s = time.monotonic() - t0
+    errors = _value(m, "gpufootprint_daemon_accept_errors_total")
+    assert errors is not None and 1 <= errors <= exhausted_s / 0.5 + 4, (errors, exhausted_s)
+    _wait(lambda: good_bytes(d.metrics()) == blocks << 20)
+    assert _value(d.metrics(), "gpufootprint_daemon_disconnects_total") in (None, 0.0)
+
+    # WHEN the flood leaves, THEN a new probe connects and is counted
+    for s in flood + knocks:
+        s.close()
+    _wait(lambda: _value(d.metrics(), "gpufootprint_daemon_probe_connections") == 1, timeout=30)
+    newcomer = GoodPeer(str(d.sock))
+    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_device_bytes", pid=str(newcomer.pid)) == 1 << 20
+                       else None)(d.metrics()))
+    assert _value(m, "gpufootprint_daemon_probe_connections") == 2
+    assert _value(m, "gpufootprint_daemon_records_received_total", pid=str(newcomer.pid)) == 1
+    good.close()
+    newcomer.close()
+    assert d.proc.poll() is None
 
 
 # --- fuzz: mutated real frames at a live daemon while a good probe reports --------------------------

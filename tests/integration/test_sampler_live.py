@@ -95,6 +95,7 @@ def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) 
     try:
         replay_file(path, app.pipeline, guard=app.ingest.lock)
         app.ingest.tick()
+        app.http.exposition.render()  # type: ignore[union-attr]  # the render thread's work, now
         base = f"http://127.0.0.1:{app.http.port}"  # type: ignore[union-attr]
         anomalies = json.load(urllib.request.urlopen(base + "/api/anomalies", timeout=5))
         metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()

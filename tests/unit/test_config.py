@@ -37,6 +37,8 @@ def test_each_level_overrides_the_one_before(tmp_path: Path) -> None:
         ("footprint: [1, 2\n", {}, "c.yaml:2: invalid YAML"),
         ("", {"GPUFOOTPRINT_DAEMON__TICK_MS": "-4"},
          "environment GPUFOOTPRINT_DAEMON__TICK_MS: daemon.tick_ms: -4 is below the minimum 5"),
+        ("exporter:\n  render_interval_ms: 10\n", {}, "exporter.render_interval_ms: 10 is below the minimum 100"),
+        ("exporter:\n  render_interval_ms: soon\n", {}, "exporter.render_interval_ms: expected an integer"),
     ],
 )
 def test_errors_name_where_the_bad_value_came_from(tmp_path: Path, yaml_text: str, env: dict[str, str],

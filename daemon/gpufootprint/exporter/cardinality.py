@@ -9,7 +9,7 @@ they exist (a process does not flicker in and out of view as values change);
 a new series finds a slot only while there is room. Past the cap, the rest are
 folded into one series ``pid="__overflow__"`` (other labels empty) carrying
 their sum, and ``gpufootprint_series_dropped_total{metric}`` grows by the number
-of series folded at each exposition. Memory is bounded too: at most
+of series folded at each rendering of the body. Memory is bounded too: at most
 ``max_series`` remembered keys per metric.
 """
 

@@ -3,15 +3,19 @@
 prometheus_client's own ``start_http_server`` serves only /metrics; we need health
 routes and JSON routes beside it, so we use its ``choose_encoder`` for content
 negotiation (text or OpenMetrics, gzip) inside a small standard-library server.
+With an ``ExpositionCache`` (the daemon's), /metrics writes out a body rendered ahead
+of time (exporter/exposition.py); without one, it renders at each scrape.
 """
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import logging
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -19,7 +23,9 @@ from typing import Any
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.webconfig import WebConfig
+from gpufootprint.ingest.server import ACCEPT_PAUSE_S
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,20 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
     web_config: WebConfig
+    accept_errors = 0
+
+    def get_request(self) -> tuple[Any, Any]:
+        """socketserver drops a failed accept() silently and selects again at once: out of file
+        descriptors, the listener stays readable and that loop would spin. Pause instead."""
+        try:
+            return super().get_request()
+        except OSError as exc:
+            self.accept_errors += 1
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                if self.accept_errors == 1 or self.accept_errors % 100 == 0:
+                    log.warning("http accept failed (%d times so far): %s", self.accept_errors, exc)
+                time.sleep(ACCEPT_PAUSE_S)
+            raise
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(REQUEST_TIMEOUT_S)
@@ -59,8 +79,9 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
                  ready: Callable[[], bool], json_routes: dict[str, JsonRoute] | None = None,
-                 web_config: WebConfig | None = None) -> None:
+                 web_config: WebConfig | None = None, exposition: ExpositionCache | None = None) -> None:
         self.registry = registry
+        self.exposition = exposition
         self.ready = ready
         self.json_routes = dict(json_routes or {})
         handler = _make_handler(self)
@@ -89,12 +110,16 @@ class MetricsServer:
         return f"{scheme}://{shown}:{self.port}/metrics"
 
     def start(self) -> None:
+        if self.exposition is not None:
+            self.exposition.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="gpufootprint-http", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self.exposition is not None:
+            self.exposition.stop()
 
 
 def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
@@ -114,9 +139,12 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
             try:
                 if path == "/metrics":
                     encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                    body = encoder(server.registry)
                     gz = "gzip" in self.headers.get("Accept-Encoding", "")
-                    self._send(200, body, content_type, gzip_body=gz)
+                    if server.exposition is not None:
+                        body = server.exposition.body(encoder, content_type, gz)
+                        self._send(200, body, content_type, gzipped=gz)
+                    else:
+                        self._send(200, encoder(server.registry), content_type, gzip_body=gz)
                 elif path == "/healthz":
                     self._send(200, b"ok\n", "text/plain; charset=utf-8")
                 elif path == "/readyz":
@@ -139,15 +167,17 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
                 self._send(500, b"internal error\n", "text/plain; charset=utf-8")
 
         def _send(self, code: int, body: bytes, ctype: str, gzip_body: bool = False,
-                  extra: dict[str, str] | None = None) -> None:
+                  extra: dict[str, str] | None = None, gzipped: bool = False) -> None:
+            """``gzip_body``: compress ``body`` here; ``gzipped``: it is compressed already."""
             if gzip_body:
                 body = gzip.compress(body)
+                gzipped = True
             self.send_response(code)
             for name, value in {**server.web_config.headers, **(extra or {})}.items():
                 self.send_header(name, value)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
-            if gzip_body:
+            if gzipped:
                 self.send_header("Content-Encoding", "gzip")
             self.end_headers()
             self.wfile.write(body)

@@ -37,7 +37,11 @@ def sanitize_label_values(families: Iterable[Metric], max_len: int) -> list[Metr
     for fam in families:
         samples = fam.samples
         for i, s in enumerate(samples):
-            for v in s.labels.values():
+            values = s.labels.values()
+            joined = "".join(values)
+            if len(joined) <= max_len and joined.isprintable():
+                continue  # every value short and clean, found with two C calls: the common case
+            for v in values:
                 # str.isprintable is one C loop: the common clean value costs next to nothing
                 if len(v) > max_len or not v.isprintable():
                     samples[i] = s._replace(labels={k: safe_label_value(v, max_len) for k, v in s.labels.items()})
@@ -58,7 +62,7 @@ def daemon_families(stats: ServerStats, snap: PipelineSnapshot) -> Iterator[Metr
     yield disc
     refused = CounterMetricFamily("gpufootprint_daemon_connections_refused",
                                   "Probe connections closed at accept, by reason (max_connections, "
-                                  "peer_credentials).", labels=["reason"])
+                                  "peer_credentials, fd_limit).", labels=["reason"])
     for reason, n in stats.refused:
         refused.add_metric([reason], n)
     yield refused

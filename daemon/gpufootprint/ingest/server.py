@@ -14,6 +14,7 @@ import grp
 import logging
 import os
 import queue
+import resource
 import selectors
 import socket
 import stat
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 _RECV = 256 * 1024
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
 _PEERCRED = struct.Struct("3i")
+#: Descriptors kept free for everything but probe connections (/metrics scrapes, /proc reads, the
+#: Kubernetes API, logs): at most this many, a quarter of RLIMIT_NOFILE when that is small.
+FD_RESERVE = 32
+#: After accept() fails for want of descriptors, the listener is not selected for this long.
+ACCEPT_PAUSE_S = 0.5
 
 
 @dataclass
@@ -232,6 +238,7 @@ class IngestServer:
         self.stats = ServerStats()
         self._buffered = 0  # partial-frame bytes held by all decoders
         self._accept_paused_until = 0.0
+        self._fd_ceiling = 0  # a probe connection whose descriptor is at or above it is refused (0: no check)
         self._next_liveness = 0.0
         self._rlog = RateLimitedLog()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
@@ -245,6 +252,12 @@ class IngestServer:
             self._listener = bind_probe_socket(self.socket_path, dc.socket_mode, dc.socket_group)
             self._sel.register(self._listener, selectors.EVENT_READ, "listen")
             log.info("listening for probes socket=%s mode=%s", self.socket_path, dc.socket_mode)
+            self._fd_ceiling = fd_ceiling()
+            if self._fd_ceiling and self._fd_ceiling - self._listener.fileno() < dc.max_connections:
+                log.warning("RLIMIT_NOFILE=%d leaves room for about %d probe connections, fewer than "
+                            "daemon.max_connections=%d; further ones are refused (fd_limit)",
+                            resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                            self._fd_ceiling - self._listener.fileno(), dc.max_connections)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
 
     def run(self) -> None:
@@ -392,9 +405,17 @@ class IngestServer:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # Out of descriptors: the listener stays readable, so stop selecting it for a
                     # moment instead of spinning; waiting peers sit in the backlog.
-                    self._pause_accepting(0.5)
+                    self._pause_accepting(ACCEPT_PAUSE_S)
                 self._rlog("accept_error", logging.WARNING, "accept failed: %s", exc)
                 return
+            if self._fd_ceiling and sock.fileno() >= self._fd_ceiling:
+                # Descriptors are allocated lowest first: every one below this is in use. The last
+                # FD_RESERVE stay for /metrics and files, so the daemon stays observable in a flood.
+                self.refused["fd_limit"] += 1
+                self._rlog("refused", logging.WARNING, "probe connection refused: the last %d file descriptors "
+                           "under RLIMIT_NOFILE are kept for /metrics and files", FD_RESERVE)
+                sock.close()
+                continue
             if len(self._conns) >= limit:
                 self.refused["max_connections"] += 1
                 self._rlog("refused", logging.WARNING, "probe connection refused: daemon.max_connections=%d reached",
@@ -621,6 +642,15 @@ _SESSION_REASONS = {"bad_preamble": "bad_frame", "bad_version": "bad_frame", "fr
                     "bad_checksum": "bad_frame", "bad_frame_type": "bad_frame",
                     "frame_before_hello": "unexpected_frame", "frame_after_goodbye": "unexpected_frame",
                     "duplicate_hello": "unexpected_frame", "resync_mismatch": "unexpected_frame"}
+
+
+def fd_ceiling() -> int:
+    """The lowest descriptor number a probe connection may not have: RLIMIT_NOFILE's soft limit less
+    the reserve (0 when there is no limit to speak of)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft > 1 << 24:
+        return 0
+    return soft - min(FD_RESERVE, soft // 4)
 
 
 def _pid_alive(pid: int) -> bool:
