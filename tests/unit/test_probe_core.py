@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, ClassVar
-
-import pytest
 
 from gpufootprint.probe import takeover
 from gpufootprint.probe.core import Probe
@@ -105,47 +102,6 @@ def test_profiler_hand_over_calls_the_probe_around_the_users_profiler_and_passes
         prof.__exit__(None, None, None)
     assert _FakeProfile.events == ["prepare", "exit"]
     assert calls == ["begin", "end:[]:[]"]  # no torch here: no segments before or after
-
-
-@pytest.mark.parametrize(("user", "expected"), [(None, "0"), ("1", "1")])
-def test_kineto_is_asked_to_keep_cupti_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch,
-                                                            user: str | None, expected: str) -> None:
-    import types
-
-    if user is None:
-        monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    else:
-        monkeypatch.setenv("TEARDOWN_CUPTI", user)
-    seen: list[str | None] = []
-
-    class Profile:
-        def _prepare_trace(self) -> None:
-            seen.append(os.environ.get("TEARDOWN_CUPTI"))
-
-        def __exit__(self, *exc: object) -> None:
-            seen.append(os.environ.get("TEARDOWN_CUPTI"))  # what Kineto's teardown would read
-            os.environ["TEARDOWN_CUPTI"] = "1"  # a profiler that sets its own value is overridden next time
-
-    module = types.ModuleType("fake_profiler2")
-    module.profile = Profile  # type: ignore[attr-defined]
-
-    class P:
-        in_gap = False
-        counters: ClassVar[dict[str, int]] = {}
-
-        def takeover_begin(self) -> None:
-            pass
-
-        def takeover_end(self, before: list[Any], after_fn: Any) -> None:
-            seen.append(os.environ.get("TEARDOWN_CUPTI"))
-
-    assert takeover.wrap(module, P())  # type: ignore[arg-type]
-    for _ in range(2):
-        prof = Profile()
-        prof._prepare_trace()
-        prof.__exit__(None, None, None)
-    # Kineto reads the variable when the session ends, inside __exit__: ours was set before it ran.
-    assert seen[:2] == [expected, expected] and seen[3:5] == [expected, expected]
 
 
 def test_post_import_hook_wraps_the_profiler_class_when_torch_imports_it(tmp_path: Path) -> None:

@@ -7,8 +7,6 @@ is where Kineto takes CUPTI, ``__exit__`` where it lets go. The probe wraps
 both (the user's profiler runs unchanged, and its exceptions pass through):
 
 * before: force a flush of our records and stop calling CUPTI;
-* Kineto is asked not to finalize CUPTI at the session's end (TEARDOWN_CUPTI=0,
-  unless the user set it): re-initialising CUPTI after that teardown crashed at exit;
 * after: re-register our callbacks, re-enable our kinds, and rebuild the live
   table: PyTorch's segments now (``torch.cuda.memory_snapshot``) replace every
   entry PyTorch owned before or after, and the probe's own entries outside
@@ -23,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -49,25 +46,10 @@ def torch_segments() -> list[tuple[int, int, int]]:
         return []
 
 
-def keep_cupti_after_profiling(user_choice: str | None) -> None:
-    """Ask Kineto not to finalize CUPTI when a profiler session ends (TEARDOWN_CUPTI=0).
-
-    After Kineto's teardown the probe must initialise CUPTI again, and on the H200
-    workloads then died at exit (``double free or corruption``) in 2 of 5 runs; PyTorch
-    sets TEARDOWN_CUPTI=0 itself around CUDA graphs because re-initialising CUPTI after
-    a teardown crashes. Kineto reads the variable when a session ends. A value the
-    user set before the probe started is left alone.
-    """
-    if user_choice is None:
-        os.environ["TEARDOWN_CUPTI"] = "0"
-
-
 def wrap(module: ModuleType, probe: Probe) -> bool:
     cls = getattr(module, "profile", None)
     if cls is None or getattr(cls, _MARK, False):
         return cls is not None
-    user_choice = os.environ.get("TEARDOWN_CUPTI")
-    keep_cupti_after_profiling(user_choice)
     enter_name = "_prepare_trace" if hasattr(cls, "_prepare_trace") else "__enter__"
     orig_enter = getattr(cls, enter_name)
     orig_exit = cls.__exit__
@@ -75,7 +57,6 @@ def wrap(module: ModuleType, probe: Probe) -> bool:
     @functools.wraps(orig_enter)
     def enter(self: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            keep_cupti_after_profiling(user_choice)
             if not getattr(self, "_gpufootprint_before", None) and not probe.in_gap:
                 self._gpufootprint_before = torch_segments()
                 probe.takeover_begin()
@@ -86,7 +67,6 @@ def wrap(module: ModuleType, probe: Probe) -> bool:
     @functools.wraps(orig_exit)
     def exit_(self: Any, *args: Any) -> Any:
         try:
-            keep_cupti_after_profiling(user_choice)
             return orig_exit(self, *args)
         finally:
             before = getattr(self, "_gpufootprint_before", None)
