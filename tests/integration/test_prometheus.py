@@ -44,7 +44,7 @@ UM_PID = 6161  # the synthetic unified-memory trace's process (_write_um_round_t
 #   h200_caching.jsonl.gz        real H200, pid 855: the footprint by kind, copies, memsets
 #   synth_leak.gfp.gz            20 min of a slow leak (pid 5151) beside a steady process (5252):
 #                                leak suspicion; the budget on 5151 (CONFIG) a time to exhaustion
-#   h200_probe_pinned_managed    real H200 probe recording, pid 574: HEARTBEAT/GOODBYE counters
+#   h200_probe_pinned_managed    real H200 probe recording, pid 694: HEARTBEAT/GOODBYE counters
 #                                (probe overhead and drops) and unified-memory GPU page faults
 #   um_round_trip.gfp (tmp)      synthetic: unified-memory transfers in both directions and CPU
 #                                faults; the H200 recording above has GPU page faults only
@@ -355,7 +355,7 @@ def test_scraped_series_carry_pod_labels_from_the_sidecar_environment(stack: tup
     prom, _ = stack
     result = _assert_ok(prom.instant('gpufootprint_device_bytes{job="gpufootprint"}'), "device bytes")
     # One series per replayed process (of every trace, the synthetic UM one included).
-    assert sorted(int(r["metric"]["pid"]) for r in result) == sorted([574, 672, 855, 5151, 5252, UM_PID])
+    assert sorted(int(r["metric"]["pid"]) for r in result) == sorted([694, 672, 855, 5151, 5252, UM_PID])
     for r in result:
         labels = r["metric"]
         assert (labels["pod"], labels["namespace"], labels["container"], labels["attribution"]) == (
