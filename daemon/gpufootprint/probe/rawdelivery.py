@@ -2,7 +2,8 @@
 
 cupti-python's buffer-completed wrapper builds one Python object per record on
 CUPTI's thread, holding the GIL, before our callback sees the list: on the H200
-that work, not CUPTI's recording, is what slowed the workload (docs/performance.md).
+that work was most of the probe's CPU time in callbacks and flushes (docs/performance.md,
+run 3: 0.49 s -> 0.09 s of packing, 0.88 s -> 0.12 s inside flushes, same records).
 Here the two activity callbacks are ctypes functions registered on the libcupti
 that cupti-python mapped (the only one in the process; see docs/probe.md):
 

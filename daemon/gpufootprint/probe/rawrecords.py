@@ -4,11 +4,12 @@ A completed CUPTI buffer is a run of C structs, one after another, each starting
 with its ``CUpti_ActivityKind`` (``cuptiActivityGetNextRecord`` advances by the
 struct's size). For the kinds the probe enables, CUPTI 13 writes the structs
 below; their sizes and offsets agree with cupti-python's ``activity_*_dtype``
-(checked by ``tests/unit/test_probe_raw.py`` where cupti-python is installed and
+(checked by ``tests/unit/test_probe_bulk.py``, with cupti-python, a dependency, and
 against ``cuptiActivityGetNextRecord`` on the GPU by ``tests/gpu/test_probe_gpu.py``).
 
 Reading the bytes replaces building one Python object per record inside CUPTI's
-callback, which is what cost the workload time (docs/performance.md). ``walk``
+callback, which was most of the probe's own CPU time in callbacks and flushes on the
+H200 (docs/performance.md, run 3). ``walk``
 refuses a buffer it cannot walk exactly (an unknown kind, a record running past
 the end); the caller then falls back to another way of reading it.
 """
