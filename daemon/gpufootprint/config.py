@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 
 from gpufootprint.errors import ConfigError
+from gpufootprint.probe.settings import DELIVERIES as PROBE_DELIVERIES
+from gpufootprint.probe.settings import MINIMUMS as PROBE_MINIMUMS
 
 ENV_PREFIX = "GPUFOOTPRINT_"
 
@@ -152,10 +154,10 @@ class ProbeConfig:
     flush_ms: int = _spec(100, lo=1, hi=1000, doc="flush cadence (the sampler may change it)")
     watermark_ms: int = _spec(1000, lo=10, hi=60_000, doc="period mode: forced flush and WATERMARK cadence")
     heartbeat_ms: int = _spec(1000, lo=10, hi=60_000, doc="probe counters to the daemon")
-    buffer_bytes: int = _spec(16 << 20, lo=1 << 20, hi=1 << 30,
+    buffer_bytes: int = _spec(16 << 20, lo=PROBE_MINIMUMS["buffer_bytes"], hi=1 << 30,
                               doc="frames waiting for the socket before records are dropped (at least 1 MiB: "
                                   "one packing array's frame is up to 4096 x 80 bytes)")
-    cupti_buffer_bytes: int = _spec(64 << 10, lo=1 << 12, hi=1 << 28,
+    cupti_buffer_bytes: int = _spec(64 << 10, lo=PROBE_MINIMUMS["cupti_buffer_bytes"], hi=1 << 28,
                                     doc="host buffer per CUPTI request (small: buffers complete sooner)")
     device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
     device_buffer_pool_limit: int = _spec(2, lo=1, hi=64, doc="CUPTI device buffers at most")
@@ -166,10 +168,10 @@ class ProbeConfig:
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
     bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
     copies: bool = _spec(True, doc="record MEMCPY, MEMCPY2 and MEMSET (copy metrics and frames need them)")
-    delivery: str = _spec("raw", choices=("raw", "objects"),
+    delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
                           doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
                               "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
-    raw_buffers: int = _spec(256, lo=4, hi=4096,
+    raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")
 # --- decision engines (issue 5) ------------------------------------------------

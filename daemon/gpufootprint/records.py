@@ -193,6 +193,10 @@ DTYPES: Final[dict[RecordKind, np.dtype]] = {
     RecordKind.UNIFIED_MEMORY: UNIFIED_MEMORY_DTYPE,
 }
 
+#: Timestamps are nanoseconds since 1970 in a signed 64-bit integer (until 2262): a record
+#: stamped at or past this is damage or a sentinel, in any source (trace, probe, CUPTI).
+MAX_TIMESTAMP_NS: Final = 1 << 63
+
 #: The field that orders each kind in time (records are applied "as of" it).
 TIME_FIELD: Final[dict[RecordKind, str]] = {
     RecordKind.MEMORY: "ts",

@@ -19,12 +19,11 @@ import numpy as np
 
 from gpufootprint.errors import FrameError
 from gpufootprint.ingest.pipeline import Pipeline
-from gpufootprint.records import MEMORY_DTYPE, TIME_FIELD, RecordKind
+from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
 
-_MAX_TS = 1 << 63
 
 MarkCallback = Callable[[dict[str, Any]], None]
 
@@ -105,7 +104,7 @@ class Session:
             self._mark(frame.json())
         elif ftype is FrameType.WATERMARK:
             ts = frame.watermark()
-            if ts >= _MAX_TS:
+            if ts >= MAX_TIMESTAMP_NS:
                 self.problem("bad_timestamp", f"{self.name}: byte {frame.offset}: WATERMARK beyond the year 2262")
                 return
             if self.future_limit_ns is not None:
@@ -165,7 +164,7 @@ class Session:
             return
         # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
         # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
-        absurd = recs[TIME_FIELD[kind]] >= np.uint64(_MAX_TS)
+        absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
         if absurd.any():
             self.problem("bad_timestamp", f"{self.name}: byte {frame.offset}: {int(absurd.sum())} {kind.name} "
                                           f"records with a timestamp beyond the year 2262: dropped")

@@ -13,13 +13,23 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+# The CUPTI_ActivityKind numbers are kept in one place.
+from gpufootprint.probe.rawrecords import (
+    CONCURRENT_KERNEL,
+    MEMCPY,
+    MEMCPY2,
+    MEMORY2,
+    MEMORY_POOL,
+    MEMSET,
+    UNIFIED_MEMORY_COUNTER,
+)
+
 log = logging.getLogger(__name__)
 
 Requested = Callable[[], tuple[int, int]]
 Completed = Callable[[list[Any]], None]
 
 # CUPTI_ActivityKind values the probe enables.
-MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UNIFIED_MEMORY_COUNTER, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
 ALWAYS_ON = (MEMORY2, MEMORY_POOL, MEMCPY, MEMCPY2, MEMSET)
 FOOTPRINT_ONLY = (MEMORY2, MEMORY_POOL)
 
@@ -86,12 +96,7 @@ class CuptiBackend:
 
     def libcupti_paths(self) -> list[str]:
         """Every libcupti file mapped into this process (two copies: see docs/probe.md)."""
-        try:
-            with open("/proc/self/maps") as fh:
-                return sorted({line.split(None, 5)[5].strip() for line in fh
-                               if "libcupti.so" in line and len(line.split(None, 5)) == 6})
-        except OSError:
-            return []
+        return mapped_libcupti()
 
     def _set(self, attr: int, value: int) -> bool:
         v = ctypes.c_size_t(value)
@@ -153,6 +158,8 @@ class CuptiBackend:
         # The same libcupti serves the flush, through ctypes: the GIL is released while
         # CUPTI flushes, and our ctypes callbacks take it only to queue a buffer.
         self._flush_nogil = True
+        if not self._lib_flush:
+            self._lib_flush = _libcupti_function("cuptiActivityFlushAll", lib) or False
         self._lib_next = lib.cuptiActivityGetNextRecord
         self._lib_next.restype = ctypes.c_int
         self._lib_next.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
@@ -210,30 +217,35 @@ class CuptiBackend:
         return out
 
 
-def _libcupti() -> Any:
-    """The one libcupti mapped into this process, opened by its path; None when not exactly one."""
+def mapped_libcupti() -> list[str]:
+    """Every libcupti file mapped into this process, from /proc/self/maps ([] when unreadable)."""
     try:
         with open("/proc/self/maps") as fh:
-            paths = {line.split(None, 5)[5].strip() for line in fh
-                     if "libcupti.so" in line and len(line.split(None, 5)) == 6}
+            return sorted({line.split(None, 5)[5].strip() for line in fh
+                           if "libcupti.so" in line and len(line.split(None, 5)) == 6})
     except OSError:
-        return None
+        return []
+
+
+def _libcupti() -> Any:
+    """The one libcupti mapped into this process, opened by its path; None when not exactly one."""
+    paths = mapped_libcupti()
     if len(paths) != 1:
         return None
     try:
-        return ctypes.CDLL(paths.pop())
+        return ctypes.CDLL(paths[0])
     except OSError:
         return None
 
 
-def _libcupti_function(name: str) -> Any:
-    """A libcupti function through ctypes (GIL released during the call), or None.
+def _libcupti_function(name: str, lib: Any = None) -> Any:
+    """A libcupti function taking one uint32, through ctypes (GIL released during the call), or None.
 
-    Only when exactly one libcupti is mapped into the process, opened by that exact
+    From ``lib``, or from the one libcupti mapped into the process, opened by that exact
     path (so dlopen returns the copy cupti-python uses). A soname lookup found a
     second copy on the H200 test machine (PyTorch's), with records lost and a crash.
     """
-    lib = _libcupti()
+    lib = lib if lib is not None else _libcupti()
     if lib is None:
         return None
     try:

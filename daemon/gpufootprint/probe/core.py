@@ -26,22 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import hostinfo
-from gpufootprint.probe.backend import ALWAYS_ON, CONCURRENT_KERNEL, FOOTPRINT_ONLY, UNIFIED_MEMORY_COUNTER, Backend
+from gpufootprint.probe import hostinfo, rawrecords
+from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
-from gpufootprint.probe import rawrecords
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
+from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER
 from gpufootprint.probe.settings import ProbeSettings
-from gpufootprint.records import MEMORY_DTYPE, TIME_FIELD, RecordKind
+from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
 
 _RESYNC_CHUNK = 4096
-_MAX_TS = np.uint64(1 << 63)  # timestamps are ns since 1970 in a signed 64-bit integer (until 2262)
 
 
 class Probe:
@@ -435,7 +434,7 @@ class Probe:
         owned = arr.base if arr.base is not None and len(arr) < self.packer.capacity else arr
         # CUPTI delivered a few copies/memsets stamped beyond 2^63 on the H200 (5-6 in 68,894):
         # no time to place them at. Counted here, so the daemon's ingest errors mean damage only.
-        bad = arr[TIME_FIELD[kind]] >= _MAX_TS
+        bad = arr[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
         if bad.any():
             self.counters["cupti_bad_timestamps"] += int(bad.sum())
             arr = arr[~bad]

@@ -33,8 +33,8 @@ CUPTI_UNIFIED_MEMORY_COUNTER: Final = rawrecords.UNIFIED_MEMORY_COUNTER
 CUPTI_MEMORY2: Final = rawrecords.MEMORY2
 CUPTI_MEMORY_POOL: Final = rawrecords.MEMORY_POOL
 
-_POOL_LOCAL: Final = 1
-_UM_DTOH: Final = 2
+_POOL_LOCAL: Final = rawrecords.POOL_LOCAL
+_UM_DTOH: Final = rawrecords.UM_DTOH
 _U32: Final = 0xFFFFFFFF
 
 #: (RecordKind, array) handed from the callback to the sender.

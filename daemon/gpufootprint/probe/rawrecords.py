@@ -35,8 +35,8 @@ UNIFIED_MEMORY_COUNTER: Final = 25
 MEMORY2: Final = 49
 MEMORY_POOL: Final = 50
 
-_POOL_LOCAL: Final = 1
-_UM_DTOH: Final = 2
+POOL_LOCAL: Final = 1  # CUPTI_ACTIVITY_MEMORY_POOL_TYPE_LOCAL: a pool whose size CUPTI reports
+UM_DTOH: Final = 2  # CUPTI_ACTIVITY_UNIFIED_MEMORY_COUNTER_KIND_BYTES_TRANSFER_DTOH
 
 
 def _raw(itemsize: int, **fields: tuple[str, int]) -> np.dtype:
@@ -138,7 +138,7 @@ def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] 
         out["pool_addr"] = np.where(has_pool, src["pool_addr"], 0)
         out["pool_thresh"] = np.where(has_pool, src["pool_thresh"], 0)
         out["pool_used"] = np.where(has_pool, src["pool_used"], 0)
-        out["pool_size"] = np.where(ptype == _POOL_LOCAL, src["pool_size"], 0)
+        out["pool_size"] = np.where(ptype == POOL_LOCAL, src["pool_size"], 0)
     elif kind in (MEMCPY, MEMCPY2):
         out["start"] = src["start"]
         out["end"] = src["end"]
@@ -162,7 +162,7 @@ def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] 
         out["corr"] = src["corr"]
         out["mk"] = src["mk"]
     elif kind == MEMORY_POOL:
-        local = src["ptype"] == _POOL_LOCAL
+        local = src["ptype"] == POOL_LOCAL
         out["ts"] = src["timestamp"]
         out["addr"] = src["address"]
         out["size"] = np.where(local, src["size"], 0)
@@ -181,7 +181,7 @@ def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] 
         out["addr"] = src["address"]
         out["src"] = src["src"]
         out["dst"] = src["dst"]
-        out["dev"] = np.where(ck == _UM_DTOH, src["src"], src["dst"])
+        out["dev"] = np.where(ck == UM_DTOH, src["src"], src["dst"])
         out["ck"] = ck
     else:  # kernels
         out["start"] = src["start"]
