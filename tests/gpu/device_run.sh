@@ -7,6 +7,7 @@
 #   tests        tests/gpu with the probe's default settings
 #   tests_period tests/gpu/test_probe_gpu.py with flush_mode=period, the ctypes (GIL-free) flush, bulk packing
 #   profiler_exit the profiler scenario unprobed, probed without the hand-over, and with TEARDOWN_CUPTI=0
+#   exit_reps    REPS runs of the profiler scenario per variant (unprobed, probe, exit_detach=finalize, os._exit, no hook)
 #   bench        bench/overhead.py (ROUNDS, CONFIGS, BENCH_TIMEOUT from the environment)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -59,6 +60,31 @@ profiler_exit)
       tests/gpu/test_probe_gpu.py -k profiler > "$R/profiler_exit_$1.log" 2>&1
     echo "$1 ($2): pytest rc=$?" | tee -a "$R/profiler_exit.txt"; grep -E "double|passed|failed|Error" "$R/profiler_exit_$1.log" | head -4
   done ;;
+exit_reps)
+  # The exit crash after a torch.profiler session: REPS runs of each variant, 8 at a time,
+  # no daemon (records dropped and counted), Python's fault handler on. rc 134 = abort.
+  one() { # variant rep env...
+    local v=$1 r=$2; shift 2
+    env PYTHONFAULTHANDLER=1 GPUFOOTPRINT_PROBE_SOCKET= "$@" timeout 60 python3 tests/gpu/workload.py profiler \
+      > "$R/exit_${v}_$r.log" 2>&1
+    echo "$v $r rc=$?" >> "$R/exit_reps.txt"
+  }
+  export -f one; export R
+  for r in $(seq 1 ${REPS:-10}); do
+    echo "unprobed $r WORKLOAD_NO_PROBE=1"; echo "probe $r GPUFOOTPRINT_PROBE_X=1"
+    echo "finalize $r GPUFOOTPRINT_PROBE_EXIT_DETACH=finalize"; echo "osexit $r WORKLOAD_OS_EXIT=1"
+    echo "nohook $r GPUFOOTPRINT_PROBE_TORCH_HOOK=0"
+  done | xargs -P 8 -L 1 bash -c 'one "$@"' _
+  sort "$R/exit_reps.txt" | awk '{split($3,a,"="); n[$1]++; if (a[2]!=0) bad[$1]++} END {for (v in n) printf "%-9s %d/%d failed\n", v, bad[v]+0, n[v]}'
+  grep -l -E "double free|invalid pointer|corrupt|Fatal Python" "$R"/exit_*.log | head -3 | while read f; do
+    echo "== $f"; grep -v UserWarning "$f" | grep -v _warn_once | tail -25 | cut -c1-240; done
+  if command -v gdb > /dev/null; then
+    for r in 1 2 3 4 5 6; do
+      ( env GPUFOOTPRINT_PROBE_SOCKET= timeout 120 gdb -q -batch -ex run -ex bt -ex "info threads" \
+          -ex "thread apply all bt 12" --args python3 tests/gpu/workload.py profiler > "$R/exit_gdb_$r.log" 2>&1 ) &
+    done; wait
+    grep -l -E "SIGABRT|SIGSEGV" "$R"/exit_gdb_*.log | head -1 | xargs -r sed -n '/signal SIG/,$p' | head -80 | cut -c1-240
+  else echo "no gdb on this machine"; fi ;;
 traces)
   for s in train graph; do
     GPUFOOTPRINT_PROBE_KERNELS=1 timeout 90 python3 -m gpufootprint record -o "$R/h200_kernels_$s.gfp.gz" -- \

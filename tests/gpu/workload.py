@@ -238,4 +238,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if os.environ.get("WORKLOAD_OS_EXIT") == "1":
+        # Diagnostic (docs/probe.md, exit crash): the probe's own atexit work, then no C teardown.
+        probe.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

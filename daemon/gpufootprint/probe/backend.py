@@ -24,6 +24,8 @@ from gpufootprint.probe.rawrecords import (
     UNIFIED_MEMORY_COUNTER,
 )
 
+from gpufootprint.probe.settings import copy_kind_names
+
 log = logging.getLogger(__name__)
 
 Requested = Callable[[], tuple[int, int]]
@@ -32,6 +34,12 @@ Completed = Callable[[list[Any]], None]
 # CUPTI_ActivityKind values the probe enables.
 ALWAYS_ON = (MEMORY2, MEMORY_POOL, MEMCPY, MEMCPY2, MEMSET)
 FOOTPRINT_ONLY = (MEMORY2, MEMORY_POOL)
+_COPY_KIND = {"memcpy": MEMCPY, "memcpy2": MEMCPY2, "memset": MEMSET}
+
+
+def copy_kinds(names: str) -> tuple[int, ...]:
+    """The CUPTI kinds of ``ProbeSettings.copy_kinds`` (unknown names are ignored: settings checked them)."""
+    return tuple(_COPY_KIND[n] for n in copy_kind_names(names) if n in _COPY_KIND)
 
 
 class Backend(Protocol):
@@ -42,6 +50,17 @@ class Backend(Protocol):
     def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
     def configure_unified_memory(self) -> bool: ...
+    def finalize(self) -> bool:
+        """cuptiFinalize: CUPTI detaches (callbacks unregistered, kinds off) until its next use."""
+        fn = _libcupti_function("cuptiFinalize", argtypes=[])
+        if fn:
+            status = fn()
+            if status != 0:
+                self.errors.append(f"cuptiFinalize: status {status}")
+            return status == 0
+        fin = getattr(self._c, "finalize", None)
+        return fin is not None and self._call("finalize", fin)
+
     def dropped_records(self) -> int: ...
     def versions(self) -> dict[str, Any]: ...
 
@@ -238,8 +257,8 @@ def _libcupti() -> Any:
         return None
 
 
-def _libcupti_function(name: str, lib: Any = None) -> Any:
-    """A libcupti function taking one uint32, through ctypes (GIL released during the call), or None.
+def _libcupti_function(name: str, lib: Any = None, argtypes: list[Any] | None = None) -> Any:
+    """A libcupti function taking one uint32 (or ``argtypes``), through ctypes (GIL released during the call), or None.
 
     From ``lib``, or from the one libcupti mapped into the process, opened by that exact
     path (so dlopen returns the copy cupti-python uses). A soname lookup found a
@@ -253,5 +272,5 @@ def _libcupti_function(name: str, lib: Any = None) -> Any:
     except AttributeError:
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_uint32]
+    fn.argtypes = [ctypes.c_uint32] if argtypes is None else argtypes
     return fn

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.probe import hostinfo, rawrecords
-from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend
+from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, copy_kinds
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.packing import Packer
@@ -82,7 +82,7 @@ class Probe:
         self.period = settings.flush_mode == "period"
         self.watermark_s = max(1, settings.watermark_ms) / 1000
         self.libcupti: list[str] = []
-        self._kinds = ALWAYS_ON if settings.copies else FOOTPRINT_ONLY
+        self._kinds = FOOTPRINT_ONLY + (copy_kinds(settings.copy_kinds) if settings.copies else ())
         self.in_gap = False
         self._gap_started_ns = 0
         self.gap_seconds = 0.0
@@ -229,6 +229,16 @@ class Probe:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def stop_at_exit(self) -> None:
+        """``stop`` from atexit, then (``exit_detach: finalize``) CUPTI detached from the process."""
+        self.stop()
+        if self.settings.exit_detach == "finalize" and self._backend is not None and not self.in_gap:
+            if self._thread is not None and self._thread.is_alive():
+                return  # the sender is still in CUPTI: detaching under it is not safe
+            finalize = getattr(self._backend, "finalize", None)
+            if finalize is not None and finalize():
+                self.counters["exit_detached"] += 1
 
     # --- CUPTI callbacks (CUPTI's thread; never raise, never block) ---------------------
 

@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
+COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
+EXIT_DETACH = ("none", "finalize")
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
@@ -48,6 +50,10 @@ class ProbeSettings:
     capacity: int = 4096  # records per packing array
     bulk_pack: bool = True  # read MEMORY2/MEMCPY/MEMSET as raw structs (checked; falls back to attributes)
     copies: bool = True  # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself)
+    copy_kinds: str = ",".join(COPY_KINDS)  # which of them, when copies is on (comma-separated)
+    # After the final flush at exit: "finalize" detaches CUPTI (cuptiFinalize), so no
+    # CUPTI thread calls into the probe's Python while the interpreter shuts down.
+    exit_detach: str = "none"
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
     # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
@@ -92,6 +98,16 @@ class ProbeSettings:
             log.warning("GPUFOOTPRINT_PROBE_DELIVERY=%r is not one of %s; using %r", delivery, DELIVERIES,
                         cls.delivery)
             values.pop("delivery")
+        kinds = values.get("copy_kinds")
+        if kinds is not None and not set(copy_kind_names(kinds)) <= set(COPY_KINDS):
+            log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
+                        COPY_KINDS, cls.copy_kinds)
+            values.pop("copy_kinds")
+        detach = values.get("exit_detach")
+        if detach is not None and detach not in EXIT_DETACH:
+            log.warning("GPUFOOTPRINT_PROBE_EXIT_DETACH=%r is not one of %s; using %r", detach, EXIT_DETACH,
+                        cls.exit_detach)
+            values.pop("exit_detach")
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
@@ -100,3 +116,8 @@ class ProbeSettings:
             v = getattr(self, f.name)
             out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out
+
+
+def copy_kind_names(value: str) -> list[str]:
+    """``"memcpy, memset"`` -> ``["memcpy", "memset"]`` (empty items dropped)."""
+    return [v.strip().lower() for v in value.split(",") if v.strip()]
