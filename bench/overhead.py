@@ -64,7 +64,11 @@ HERE = Path(__file__).resolve()
 # --- worker ---------------------------------------------------------------------
 
 
-def worker(config: str, socket_path: str, steps_a: int, steps_b: int) -> None:
+def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str) -> None:
+    if cpus:
+        # Every worker on the same CPUs (they take turns): a worker's place on the machine
+        # no longer differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5).
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -140,6 +144,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--socket", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps-a", type=int, default=15)
     ap.add_argument("--steps-b", type=int, default=100)
@@ -147,10 +152,16 @@ def main() -> int:
     ap.add_argument("--progress", action="store_true", help="a line per round on stderr")
     ap.add_argument("--out", default="-")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", type=int, default=2,
+                    help="run every worker on the same N CPUs, the parent on the others (0: no pinning)")
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.socket, args.steps_a, args.steps_b)
+        worker(args.worker, args.socket, args.steps_a, args.steps_b, args.cpus)
         return 0
+    cpus = sorted(os.sched_getaffinity(0))
+    worker_cpus = cpus[-args.pin:] if 0 < args.pin < len(cpus) else []
+    if worker_cpus:
+        os.sched_setaffinity(0, set(cpus) - set(worker_cpus))  # the daemons stay off the workers' CPUs
 
     configs = args.configs.split(",")
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
@@ -170,7 +181,8 @@ def main() -> int:
     for c in configs:
         sock = os.path.join(tmp, f"{c}.sock")
         procs[c] = subprocess.Popen([sys.executable, str(HERE), "--worker", c, "--socket", sock,
-                                     "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b)],
+                                     "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b),
+                                     "--cpus", ",".join(map(str, worker_cpus))],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for c, p in procs.items():
         line = p.stdout.readline()  # type: ignore[union-attr]
@@ -206,6 +218,7 @@ def main() -> int:
         server.stop()
 
     summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+                               "worker_cpus": worker_cpus,
                                "wall_seconds": round(time.time() - t_start, 1), "configs": {}}
     base = steps.get("none")
     for c in configs:

@@ -70,10 +70,9 @@ exit_reps)
     echo "$v $r rc=$?" >> "$R/exit_reps.txt"
   }
   export -f one; export R
+  variants=${EXIT_VARIANTS:-"unprobed:WORKLOAD_NO_PROBE=1 probe:GPUFOOTPRINT_PROBE_X=1 finalize:GPUFOOTPRINT_PROBE_EXIT_DETACH=finalize osexit:WORKLOAD_OS_EXIT=1 nohook:GPUFOOTPRINT_PROBE_TORCH_HOOK=0"}
   for r in $(seq 1 ${REPS:-10}); do
-    echo "unprobed $r WORKLOAD_NO_PROBE=1"; echo "probe $r GPUFOOTPRINT_PROBE_X=1"
-    echo "finalize $r GPUFOOTPRINT_PROBE_EXIT_DETACH=finalize"; echo "osexit $r WORKLOAD_OS_EXIT=1"
-    echo "nohook $r GPUFOOTPRINT_PROBE_TORCH_HOOK=0"
+    for v in $variants; do echo "${v%%:*} $r ${v#*:}" | tr ',' ' '; done
   done | xargs -P 8 -L 1 bash -c 'one "$@"' _
   sort "$R/exit_reps.txt" | awk '{split($3,a,"="); n[$1]++; if (a[2]!=0) bad[$1]++} END {for (v in n) printf "%-9s %d/%d failed\n", v, bad[v]+0, n[v]}'
   grep -l -E "double free|invalid pointer|corrupt|Fatal Python" "$R"/exit_*.log | head -3 | while read f; do

@@ -18,6 +18,14 @@ NO_PROBE = os.environ.get("WORKLOAD_NO_PROBE") == "1"  # the same workload unpro
 if not probe.status().get("started") and os.environ.get("WORKLOAD_LATE_START") != "1" and not NO_PROBE:
     probe.start()  # before torch: CUPTI must see the first allocation
 
+_CUPTI_INIT = os.environ.get("WORKLOAD_CUPTI_INIT", "")  # exit-crash bisection (docs/probe.md)
+if NO_PROBE and _CUPTI_INIT:
+    from gpufootprint.probe.backend import CuptiBackend
+
+    _b = CuptiBackend()
+    _b.versions()
+    _b.configure(4 << 20 if _CUPTI_INIT == "attrs" else 0, 2)
+
 import torch
 
 DEV = 0

@@ -133,6 +133,8 @@ class CuptiBackend:
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int:
         """Bound CUPTI's device buffers; returns the bound in bytes (size x pool limit)."""
         a = self._c.ActivityAttribute
+        if device_buffer_bytes <= 0:  # CUPTI's own defaults: read them only
+            return (self._get(a.ATTR_DEVICE_BUFFER_SIZE) or 0) * (self._get(a.ATTR_DEVICE_BUFFER_POOL_LIMIT) or 0)
         self._set(a.ATTR_DEVICE_BUFFER_SIZE, device_buffer_bytes)
         self._set(a.ATTR_DEVICE_BUFFER_POOL_LIMIT, pool_limit)
         self._set(a.ATTR_DEVICE_BUFFER_PRE_ALLOCATE_VALUE, min(pool_limit, 1))

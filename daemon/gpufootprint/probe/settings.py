@@ -40,7 +40,7 @@ class ProbeSettings:
     heartbeat_ms: int = 1000
     buffer_bytes: int = 16 << 20  # bytes of frames waiting for the socket before records are dropped
     cupti_buffer_bytes: int = 64 << 10  # host buffer handed to CUPTI per request (small: full sooner)
-    device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE
+    device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE (0: CUPTI's defaults, untouched)
     device_buffer_pool_limit: int = 2  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_POOL_LIMIT
     kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
     unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER where supported
