@@ -18,13 +18,24 @@ NO_PROBE = os.environ.get("WORKLOAD_NO_PROBE") == "1"  # the same workload unpro
 if not probe.status().get("started") and os.environ.get("WORKLOAD_LATE_START") != "1" and not NO_PROBE:
     probe.start()  # before torch: CUPTI must see the first allocation
 
-_CUPTI_INIT = os.environ.get("WORKLOAD_CUPTI_INIT", "")  # exit-crash bisection (docs/probe.md)
-if NO_PROBE and _CUPTI_INIT:
-    from gpufootprint.probe.backend import CuptiBackend
+# Exit-crash bisection (docs/probe.md): the probe's start-up steps one by one, without the probe.
+_CUPTI_INIT = os.environ.get("WORKLOAD_CUPTI_INIT", "").split(",")
+if NO_PROBE and _CUPTI_INIT != [""]:
+    from gpufootprint.probe.backend import ALWAYS_ON, CuptiBackend
+    from gpufootprint.probe.hostinfo import cuda_devices
 
+    if "cudadev" in _CUPTI_INIT:
+        cuda_devices()
     _b = CuptiBackend()
     _b.versions()
-    _b.configure(4 << 20 if _CUPTI_INIT == "attrs" else 0, 2)
+    _b.configure(4 << 20 if "attrs" in _CUPTI_INIT else 0, 2)
+    if "register" in _CUPTI_INIT:
+        _b.register(lambda: (1 << 16, 0), lambda records: None)
+    if "enable" in _CUPTI_INIT:
+        for _k in ALWAYS_ON:
+            _b.enable(_k)
+    if "um" in _CUPTI_INIT:
+        _b.configure_unified_memory()
 
 import torch
 
