@@ -91,6 +91,7 @@ class FakeCupti:
         self.flushes = 0
         self.registrations = 0
         self.lost_while_disabled = 0
+        self.um_configurations = 0
 
     # --- Backend protocol ---
     def register(self, requested: Any, completed: Any) -> None:
@@ -120,8 +121,12 @@ class FakeCupti:
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int:
         return device_buffer_bytes * pool_limit
 
-    def configure_unified_memory(self) -> bool:
-        self.enabled.add(UM)
+    def configure_unified_memory(self, enable: bool = True) -> bool:
+        self.um_configurations += 1
+        if enable:
+            self.enabled.add(UM)
+        else:
+            self.enabled.discard(UM)
         return True
 
     def dropped_records(self) -> int:

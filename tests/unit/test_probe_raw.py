@@ -39,15 +39,21 @@ def _workload_records() -> list[Any]:
         recs += [fk.memcpy_record(n, start=t + 3000 + n), fk.memset_record(n)]
     recs.append(fk.peer_copy_record(1 << 16, 0, 1))
     recs += [fk.kernel_record(name, graph=5, node=9) for name in ("gemm", "softmax", "gemm", "a" * 300)]
-    recs += [fk.um_record(1, 4096, 0x7000), fk.um_record(2, 8192, 0x7000)]
+    # managed memory: the probe configures the unified-memory counters once it sees this allocation
+    recs.append(fk.memory_record(1, 0x7000_0000, 64 << 20, ts=t + 4000, mk=5))
     return recs
 
 
 _RECORDS = _workload_records()
+_UM_RECORDS = [fk.um_record(1, 4096, 0x7000), fk.um_record(2, 8192, 0x7000)]
 
 
-def _workload(fake: fk.FakeCupti) -> None:
+def _workload(fake: fk.FakeCupti, probe: Probe) -> None:
     for rec in _RECORDS:
+        fake.emit(rec)
+    probe.mark("managed")  # a flush: the probe has seen the managed allocation
+    assert fake.um_configurations == 1
+    for rec in _UM_RECORDS:
         fake.emit(rec)
 
 
@@ -58,7 +64,7 @@ def _run(tmp_path: Path, fake: fk.FakeCupti, name: str, **settings: Any) -> tupl
                   discover_devices=False)
     assert probe.start()
     try:
-        _workload(fake)
+        _workload(fake, probe)
         probe.mark("end")
     finally:
         probe.stop()
@@ -93,7 +99,7 @@ def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path:
             a["name_id"] = b["name_id"] = 0
         assert (sorted(zip((r.tobytes() for r in a), a_names, strict=True))
                 == sorted(zip((r.tobytes() for r in b), b_names, strict=True))), kind
-    assert len(raw[RecordKind.MEMORY]) == 451
+    assert len(raw[RecordKind.MEMORY]) == 452
     assert sorted(raw_names.values()) == sorted({"gemm", "softmax", "a" * 300})
     # every buffer went back to the pool
     assert probe.raw is not None and probe.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))

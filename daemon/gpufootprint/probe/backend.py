@@ -49,7 +49,7 @@ class Backend(Protocol):
     def flush(self, forced: bool) -> None: ...
     def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
-    def configure_unified_memory(self) -> bool: ...
+    def configure_unified_memory(self, enable: bool = True) -> bool: ...
     def finalize(self) -> bool:
         """cuptiFinalize: CUPTI detaches (callbacks unregistered, kinds off) until its next use."""
         fn = _libcupti_function("cuptiFinalize", argtypes=[])
@@ -142,8 +142,11 @@ class CuptiBackend:
         limit = self._get(a.ATTR_DEVICE_BUFFER_POOL_LIMIT) or pool_limit
         return size * limit
 
-    def configure_unified_memory(self) -> bool:
+    def configure_unified_memory(self, enable: bool = True) -> bool:
+        """Configure the unified-memory counters and enable their kind (``enable=False``: kind off, counters off)."""
         c = self._c
+        if not enable:
+            self.disable(UNIFIED_MEMORY_COUNTER)
         k = c.ActivityUnifiedMemoryCounterKind
         kinds = [k.BYTES_TRANSFER_HTOD, k.BYTES_TRANSFER_DTOH, k.CPU_PAGE_FAULT_COUNT, k.GPU_PAGE_FAULT,
                  k.THRASHING, k.THROTTLING, k.REMOTE_MAP, k.BYTES_TRANSFER_DTOD]
@@ -151,7 +154,7 @@ class CuptiBackend:
             cfg = c.ActivityUnifiedMemoryCounterConfig(len(kinds))
             cfg.scope = 1  # as the cupti-python sample does: set for every entry
             cfg.device_id = 0
-            cfg.enable = 1
+            cfg.enable = 1 if enable else 0
             for i, kind in enumerate(kinds):
                 cfg[i].kind = kind
         except Exception as exc:  # noqa: BLE001 - the config class moved between releases
@@ -160,7 +163,7 @@ class CuptiBackend:
         if not self._call("activity_configure_unified_memory_counter",
                           c.activity_configure_unified_memory_counter, cfg.ptr, len(kinds)):
             return False
-        return self.enable(UNIFIED_MEMORY_COUNTER)
+        return self.enable(UNIFIED_MEMORY_COUNTER) if enable else True
 
     def register_raw(self, delivery: Any) -> bool:
         """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""

@@ -34,7 +34,7 @@ from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
 from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER
 from gpufootprint.probe.settings import ProbeSettings
-from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
+from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
 
@@ -94,6 +94,11 @@ class Probe:
         self._kernel_window_end = 0.0
         self._want_resync = False
         self._kernels_always = False
+        # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
+        # memory, not at start: configured in a process that also ran a torch.profiler
+        # session, it made the exit abort in 4-6 runs of 10 on the H200 (docs/probe.md).
+        self._um_wanted = settings.unified_memory
+        self._um_configured = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,8 +128,6 @@ class Probe:
             self._arm()
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
                 self._kernels_always = True
-            if self.settings.unified_memory and not self._backend.configure_unified_memory():
-                self.counters["unified_memory_unsupported"] += 1
         except Exception as exc:  # noqa: BLE001 - no CUPTI, no driver: the workload runs unprobed
             self.errors.append(f"start: {exc}")
             log.warning("gpufootprint probe not started: %s", exc)
@@ -207,6 +210,17 @@ class Probe:
         finally:
             raw.give_back(address)
             self.callback_seconds += time.thread_time() - t0
+
+    def _configure_unified_memory(self) -> None:
+        """The first managed allocation was seen: unified-memory counters from now on (sender thread)."""
+        if self.in_gap or self._backend is None:
+            return  # the profiler holds CUPTI; the hand-back configures them
+        self._um_wanted = False
+        if self._backend.configure_unified_memory():
+            self._um_configured = True
+            self.counters["unified_memory_configured"] += 1
+        else:
+            self.counters["unified_memory_unsupported"] += 1
 
     def _set_period(self, seconds: float) -> None:
         fn = getattr(self._backend, "flush_period", None)
@@ -311,7 +325,7 @@ class Probe:
             # profiler's): a buffer the profiler allocated must never reach ours.
             self._backend.flush(True)
             self._arm()
-            if self.settings.unified_memory:
+            if self._um_configured:
                 self._backend.configure_unified_memory()
             if self._kernel_window is not None or self._kernels_always:
                 assert self._backend is not None
@@ -453,6 +467,8 @@ class Probe:
                 return
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
+            if self._um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
+                self._configure_unified_memory()
         if kind is RecordKind.KERNEL:
             names = self.packer.take_new_names()
             if names:
