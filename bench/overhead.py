@@ -46,11 +46,13 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_period_nobulk": {**_PERIOD, "bulk_pack": False},
     "probe_period_4m": {**_PERIOD, "cupti_buffer_bytes": 4 << 20},
     "probe_forced_bulk": {**_FORCED_OLD, "bulk_pack": True},
-    "probe_copies_off": {"copies": False},  # the defaults without MEMCPY/MEMSET records
-    # One copy kind each (with MEMORY2 and MEMORY_POOL): which one costs on the launch path?
-    "probe_k_memcpy": {"copy_kinds": "memcpy"},
-    "probe_k_memcpy2": {"copy_kinds": "memcpy2"},
-    "probe_k_memset": {"copy_kinds": "memset"},
+    "probe_copies_off": {"copies": "off"},  # the defaults without MEMCPY/MEMSET records
+    # MEMCPY/MEMCPY2/MEMSET always on: the default until run 6 (copies: windows since)
+    "probe_copies_always": {"copies": "always"},
+    # One copy kind each, always on (with MEMORY2 and MEMORY_POOL): which one costs on the launch path?
+    "probe_k_memcpy": {"copies": "always", "copy_kinds": "memcpy"},
+    "probe_k_memcpy2": {"copies": "always", "copy_kinds": "memcpy2"},
+    "probe_k_memset": {"copies": "always", "copy_kinds": "memset"},
     # The default until the raw delivery: cupti-python's record objects on CUPTI's thread.
     "probe_objects": {"delivery": "objects"},
     "probe_daemon_away": {},  # the defaults, socket missing

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from gpufootprint.errors import ConfigError
+from gpufootprint.probe.settings import COPY_MODES as PROBE_COPY_MODES
 from gpufootprint.probe.settings import DELIVERIES as PROBE_DELIVERIES
 from gpufootprint.probe.settings import MINIMUMS as PROBE_MINIMUMS
 
@@ -162,12 +163,19 @@ class ProbeConfig:
     device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
     device_buffer_pool_limit: int = _spec(2, lo=1, hi=64, doc="CUPTI device buffers at most")
     kernels: bool = _spec(False, doc="CONCURRENT_KERNEL always on (else only in sampled windows)")
-    unified_memory: bool = _spec(True, doc="configure UNIFIED_MEMORY_COUNTER where supported")
+    unified_memory: bool = _spec(True, doc="configure UNIFIED_MEMORY_COUNTER at the first managed allocation")
     torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
     untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
     bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
-    copies: bool = _spec(True, doc="record MEMCPY, MEMCPY2 and MEMSET (copy metrics and frames need them)")
+    copies: str = _spec("windows", choices=PROBE_COPY_MODES,
+                        doc="MEMCPY, MEMCPY2 and MEMSET records (copy metrics and frames need them): windows "
+                            "(copy_window_ms of every copy_period_ms and the sampler's kernel windows), always "
+                            "(costs 3-5% on launch-bound steps, docs/performance.md), off")
+    copy_window_ms: int = _spec(50, lo=PROBE_MINIMUMS["copy_window_ms"], hi=60_000,
+                                doc="copies: windows: how long each duty-cycle window records copies")
+    copy_period_ms: int = _spec(1000, lo=PROBE_MINIMUMS["copy_period_ms"], hi=600_000,
+                                doc="copies: windows: a window opens this often")
     delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
                           doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
                               "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")

@@ -166,6 +166,12 @@ def test_pinned_and_managed_memory_are_seen_exactly(tmp_path: Path) -> None:
     assert pm["live_bytes"].get("pinned") == pm["expect_pinned_bytes"]
     assert pm["live_bytes"].get("managed") == pm["expect_managed_bytes"]
     assert "managed" not in by["managed_freed"]["live_bytes"]
+    # unified-memory counters were configured at the first managed allocation, and counted migrations
+    (proc,) = [p for p in daemon.pipeline.processes.values() if p.probe_counters]
+    assert proc.probe_counters.get("unified_memory_configured") == 1, proc.probe_counters
+    um = {k: v for d in proc.devices.values() for k, v in d.um_value.items()}
+    SUMMARY.setdefault("unified_memory", {})["pinned_managed"] = um
+    assert sum(um.values()) > 0, um
 
 
 def test_torch_profiler_mid_run_is_detected_rearmed_and_resynced(tmp_path: Path) -> None:

@@ -118,6 +118,15 @@ def scenario_pinned_managed() -> None:
     cudart.cudaMemset(ptr, 1, 64 * MiB)
     torch.cuda.synchronize()
     mark("pinned_and_managed", expect_pinned_bytes=sum(sizes), expect_managed_bytes=64 * MiB)
+    # The probe has seen the managed allocation (the mark flushed it) and configured the
+    # unified-memory counters: pages touched by the CPU, then the GPU, now migrate and count.
+    import ctypes
+
+    for _ in range(2):
+        ctypes.memset(ptr, 2, 64 * MiB)
+        cudart.cudaMemset(ptr, 3, 64 * MiB)
+        torch.cuda.synchronize()
+    mark("managed_touched", expect_pinned_bytes=sum(sizes), expect_managed_bytes=64 * MiB)
     assert int(cudart.cudaFree(ptr)[0]) == 0
     mark("managed_freed", expect_pinned_bytes=sum(sizes), expect_managed_bytes=0)
     del pinned

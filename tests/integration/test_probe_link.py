@@ -67,7 +67,8 @@ def test_footprint_at_marks_matches_and_peercred_pins_the_pid(tmp_path: Path) ->
     d = Daemon(sock)
     try:
         p = child(sock, tmp_path, "alloc:0x1000:4096", "alloc:0x200000:1048576", "alloc:0x9000:64:2",
-                  "free:0x1000:4096", "copy:512", "mark:one", "burst:300", "alloc:0x5000:10", "mark:two")
+                  "free:0x1000:4096", "copy:512", "mark:one", "burst:300", "alloc:0x5000:10", "mark:two",
+                  GPUFOOTPRINT_PROBE_COPIES="always")
         res = finish(p)
         one, two = d.wait_mark("one"), d.wait_mark("two")
     finally:
@@ -118,7 +119,8 @@ def test_daemon_restart_mid_run_resyncs_the_footprint_and_counts_what_was_lost(t
 
 
 def test_without_a_daemon_the_workload_runs_normally_and_drops_are_counted(tmp_path: Path) -> None:
-    p = child(str(tmp_path / "nobody.sock"), tmp_path, "burst:2000", "mark:m", "copy:10")
+    p = child(str(tmp_path / "nobody.sock"), tmp_path, "burst:2000", "mark:m", "copy:10",
+              GPUFOOTPRINT_PROBE_COPIES="always")
     t0 = time.monotonic()
     res = finish(p)
     assert time.monotonic() - t0 < 30
@@ -135,9 +137,12 @@ def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_op
     sock = str(tmp_path / "p.sock")
     d = Daemon(sock)
     try:
-        p = child(sock, tmp_path, "kernel:before_window", "mark:ready", "wait:go", "sleep:0.05",
-                  "kernel:gemm", "kernel:gemm", "kernel:softmax", "mark:in_window", "sleep:0.6",
-                  "kernel:after_window", "mark:done")
+        # copies: windows, with a duty cycle too sparse to matter here (one 1 ms window at start)
+        p = child(sock, tmp_path, "sleep:0.05", "kernel:before_window", "copy:1", "mark:ready", "wait:go",
+                  "sleep:0.05", "kernel:gemm", "kernel:gemm", "kernel:softmax", "copy:1000", "copy:2000",
+                  "mark:in_window", "sleep:0.6", "kernel:after_window", "copy:3", "mark:done",
+                  GPUFOOTPRINT_PROBE_COPIES="windows", GPUFOOTPRINT_PROBE_COPY_WINDOW_MS="1",
+                  GPUFOOTPRINT_PROBE_COPY_PERIOD_MS="600000")
         ready = d.wait_mark("ready")
         pid = ready["pid"]
         for body in ({"op": "flush_interval", "ms": 5}, {"op": "kernel_window", "ms": 300, "id": 7},
@@ -154,7 +159,10 @@ def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_op
     st = res["status"]
     assert fp.kernel_count == 3  # only the kernels inside the window were recorded
     assert st["kernel_windows"] == 1 and st["control_unknown"] == 2
-    assert res["lost_while_disabled"] == 2  # before and after the window CUPTI had the kind off
+    # the sampler's kernel window records copies too (copies: windows), and only inside it
+    assert sum(fp.memcpy_bytes.values()) == 3000 and sum(fp.memcpy_count.values()) == 2
+    assert st["copy_windows"] == 2 and 0.25 <= st["copy_window_seconds"] <= 1.0  # the 1 ms one and the 300 ms one
+    assert res["lost_while_disabled"] == 4  # before and after the window CUPTI had the kinds off
 
 
 def test_record_writes_one_file_for_several_probed_processes(tmp_path: Path) -> None:

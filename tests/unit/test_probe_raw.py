@@ -60,7 +60,7 @@ def _workload(fake: fk.FakeCupti, probe: Probe) -> None:
 def _run(tmp_path: Path, fake: fk.FakeCupti, name: str, **settings: Any) -> tuple[Probe, dict[RecordKind, list[Any]],
                                                                                    dict[int, str]]:
     out = tmp_path / f"{name}.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(out), kernels=True, flush_ms=10, **settings), fake,
+    probe = Probe(ProbeSettings(socket="", tee=str(out), kernels=True, flush_ms=10, copies="always", **settings), fake,
                   discover_devices=False)
     assert probe.start()
     try:

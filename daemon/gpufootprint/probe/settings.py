@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
 COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
+COPY_MODES = ("windows", "always", "off")
 EXIT_DETACH = ("none", "finalize")
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
-MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4}
+MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4, "copy_window_ms": 1,
+            "copy_period_ms": 10}
 
 
 @dataclass(frozen=True)
@@ -43,14 +45,20 @@ class ProbeSettings:
     device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE (0: CUPTI's defaults, untouched)
     device_buffer_pool_limit: int = 2  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_POOL_LIMIT
     kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
-    unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER where supported
+    unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER at the first managed allocation (core.py says why)
     torch_hook: bool = True  # watch torch.profiler taking CUPTI away
     untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
     bulk_pack: bool = True  # read MEMORY2/MEMCPY/MEMSET as raw structs (checked; falls back to attributes)
-    copies: bool = True  # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself)
-    copy_kinds: str = ",".join(COPY_KINDS)  # which of them, when copies is on (comma-separated)
+    # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself). Enabled, they
+    # cost 3-5% on launch-bound steps even when no copy happens (CUPTI's launch path, measured
+    # on the H200, docs/performance.md run 6). "windows": recorded copy_window_ms out of every
+    # copy_period_ms, and during every kernel window the sampler opens; "always"; "off".
+    copies: str = "windows"
+    copy_window_ms: int = 50
+    copy_period_ms: int = 1000
+    copy_kinds: str = ",".join(COPY_KINDS)  # which of them (comma-separated)
     # After the final flush at exit: "finalize" detaches CUPTI (cuptiFinalize), so no
     # CUPTI thread calls into the probe's Python while the interpreter shuts down.
     exit_detach: str = "none"
@@ -65,6 +73,11 @@ class ProbeSettings:
     delivery: str = "raw"
     raw_buffers: int = 256  # raw delivery: CUPTI host buffers at most; past it CUPTI drops (and counts) records
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
+
+    def __post_init__(self) -> None:
+        # Booleans from before the windows (copies=True/False, "1"/"0" in the environment).
+        mode = _COPY_MODE_ALIASES.get(str(self.copies).strip().lower(), str(self.copies).strip().lower())
+        object.__setattr__(self, "copies", mode if mode in COPY_MODES else type(self).copies)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ProbeSettings:
@@ -98,6 +111,10 @@ class ProbeSettings:
             log.warning("GPUFOOTPRINT_PROBE_DELIVERY=%r is not one of %s; using %r", delivery, DELIVERIES,
                         cls.delivery)
             values.pop("delivery")
+        copies = values.get("copies")
+        if copies is not None and _COPY_MODE_ALIASES.get(copies.strip().lower(), copies.strip().lower()) not in COPY_MODES:
+            log.warning("GPUFOOTPRINT_PROBE_COPIES=%r is not one of %s; using %r", copies, COPY_MODES, cls.copies)
+            values.pop("copies")
         kinds = values.get("copy_kinds")
         if kinds is not None and not set(copy_kind_names(kinds)) <= set(COPY_KINDS):
             log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
@@ -116,6 +133,10 @@ class ProbeSettings:
             v = getattr(self, f.name)
             out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out
+
+
+_COPY_MODE_ALIASES = {"true": "always", "1": "always", "yes": "always", "on": "always",
+                      "false": "off", "0": "off", "no": "off"}
 
 
 def copy_kind_names(value: str) -> list[str]:
