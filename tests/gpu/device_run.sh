@@ -71,8 +71,9 @@ exit_reps)
   }
   export -f one; export R
   variants=${EXIT_VARIANTS:-"unprobed:WORKLOAD_NO_PROBE=1 probe:GPUFOOTPRINT_PROBE_X=1 finalize:GPUFOOTPRINT_PROBE_EXIT_DETACH=finalize osexit:WORKLOAD_OS_EXIT=1 nohook:GPUFOOTPRINT_PROBE_TORCH_HOOK=0"}
+  # rc 127: a variant whose command line was wrong (not a result)
   for r in $(seq 1 ${REPS:-10}); do
-    for v in $variants; do echo "${v%%:*} $r ${v#*:}" | tr ',' ' '; done
+    for v in $variants; do echo "${v%%:*} $r ${v#*:}" | tr '+' ' '; done  # NAME:VAR=x+VAR2=y,z
   done | xargs -P 8 -L 1 bash -c 'one "$@"' _
   sort "$R/exit_reps.txt" | awk '{split($3,a,"="); n[$1]++; if (a[2]!=0) bad[$1]++} END {for (v in n) printf "%-9s %d/%d failed\n", v, bad[v]+0, n[v]}'
   grep -l -E "double free|invalid pointer|corrupt|Fatal Python" "$R"/exit_*.log | head -3 | while read f; do

@@ -90,7 +90,17 @@ def test_real_nvml_next_to_a_torch_process(tmp_path: Path) -> None:
                 break
         seen["probed"] = any(p.pid == pid and p.source == "probe" for p in app.ingest.snapshot.processes)
         assert app.http is not None
-        text = urllib.request.urlopen(f"http://127.0.0.1:{app.http.port}/metrics", timeout=5).read().decode()
+        # /metrics bodies are rendered ahead, every exporter.render_interval_ms (1 s): scrape again, as
+        # Prometheus would, until the body is from after the probe's footprint arrived.
+        t_scrape = time.monotonic()
+        while True:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{app.http.port}/metrics", timeout=5).read().decode()
+            if not seen["probed"] or f'pid="{pid}"' in "".join(
+                    line for line in text.splitlines() if line.startswith("gpufootprint_device_bytes{")):
+                break
+            if time.monotonic() > t_scrape + 5:
+                break
+            time.sleep(0.25)
         nv = app.ingest.snapshot.nvml
         assert nv is not None
         seen["nvml"] = {"state": nv.state, "detail": nv.detail, "driver": nv.driver_version, "errors": nv.errors,
