@@ -49,6 +49,7 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_copies_off": {"copies": "off"},  # the defaults without MEMCPY/MEMSET records
     # MEMCPY/MEMCPY2/MEMSET always on: the default until run 6 (copies: windows since)
     "probe_copies_always": {"copies": "always"},
+    "probe_windows_sparse": {"copy_window_ms": 20, "copy_period_ms": 2000},  # 1% of the time instead of 5%
     # One copy kind each, always on (with MEMORY2 and MEMORY_POOL): which one costs on the launch path?
     "probe_k_memcpy": {"copies": "always", "copy_kinds": "memcpy"},
     "probe_k_memcpy2": {"copies": "always", "copy_kinds": "memcpy2"},
