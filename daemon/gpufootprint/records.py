@@ -26,6 +26,16 @@ class RecordKind(enum.IntEnum):
     UNIFIED_MEMORY = 6  # UNIFIED_MEMORY_COUNTER
 
 
+#: CUPTI's unified-memory counter kind whose ``value`` is not a count: for CPU page faults
+#: it is the program counter of the faulting instruction (CUPTI docs), so each record is one fault.
+UM_CPU_PAGE_FAULT_COUNT: Final = 3
+
+
+def um_counter_values(ck: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """What each unified-memory record adds to its counter: bytes, fault groups, or 1 per CPU fault."""
+    return np.where(ck == UM_CPU_PAGE_FAULT_COUNT, 1, value.astype(np.int64))
+
+
 class MemoryOp(enum.IntEnum):
     ALLOCATION = 1
     RELEASE = 2

@@ -61,10 +61,19 @@ def test_cuda_malloc_async_live_bytes_follow_torch_allocated() -> None:
 
 
 def test_pinned_and_managed_memory_marks() -> None:
-    marks, _ = replay("h200_probe_pinned_managed.gfp.gz")
+    marks, pipeline = replay("h200_probe_pinned_managed.gfp.gz")
     pm = marks["pinned_and_managed"]
     assert pm["live_bytes"] == {"pinned": 21 * MiB, "device": 16 * MiB, "managed": 64 * MiB}
     assert "managed" not in marks["managed_freed"]["live_bytes"]
+    # Unified memory (counters configured at the first managed allocation, 2026-12-02 17:27 UTC):
+    # the workload wrote its 64 MiB from the CPU, then the GPU, twice, after the mark above.
+    (proc,) = pipeline.processes.values()
+    um_bytes = Counter({k: v for d in proc.devices.values() for k, v in d.um_value.items()})
+    um_records = Counter({k: v for d in proc.devices.values() for k, v in d.um_count.items()})
+    assert um_bytes[1] == um_bytes[2] == 2 * 64 * MiB  # HtoD and DtoH migrations: what the program moved
+    # CPU page faults: one per record (CUPTI's value is the faulting instruction's address)
+    assert um_bytes[3] == um_records[3] == 384
+    assert um_bytes[4] == 477 and um_records[4] == 126  # GPU page fault groups
 
 
 def test_profiler_gap_is_resynced_and_the_allocation_after_it_is_seen() -> None:

@@ -44,10 +44,10 @@ UM_PID = 6161  # the synthetic unified-memory trace's process (_write_um_round_t
 #   h200_caching.jsonl.gz        real H200, pid 855: the footprint by kind, copies, memsets
 #   synth_leak.gfp.gz            20 min of a slow leak (pid 5151) beside a steady process (5252):
 #                                leak suspicion; the budget on 5151 (CONFIG) a time to exhaustion
-#   h200_probe_pinned_managed    real H200 probe recording, pid 694: HEARTBEAT/GOODBYE counters
+#   h200_probe_pinned_managed    real H200 probe recording, pid 615: HEARTBEAT/GOODBYE counters, unified memory
 #                                (probe overhead and drops) and unified-memory GPU page faults
-#   um_round_trip.gfp (tmp)      synthetic: unified-memory transfers in both directions and CPU
-#                                faults; the H200 recording above has GPU page faults only
+#   um_round_trip.gfp (tmp)      synthetic: unified-memory transfers in both directions, CPU and
+#                                GPU faults, with a known answer
 #   h200_kernels_train.gfp.gz    real H200 probe recording, pid 672: KERNEL records of a
 #                                training step (graph advice, launch overhead); anomaly windows
 #                                after Prometheus has started scraping (the annotation's increase)
@@ -132,8 +132,8 @@ class Prom:
 def _write_um_round_trip(path: Path) -> None:
     """A 64 MiB managed buffer touched by the CPU, then the GPU, four times: what CUPTI's
     UNIFIED_MEMORY_COUNTER reports for it (2 MiB transfers each way, CPU and GPU faults).
-    Synthetic, like synth_leak: the committed H200 recording touches managed memory from
-    the GPU only, so it holds GPU page faults and no transfers."""
+    Synthetic, like synth_leak, so the Prometheus round trip has a known answer; the real H200
+    recording (h200_probe_pinned_managed) is checked in tests/integration/test_probe_traces.py."""
     from gpufootprint.features.frames import UmCounterKind
     from gpufootprint.records import DTYPES, RecordKind
     from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
@@ -355,7 +355,7 @@ def test_scraped_series_carry_pod_labels_from_the_sidecar_environment(stack: tup
     prom, _ = stack
     result = _assert_ok(prom.instant('gpufootprint_device_bytes{job="gpufootprint"}'), "device bytes")
     # One series per replayed process (of every trace, the synthetic UM one included).
-    assert sorted(int(r["metric"]["pid"]) for r in result) == sorted([694, 672, 855, 5151, 5252, UM_PID])
+    assert sorted(int(r["metric"]["pid"]) for r in result) == sorted([615, 672, 855, 5151, 5252, UM_PID])
     for r in result:
         labels = r["metric"]
         assert (labels["pod"], labels["namespace"], labels["container"], labels["attribution"]) == (

@@ -159,10 +159,12 @@ def test_migration_windows_count_um_transfers_faults_and_host_device_copies(tmp_
         t = T0 + i * 3 * MS + 17
         w = (t // (50 * MS))
         ck = [1, 2, 3, 4, 8][i % 5]
-        value = 4096 * (i % 3 + 1) if ck in (1, 2, 8) else i % 4 + 1
+        # bytes for transfers, fault groups for GPU faults, and for CPU faults the faulting
+        # instruction's address (as CUPTI fills it on the H200): one fault per record
+        value = {1: 4096 * (i % 3 + 1), 2: 4096 * (i % 3 + 1), 8: 4096, 3: 0x7F3A_1C00_0000 + i, 4: i % 4 + 1}[ck]
         lines.append(um(t, ck, value))
         key = {1: "htod", 2: "dtoh", 8: "dtod", 3: "cpu", 4: "gpu"}[ck]
-        expect[w][key] += 1 if ck in (1, 2, 8) else value
+        expect[w][key] += value if ck == 4 else 1
         if i % 4 == 0:
             lines.append(cpy(t + 5, 1 if i % 8 else 2, 1000))
             expect[w]["copies"] += 1

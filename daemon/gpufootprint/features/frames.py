@@ -22,7 +22,7 @@ from typing import Final
 import numpy as np
 
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp
+from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
 
 LevelListener = Callable[[np.ndarray, np.ndarray], None]
 
@@ -238,7 +238,7 @@ class FrameBuilder:
     def on_unified(self, recs: np.ndarray) -> None:
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
-        value = recs["value"].astype(np.int64)
+        value = um_counter_values(ck, recs["value"])
         for kind in np.unique(ck).tolist():
             sel = ck == kind
             if kind in _MIG_TRANSFER:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, PoolOp
+from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, PoolOp, um_counter_values
 
 log = logging.getLogger(__name__)
 
@@ -306,10 +306,11 @@ class DeviceFootprint:
 
     def apply_unified(self, recs: np.ndarray) -> None:
         ck = recs["ck"]
+        values = um_counter_values(ck, recs["value"])
         for k in np.unique(ck).tolist():
             sel = ck == k
             self.um_count[k] += int(sel.sum())
-            self.um_value[k] += int(recs["value"][sel].sum())
+            self.um_value[k] += int(values[sel].sum())
 
     @property
     def pool_reserved_bytes(self) -> int:
