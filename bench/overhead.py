@@ -46,10 +46,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_period_nobulk": {**_PERIOD, "bulk_pack": False},
     "probe_period_4m": {**_PERIOD, "cupti_buffer_bytes": 4 << 20},
     "probe_forced_bulk": {**_FORCED_OLD, "bulk_pack": True},
-    "probe_copies_off": {"copies": "off"},  # the defaults without MEMCPY/MEMSET records
-    # MEMCPY/MEMCPY2/MEMSET always on: the default until run 6 (copies: windows since)
+    "probe_copies_off": {"copies": "off"},  # no MEMCPY/MEMSET records: the default since run 8
+    # MEMCPY/MEMCPY2/MEMSET always on: the default until run 8
     "probe_copies_always": {"copies": "always"},
-    "probe_windows_sparse": {"copy_window_ms": 20, "copy_period_ms": 2000},  # 1% of the time instead of 5%
     # One copy kind each, always on (with MEMORY2 and MEMORY_POOL): which one costs on the launch path?
     "probe_k_memcpy": {"copies": "always", "copy_kinds": "memcpy"},
     "probe_k_memcpy2": {"copies": "always", "copy_kinds": "memcpy2"},

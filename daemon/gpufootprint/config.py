@@ -168,14 +168,9 @@ class ProbeConfig:
     untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
     bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
-    copies: str = _spec("windows", choices=PROBE_COPY_MODES,
-                        doc="MEMCPY, MEMCPY2 and MEMSET records (copy metrics and frames need them): windows "
-                            "(copy_window_ms of every copy_period_ms and the sampler's kernel windows), always "
-                            "(costs 3-5% on launch-bound steps, docs/performance.md), off")
-    copy_window_ms: int = _spec(50, lo=PROBE_MINIMUMS["copy_window_ms"], hi=60_000,
-                                doc="copies: windows: how long each duty-cycle window records copies")
-    copy_period_ms: int = _spec(1000, lo=PROBE_MINIMUMS["copy_period_ms"], hi=600_000,
-                                doc="copies: windows: a window opens this often")
+    copies: str = _spec("off", choices=PROBE_COPY_MODES,
+                        doc="MEMCPY, MEMCPY2 and MEMSET records, for the copy metrics and frames: off, or always "
+                            "(costs 3-9% on launch-bound steps, docs/performance.md)")
     delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
                           doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
                               "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
@@ -450,6 +445,8 @@ def _check_leaf(hint: Any, value: Any, meta: Mapping[str, Any], path: tuple[str,
             # decimal 660 whose digits were meant as octal. Quoting ("0660") avoids both guesses.
             digits = str(value)
             value = digits.zfill(4) if value > 0o777 and set(digits) <= set("01234567") else f"{value:04o}"
+        if isinstance(value, bool) and meta.get("choices") == PROBE_COPY_MODES:
+            value = "always" if value else "off"  # YAML 1.1 reads an unquoted off as false
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
     lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")

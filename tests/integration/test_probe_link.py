@@ -137,12 +137,9 @@ def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_op
     sock = str(tmp_path / "p.sock")
     d = Daemon(sock)
     try:
-        # copies: windows, with a duty cycle too sparse to matter here (one 1 ms window at start)
-        p = child(sock, tmp_path, "sleep:0.05", "kernel:before_window", "copy:1", "mark:ready", "wait:go",
-                  "sleep:0.05", "kernel:gemm", "kernel:gemm", "kernel:softmax", "copy:1000", "copy:2000",
-                  "mark:in_window", "sleep:0.6", "kernel:after_window", "copy:3", "mark:done",
-                  GPUFOOTPRINT_PROBE_COPIES="windows", GPUFOOTPRINT_PROBE_COPY_WINDOW_MS="1",
-                  GPUFOOTPRINT_PROBE_COPY_PERIOD_MS="600000")
+        p = child(sock, tmp_path, "kernel:before_window", "mark:ready", "wait:go", "sleep:0.05",
+                  "kernel:gemm", "kernel:gemm", "kernel:softmax", "mark:in_window", "sleep:0.6",
+                  "kernel:after_window", "mark:done")
         ready = d.wait_mark("ready")
         pid = ready["pid"]
         for body in ({"op": "flush_interval", "ms": 5}, {"op": "kernel_window", "ms": 300, "id": 7},
@@ -159,10 +156,7 @@ def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_op
     st = res["status"]
     assert fp.kernel_count == 3  # only the kernels inside the window were recorded
     assert st["kernel_windows"] == 1 and st["control_unknown"] == 2
-    # the sampler's kernel window records copies too (copies: windows), and only inside it
-    assert sum(fp.memcpy_bytes.values()) == 3000 and sum(fp.memcpy_count.values()) == 2
-    assert st["copy_windows"] == 2 and 0.25 <= st["copy_window_seconds"] <= 1.0  # the 1 ms one and the 300 ms one
-    assert res["lost_while_disabled"] == 4  # before and after the window CUPTI had the kinds off
+    assert res["lost_while_disabled"] == 2  # before and after the window CUPTI had the kind off
 
 
 def test_record_writes_one_file_for_several_probed_processes(tmp_path: Path) -> None:

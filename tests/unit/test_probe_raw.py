@@ -107,7 +107,7 @@ def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path:
 
 def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_nothing() -> None:
     fake = fk.FakeRawCupti()
-    probe = Probe(ProbeSettings(socket="", flush_ms=10), fake, discover_devices=False)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, copies="always"), fake, discover_devices=False)
     assert probe.start()
     try:
         saved = dict(rawrecords._SIZES)
@@ -199,7 +199,7 @@ def test_the_profiler_hand_over_re_registers_the_same_delivery(tmp_path: Path, d
 def test_records_cupti_stamped_beyond_2_63_are_counted_in_the_probe_not_sent() -> None:
     fake = fk.FakeRawCupti()
     sent: list[Any] = []
-    probe = Probe(ProbeSettings(socket="", flush_ms=10), fake, discover_devices=False)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, copies="always"), fake, discover_devices=False)
     probe._emit = lambda frame, **kw: sent.append(frame) or True  # type: ignore[method-assign]
     assert probe.start()
     try:

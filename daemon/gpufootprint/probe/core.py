@@ -82,14 +82,11 @@ class Probe:
         self.period = settings.flush_mode == "period"
         self.watermark_s = max(1, settings.watermark_ms) / 1000
         self.libcupti: list[str] = []
-        # Copies and memsets: always on, never, or in windows (settings.copies; docs/probe.md).
-        self._copy_kinds = copy_kinds(settings.copy_kinds) if settings.copies != "off" else ()
-        self._kinds = FOOTPRINT_ONLY + (self._copy_kinds if settings.copies == "always" else ())
-        self._copy_windows = settings.copies == "windows" and bool(self._copy_kinds)
-        self._copy_window_end: float | None = None  # monotonic end of the open copy window
-        self._next_copy_window = 0.0
-        self._copies_on_since: float | None = None  # monotonic time copy kinds were enabled
-        self._copy_seconds = 0.0  # time copy kinds were enabled, closed intervals
+        # Copies and memsets (settings.copies): off by default. Enabled, they cost 3-9% on
+        # launch-bound steps even when no copy happens, and enabling them only in short windows
+        # cost as much (H200, docs/performance.md runs 6-8).
+        self._copy_kinds = copy_kinds(settings.copy_kinds) if settings.copies == "always" else ()
+        self._kinds = FOOTPRINT_ONLY + self._copy_kinds
         self.in_gap = False
         self._gap_started_ns = 0
         self.gap_seconds = 0.0
@@ -144,10 +141,7 @@ class Probe:
         # own clock must wait at least this long (docs/performance.md, late records).
         self.hello["flush_mode"] = self.settings.flush_mode
         self.hello["delivery"] = "raw" if self.raw is not None else "objects"
-        self.hello["copies"] = self.settings.copies if self._copy_kinds else "off"
-        if self._copy_windows:
-            self.hello["copy_window_ms"] = self.settings.copy_window_ms
-            self.hello["copy_period_ms"] = self.settings.copy_period_ms
+        self.hello["copies"] = "always" if self._copy_kinds else "off"
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:
@@ -168,8 +162,6 @@ class Probe:
         for kind in self._kinds:
             if not self._backend.enable(kind):
                 self.counters[f"kind_unavailable_{kind}"] += 1
-        if self.settings.copies == "always" and self._copy_kinds:
-            self._copies_on()
         if self.period:
             self._set_period(self.flush_s)
 
@@ -186,6 +178,10 @@ class Probe:
         if register_raw(self.raw):
             return True
         self.counters["raw_delivery_unavailable"] += 1
+        if self.counters["raw_delivery_unavailable"] == 1:
+            errors = getattr(self._backend, "errors", None) or ["no reason given"]
+            log.warning("gpufootprint probe: raw delivery unavailable (%s); using cupti-python's record objects",
+                        errors[-1])
         if self.counters["raw_buffers"] == 0:
             self.raw = None  # never worked here: objects from now on
         return False
@@ -245,61 +241,8 @@ class Probe:
         assert self._backend is not None
         for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
             self._backend.disable(kind)
-        self._copy_window_end = None
-        self._copies_off()
         if self.period:
             self._set_period(0)
-
-    # --- copy windows (settings.copies == "windows") -------------------------------------
-
-    def _copies_on(self) -> None:
-        if self._copies_on_since is None:
-            self._copies_on_since = time.monotonic()
-
-    def _copies_off(self) -> None:
-        if self._copies_on_since is not None:
-            self._copy_seconds += time.monotonic() - self._copies_on_since
-            self._copies_on_since = None
-
-    def copy_window_seconds(self) -> float:
-        """How long copies and memsets were recorded (all of the armed time with ``copies: always``)."""
-        since = self._copies_on_since
-        return self._copy_seconds + (time.monotonic() - since if since is not None else 0.0)
-
-    def _open_copy_window(self, seconds: float) -> None:
-        """Copy kinds on until now + seconds (sender thread; windows mode only)."""
-        if not self._copy_windows or self.in_gap or self._backend is None:
-            return
-        if self._copy_window_end is None:
-            for kind in self._copy_kinds:
-                self._backend.enable(kind)
-            self._copies_on()
-            self.counters["copy_windows"] += 1
-            self._copy_window_end = time.monotonic() + seconds
-        else:
-            self._copy_window_end = max(self._copy_window_end, time.monotonic() + seconds)
-
-    def _close_copy_window(self) -> None:
-        if self._copy_window_end is None:
-            return
-        self._copy_window_end = None
-        if not self.in_gap and self._backend is not None:
-            for kind in self._copy_kinds:
-                self._backend.disable(kind)
-        self._copies_off()
-
-    def _tick_copy_windows(self, now: float) -> float:
-        """Open or close the duty-cycle window; returns when to look again."""
-        if not self._copy_windows or self.in_gap:
-            return float("inf")
-        if self._copy_window_end is not None and now >= self._copy_window_end:
-            self._close_copy_window()
-        if self._copy_window_end is None and now >= self._next_copy_window:
-            self._open_copy_window(self.settings.copy_window_ms / 1000)
-            self._next_copy_window = now + self.settings.copy_period_ms / 1000
-        if self._copy_window_end is not None:
-            return self._copy_window_end
-        return self._next_copy_window
 
     def stop(self, timeout: float = 3.0) -> None:
         """Final flush, GOODBYE, close. Safe to call twice and from atexit."""
@@ -416,7 +359,6 @@ class Probe:
         next_drain = now + self.flush_s
         next_hb = now + s.heartbeat_ms / 1000
         next_untracked = now if self.cuda_before else float("inf")
-        next_copy = float("inf")
         while True:
             stopping = self._stop.is_set()
             try:
@@ -433,7 +375,6 @@ class Probe:
                 next_drain = now + self.flush_s
                 if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
                     self._close_kernel_window()
-                next_copy = self._tick_copy_windows(now) if not stopping else float("inf")
                 if now >= next_untracked:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
@@ -456,7 +397,7 @@ class Probe:
             if stopping:
                 self._goodbye()
                 return
-            wait = min(next_flush, next_hb, next_drain if self.period else next_flush, next_copy) - time.monotonic()
+            wait = min(next_flush, next_hb, next_drain if self.period else next_flush) - time.monotonic()
             if self._kernel_window is not None:
                 wait = min(wait, self._kernel_window_end - time.monotonic())
             self._wake.wait(max(0.0005, wait))
@@ -678,7 +619,6 @@ class Probe:
         else:
             self._kernel_window["id"] = wid
         self._kernel_window_end = time.monotonic() + ms / 1000
-        self._open_copy_window(ms / 1000)  # the sampler's windows see copies and memsets too
         self._wake.set()
 
     def _close_kernel_window(self) -> None:
@@ -749,6 +689,7 @@ class Probe:
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
             "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
             "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,
+            "raw_delivery_unavailable": c["raw_delivery_unavailable"],
             "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
             "raw_buffers_refused": self.raw.refused if self.raw else 0,
             "raw_foreign_buffers": self.raw.foreign if self.raw else 0,
@@ -757,7 +698,6 @@ class Probe:
             "bulk_fallbacks": self.packer.bulk_fallbacks,
             "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
             "cupti_dropped_records": self._cupti_dropped(), "cupti_bad_timestamps": c["cupti_bad_timestamps"],
-            "copy_window_seconds": round(self.copy_window_seconds(), 6), "copy_windows": c["copy_windows"],
             "unified_memory_configured": c["unified_memory_configured"],
             **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},
             **{f"disconnects_{k}": v for k, v in (self.link.disconnects.items() if self.link else ())},

@@ -19,13 +19,12 @@ log = logging.getLogger(__name__)
 DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
 COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
-COPY_MODES = ("windows", "always", "off")
+COPY_MODES = ("off", "always")
 EXIT_DETACH = ("none", "finalize")
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
-MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4, "copy_window_ms": 1,
-            "copy_period_ms": 10}
+MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4}
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,10 @@ class ProbeSettings:
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
     bulk_pack: bool = True  # read MEMORY2/MEMCPY/MEMSET as raw structs (checked; falls back to attributes)
-    # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself). Enabled, they
-    # cost 3-5% on launch-bound steps even when no copy happens (CUPTI's launch path, measured
-    # on the H200, docs/performance.md run 6). "windows": recorded copy_window_ms out of every
-    # copy_period_ms, and during every kernel window the sampler opens; "always"; "off".
-    copies: str = "windows"
-    copy_window_ms: int = 50
-    copy_period_ms: int = 1000
+    # MEMCPY, MEMCPY2 and MEMSET records (not needed for the footprint itself): "off" or
+    # "always". Enabled, they cost 3-9% on launch-bound steps even when no copy happens
+    # (CUPTI's launch path; H200, docs/performance.md runs 6-8), so they are opt-in.
+    copies: str = "off"
     copy_kinds: str = ",".join(COPY_KINDS)  # which of them (comma-separated)
     # After the final flush at exit: "finalize" detaches CUPTI (cuptiFinalize), so no
     # CUPTI thread calls into the probe's Python while the interpreter shuts down.
