@@ -7,7 +7,7 @@
 #   tests        tests/gpu with the probe's default settings
 #   tests_period tests/gpu/test_probe_gpu.py with flush_mode=period, the ctypes (GIL-free) flush, bulk packing
 #   profiler_exit the profiler scenario unprobed, probed without the hand-over, and with TEARDOWN_CUPTI=0
-#   exit_reps    REPS runs of the profiler scenario per variant (unprobed, probe, exit_detach=finalize, os._exit, no hook)
+#   exit_reps    REPS runs of the profiler scenario per variant (EXIT_VARIANTS; default unprobed, probe, os._exit, no hook)
 #   bench        bench/overhead.py (ROUNDS, CONFIGS, BENCH_TIMEOUT from the environment)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -70,7 +70,7 @@ exit_reps)
     echo "$v $r rc=$?" >> "$R/exit_reps.txt"
   }
   export -f one; export R
-  variants=${EXIT_VARIANTS:-"unprobed:WORKLOAD_NO_PROBE=1 probe:GPUFOOTPRINT_PROBE_X=1 finalize:GPUFOOTPRINT_PROBE_EXIT_DETACH=finalize osexit:WORKLOAD_OS_EXIT=1 nohook:GPUFOOTPRINT_PROBE_TORCH_HOOK=0"}
+  variants=${EXIT_VARIANTS:-"unprobed:WORKLOAD_NO_PROBE=1 probe:GPUFOOTPRINT_PROBE_X=1 osexit:WORKLOAD_OS_EXIT=1 nohook:GPUFOOTPRINT_PROBE_TORCH_HOOK=0"}
   # rc 127: a variant whose command line was wrong (not a result)
   for r in $(seq 1 ${REPS:-10}); do
     for v in $variants; do echo "${v%%:*} $r ${v#*:}" | tr '+' ' '; done  # NAME:VAR=x+VAR2=y,z

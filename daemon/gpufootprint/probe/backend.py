@@ -50,17 +50,6 @@ class Backend(Protocol):
     def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
     def configure_unified_memory(self, enable: bool = True) -> bool: ...
-    def finalize(self) -> bool:
-        """cuptiFinalize: CUPTI detaches (callbacks unregistered, kinds off) until its next use."""
-        fn = _libcupti_function("cuptiFinalize", argtypes=[])
-        if fn:
-            status = fn()
-            if status != 0:
-                self.errors.append(f"cuptiFinalize: status {status}")
-            return status == 0
-        fin = getattr(self._c, "finalize", None)
-        return fin is not None and self._call("finalize", fin)
-
     def dropped_records(self) -> int: ...
     def versions(self) -> dict[str, Any]: ...
 
@@ -262,8 +251,8 @@ def _libcupti() -> Any:
         return None
 
 
-def _libcupti_function(name: str, lib: Any = None, argtypes: list[Any] | None = None) -> Any:
-    """A libcupti function taking one uint32 (or ``argtypes``), through ctypes (GIL released during the call), or None.
+def _libcupti_function(name: str, lib: Any = None) -> Any:
+    """A libcupti function taking one uint32, through ctypes (GIL released during the call), or None.
 
     From ``lib``, or from the one libcupti mapped into the process, opened by that exact
     path (so dlopen returns the copy cupti-python uses). A soname lookup found a
@@ -277,5 +266,5 @@ def _libcupti_function(name: str, lib: Any = None, argtypes: list[Any] | None = 
     except AttributeError:
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_uint32] if argtypes is None else argtypes
+    fn.argtypes = [ctypes.c_uint32]
     return fn

@@ -253,16 +253,6 @@ class Probe:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def stop_at_exit(self) -> None:
-        """``stop`` from atexit, then (``exit_detach: finalize``) CUPTI detached from the process."""
-        self.stop()
-        if self.settings.exit_detach == "finalize" and self._backend is not None and not self.in_gap:
-            if self._thread is not None and self._thread.is_alive():
-                return  # the sender is still in CUPTI: detaching under it is not safe
-            finalize = getattr(self._backend, "finalize", None)
-            if finalize is not None and finalize():
-                self.counters["exit_detached"] += 1
-
     # --- CUPTI callbacks (CUPTI's thread; never raise, never block) ---------------------
 
     def _requested(self) -> tuple[int, int]:

@@ -20,7 +20,6 @@ DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
 COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
 COPY_MODES = ("off", "always")
-EXIT_DETACH = ("none", "finalize")
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
@@ -55,9 +54,6 @@ class ProbeSettings:
     # (CUPTI's launch path; H200, docs/performance.md runs 6-8), so they are opt-in.
     copies: str = "off"
     copy_kinds: str = ",".join(COPY_KINDS)  # which of them (comma-separated)
-    # After the final flush at exit: "finalize" detaches CUPTI (cuptiFinalize), so no
-    # CUPTI thread calls into the probe's Python while the interpreter shuts down.
-    exit_detach: str = "none"
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
     # crash at exit); now used only when exactly one libcupti is mapped. See docs/probe.md.
@@ -116,11 +112,6 @@ class ProbeSettings:
             log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
                         COPY_KINDS, cls.copy_kinds)
             values.pop("copy_kinds")
-        detach = values.get("exit_detach")
-        if detach is not None and detach not in EXIT_DETACH:
-            log.warning("GPUFOOTPRINT_PROBE_EXIT_DETACH=%r is not one of %s; using %r", detach, EXIT_DETACH,
-                        cls.exit_detach)
-            values.pop("exit_detach")
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
