@@ -121,12 +121,9 @@ class FakeCupti:
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int:
         return device_buffer_bytes * pool_limit
 
-    def configure_unified_memory(self, enable: bool = True) -> bool:
+    def configure_unified_memory(self) -> bool:
         self.um_configurations += 1
-        if enable:
-            self.enabled.add(UM)
-        else:
-            self.enabled.discard(UM)
+        self.enabled.add(UM)
         return True
 
     def dropped_records(self) -> int:

@@ -36,10 +36,6 @@ if NO_PROBE and _CUPTI_INIT != [""]:
             _b.enable(_k)
     if "um" in _CUPTI_INIT:
         _b.configure_unified_memory()
-    if "umdis" in _CUPTI_INIT:
-        _b.disable(25)  # CUPTI_ACTIVITY_KIND_UNIFIED_MEMORY_COUNTER
-    if "umoff" in _CUPTI_INIT:
-        _b.configure_unified_memory(enable=False)
 
 import torch
 

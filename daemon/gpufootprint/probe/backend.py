@@ -23,7 +23,6 @@ from gpufootprint.probe.rawrecords import (
     MEMSET,
     UNIFIED_MEMORY_COUNTER,
 )
-
 from gpufootprint.probe.settings import copy_kind_names
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class Backend(Protocol):
     def flush(self, forced: bool) -> None: ...
     def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
-    def configure_unified_memory(self, enable: bool = True) -> bool: ...
+    def configure_unified_memory(self) -> bool: ...
     def dropped_records(self) -> int: ...
     def versions(self) -> dict[str, Any]: ...
 
@@ -131,11 +130,9 @@ class CuptiBackend:
         limit = self._get(a.ATTR_DEVICE_BUFFER_POOL_LIMIT) or pool_limit
         return size * limit
 
-    def configure_unified_memory(self, enable: bool = True) -> bool:
-        """Configure the unified-memory counters and enable their kind (``enable=False``: kind off, counters off)."""
+    def configure_unified_memory(self) -> bool:
+        """Configure the unified-memory counters and enable their kind."""
         c = self._c
-        if not enable:
-            self.disable(UNIFIED_MEMORY_COUNTER)
         k = c.ActivityUnifiedMemoryCounterKind
         kinds = [k.BYTES_TRANSFER_HTOD, k.BYTES_TRANSFER_DTOH, k.CPU_PAGE_FAULT_COUNT, k.GPU_PAGE_FAULT,
                  k.THRASHING, k.THROTTLING, k.REMOTE_MAP, k.BYTES_TRANSFER_DTOD]
@@ -143,7 +140,7 @@ class CuptiBackend:
             cfg = c.ActivityUnifiedMemoryCounterConfig(len(kinds))
             cfg.scope = 1  # as the cupti-python sample does: set for every entry
             cfg.device_id = 0
-            cfg.enable = 1 if enable else 0
+            cfg.enable = 1
             for i, kind in enumerate(kinds):
                 cfg[i].kind = kind
         except Exception as exc:  # noqa: BLE001 - the config class moved between releases
@@ -152,7 +149,7 @@ class CuptiBackend:
         if not self._call("activity_configure_unified_memory_counter",
                           c.activity_configure_unified_memory_counter, cfg.ptr, len(kinds)):
             return False
-        return self.enable(UNIFIED_MEMORY_COUNTER) if enable else True
+        return self.enable(UNIFIED_MEMORY_COUNTER)
 
     def register_raw(self, delivery: Any) -> bool:
         """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""

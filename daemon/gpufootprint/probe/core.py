@@ -99,8 +99,8 @@ class Probe:
         self._want_resync = False
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
-        # memory, not at start: configured in a process that also ran a torch.profiler
-        # session, it made the exit abort in 4-6 runs of 10 on the H200 (docs/probe.md).
+        # memory, not at start: without managed memory it has nothing to count, and it is one
+        # CUPTI state fewer in the many processes that never use any (docs/probe.md).
         self._um_wanted = settings.unified_memory
         self._um_configured = False
         self._wake = threading.Event()

@@ -67,8 +67,8 @@ class ProbeSettings:
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:
-        # Booleans from before the windows (copies=True/False, "1"/"0" in the environment).
-        mode = _COPY_MODE_ALIASES.get(str(self.copies).strip().lower(), str(self.copies).strip().lower())
+        # Booleans too: copies=True/False, "1"/"0" in the environment (the setting was a bool before).
+        mode = _copy_mode(str(self.copies))
         object.__setattr__(self, "copies", mode if mode in COPY_MODES else type(self).copies)
 
     @classmethod
@@ -104,7 +104,7 @@ class ProbeSettings:
                         cls.delivery)
             values.pop("delivery")
         copies = values.get("copies")
-        if copies is not None and _COPY_MODE_ALIASES.get(copies.strip().lower(), copies.strip().lower()) not in COPY_MODES:
+        if copies is not None and _copy_mode(copies) not in COPY_MODES:
             log.warning("GPUFOOTPRINT_PROBE_COPIES=%r is not one of %s; using %r", copies, COPY_MODES, cls.copies)
             values.pop("copies")
         kinds = values.get("copy_kinds")
@@ -124,6 +124,11 @@ class ProbeSettings:
 
 _COPY_MODE_ALIASES = {"true": "always", "1": "always", "yes": "always", "on": "always",
                       "false": "off", "0": "off", "no": "off"}
+
+
+def _copy_mode(value: str) -> str:
+    v = value.strip().lower()
+    return _COPY_MODE_ALIASES.get(v, v)
 
 
 def copy_kind_names(value: str) -> list[str]:
