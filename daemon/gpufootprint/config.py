@@ -165,6 +165,8 @@ class ProbeConfig:
     kernels: bool = _spec(False, doc="CONCURRENT_KERNEL always on (else only in sampled windows)")
     unified_memory: bool = _spec(True, doc="configure UNIFIED_MEMORY_COUNTER at the first managed allocation")
     torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
+    skip_c_teardown_after_profiler: bool = _spec(True, doc="after a torch.profiler session, end the process with its "
+                                                       "exit status before the C-level teardown (docs/probe.md)")
     untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
     reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
     bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")

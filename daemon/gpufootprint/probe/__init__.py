@@ -42,7 +42,7 @@ def start(*, socket: str | None = None, tee: str | None = None, backend: Any = N
         _probe = probe
         ok = probe.start()
         if ok:
-            atexit.register(probe.stop)
+            atexit.register(probe.stop_at_exit)
             if probe.settings.torch_hook:
                 try:
                     from gpufootprint.probe import takeover

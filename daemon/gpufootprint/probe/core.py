@@ -15,6 +15,7 @@ Threads and their duties:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -252,6 +253,13 @@ class Probe:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def stop_at_exit(self) -> None:
+        """``stop`` from the interpreter's atexit; after a profiler session, skip the C teardown too."""
+        self.stop()
+        if self.settings.skip_c_teardown_after_profiler and self.counters["profiler_gaps"] > 0:
+            if skip_c_teardown():
+                self.counters["c_teardown_skipped"] += 1
 
     # --- CUPTI callbacks (CUPTI's thread; never raise, never block) ---------------------
 
@@ -727,6 +735,27 @@ class Probe:
         finally:
             if self.tee is not None:
                 self.tee.close()
+
+
+def skip_c_teardown() -> bool:
+    """From now on, C's exit() ends the process at once, with its status: nothing registered before runs.
+
+    glibc calls an ``on_exit`` handler as ``handler(status, arg)`` and runs handlers newest
+    first; registering libc's own ``_exit`` therefore ends the process with exit()'s status
+    before the static destructors and atexit handlers of the libraries loaded earlier (CUPTI,
+    Kineto, the CUDA runtime) run. Python has finalised by then (its buffers are flushed);
+    C stdio buffers are flushed here. False where there is no ``on_exit`` (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit, fflush, exit_now = libc.on_exit, libc.fflush, libc._exit
+    except (OSError, AttributeError):
+        return False
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit.restype = ctypes.c_int
+    fflush.argtypes = [ctypes.c_void_p]
+    fflush(None)
+    return int(on_exit(ctypes.cast(exit_now, ctypes.c_void_p), None)) == 0
 
 
 def _untracked_addr(dev: int) -> int:

@@ -45,6 +45,10 @@ class ProbeSettings:
     kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
     unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER at the first managed allocation (core.py says why)
     torch_hook: bool = True  # watch torch.profiler taking CUPTI away
+    # After a torch.profiler session under the probe, end the process with its exit status as
+    # soon as C's exit handlers start, skipping the C-level teardown in which such processes
+    # aborted 3-6 times in 10 on the H200 (docs/probe.md, "exit abort").
+    skip_c_teardown_after_profiler: bool = True
     untracked_ms: int = 2000  # NVML poll for the untracked kind (only when CUDA started before the probe)
     reconnect_max_ms: int = 5000  # backoff ceiling
     capacity: int = 4096  # records per packing array
