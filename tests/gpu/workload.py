@@ -271,7 +271,7 @@ if __name__ == "__main__":
         # Diagnostic: leave CUPTI as it is at exit (no final flush, no kinds off).
         import atexit
 
-        atexit.unregister(probe.current().stop)
+        atexit.unregister(probe.current().stop_at_exit)
     if os.environ.get("WORKLOAD_OS_EXIT") == "1":
         # Diagnostic (docs/probe.md, exit crash): the probe's own atexit work, then no C teardown.
         probe.stop()
