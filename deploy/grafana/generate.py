@@ -134,7 +134,8 @@ def build() -> dict:  # type: ignore[type-arg]
         "bytes"))
     d = d.with_panel(ts(
         "Copy bandwidth by direction",
-        "Bytes per second moved by cudaMemcpy* (CUPTI MEMCPY), by direction.",
+        "Bytes per second moved by cudaMemcpy* (CUPTI MEMCPY), by direction. Probed processes report copies only "
+        "with probe.copies: always (off by default: it costs 3-9% on launch-bound steps).",
         [Q(f"sum by (direction) (rate(gpufootprint_memcpy_bytes_total{{{SEL}}}[{r}]))", "{{direction}}")],
         "Bps"))
     d = d.with_panel(ts(
