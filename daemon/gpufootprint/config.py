@@ -27,6 +27,7 @@ from gpufootprint.errors import ConfigError
 from gpufootprint.probe.settings import COPY_MODES as PROBE_COPY_MODES
 from gpufootprint.probe.settings import DELIVERIES as PROBE_DELIVERIES
 from gpufootprint.probe.settings import MINIMUMS as PROBE_MINIMUMS
+from gpufootprint.probe.settings import copy_mode as probe_copy_mode
 
 ENV_PREFIX = "GPUFOOTPRINT_"
 
@@ -448,7 +449,7 @@ def _check_leaf(hint: Any, value: Any, meta: Mapping[str, Any], path: tuple[str,
             digits = str(value)
             value = digits.zfill(4) if value > 0o777 and set(digits) <= set("01234567") else f"{value:04o}"
         if isinstance(value, bool) and meta.get("choices") == PROBE_COPY_MODES:
-            value = "always" if value else "off"  # YAML 1.1 reads an unquoted off as false
+            value = probe_copy_mode(str(value))  # YAML 1.1 reads an unquoted off as false
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
     lo, hi, choices = meta.get("lo"), meta.get("hi"), meta.get("choices")

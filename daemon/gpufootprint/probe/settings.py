@@ -72,7 +72,7 @@ class ProbeSettings:
 
     def __post_init__(self) -> None:
         # Booleans too: copies=True/False, "1"/"0" in the environment (the setting was a bool before).
-        mode = _copy_mode(str(self.copies))
+        mode = copy_mode(str(self.copies))
         object.__setattr__(self, "copies", mode if mode in COPY_MODES else type(self).copies)
 
     @classmethod
@@ -108,7 +108,7 @@ class ProbeSettings:
                         cls.delivery)
             values.pop("delivery")
         copies = values.get("copies")
-        if copies is not None and _copy_mode(copies) not in COPY_MODES:
+        if copies is not None and copy_mode(copies) not in COPY_MODES:
             log.warning("GPUFOOTPRINT_PROBE_COPIES=%r is not one of %s; using %r", copies, COPY_MODES, cls.copies)
             values.pop("copies")
         kinds = values.get("copy_kinds")
@@ -130,7 +130,8 @@ _COPY_MODE_ALIASES = {"true": "always", "1": "always", "yes": "always", "on": "a
                       "false": "off", "0": "off", "no": "off"}
 
 
-def _copy_mode(value: str) -> str:
+def copy_mode(value: str) -> str:
+    """A ``copies`` value as one of COPY_MODES where it is one ("1", "false", "True" ... included)."""
     v = value.strip().lower()
     return _COPY_MODE_ALIASES.get(v, v)
 
