@@ -126,7 +126,7 @@ class FakeCupti:
         self.enabled.add(UM)
         return True
 
-    def dropped_records(self) -> int:
+    def dropped_records(self, ctx: int = 0, stream: int = 0) -> int:
         return 0
 
     def versions(self) -> dict[str, Any]:
@@ -185,7 +185,9 @@ class FakeRawCupti(FakeCupti):
         self.registrations += 1
         return True
 
-    def dropped_records(self) -> int:
+    def dropped_records(self, ctx: int = 0, stream: int = 0) -> int:
+        if (ctx, stream) != (0, 0):
+            return 0
         n, self.refused_records = self.refused_records, 0
         return n
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run: GPU tests, kernel trace recordings, overhead bench; results under $OUT.
-# Usage on the lent machine (see docs/probe.md): bash tests/gpu/device_run.sh [wheels|libcupti|tests|tests_period|traces|bench]...
+# Usage on the lent machine (see docs/probe.md): bash tests/gpu/device_run.sh [wheels|libcupti|tests|tests_period|variants|traces|bench]...
 #   wheels       install only cupti_python + pyelftools from .whl into /tmp/site (PyTorch's
 #                nvidia-cuda-cupti stays the one libcupti); the cupti wheel only if cupti cannot load without it
 #   libcupti     which libcupti files cupti-python and torch map (one copy wanted)
@@ -8,6 +8,7 @@
 #   tests_period tests/gpu/test_probe_gpu.py with flush_mode=period, the ctypes (GIL-free) flush, bulk packing
 #   profiler_exit the profiler scenario unprobed, probed without the hand-over, and with TEARDOWN_CUPTI=0
 #   exit_reps    REPS runs of the profiler scenario per variant (EXIT_VARIANTS; default unprobed, probe, os._exit, no hook)
+#   variants     one GPU test (TEST) under several probe environments (VARIANTS)
 #   bench        bench/overhead.py (ROUNDS, CONFIGS, BENCH_TIMEOUT from the environment)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -90,6 +91,15 @@ traces)
     GPUFOOTPRINT_PROBE_KERNELS=1 timeout 90 python3 -m gpufootprint record -o "$R/h200_kernels_$s.gfp.gz" -- \
       python3 tests/gpu/workload.py kernels_$s 2>&1 | tail -3
     timeout 30 python3 -m gpufootprint replay "$R/h200_kernels_$s.gfp.gz" --report-json "$R/replay_kernels_$s.json" 2>&1 | tail -2
+  done ;;
+variants)
+  # One GPU test (TEST, a -k expression) under several probe environments (VARIANTS: NAME:VAR=x+VAR2=y ...);
+  # each run's trace is kept as h200_probe_<scenario>_<NAME>.gfp.gz.
+  for v in ${VARIANTS:-base:GPUFOOTPRINT_PROBE_X=1}; do
+    env $(echo "${v#*:}" | tr '+' ' ') GPUFOOTPRINT_GPU_TAG=_${v%%:*} GPUFOOTPRINT_GPU_OUT=$R \
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_probe_gpu.py -k "${TEST:-expandable}" \
+      > "$R/variant_${v%%:*}.log" 2>&1
+    echo "${v%%:*} (${v#*:}): pytest rc=$?" | tee -a "$R/variants.txt"; grep -E "^E .*(Assertion|assert)" "$R/variant_${v%%:*}.log" | head -2 | cut -c1-300
   done ;;
 bench)
   timeout ${BENCH_TIMEOUT:-300} python3 bench/overhead.py --rounds ${ROUNDS:-12} ${CONFIGS:+--configs $CONFIGS} \

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpufootprint.config import load_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
@@ -57,14 +59,14 @@ class Daemon:
 
 
 def run_workload(scenario: str, tmp: Path, extra_env: dict[str, str] | None = None,
-                 during: Any = None) -> tuple[Daemon, subprocess.CompletedProcess[str] | None]:
+                 during: Any = None, tag: str = "") -> tuple[Daemon, subprocess.CompletedProcess[str] | None]:
     sock = str(tmp / "probe.sock")
     daemon = Daemon(sock)
     env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
     # Raw delivery (the default): every real CUPTI buffer is also walked by
     # cuptiActivityGetNextRecord, and any disagreement with our walk is counted.
     env["GPUFOOTPRINT_PROBE_RAW_VERIFY_WALK"] = "1"
-    tag = os.environ.get("GPUFOOTPRINT_GPU_TAG", "")  # a second pass (another flush mode) keeps its own traces
+    tag += os.environ.get("GPUFOOTPRINT_GPU_TAG", "")  # a second pass (another flush mode) keeps its own traces
     env["GPUFOOTPRINT_PROBE_TEE"] = (os.path.join(OUT, f"h200_probe_{scenario}{tag}.gfp.gz") if OUT
                                      else str(tmp / "tee.gfp.gz"))
     env.update(extra_env or {})
@@ -149,6 +151,17 @@ def test_caching_allocator_matches_torch_reserved_at_every_mark(tmp_path: Path) 
 def test_expandable_segments_match_torch_reserved(tmp_path: Path) -> None:
     daemon, _ = run_workload("expandable", tmp_path, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     check_marks(daemon, "expandable")
+
+
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"], ids=["caching", "expandable"])
+def test_allocations_on_new_threads_are_all_seen(tmp_path: Path, alloc_conf: str) -> None:
+    # Found on the H200 (2026-12-02 18:19 UTC): with copies off, the first records of PyTorch's
+    # autograd thread never arrived (a 2 MiB expandable segment among them).
+    env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else {}
+    name = "expandable" if alloc_conf else "caching"
+    daemon, _ = run_workload("threads", tmp_path, env, tag=f"_{name}")
+    rows = check_marks(daemon, f"threads_{name}")
+    assert [r["label"] for r in rows] == ["start", *[f"thread_{i}" for i in range(4)], "after_mlp_steps", "end"]
 
 
 def test_cuda_malloc_async_matches_torch_allocated(tmp_path: Path) -> None:

@@ -99,6 +99,35 @@ def scenario_async() -> None:
     allocator_story()
 
 
+def scenario_threads() -> None:
+    """Allocations made on threads other than the main one, as PyTorch's autograd thread makes in every backward.
+
+    Each new thread makes new segments (cudaMalloc, or cuMemMap with expandable segments) and
+    its first cuBLAS call (module loads: device_static records) on a thread CUPTI has not seen.
+    """
+    import threading
+
+    held: list[torch.Tensor] = []
+
+    def work(i: int) -> None:
+        held.append(torch.empty((i + 1) * 3 * MiB // 4, device="cuda"))
+        a = torch.randn(256 * (i + 1), 256 * (i + 1), device="cuda")
+        held.append(a @ a)
+        torch.cuda.synchronize()
+
+    mark("start")
+    for i in range(4):
+        t = threading.Thread(target=work, args=(i,))
+        t.start()
+        t.join()
+        mark(f"thread_{i}")
+    mlp_steps(3)
+    mark("after_mlp_steps")
+    del held
+    torch.cuda.empty_cache()
+    mark("end")
+
+
 def scenario_pinned_managed() -> None:
     from cuda.bindings import runtime as cudart
 

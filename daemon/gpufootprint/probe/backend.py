@@ -49,7 +49,7 @@ class Backend(Protocol):
     def flush_period(self, ms: int) -> bool: ...
     def configure(self, device_buffer_bytes: int, pool_limit: int) -> int: ...
     def configure_unified_memory(self) -> bool: ...
-    def dropped_records(self) -> int: ...
+    def dropped_records(self, ctx: int = 0, stream: int = 0) -> int: ...
     def versions(self) -> dict[str, Any]: ...
 
 
@@ -187,11 +187,32 @@ class CuptiBackend:
             out.setdefault(kind, []).append(rec.value - address)
         return out
 
-    def dropped_records(self) -> int:
+    def dropped_records(self, ctx: int = 0, stream: int = 0) -> int:
+        """Records CUPTI dropped (no buffer space) from one queue since the last call; the count resets.
+
+        ``ctx`` 0 is the global queue; a context's own queue is named by the CUcontext and
+        stream that CUPTI passes with each completed buffer.
+        """
         v = ctypes.c_size_t(0)
-        ok = self._call("activity_get_num_dropped_records", self._c.activity_get_num_dropped_records, 0, 0,
+        ok = self._call("activity_get_num_dropped_records", self._c.activity_get_num_dropped_records, ctx, stream,
                         ctypes.addressof(v))
         return int(v.value) if ok else 0
+
+    def per_thread_buffer(self, on: bool | None) -> int | None:
+        """CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: set it (None: leave CUPTI's default); returns what CUPTI reports."""
+        attr = self._c.ActivityAttribute.ATTR_PER_THREAD_BUFFER
+        for width in (1, 8):  # a uint8_t in CUPTI's header; a size_t where a release says so
+            v = ctypes.c_size_t(0 if on is None else int(on))
+            sz = ctypes.c_size_t(width)
+            if on is not None and not self._call(f"activity_set_attribute({attr})", self._c.activity_set_attribute,
+                                                 attr, ctypes.addressof(sz), ctypes.addressof(v)):
+                continue
+            v = ctypes.c_size_t(0)
+            sz = ctypes.c_size_t(width)
+            if self._call(f"activity_get_attribute({attr})", self._c.activity_get_attribute, attr,
+                          ctypes.addressof(sz), ctypes.addressof(v)):
+                return int(v.value) & (0xFF if width == 1 else -1)
+        return None
 
     def versions(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

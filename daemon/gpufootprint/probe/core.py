@@ -128,6 +128,10 @@ class Probe:
             self.own_device_bytes = self._backend.configure(self.settings.device_buffer_bytes,
                                                             self.settings.device_buffer_pool_limit)
             self.versions = self._backend.versions()
+            per_thread = getattr(self._backend, "per_thread_buffer", None)
+            if per_thread is not None:
+                want = {"on": True, "off": False}.get(self.settings.per_thread_buffer)
+                self.versions["cupti_per_thread_buffer"] = per_thread(want)
             paths = getattr(self._backend, "libcupti_paths", None)
             self.libcupti = paths() if paths is not None else []
             self._arm()
@@ -690,6 +694,9 @@ class Probe:
             "raw_delivery_unavailable": c["raw_delivery_unavailable"],
             "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
             "raw_buffers_refused": self.raw.refused if self.raw else 0,
+            "raw_buffers_requested": self.raw.requested if self.raw else 0,
+            "raw_callback_errors": self.raw.errors if self.raw else 0,
+            "raw_queues": len(self.raw.queues) if self.raw else 0,
             "raw_foreign_buffers": self.raw.foreign if self.raw else 0,
             "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
             "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
@@ -705,8 +712,10 @@ class Probe:
     def _cupti_dropped(self) -> int:
         if self._backend is None or self.in_gap:
             return int(self.counters["cupti_dropped_records"])
+        queues = sorted(self.raw.queues) if self.raw is not None else []
         try:
-            self.counters["cupti_dropped_records"] += int(self._backend.dropped_records())
+            for ctx, stream in [(0, 0), *[q for q in queues if q != (0, 0)]]:
+                self.counters["cupti_dropped_records"] += int(self._backend.dropped_records(ctx, stream))
         except Exception:  # noqa: BLE001
             pass
         return int(self.counters["cupti_dropped_records"])

@@ -54,6 +54,8 @@ class RawDelivery:
         self.refused = 0  # requests answered with no buffer (pool exhausted)
         self.foreign = 0  # completed buffers that were not ours (left alone)
         self.errors = 0
+        # (CUcontext, stream) of every completed buffer: CUPTI counts its drops per such queue.
+        self.queues: set[tuple[int, int]] = set()
         self._req = _REQUESTED(self._requested)
         self._cmp = _COMPLETED(self._completed)
         _KEEP_ALIVE.append(self)
@@ -104,6 +106,7 @@ class RawDelivery:
     def _completed(self, ctx: Any, stream: int, buf: int | None, size: int, valid: int) -> None:
         try:
             self.completed += 1
+            self.queues.add((int(ctx or 0), int(stream)))
             if not buf or buf not in self._ours:
                 self.foreign += 1
                 return

@@ -68,6 +68,8 @@ class ProbeSettings:
     # "objects" where it cannot register (two libcupti copies). docs/performance.md.
     delivery: str = "raw"
     raw_buffers: int = 256  # raw delivery: CUPTI host buffers at most; past it CUPTI drops (and counts) records
+    # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it.
+    per_thread_buffer: str = "cupti"
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:
