@@ -174,6 +174,8 @@ class FakeRawCupti(FakeCupti):
         self._names: dict[str, Any] = {}  # name -> ctypes buffer (kept alive like CUPTI's strings)
         self.refused_records = 0
         self.buffers_delivered = 0
+        # The (CUcontext, stream) queue this fake's buffers belong to; CUPTI counts drops per queue.
+        self.queue: tuple[int, int] = (0, 0)
 
     def register(self, requested: Any, completed: Any) -> None:
         super().register(requested, completed)
@@ -186,7 +188,7 @@ class FakeRawCupti(FakeCupti):
         return True
 
     def dropped_records(self, ctx: int = 0, stream: int = 0) -> int:
-        if (ctx, stream) != (0, 0):
+        if (ctx, stream) != self.queue:
             return 0
         n, self.refused_records = self.refused_records, 0
         return n
@@ -246,7 +248,7 @@ class FakeRawCupti(FakeCupti):
                 used += len(structs[i])
                 i += 1
             self.buffers_delivered += 1
-            self.delivery._cmp(None, 0, buf.value, size.value, used)
+            self.delivery._cmp(self.queue[0] or None, self.queue[1], buf.value, size.value, used)
 
     def walk_raw(self, address: int, valid: int) -> dict[int, list[int]] | None:
         """The reference walk (cuptiActivityGetNextRecord's job): by each struct's size."""

@@ -9,6 +9,7 @@ from prometheus_client.registry import CollectorRegistry
 def test_probe_counters_from_heartbeats_become_per_process_metrics() -> None:
     proc = ProcessSnapshot(pid=77, source="probe", exited=False, info={}, devices=(), pending_records=0, as_of_ns=0,
                            probe_counters={"records_sent": 10.0, "records_dropped": 3.0, "reconnects": 1.0,
+                                           "cupti_dropped_records": 97.0,
                                            "callback_seconds": 0.25, "cupti_gap_seconds": 0.5,
                                            "own_device_bytes": 8388608.0, "own_host_bytes": 1000.0,
                                            "connections_ok": 2.0, "connections_missing": 5.0,
@@ -21,6 +22,7 @@ def test_probe_counters_from_heartbeats_become_per_process_metrics() -> None:
     for line in ('gpufootprint_probe_records_sent_total{pid="77",source="probe"} 10.0',
                  'gpufootprint_probe_records_dropped_total{pid="77",source="probe"} 3.0',
                  'gpufootprint_probe_reconnects_total{pid="77",source="probe"} 1.0',
+                 'gpufootprint_probe_cupti_dropped_records_total{pid="77",source="probe"} 97.0',
                  'gpufootprint_probe_callback_seconds_total{pid="77",source="probe"} 0.25',
                  'gpufootprint_probe_cupti_gap_seconds_total{pid="77",source="probe"} 0.5',
                  'gpufootprint_probe_device_bytes{pid="77",source="probe"} 8.388608e+06',

@@ -163,6 +163,34 @@ def test_the_buffer_pool_is_bounded_and_cupti_counts_what_did_not_fit(tmp_path: 
     assert buf.value in (addrs[0][0], addrs[1][0]) and d.allocated == 4
 
 
+def test_records_cupti_dropped_in_a_contexts_own_queue_are_counted(tmp_path: Path) -> None:
+    # GIVEN buffers that belong to a context's queue (not CUPTI's global one) and a pool of 4
+    fake = fk.FakeRawCupti()
+    fake.queue = (0x5A5A000, 7)
+    probe = Probe(ProbeSettings(socket="", raw_buffers=4, cupti_buffer_bytes=4096, flush_ms=10), fake,
+                  discover_devices=False)
+    assert probe.start()
+    try:
+        # WHEN no buffer comes back while CUPTI writes 200 records (4 buffers hold 4 x 32 of them)
+        assert probe.raw is not None
+        held: list[int] = []
+        give_back = probe.raw.give_back
+        probe.raw.give_back = held.append  # type: ignore[method-assign]
+        for i in range(200):
+            fake.alloc(0x1000 + i * 0x100, 256)
+        fake.flush(True)
+        probe.raw.give_back = give_back  # type: ignore[method-assign]
+        probe.mark("end")
+        for address in held:
+            give_back(address)
+    finally:
+        probe.stop()
+    st = probe.status()
+    # THEN the drops CUPTI counted on that queue reach the probe's counter (the global queue has none)
+    assert st["raw_records"] == 128 and st["raw_queues"] == 1, st
+    assert st["cupti_dropped_records"] == 72 and fake.refused_records == 0, st
+
+
 def test_a_callback_that_fails_inside_never_raises_into_cupti() -> None:
     def boom(address: int, valid: int) -> None:
         raise RuntimeError("sender queue broke")

@@ -203,6 +203,8 @@ _PROBE_COUNTERS = (
     ("gpufootprint_probe_records_dropped", "records_dropped",
      "Records the probe dropped: daemon away, socket buffer full, or a connection that broke."),
     ("gpufootprint_probe_reconnects", "reconnects", "Times the probe connected again after losing the daemon."),
+    ("gpufootprint_probe_cupti_dropped_records", "cupti_dropped_records",
+     "Records CUPTI itself dropped for want of buffer space: never seen, so the footprint may be off."),
     ("gpufootprint_probe_callback_seconds", "callback_seconds",
      "CPU time spent in the probe's CUPTI buffer callback (packing records)."),
     ("gpufootprint_probe_cupti_gap_seconds", "cupti_gap_seconds",
