@@ -56,6 +56,8 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # The default until the raw delivery: cupti-python's record objects on CUPTI's thread.
     "probe_objects": {"delivery": "objects"},
     "probe_daemon_away": {},  # the defaults, socket missing
+    # Without the driver-API callback subscription (the default until 2026-12-02 19:10 UTC).
+    "probe_no_hooks": {"driver_hooks": False},
 }
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.

@@ -92,8 +92,23 @@ class FakeCupti:
         self.registrations = 0
         self.lost_while_disabled = 0
         self.um_configurations = 0
+        self.subscribed = False  # the driver-API callback subscription (CUPTI allows one subscriber)
+        self.other_subscriber = False  # another tool (a profiler) holds that one place
 
     # --- Backend protocol ---
+    def driver_hooks(self, on: bool) -> bool:
+        if on and self.other_subscriber:
+            return False
+        self.subscribed = on
+        return True
+
+    def other_tool_subscribes(self) -> bool:
+        """A profiler's cuptiSubscribe: refused while the probe holds CUPTI's one subscriber place."""
+        if self.subscribed:
+            return False
+        self.other_subscriber = True
+        return True
+
     def register(self, requested: Any, completed: Any) -> None:
         self.requested, self.completed = requested, completed
         self.registrations += 1

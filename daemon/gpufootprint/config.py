@@ -177,6 +177,9 @@ class ProbeConfig:
     delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
                           doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
                               "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
+    driver_hooks: bool = _spec(True, doc="subscribe to CUPTI's cuMemMap/cuMemUnmap callbacks (a C no-op): without a "
+                                         "subscriber CUPTI lost the records of mappings made on threads other than "
+                                         "the main one (docs/probe.md, lost records)")
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")

@@ -164,6 +164,24 @@ def test_allocations_on_new_threads_are_all_seen(tmp_path: Path, alloc_conf: str
     assert [r["label"] for r in rows] == ["start", *[f"thread_{i}" for i in range(4)], "after_mlp_steps", "end"]
 
 
+def test_vmm_mappings_on_any_thread_are_all_seen(tmp_path: Path) -> None:
+    # Between marks the workload maps (or unmaps) exactly mapped_bytes through the driver API:
+    # on the main thread, on a new thread with no current context, and on one that set it.
+    daemon, _ = run_workload("vmm_threads", tmp_path)
+    rows = []
+    prev = None
+    for m in daemon.marks:
+        dev = m["live_bytes"].get("device", 0)
+        if prev is not None:
+            rows.append({"label": m["label"], "mapped_bytes": m["mapped_bytes"], "device_delta": dev - prev,
+                         "context_current": m.get("context_current"), "matches_probe": m.get("matches")})
+        prev = dev
+    SUMMARY["vmm_threads"] = rows
+    _save()
+    assert [r["label"] for r in rows] == ["main_thread", "thread_no_context", "thread_with_context", "unmapped"]
+    assert all(r["device_delta"] == r["mapped_bytes"] for r in rows), rows
+
+
 def test_cuda_malloc_async_matches_torch_allocated(tmp_path: Path) -> None:
     daemon, _ = run_workload("async", tmp_path, {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
     check_marks(daemon, "async", async_alloc=True)

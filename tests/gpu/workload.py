@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 from gpufootprint import probe
 
@@ -126,6 +127,61 @@ def scenario_threads() -> None:
     del held
     torch.cuda.empty_cache()
     mark("end")
+
+
+def scenario_vmm_threads() -> None:
+    """CUDA virtual-memory mappings (what expandable segments use) made by the driver API directly,
+    on the main thread, on a new thread with no CUDA context current, and on a new thread that
+    made the primary context current first. Each mark names the bytes mapped since the last one.
+    """
+    import threading
+
+    from cuda.bindings import driver as cu
+
+    def ok(result: Any) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        assert int(err) == 0, f"CUDA driver error {err}"
+        return rest[0] if len(rest) == 1 else rest
+
+    torch.zeros(1, device="cuda")  # the primary context, current on the main thread
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = DEV
+    access = cu.CUmemAccessDesc()
+    access.location = prop.location
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    primary = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(DEV))))
+    mapped: list[tuple[Any, Any, int]] = []
+    context_seen: dict[str, bool] = {}
+
+    def vmm(size: int, where: str, make_current: bool = False) -> None:
+        if make_current:
+            ok(cu.cuCtxSetCurrent(primary))
+        context_seen[where] = int(ok(cu.cuCtxGetCurrent())) != 0
+        handle = ok(cu.cuMemCreate(size, prop, 0))
+        va = ok(cu.cuMemAddressReserve(size, 0, 0, 0))
+        ok(cu.cuMemMap(va, size, 0, handle, 0))
+        ok(cu.cuMemSetAccess(va, size, [access], 1))
+        mapped.append((va, handle, size))
+
+    def on_thread(size: int, where: str, make_current: bool) -> None:
+        t = threading.Thread(target=vmm, args=(size, where, make_current))
+        t.start()
+        t.join()
+
+    mark("start")
+    vmm(2 * MiB, "main")
+    mark("main_thread", mapped_bytes=2 * MiB)
+    on_thread(4 * MiB, "thread_no_context", False)
+    mark("thread_no_context", mapped_bytes=4 * MiB, context_current=context_seen.get("thread_no_context"))
+    on_thread(6 * MiB, "thread_with_context", True)
+    mark("thread_with_context", mapped_bytes=6 * MiB, context_current=context_seen.get("thread_with_context"))
+    for va, handle, size in mapped:
+        ok(cu.cuMemUnmap(va, size))
+        ok(cu.cuMemAddressFree(va, size))
+        ok(cu.cuMemRelease(handle))
+    mark("unmapped", mapped_bytes=-12 * MiB)
 
 
 def scenario_pinned_managed() -> None:

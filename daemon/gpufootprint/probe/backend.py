@@ -63,6 +63,8 @@ class CuptiBackend:
         self.errors: list[str] = []
         self._flush_nogil = flush_nogil
         self._lib_flush: Any = None
+        self._hooks_lib: Any = None
+        self._subscriber: ctypes.c_void_p | None = None
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
         try:
@@ -150,6 +152,60 @@ class CuptiBackend:
                           c.activity_configure_unified_memory_counter, cfg.ptr, len(kinds)):
             return False
         return self.enable(UNIFIED_MEMORY_COUNTER)
+
+    def driver_hooks(self, on: bool) -> bool:
+        """Be (on) or stop being (off) a subscriber of CUPTI's driver-API callbacks for cuMemMap and
+        cuMemUnmap; True when the state asked for holds.
+
+        Why: on the H200 (CUPTI 13.0, driver 580) the MEMORY2 records of virtual-memory mappings
+        made on any thread but the main one (PyTorch's expandable segments grown from the autograd
+        thread, say) never arrived while no callback subscriber existed, and all arrived with one
+        (tests/gpu/vmm_diag.py, docs/probe.md "Lost records"). The callback itself is libc's
+        ``abs``: a C function that reads only its registers, so CUPTI never waits for Python there
+        (a Python callback would need the GIL on a thread that may hold PyTorch's allocator lock).
+        CUPTI allows one subscriber per process: the probe leaves before a torch.profiler session
+        and comes back after it.
+        """
+        if not on:
+            if self._subscriber is not None and self._hooks_lib is not None:
+                status = int(self._hooks_lib.cuptiUnsubscribe(self._subscriber))
+                if status != 0 and len(self.errors) < 50:
+                    self.errors.append(f"cuptiUnsubscribe: status {status}")
+            self._subscriber = None
+            return True
+        if self._subscriber is not None:
+            return True
+        lib = self._hooks_lib or _libcupti()
+        if lib is None or _NOOP_CALLBACK is None:
+            self.errors.append("driver hooks: not exactly one libcupti mapped, or no libc")
+            return False
+        try:
+            lib.cuptiSubscribe.restype = ctypes.c_int
+            lib.cuptiSubscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuptiEnableCallback.restype = ctypes.c_int
+            lib.cuptiEnableCallback.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+            lib.cuptiUnsubscribe.restype = ctypes.c_int
+            lib.cuptiUnsubscribe.argtypes = [ctypes.c_void_p]
+            cbids = [int(self._c.driver_api_trace_cbid.cuMemMap), int(self._c.driver_api_trace_cbid.cuMemUnmap)]
+            domain = int(self._c.CallbackDomain.DRIVER_API)
+        except (AttributeError, OSError) as exc:
+            self.errors.append(f"driver hooks: {exc}")
+            return False
+        self._hooks_lib = lib
+        sub = ctypes.c_void_p()
+        status = int(lib.cuptiSubscribe(ctypes.byref(sub), _NOOP_CALLBACK, None))
+        if status != 0:  # another subscriber (a profiler, another tool) holds CUPTI's one place
+            if len(self.errors) < 50:
+                self.errors.append(f"cuptiSubscribe: status {status}")
+            return False
+        for cbid in cbids:
+            status = int(lib.cuptiEnableCallback(1, sub, domain, cbid))
+            if status != 0:
+                self.errors.append(f"cuptiEnableCallback({cbid}): status {status}")
+                lib.cuptiUnsubscribe(sub)
+                return False
+        self._subscriber = sub
+        return True
 
     def register_raw(self, delivery: Any) -> bool:
         """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""
@@ -256,6 +312,17 @@ def mapped_libcupti() -> list[str]:
                            if "libcupti.so" in line and len(line.split(None, 5)) == 6})
     except OSError:
         return []
+
+
+def _noop_callback() -> int | None:
+    """Address of libc's ``abs``: a C function CUPTI may call as a callback (it touches no memory)."""
+    try:
+        return ctypes.cast(ctypes.CDLL(None).abs, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+_NOOP_CALLBACK = _noop_callback()
 
 
 def _libcupti() -> Any:

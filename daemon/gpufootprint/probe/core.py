@@ -167,8 +167,24 @@ class Probe:
         for kind in self._kinds:
             if not self._backend.enable(kind):
                 self.counters[f"kind_unavailable_{kind}"] += 1
+        self._hooks(True)
         if self.period:
             self._set_period(self.flush_s)
+
+    def _hooks(self, on: bool) -> None:
+        """The driver-API callback subscription that keeps CUPTI recording mappings on every thread."""
+        hooks = getattr(self._backend, "driver_hooks", None)
+        if hooks is None or not self.settings.driver_hooks:
+            return
+        if hooks(on):
+            self.counters["driver_hooks"] = 1 if on else 0
+        elif on:
+            self.counters["driver_hooks"] = 0
+            self.counters["driver_hooks_unavailable"] += 1
+            if self.counters["driver_hooks_unavailable"] == 1:
+                errors = getattr(self._backend, "errors", None) or ["no reason given"]
+                log.warning("gpufootprint probe: no CUPTI callback subscription (%s); mappings made on threads "
+                            "other than the main one may be missed (docs/probe.md)", errors[-1])
 
     def _arm_raw(self) -> bool:
         """Register the raw callbacks; False (cupti-python's objects instead) where that cannot be done."""
@@ -246,6 +262,7 @@ class Probe:
         assert self._backend is not None
         for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
             self._backend.disable(kind)
+        self._hooks(False)
         if self.period:
             self._set_period(0)
 
@@ -697,6 +714,7 @@ class Probe:
             "raw_buffers_requested": self.raw.requested if self.raw else 0,
             "raw_callback_errors": self.raw.errors if self.raw else 0,
             "raw_queues": len(self.raw.queues) if self.raw else 0,
+            "driver_hooks": c["driver_hooks"], "driver_hooks_unavailable": c["driver_hooks_unavailable"],
             "raw_foreign_buffers": self.raw.foreign if self.raw else 0,
             "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
             "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],

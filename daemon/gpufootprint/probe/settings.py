@@ -68,7 +68,12 @@ class ProbeSettings:
     # "objects" where it cannot register (two libcupti copies). docs/performance.md.
     delivery: str = "raw"
     raw_buffers: int = 256  # raw delivery: CUPTI host buffers at most; past it CUPTI drops (and counts) records
-    # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it.
+    # Subscribe to CUPTI's driver-API callbacks (cuMemMap, cuMemUnmap; a C no-op as the callback):
+    # without a subscriber, CUPTI 13.0 on the H200 lost the MEMORY2 records of virtual-memory
+    # mappings made on threads other than the main one (expandable segments). docs/probe.md.
+    driver_hooks: bool = True
+    # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it
+    # (a diagnostic: neither changed the lost records above).
     per_thread_buffer: str = "cupti"
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 

@@ -1,0 +1,165 @@
+"""Diagnostic (not a test): which CUDA virtual-memory mappings reach CUPTI's MEMORY2 activity, and
+whether a driver-API callback on cuMemMap/cuMemUnmap sees them instead.
+
+Found on the H200 (docs/probe.md, "Lost records"): mappings made by cuMemMap on a thread other
+than the main one never arrived as MEMORY2 records. This maps 2 MiB pieces on the main thread and
+on new threads (no context, context set, a runtime call first), records what MEMORY2 and the
+callback each saw, runs a torch.profiler session while subscribed, and times a loop of tiny
+launches with the callback subscription on and off (in-process, alternated; a rough figure).
+
+    python tests/gpu/vmm_diag.py OUT.json
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+from cupti import cupti
+
+MiB = 1 << 20
+seen_activity: list[tuple[int, int, int]] = []  # (op, addr, bytes)
+seen_callback: list[tuple[str, int, int, str]] = []  # (api, addr, bytes, thread)
+
+
+def requested() -> tuple[int, int]:
+    return 1 << 20, 0
+
+
+def completed(records: list[Any]) -> None:
+    for r in records:
+        if r.kind == cupti.ActivityKind.MEMORY2:
+            seen_activity.append((int(r.memory_operation_type), int(r.address), int(r.bytes)))
+
+
+def on_api(userdata: Any, domain: int, cbid: int, data: Any) -> None:
+    if data.callback_site != cupti.ApiCallbackSite.API_EXIT:
+        return
+    params = ctypes.c_void_p.from_address(int(data.ptr) + 16).value  # CUpti_CallbackData.functionParams
+    if not params:
+        return
+    ptr = ctypes.c_uint64.from_address(params).value
+    size = ctypes.c_uint64.from_address(params + 8).value
+    name = "map" if cbid == cupti.driver_api_trace_cbid.cuMemMap else "unmap"
+    seen_callback.append((name, ptr, size, threading.current_thread().name))
+
+
+def main(out: str) -> None:
+    cupti.activity_register_callbacks(requested, completed)
+    cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+    import torch
+    from cuda.bindings import driver as cu
+    from cuda.bindings import runtime as cudart
+
+    torch.zeros(1, device="cuda")
+
+    def ok(result: Any) -> Any:
+        err, *rest = result
+        assert int(err) == 0, err
+        return rest[0] if len(rest) == 1 else rest
+
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    access = cu.CUmemAccessDesc()
+    access.location = prop.location
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    primary = ok(cu.cuDevicePrimaryCtxRetain(ok(cu.cuDeviceGet(0))))
+    maps: dict[str, tuple[int, int, Any]] = {}
+
+    def vmm(where: str, first: str = "") -> None:
+        if first == "ctx":
+            ok(cu.cuCtxSetCurrent(primary))
+        elif first == "runtime":
+            ok(cudart.cudaFree(0))
+        elif first == "torch":
+            torch.empty(1, device="cuda")
+        size = 2 * MiB
+        handle = ok(cu.cuMemCreate(size, prop, 0))
+        va = ok(cu.cuMemAddressReserve(size, 0, 0, 0))
+        ok(cu.cuMemMap(va, size, 0, handle, 0))
+        ok(cu.cuMemSetAccess(va, size, [access], 1))
+        maps[where] = (int(va), size, handle)
+
+    def on_thread(where: str, first: str) -> None:
+        t = threading.Thread(target=vmm, args=(where, first), name=where)
+        t.start()
+        t.join()
+
+    result: dict[str, Any] = {}
+    for subscribed in (False, True):
+        sub = None
+        if subscribed:
+            sub = cupti.subscribe(on_api, None)
+            for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):
+                cupti.enable_callback(1, sub, cupti.CallbackDomain.DRIVER_API, cbid)
+        maps.clear()
+        seen_activity.clear()
+        seen_callback.clear()
+        vmm("main")
+        for where, first in (("thread_none", ""), ("thread_ctx", "ctx"), ("thread_runtime", "runtime"),
+                             ("thread_torch", "torch")):
+            on_thread(where, first)
+        vmm("main_again")
+        cupti.activity_flush_all(1)
+        act = {a for op, a, _ in seen_activity if op == 1}
+        cb = {a for n, a, _s, _t in seen_callback if n == "map"}
+        result[f"subscribed={subscribed}"] = {w: {"memory2": va in act, "callback": va in cb} for w, (va, _s, _h) in
+                                              maps.items()}
+        for va, size, handle in maps.values():
+            ok(cu.cuMemUnmap(va, size))
+            ok(cu.cuMemAddressFree(va, size))
+            ok(cu.cuMemRelease(handle))
+        if sub is not None:
+            cupti.activity_flush_all(1)
+            result["unmap_callbacks"] = sum(1 for n, *_ in seen_callback if n == "unmap")
+            # A torch.profiler session while our subscription exists: does the user's profiler work?
+            try:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    x = torch.randn(512, 512, device="cuda")
+                    (x @ x).sum().item()
+                events = prof.key_averages()
+                result["profiler_while_subscribed"] = {
+                    "events": len(events),
+                    "cuda_events": sum(1 for e in events if getattr(e, "device_time_total", 0) > 0)}
+            except Exception as exc:  # noqa: BLE001 - what happened is the result
+                result["profiler_while_subscribed"] = {"error": repr(exc)}
+            seen_callback.clear()
+            on_thread("after_profiler", "")
+            result["callback_after_profiler"] = len(seen_callback)
+            # Tiny launches with the subscription and without it, alternated (one process: rough).
+            a = torch.zeros(1, device="cuda")
+            times: dict[str, list[float]] = {"subscribed": [], "unsubscribed": []}
+            for rnd in range(20):
+                for state in ("subscribed", "unsubscribed") if rnd % 2 == 0 else ("unsubscribed", "subscribed"):
+                    on = state == "subscribed"
+                    for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):
+                        cupti.enable_callback(int(on), sub, cupti.CallbackDomain.DRIVER_API, cbid)
+                    if not on:
+                        cupti.unsubscribe(sub)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(50):
+                        for _ in range(100):
+                            a.add_(1)
+                        torch.cuda.synchronize()
+                    times[state].append((time.perf_counter() - t0) / 50)
+                    if not on:
+                        sub = cupti.subscribe(on_api, None)
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            result["launch_loop_step_s"] = med
+            result["launch_loop_ratio_subscribed"] = med["subscribed"] / med["unsubscribed"]
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

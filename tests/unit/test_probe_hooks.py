@@ -1,0 +1,82 @@
+"""The driver-API callback subscription that keeps CUPTI recording mappings made on any thread.
+
+On the H200 (docs/probe.md, "Lost records") CUPTI delivered no MEMORY2 record for a virtual-memory
+mapping made on a thread other than the main one unless a callback subscriber existed. CUPTI has
+one subscriber place per process, so the probe must hold it while it records and give it up
+before a torch.profiler session (Kineto subscribes) and take it back after.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.settings import ProbeSettings
+
+from tests import probe_fakes as fk
+
+
+def _probe(fake: fk.FakeCupti, **settings: object) -> Probe:
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, torch_hook=False, **settings),  # type: ignore[arg-type]
+                  fake, discover_devices=False)
+    assert probe.start()
+    return probe
+
+
+def test_the_probe_holds_the_subscription_and_hands_it_to_a_profiler_and_back() -> None:
+    fake = fk.FakeRawCupti()
+    probe = _probe(fake)
+    try:
+        assert fake.subscribed and probe.status()["driver_hooks"] == 1
+        # WHEN a profiler session starts: the probe has left before the profiler subscribes
+        probe.takeover_begin()
+        assert not fake.subscribed
+        assert fake.other_tool_subscribes()
+        fake.other_subscriber = False  # the profiler's teardown unsubscribes
+        probe.takeover_end([], list)
+        # THEN the probe holds it again, and records as before
+        assert fake.subscribed and probe.status()["driver_hooks"] == 1
+        assert probe.status()["driver_hooks_unavailable"] == 0
+    finally:
+        probe.stop()
+    assert not fake.subscribed  # left at exit too
+
+
+def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pytest.LogCaptureFixture) -> None:
+    fake = fk.FakeRawCupti()
+    probe = _probe(fake)
+    try:
+        probe.takeover_begin()
+        assert fake.other_tool_subscribes()  # and never lets go
+        with caplog.at_level(logging.WARNING, logger="gpufootprint.probe.core"):
+            probe.takeover_end([], list)
+        fake.alloc(0x1000, 4096)
+        probe.mark("after")
+        st = probe.status()
+        assert st["driver_hooks"] == 0 and st["driver_hooks_unavailable"] == 1
+        assert probe.table.live_by_kind(0) == {"device": 4096}
+        warnings = [r.getMessage() for r in caplog.records if "callback subscription" in r.getMessage()]
+        assert len(warnings) == 1 and "\n" not in warnings[0]
+    finally:
+        probe.stop()
+
+
+def test_another_tool_holding_cupti_at_start_does_not_stop_the_probe() -> None:
+    fake = fk.FakeRawCupti()
+    fake.other_subscriber = True
+    probe = _probe(fake)
+    try:
+        assert probe.started and probe.status()["driver_hooks_unavailable"] == 1
+    finally:
+        probe.stop()
+
+
+def test_switched_off_the_probe_never_subscribes() -> None:
+    fake = fk.FakeRawCupti()
+    probe = _probe(fake, driver_hooks=False)
+    try:
+        assert not fake.subscribed and probe.status()["driver_hooks"] == 0
+    finally:
+        probe.stop()
