@@ -9,7 +9,7 @@ from prometheus_client.registry import CollectorRegistry
 def test_probe_counters_from_heartbeats_become_per_process_metrics() -> None:
     proc = ProcessSnapshot(pid=77, source="probe", exited=False, info={}, devices=(), pending_records=0, as_of_ns=0,
                            probe_counters={"records_sent": 10.0, "records_dropped": 3.0, "reconnects": 1.0,
-                                           "cupti_dropped_records": 97.0,
+                                           "cupti_dropped_records": 97.0, "driver_hooks": 1.0,
                                            "callback_seconds": 0.25, "cupti_gap_seconds": 0.5,
                                            "own_device_bytes": 8388608.0, "own_host_bytes": 1000.0,
                                            "connections_ok": 2.0, "connections_missing": 5.0,
@@ -27,6 +27,7 @@ def test_probe_counters_from_heartbeats_become_per_process_metrics() -> None:
                  'gpufootprint_probe_cupti_gap_seconds_total{pid="77",source="probe"} 0.5',
                  'gpufootprint_probe_device_bytes{pid="77",source="probe"} 8.388608e+06',
                  'gpufootprint_probe_host_bytes{pid="77",source="probe"} 1000.0',
+                 'gpufootprint_probe_driver_hooks{pid="77",source="probe"} 1.0',
                  'gpufootprint_probe_connections_total{pid="77",result="missing",source="probe"} 5.0',
                  'gpufootprint_probe_disconnects_total{pid="77",reason="peer_closed",source="probe"} 1.0'):
         assert line in text, line
