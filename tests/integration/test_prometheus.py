@@ -339,11 +339,11 @@ def test_prometheus_loaded_and_evaluated_every_rule_without_error(stack: tuple[P
 
     rules = _wait("every rule to be evaluated once", evaluated, 60)
     assert {r["name"] for r in rules} == {name for name, _, _ in _rules()}
-    assert len(rules) == 11  # 4 recording rules, 7 alerts
+    assert len(rules) == 12  # 4 recording rules, 8 alerts
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not bad
     active = {r["name"]: r for r in rules if r["type"] == "alerting" and r["state"] != "inactive"}
-    # DaemonDown, DaemonAbsent, ProbeDroppingRecords, IdleExpensiveGpu, SeriesCapReached: inactive.
+    # DaemonDown, DaemonAbsent, ProbeDroppingRecords, CuptiLostRecords, IdleExpensiveGpu, SeriesCapReached: inactive.
     assert set(active) == set(EXPECTED_ALERTS)
     for name, rule in active.items():
         assert rule["state"] == "pending", (name, rule["state"])  # `for:` is minutes; the test lasts seconds
