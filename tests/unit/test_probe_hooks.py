@@ -9,6 +9,7 @@ before a torch.profiler session (Kineto subscribes) and take it back after.
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -45,8 +46,9 @@ def test_the_probe_holds_the_subscription_and_hands_it_to_a_profiler_and_back() 
 
 
 def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pytest.LogCaptureFixture) -> None:
+    # (Seen on the H200: Kineto kept its subscription after a torch.profiler session.)
     fake = fk.FakeRawCupti()
-    probe = _probe(fake)
+    probe = _probe(fake, heartbeat_ms=20)
     try:
         probe.takeover_begin()
         assert fake.other_tool_subscribes()  # and never lets go
@@ -57,8 +59,16 @@ def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pyt
         st = probe.status()
         assert st["driver_hooks"] == 0 and st["driver_hooks_unavailable"] == 1
         assert probe.table.live_by_kind(0) == {"device": 4096}
+        time.sleep(0.1)  # several heartbeats ask again: still one warning, one count
         warnings = [r.getMessage() for r in caplog.records if "callback subscription" in r.getMessage()]
         assert len(warnings) == 1 and "\n" not in warnings[0]
+        assert probe.status()["driver_hooks_unavailable"] == 1
+        # WHEN the other subscriber lets go, THEN a later heartbeat takes the place back
+        fake.other_subscriber = False
+        end = time.monotonic() + 5
+        while not fake.subscribed and time.monotonic() < end:
+            time.sleep(0.01)
+        assert fake.subscribed and probe.status()["driver_hooks"] == 1
     finally:
         probe.stop()
 

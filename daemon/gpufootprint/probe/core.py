@@ -98,6 +98,7 @@ class Probe:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._want_resync = False
+        self._hooks_missing = False  # the driver-API subscription was refused; retried every heartbeat
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
         # memory, not at start: without managed memory it has nothing to count, and it is one
@@ -178,8 +179,13 @@ class Probe:
             return
         if hooks(on):
             self.counters["driver_hooks"] = 1 if on else 0
+            self._hooks_missing = False
         elif on:
+            # Another subscriber (a profiler that kept it, another tool): asked again every heartbeat.
             self.counters["driver_hooks"] = 0
+            if self._hooks_missing:
+                return
+            self._hooks_missing = True
             self.counters["driver_hooks_unavailable"] += 1
             if self.counters["driver_hooks_unavailable"] == 1:
                 errors = getattr(self._backend, "errors", None) or ["no reason given"]
@@ -398,6 +404,8 @@ class Probe:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
                 if now >= next_hb and not stopping:
+                    if self._hooks_missing and not self.in_gap:
+                        self._hooks(True)  # the tool that held CUPTI's subscriber place may have let go
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
                     next_hb = now + s.heartbeat_ms / 1000
                 if self.table.range_splits:
