@@ -31,3 +31,17 @@ def test_values_below_what_works_fall_back_with_a_warning(caplog: object) -> Non
     text = caplog.text
     assert "GPUFOOTPRINT_PROBE_BUFFER_BYTES='65536' is not valid" in text
     assert "GPUFOOTPRINT_PROBE_RAW_BUFFERS='1'" in text and "GPUFOOTPRINT_PROBE_DELIVERY='fast'" in text
+
+
+def test_driver_hooks_default_on_and_a_bad_per_thread_value_falls_back(caplog: object) -> None:
+    import logging
+
+    import pytest
+
+    assert isinstance(caplog, pytest.LogCaptureFixture)
+    caplog.set_level(logging.WARNING)
+    assert ProbeSettings().driver_hooks is True
+    s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_DRIVER_HOOKS": "0", "GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER": "maybe"})
+    assert s.driver_hooks is False and s.per_thread_buffer == "cupti"
+    assert "GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER='maybe' is not one of" in caplog.text
+    assert ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER": "off"}).per_thread_buffer == "off"

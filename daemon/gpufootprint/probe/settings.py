@@ -20,6 +20,7 @@ DEFAULT_SOCKET = "/run/gpufootprint/probe.sock"
 FLUSH_MODES = ("forced", "period")
 COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
 COPY_MODES = ("off", "always")
+PER_THREAD_BUFFER = ("cupti", "on", "off")
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
@@ -118,6 +119,11 @@ class ProbeSettings:
         if copies is not None and copy_mode(copies) not in COPY_MODES:
             log.warning("GPUFOOTPRINT_PROBE_COPIES=%r is not one of %s; using %r", copies, COPY_MODES, cls.copies)
             values.pop("copies")
+        per_thread = values.get("per_thread_buffer")
+        if per_thread is not None and per_thread not in PER_THREAD_BUFFER:
+            log.warning("GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER=%r is not one of %s; using %r", per_thread,
+                        PER_THREAD_BUFFER, cls.per_thread_buffer)
+            values.pop("per_thread_buffer")
         kinds = values.get("copy_kinds")
         if kinds is not None and not set(copy_kind_names(kinds)) <= set(COPY_KINDS):
             log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
