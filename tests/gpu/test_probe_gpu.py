@@ -155,8 +155,8 @@ def test_expandable_segments_match_torch_reserved(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"], ids=["caching", "expandable"])
 def test_allocations_on_new_threads_are_all_seen(tmp_path: Path, alloc_conf: str) -> None:
-    # Found on the H200 (2026-12-02 18:19 UTC): with copies off, the first records of PyTorch's
-    # autograd thread never arrived (a 2 MiB expandable segment among them).
+    # Found on the H200 (2026-12-02 18:19 UTC): without a CUPTI callback subscriber, the records of
+    # mappings made on threads other than the main one never arrived (docs/probe.md, "Lost records").
     env = {"PYTORCH_CUDA_ALLOC_CONF": alloc_conf} if alloc_conf else {}
     name = "expandable" if alloc_conf else "caching"
     daemon, _ = run_workload("threads", tmp_path, env, tag=f"_{name}")
