@@ -205,10 +205,14 @@ def build() -> dict:  # type: ignore[type-arg]
         [Q(f"sum by (node, namespace, pod, pid) (rate(gpufootprint_probe_callback_seconds_total{{{PROC_SEL}}}[{r}]))",
            "{{pod}} pid {{pid}} callbacks")], "percentunit", w=8))
     d = d.with_panel(ts(
-        "Probe drops", "Records the probe dropped rather than slow the workload down, and records the daemon "
-        "refused (by reason) or got too late to order.",
+        "Probe drops", "Records the probe dropped rather than slow the workload down, records CUPTI itself "
+        "dropped (never seen: the footprint may be off), and records the daemon refused (by reason) or got "
+        "too late to order.",
         [Q(f"sum by (node, namespace, pod, pid) (rate(gpufootprint_probe_records_dropped_total{{{PROC_SEL}}}[{r}]))",
            "{{pod}} pid {{pid}} dropped"),
+         Q(f"sum by (node, namespace, pod, pid) "
+           f"(rate(gpufootprint_probe_cupti_dropped_records_total{{{PROC_SEL}}}[{r}]))",
+           "{{pod}} pid {{pid}} lost in CUPTI"),
          Q(f"sum by (reason) (rate(gpufootprint_ingest_errors_total{{{NODE_SEL}}}[{r}])) "
            "or on() vector(0)", "daemon refused {{reason}}"),
          Q(f"sum(rate(gpufootprint_late_records_total{{{NODE_SEL}}}[{r}]))", "late")], "ops", w=8))

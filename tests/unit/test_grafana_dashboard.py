@@ -22,6 +22,7 @@ CONTRACT = {
     "gpufootprint_allocations_total", "gpufootprint_memcpy_bytes_total", "gpufootprint_records_ingested_total",
     "gpufootprint_ingest_errors_total", "gpufootprint_late_records_total", "gpufootprint_build_info",
     "gpufootprint_probe_records_dropped_total", "gpufootprint_probe_callback_seconds_total",
+    "gpufootprint_probe_cupti_dropped_records_total",
     "gpufootprint_sampler_mode", "gpufootprint_anomaly_windows_total", "gpufootprint_page_migrations_total",
     "gpufootprint_page_faults_total", "gpufootprint_nvml_memory_used_bytes", "gpufootprint_graph_advice",
     "gpufootprint_graph_launch_overhead_seconds", "gpufootprint_budget_utilization_ratio",
