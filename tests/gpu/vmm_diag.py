@@ -4,8 +4,12 @@ whether a driver-API callback on cuMemMap/cuMemUnmap sees them instead.
 Found on the H200 (docs/probe.md, "Lost records"): mappings made by cuMemMap on a thread other
 than the main one never arrived as MEMORY2 records. This maps 2 MiB pieces on the main thread and
 on new threads (no context, context set, a runtime call first), records what MEMORY2 and the
-callback each saw, runs a torch.profiler session while subscribed, and times a loop of tiny
-launches with the callback subscription on and off (in-process, alternated; a rough figure).
+callback each saw, with no subscriber, with subscribers that enable nothing or only the resource
+domain, and with cuMemMap/cuMemUnmap enabled; runs a torch.profiler session while subscribed; times
+a loop of tiny launches with the subscription on and off (in-process, alternated: a rough figure,
+not a bench); and after a profiler session with no subscription of ours, maps again.
+Run at 19:02 UTC without the resource-domain, empty-subscriber and after-profiler parts, which
+were added afterwards and have not run on a GPU.
 
     python tests/gpu/vmm_diag.py OUT.json
 """
@@ -91,13 +95,8 @@ def main(out: str) -> None:
         t.start()
         t.join()
 
-    result: dict[str, Any] = {}
-    for subscribed in (False, True):
-        sub = None
-        if subscribed:
-            sub = cupti.subscribe(on_api, None)
-            for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):
-                cupti.enable_callback(1, sub, cupti.CallbackDomain.DRIVER_API, cbid)
+    def mapping_round() -> dict[str, dict[str, bool]]:
+        """Map 2 MiB on the main thread and on new threads; which of them did MEMORY2 and the callback see?"""
         maps.clear()
         seen_activity.clear()
         seen_callback.clear()
@@ -109,12 +108,29 @@ def main(out: str) -> None:
         cupti.activity_flush_all(1)
         act = {a for op, a, _ in seen_activity if op == 1}
         cb = {a for n, a, _s, _t in seen_callback if n == "map"}
-        result[f"subscribed={subscribed}"] = {w: {"memory2": va in act, "callback": va in cb} for w, (va, _s, _h) in
-                                              maps.items()}
+        seen = {w: {"memory2": va in act, "callback": va in cb} for w, (va, _s, _h) in maps.items()}
         for va, size, handle in maps.values():
             ok(cu.cuMemUnmap(va, size))
             ok(cu.cuMemAddressFree(va, size))
             ok(cu.cuMemRelease(handle))
+        return seen
+
+    result: dict[str, Any] = {}
+    for subscribed in (False, True):  # no subscriber first: nothing before it may have changed CUPTI's state
+        sub = None
+        if subscribed:
+            # Which subscriber is enough: one with no callback enabled, or one with only the resource
+            # domain (what a profiler typically keeps)? Not yet run on the GPU (written after 19:02 UTC).
+            for mode in ("no_callbacks", "resource_domain"):
+                other = cupti.subscribe(on_api, None)
+                if mode == "resource_domain":
+                    cupti.enable_domain(1, other, cupti.CallbackDomain.RESOURCE)
+                result[f"subscribed_{mode}"] = mapping_round()
+                cupti.unsubscribe(other)
+            sub = cupti.subscribe(on_api, None)
+            for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):
+                cupti.enable_callback(1, sub, cupti.CallbackDomain.DRIVER_API, cbid)
+        result[f"subscribed={subscribed}"] = mapping_round()
         if sub is not None:
             cupti.activity_flush_all(1)
             result["unmap_callbacks"] = sum(1 for n, *_ in seen_callback if n == "unmap")
@@ -156,6 +172,29 @@ def main(out: str) -> None:
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             result["launch_loop_step_s"] = med
             result["launch_loop_ratio_subscribed"] = med["subscribed"] / med["unsubscribed"]
+    # After a torch.profiler session with no subscription of ours (Kineto kept its own on the H200):
+    # are mappings on new threads recorded? Our activity callbacks are registered again first, as
+    # the probe's hand-back does. Not yet run on the GPU.
+    if sub is not None:
+        cupti.unsubscribe(sub)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            x = torch.randn(256, 256, device="cuda")
+            (x @ x).sum().item()
+        cupti.activity_flush_all(1)
+        cupti.activity_register_callbacks(requested, completed)
+        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+        try:
+            probe_sub = cupti.subscribe(on_api, None)
+            cupti.unsubscribe(probe_sub)
+            result["subscribe_after_profiler"] = "ok"
+        except Exception as exc:  # noqa: BLE001 - what happened is the result
+            result["subscribe_after_profiler"] = repr(exc)
+        result["after_profiler_unsubscribed"] = mapping_round()
+    except Exception as exc:  # noqa: BLE001
+        result["after_profiler_unsubscribed"] = {"error": repr(exc)}
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
