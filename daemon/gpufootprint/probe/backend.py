@@ -63,7 +63,8 @@ class CuptiBackend:
         self.errors: list[str] = []
         self._flush_nogil = flush_nogil
         self._lib_flush: Any = None
-        self._hooks_lib: Any = None
+        self._hooks: tuple[Any, int, list[int]] | None = None  # libcupti, domain, callback ids
+        self._hooks_looked_up = False
         self._subscriber: ctypes.c_void_p | None = None
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> bool:
@@ -71,8 +72,7 @@ class CuptiBackend:
             fn(*args)
             return True
         except (self._c.cuptiError, RuntimeError) as exc:
-            if len(self.errors) < 50:
-                self.errors.append(f"{what}: {exc}")
+            self._note(f"{what}: {exc}")
             log.debug("cupti %s failed: %s", what, exc)
             return False
 
@@ -94,8 +94,8 @@ class CuptiBackend:
             self._lib_flush = _libcupti_function("cuptiActivityFlushAll") or False
         if self._lib_flush:
             status = self._lib_flush(ctypes.c_uint32(1 if forced else 0))
-            if status != 0 and len(self.errors) < 50:
-                self.errors.append(f"cuptiActivityFlushAll: status {status}")
+            if status != 0:
+                self._note(f"cuptiActivityFlushAll: status {status}")
             return
         self._call("activity_flush_all", self._c.activity_flush_all, 1 if forced else 0)
 
@@ -146,7 +146,7 @@ class CuptiBackend:
             for i, kind in enumerate(kinds):
                 cfg[i].kind = kind
         except Exception as exc:  # noqa: BLE001 - the config class moved between releases
-            self.errors.append(f"unified memory config: {exc}")
+            self._note(f"unified memory config: {exc}")
             return False
         if not self._call("activity_configure_unified_memory_counter",
                           c.activity_configure_unified_memory_counter, cfg.ptr, len(kinds)):
@@ -166,60 +166,72 @@ class CuptiBackend:
         CUPTI allows one subscriber per process: the probe leaves before a torch.profiler session
         and comes back after it.
         """
+        api = self._hooks_api() if on or self._subscriber is not None else None
         if not on:
-            if self._subscriber is not None and self._hooks_lib is not None:
-                status = int(self._hooks_lib.cuptiUnsubscribe(self._subscriber))
-                if status != 0 and len(self.errors) < 50:
-                    self.errors.append(f"cuptiUnsubscribe: status {status}")
+            if self._subscriber is not None and api is not None:
+                status = int(api[0].cuptiUnsubscribe(self._subscriber))
+                if status != 0:
+                    self._note(f"cuptiUnsubscribe: status {status}")
             self._subscriber = None
             return True
         if self._subscriber is not None:
             return True
-        lib = self._hooks_lib or _libcupti()
-        if lib is None or _NOOP_CALLBACK is None:
-            self.errors.append("driver hooks: not exactly one libcupti mapped, or no libc")
+        if api is None:
             return False
-        try:
-            lib.cuptiSubscribe.restype = ctypes.c_int
-            lib.cuptiSubscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]
-            lib.cuptiEnableCallback.restype = ctypes.c_int
-            lib.cuptiEnableCallback.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
-            lib.cuptiUnsubscribe.restype = ctypes.c_int
-            lib.cuptiUnsubscribe.argtypes = [ctypes.c_void_p]
-            cbids = [int(self._c.driver_api_trace_cbid.cuMemMap), int(self._c.driver_api_trace_cbid.cuMemUnmap)]
-            domain = int(self._c.CallbackDomain.DRIVER_API)
-        except (AttributeError, OSError) as exc:
-            self.errors.append(f"driver hooks: {exc}")
-            return False
-        self._hooks_lib = lib
+        lib, domain, cbids = api
         sub = ctypes.c_void_p()
         status = int(lib.cuptiSubscribe(ctypes.byref(sub), _NOOP_CALLBACK, None))
         if status != 0:  # another subscriber (a profiler, another tool) holds CUPTI's one place
-            if len(self.errors) < 50:
-                self.errors.append(f"cuptiSubscribe: status {status}")
+            self._note(f"cuptiSubscribe: status {status}")
             return False
         for cbid in cbids:
             status = int(lib.cuptiEnableCallback(1, sub, domain, cbid))
             if status != 0:
-                self.errors.append(f"cuptiEnableCallback({cbid}): status {status}")
+                self._note(f"cuptiEnableCallback({cbid}): status {status}")
                 lib.cuptiUnsubscribe(sub)
                 return False
         self._subscriber = sub
         return True
 
+    def _hooks_api(self) -> tuple[Any, int, list[int]] | None:
+        """The mapped libcupti with the three callback-API functions bound, looked up once."""
+        if not self._hooks_looked_up:
+            self._hooks_looked_up = True
+            lib = _libcupti()
+            if lib is None or _NOOP_CALLBACK is None:
+                self._note("driver hooks: not exactly one libcupti mapped, or no libc")
+                return None
+            try:
+                lib.cuptiSubscribe.restype = ctypes.c_int
+                lib.cuptiSubscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]
+                lib.cuptiEnableCallback.restype = ctypes.c_int
+                lib.cuptiEnableCallback.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+                lib.cuptiUnsubscribe.restype = ctypes.c_int
+                lib.cuptiUnsubscribe.argtypes = [ctypes.c_void_p]
+                cbids = [int(self._c.driver_api_trace_cbid.cuMemMap), int(self._c.driver_api_trace_cbid.cuMemUnmap)]
+                self._hooks = (lib, int(self._c.CallbackDomain.DRIVER_API), cbids)
+            except (AttributeError, OSError) as exc:
+                self._note(f"driver hooks: {exc}")
+        return self._hooks
+
+    def _note(self, error: str) -> None:
+        """Keep an error line for status and warnings (at most 50: a retried call must not grow it)."""
+        if len(self.errors) < 50:
+            self.errors.append(error)
+
     def register_raw(self, delivery: Any) -> bool:
         """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""
         lib = _libcupti()
         if lib is None:
-            self.errors.append("raw delivery: not exactly one libcupti mapped")
+            self._note("raw delivery: not exactly one libcupti mapped")
             return False
         try:
             status = delivery.register(lib)
         except (OSError, AttributeError) as exc:
-            self.errors.append(f"raw delivery: {exc}")
+            self._note(f"raw delivery: {exc}")
             return False
         if status != 0:
-            self.errors.append(f"cuptiActivityRegisterCallbacks: status {status}")
+            self._note(f"cuptiActivityRegisterCallbacks: status {status}")
             return False
         # The same libcupti serves the flush, through ctypes: the GIL is released while
         # CUPTI flushes, and our ctypes callbacks take it only to queue a buffer.

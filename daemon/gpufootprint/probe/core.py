@@ -188,9 +188,13 @@ class Probe:
             self._hooks_missing = True
             self.counters["driver_hooks_unavailable"] += 1
             if self.counters["driver_hooks_unavailable"] == 1:
-                errors = getattr(self._backend, "errors", None) or ["no reason given"]
                 log.warning("gpufootprint probe: no CUPTI callback subscription (%s); mappings made on threads "
-                            "other than the main one may be missed (docs/probe.md)", errors[-1])
+                            "other than the main one may be missed (docs/probe.md)", self._backend_reason())
+
+    def _backend_reason(self) -> str:
+        """The backend's latest error line, for a one-line warning."""
+        errors = getattr(self._backend, "errors", None)
+        return str(errors[-1]) if errors else "no reason given"
 
     def _arm_raw(self) -> bool:
         """Register the raw callbacks; False (cupti-python's objects instead) where that cannot be done."""
@@ -206,9 +210,8 @@ class Probe:
             return True
         self.counters["raw_delivery_unavailable"] += 1
         if self.counters["raw_delivery_unavailable"] == 1:
-            errors = getattr(self._backend, "errors", None) or ["no reason given"]
             log.warning("gpufootprint probe: raw delivery unavailable (%s); using cupti-python's record objects",
-                        errors[-1])
+                        self._backend_reason())
         if self.counters["raw_buffers"] == 0:
             self.raw = None  # never worked here: objects from now on
         return False
@@ -738,9 +741,9 @@ class Probe:
     def _cupti_dropped(self) -> int:
         if self._backend is None or self.in_gap:
             return int(self.counters["cupti_dropped_records"])
-        queues = sorted(self.raw.queues) if self.raw is not None else []
+        queues = {(0, 0)} | (self.raw.queues if self.raw is not None else set())  # the global one, and each seen
         try:
-            for ctx, stream in [(0, 0), *[q for q in queues if q != (0, 0)]]:
+            for ctx, stream in queues:
                 self.counters["cupti_dropped_records"] += int(self._backend.dropped_records(ctx, stream))
         except Exception:  # noqa: BLE001
             pass
