@@ -198,6 +198,9 @@ class App:
         self.ingest.open()
         self._thread = threading.Thread(target=self.ingest.run, name="gpufootprint-ingest", daemon=True)
         self._thread.start()
+        # The first snapshot carries the daemon's own gauges (gpu_present, ...): a scrape before it
+        # would miss them (seen once in CI's test_daemon). Its first tick comes at once.
+        self.ingest.published.wait(5.0)
         if self.http is not None:
             self.http.start()
 
