@@ -1,10 +1,14 @@
 """Probe overhead: step-time ratios against no instrumentation, interleaved A/B.
 
 Each configuration lives in its own worker process (started once, so start-up
-costs are not measured); the parent runs rounds, and in every round asks each
-worker in a fresh random order to time its steps. Ratios compare a
-configuration with the uninstrumented worker of the same round, so drift of
-the machine hits both sides.
+costs are not measured); the parent runs rounds. ``--interleave step`` (the
+default since 2026-12-02 20:30 UTC): within a round the workers take turns step
+by step, in a fresh random order for every step, so all configurations of a
+round share the same seconds of the machine. ``--interleave round``: each
+worker times all its steps of the round in one turn (runs 1 to 11). Ratios
+compare a configuration with the uninstrumented worker of the same round, so
+drift of the machine hits both sides; the median ratio comes with a bootstrap
+95 % interval over rounds.
 
   python bench/overhead.py --rounds 12 --out results.json
 
@@ -58,6 +62,8 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_daemon_away": {},  # the defaults, socket missing
     # Without the driver-API callback subscription (the default until 2026-12-02 19:10 UTC).
     "probe_no_hooks": {"driver_hooks": False},
+    # The same end through cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap): no subscriber.
+    "probe_hooks_activity": {"driver_hooks_via": "activity"},
 }
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
@@ -115,8 +121,27 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         step_a()
     timed(step_b, 20)
     print(json.dumps({"ready": config}), flush=True)
+    prof: Any = None
     for line in sys.stdin:
-        if line.strip() != "round":
+        cmd = line.strip()
+        if cmd in ("a", "b"):  # one step, timed (--interleave step)
+            print(json.dumps({"t": timed(step_a if cmd == "a" else step_b, 1)[0]}), flush=True)
+            continue
+        if cmd == "begin":  # a round starts (--interleave step)
+            if config == "torch_profiler":
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True)
+                prof.__enter__()
+            print(json.dumps({"ok": 1}), flush=True)
+            continue
+        if cmd == "end":
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                prof = None
+            print(json.dumps({"ok": 1}), flush=True)
+            continue
+        if cmd != "round":
             break
         if config == "torch_profiler":
             from torch.profiler import ProfilerActivity, profile
@@ -144,6 +169,21 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def ask(p: subprocess.Popen[str], cmd: str) -> Any:
+    """One command to a worker, its one-line JSON answer."""
+    p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
+    p.stdin.flush()  # type: ignore[union-attr]
+    return json.loads(p.stdout.readline())  # type: ignore[union-attr]
+
+
+def bootstrap_ci(ratios: list[float], seed: int, n: int = 2000) -> tuple[float, float]:
+    """95 % interval of the median of ``ratios``, resampling rounds with replacement."""
+    rng = random.Random(seed)
+    k = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=k)) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -156,6 +196,8 @@ def main() -> int:
     ap.add_argument("--progress", action="store_true", help="a line per round on stderr")
     ap.add_argument("--out", default="-")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interleave", choices=("step", "round"), default="step",
+                    help="workers take turns every step (step) or every round (round)")
     ap.add_argument("--pin", type=int, default=2,
                     help="run every worker on the same N CPUs, the parent on the others (0: no pinning)")
     args = ap.parse_args()
@@ -198,15 +240,27 @@ def main() -> int:
     for rnd in range(args.rounds):
         if args.progress:
             print(f"round {rnd} at {time.time() - t_start:.1f} s", file=sys.stderr, flush=True)
-        order = configs[:]
-        rng.shuffle(order)
-        for c in order:
-            p = procs[c]
-            p.stdin.write("round\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-            res = json.loads(p.stdout.readline())  # type: ignore[union-attr]
-            steps[c]["a"].append(res["a"])
-            steps[c]["b"].append(res["b"])
+        if args.interleave == "round":
+            order = configs[:]
+            rng.shuffle(order)
+            for c in order:
+                res = ask(procs[c], "round")
+                steps[c]["a"].append(res["a"])
+                steps[c]["b"].append(res["b"])
+            continue
+        for c in configs:
+            ask(procs[c], "begin")
+        for w, n in (("a", args.steps_a), ("b", args.steps_b)):
+            times: dict[str, list[float]] = {c: [] for c in configs}
+            for _ in range(n):
+                order = configs[:]
+                rng.shuffle(order)
+                for c in order:
+                    times[c].append(ask(procs[c], w)["t"])
+            for c in configs:
+                steps[c][w].append(times[c])
+        for c in configs:
+            ask(procs[c], "end")
     finals = {}
     for c, p in procs.items():
         p.stdin.write("stop\n")  # type: ignore[union-attr]
@@ -222,6 +276,7 @@ def main() -> int:
         server.stop()
 
     summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+                               "interleave": args.interleave,
                                "worker_cpus": worker_cpus,
                                "wall_seconds": round(time.time() - t_start, 1), "configs": {}}
     base = steps.get("none")
@@ -239,6 +294,9 @@ def main() -> int:
                 row[w]["median_ratio"] = round(statistics.median(ratios), 4)
                 row[w]["round_ratio_min"] = round(min(ratios), 4)
                 row[w]["round_ratio_max"] = round(max(ratios), 4)
+                lo, hi = bootstrap_ci(ratios, args.seed)
+                row[w]["median_ratio_ci95"] = [round(lo, 4), round(hi, 4)]
+                row[w]["round_ratios"] = [round(r, 4) for r in ratios]
                 row[w]["p99_ratio"] = round(pct(flat, 99) / pct(bflat, 99), 4)
         row["final"] = finals.get(c)
         row["settings"] = PROBE_CONFIGS.get(c)
@@ -251,6 +309,7 @@ def main() -> int:
     Path(args.out).write_text(text + "\n")
     for c, row in summary["configs"].items():  # a short table; the whole summary is in --out
         cells = [f"{w}: med {row[w]['median_step_ms']} ms x{row[w].get('median_ratio')} "
+                 f"ci95 {row[w].get('median_ratio_ci95')} "
                  f"[{row[w].get('round_ratio_min')}..{row[w].get('round_ratio_max')}] "
                  f"p99 {row[w]['p99_step_ms']} ms x{row[w].get('p99_ratio')}" for w in ("a", "b")]
         print(f"{c:20s}", " | ".join(cells))

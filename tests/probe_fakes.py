@@ -94,12 +94,18 @@ class FakeCupti:
         self.um_configurations = 0
         self.subscribed = False  # the driver-API callback subscription (CUPTI allows one subscriber)
         self.other_subscriber = False  # another tool (a profiler) holds that one place
+        self.driver_api_switch = False  # cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap)
 
     # --- Backend protocol ---
     def driver_hooks(self, on: bool) -> bool:
         if on and self.other_subscriber:
             return False
         self.subscribed = on
+        return True
+
+    def driver_api_records(self, on: bool) -> bool:
+        """CUPTI's per-API activity switch: no subscriber needed, so another tool's place does not matter."""
+        self.driver_api_switch = on
         return True
 
     def other_tool_subscribes(self) -> bool:

@@ -11,7 +11,13 @@ not a bench); and after a profiler session with no subscription of ours, maps ag
 Run at 19:02 UTC without the resource-domain, empty-subscriber and after-profiler parts, which
 were added afterwards and have not run on a GPU.
 
-    python tests/gpu/vmm_diag.py OUT.json
+    python tests/gpu/vmm_diag.py OUT.json            # the subscriber comparison above (19:02, 19:50 UTC)
+    python tests/gpu/vmm_diag.py OUT.json MODE       # one of MODES, each in a fresh process
+
+The MODES ask whether CUPTI's per-API activity switch (``cuptiActivityEnableDriverApi`` for
+cuMemMap/cuMemUnmap, no subscriber) keeps the mappings recorded as the subscriber does, whether
+it lets a torch.profiler session keep its CUDA events, and what a torch.profiler session that ran
+first (with no subscriber of ours, as after the probe's hand-over) leaves behind.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from cupti import cupti
 MiB = 1 << 20
 seen_activity: list[tuple[int, int, int]] = []  # (op, addr, bytes)
 seen_callback: list[tuple[str, int, int, str]] = []  # (api, addr, bytes, thread)
+seen_driver: list[int] = []  # cbids of DRIVER activity records
+MODES = ("none", "driver_api", "driver_api_profiler", "profiler_first", "profiler_first_driver_api")
 
 
 def requested() -> tuple[int, int]:
@@ -38,6 +46,8 @@ def completed(records: list[Any]) -> None:
     for r in records:
         if r.kind == cupti.ActivityKind.MEMORY2:
             seen_activity.append((int(r.memory_operation_type), int(r.address), int(r.bytes)))
+        elif r.kind == cupti.ActivityKind.DRIVER:
+            seen_driver.append(int(r.cbid))
 
 
 def on_api(userdata: Any, domain: int, cbid: int, data: Any) -> None:
@@ -52,7 +62,7 @@ def on_api(userdata: Any, domain: int, cbid: int, data: Any) -> None:
     seen_callback.append((name, ptr, size, threading.current_thread().name))
 
 
-def main(out: str) -> None:
+def main(out: str, mode: str = "") -> None:
     cupti.activity_register_callbacks(requested, completed)
     cupti.activity_enable(cupti.ActivityKind.MEMORY2)
     import torch
@@ -116,6 +126,12 @@ def main(out: str) -> None:
         return seen
 
     result: dict[str, Any] = {}
+    if mode:
+        run_mode(mode, result, mapping_round, torch)
+        with open(out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(json.dumps(result, indent=1))
+        return
     for subscribed in (False, True):  # no subscriber first: nothing before it may have changed CUPTI's state
         sub = None
         if subscribed:
@@ -200,5 +216,59 @@ def main(out: str) -> None:
     print(json.dumps(result, indent=1))
 
 
+def profiler_session(torch: Any) -> dict[str, Any]:
+    """A short torch.profiler session; how many of its events carry CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            x = torch.randn(512, 512, device="cuda")
+            (x @ x).sum().item()
+        events = prof.key_averages()
+        return {"events": len(events),
+                "cuda_events": sum(1 for e in events if getattr(e, "device_time_total", 0) > 0)}
+    except Exception as exc:  # noqa: BLE001 - what happened is the result
+        return {"error": repr(exc)}
+
+
+def driver_api_switch(on: bool) -> list[str]:
+    """cuptiActivityEnableDriverApi for cuMemMap and cuMemUnmap; the errors it gave."""
+    errors = []
+    for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):
+        try:
+            cupti.activity_enable_driver_api(cbid, int(on))
+        except Exception as exc:  # noqa: BLE001 - what happened is the result
+            errors.append(repr(exc))
+    return errors
+
+
+def run_mode(mode: str, result: dict[str, Any], mapping_round: Any, torch: Any) -> None:
+    result["mode"] = mode
+    if mode.startswith("profiler_first"):
+        result["profiler"] = profiler_session(torch)
+        cupti.activity_flush_all(1)
+        cupti.activity_register_callbacks(requested, completed)  # as the probe's hand-back does
+        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+        try:
+            cupti.unsubscribe(cupti.subscribe(on_api, None))
+            result["subscribe_after_profiler"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            result["subscribe_after_profiler"] = repr(exc)
+    if mode.endswith("driver_api") or mode == "driver_api_profiler":
+        result["driver_api_errors"] = driver_api_switch(True)
+    seen_driver.clear()
+    result["mappings"] = mapping_round()
+    result["driver_records"] = len(seen_driver)
+    if mode == "driver_api_profiler":
+        result["profiler"] = profiler_session(torch)
+        cupti.activity_flush_all(1)
+        cupti.activity_register_callbacks(requested, completed)
+        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+        result["driver_api_errors_after"] = driver_api_switch(True)
+        seen_driver.clear()
+        result["mappings_after_profiler"] = mapping_round()
+        result["driver_records_after"] = len(seen_driver)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")

@@ -124,3 +124,28 @@ def test_records_without_ptr_fall_back_to_attributes_once() -> None:
                           correlation_id=5, memory_kind=3)
     out, p = _pack([rec, rec], bulk=True)
     assert not p.bulk and p.bulk_fallbacks == 1 and len(out[RecordKind.MEMSET]) == 2
+
+
+def test_driver_api_records_are_walked_over_counted_and_not_sent() -> None:
+    # driver_hooks_via="activity": CUPTI writes a CUpti_ActivityAPI record per cuMemMap/cuMemUnmap
+    # into the same buffers; the walk must step over it exactly and the packer must skip it.
+    api = cupti.activity_api_dtype
+    assert rawrecords.SKIPPED_SIZES[rawrecords.DRIVER] == api.itemsize
+    mem = np.zeros(2, dtype=cupti.activity_memory4_dtype)
+    mem["kind"] = rawrecords.MEMORY2
+    mem["memory_operation_type"] = 1
+    mem["address"] = [0x7000_0000, 0x7020_0000]
+    mem["bytes"] = 2 << 20
+    call = np.zeros(1, dtype=api)
+    call["kind"] = rawrecords.DRIVER
+    call["cbid"] = int(cupti.driver_api_trace_cbid.cuMemMap)
+    buf = mem[:1].tobytes() + call.tobytes() + mem[1:].tobytes()
+    offsets = rawrecords.walk(buf, len(buf))
+    m = mem.dtype.itemsize
+    assert offsets == {rawrecords.MEMORY2: [0, m + api.itemsize], rawrecords.DRIVER: [m]}
+    out: dict[RecordKind, list[np.ndarray]] = {}
+    p = packing.Packer(7, lambda ch: out.setdefault(ch[0], []).append(ch[1].copy()), capacity=16, bulk=True)
+    assert p.pack_raw(memoryview(bytearray(buf)), len(buf), offsets) == 2
+    p.flush()
+    assert (p.api_records, p.unknown_kinds, p.bad_records) == (1, 0, 0)
+    assert list(np.concatenate(out[RecordKind.MEMORY])["addr"]) == [0x7000_0000, 0x7020_0000]

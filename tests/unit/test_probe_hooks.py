@@ -90,3 +90,26 @@ def test_switched_off_the_probe_never_subscribes() -> None:
         assert not fake.subscribed and probe.status()["driver_hooks"] == 0
     finally:
         probe.stop()
+
+
+def test_via_the_activity_switch_no_subscriber_is_taken_and_a_profiler_keeps_its_place() -> None:
+    fake = fk.FakeRawCupti()
+    fake.other_subscriber = True  # a tool already holds CUPTI's subscriber place
+    probe = _probe(fake, driver_hooks_via="activity")
+    try:
+        st = probe.status()
+        assert fake.driver_api_switch and not fake.subscribed
+        assert st["driver_hooks"] == 1 and st["driver_hooks_unavailable"] == 0
+        probe.takeover_begin()  # switched off for the profiler's session, on again after it
+        assert not fake.driver_api_switch
+        probe.takeover_end([], list)
+        assert fake.driver_api_switch and probe.status()["driver_hooks"] == 1
+    finally:
+        probe.stop()
+
+
+def test_a_bad_hooks_via_value_falls_back_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="gpufootprint.probe.settings"):
+        s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_DRIVER_HOOKS_VIA": "both"})
+    assert s.driver_hooks_via == "subscriber"
+    assert [r.getMessage() for r in caplog.records if "DRIVER_HOOKS_VIA" in r.getMessage()]

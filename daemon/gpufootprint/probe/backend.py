@@ -193,6 +193,19 @@ class CuptiBackend:
         self._subscriber = sub
         return True
 
+    def driver_api_records(self, on: bool) -> bool:
+        """The other way to the same end (``driver_hooks_via="activity"``): CUPTI's per-API activity
+        switch for cuMemMap and cuMemUnmap, which needs no subscriber (a profiler keeps its place).
+        CUPTI then writes a DRIVER record per call; the packer counts and skips them."""
+        switch = getattr(self._c, "activity_enable_driver_api", None)
+        if switch is None:
+            self._note("driver hooks: this cupti-python has no activity_enable_driver_api")
+            return False
+        ok = True
+        for cbid in (self._c.driver_api_trace_cbid.cuMemMap, self._c.driver_api_trace_cbid.cuMemUnmap):
+            ok = self._call(f"activity_enable_driver_api({int(cbid)})", switch, int(cbid), 1 if on else 0) and ok
+        return ok
+
     def _hooks_api(self) -> tuple[Any, int, list[int]] | None:
         """The mapped libcupti with the three callback-API functions bound, looked up once."""
         if not self._hooks_looked_up:

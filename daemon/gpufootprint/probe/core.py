@@ -174,7 +174,8 @@ class Probe:
 
     def _hooks(self, on: bool) -> None:
         """The driver-API callback subscription that keeps CUPTI recording mappings on every thread."""
-        hooks = getattr(self._backend, "driver_hooks", None)
+        via = "driver_api_records" if self.settings.driver_hooks_via == "activity" else "driver_hooks"
+        hooks = getattr(self._backend, via, None)
         if hooks is None or not self.settings.driver_hooks:
             return
         if hooks(on):
@@ -730,7 +731,7 @@ class Probe:
             "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
             "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
             "bulk_fallbacks": self.packer.bulk_fallbacks,
-            "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
+            "packer_unknown_kinds": self.packer.unknown_kinds, "driver_api_records": self.packer.api_records, "packer_bad_records": self.packer.bad_records,
             "cupti_dropped_records": self._cupti_dropped(), "cupti_bad_timestamps": c["cupti_bad_timestamps"],
             "unified_memory_configured": c["unified_memory_configured"],
             **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},

@@ -68,6 +68,7 @@ class Packer:
         self.new_names: list[tuple[int, str]] = []
         self.records_packed = 0
         self.unknown_kinds = 0
+        self.api_records = 0  # DRIVER records (driver_hooks_via="activity"): counted, not sent
         self.bad_records = 0
         self.arrays_allocated = 0
         self._dispatch: dict[int, Callable[[Any], None]] = {
@@ -113,7 +114,7 @@ class Packer:
                 try:
                     fn = dispatch.get(rec.kind)
                     if fn is None:
-                        self.unknown_kinds += 1
+                        self._skip(rec.kind, 1)
                         continue
                     fn(rec)
                     done += 1
@@ -137,7 +138,7 @@ class Packer:
                     continue
                 fn = dispatch.get(k)
                 if fn is None:
-                    self.unknown_kinds += 1
+                    self._skip(k, 1)
                     continue
                 fn(rec)
                 done += 1
@@ -158,6 +159,12 @@ class Packer:
             self.bulk_records += len(rows)
         return done
 
+    def _skip(self, kind: int, n: int) -> None:
+        if kind == rawrecords.DRIVER:
+            self.api_records += n
+        else:
+            self.unknown_kinds += n
+
     def _put_rows(self, kind: RecordKind, rows: np.ndarray) -> None:
         i, n_rows = 0, len(rows)
         while i < n_rows:
@@ -176,7 +183,7 @@ class Packer:
         with self._lock:
             for k, offs in offsets.items():
                 if k not in rawrecords.RECORD_KIND:
-                    self.unknown_kinds += len(offs)
+                    self._skip(k, len(offs))
                     continue
                 try:
                     src = rawrecords.gather(u8, k, offs)

@@ -29,6 +29,7 @@ from gpufootprint.records import DTYPES, RecordKind
 MEMCPY: Final = 1
 MEMSET: Final = 2
 KERNEL: Final = 3
+DRIVER: Final = 4  # CUpti_ActivityAPI: written for cuMemMap/cuMemUnmap when driver_hooks_via="activity"
 CONCURRENT_KERNEL: Final = 10
 MEMCPY2: Final = 22
 UNIFIED_MEMORY_COUNTER: Final = 25
@@ -82,7 +83,10 @@ RECORD_KIND: Final[dict[int, RecordKind]] = {
     KERNEL: RecordKind.KERNEL, UNIFIED_MEMORY_COUNTER: RecordKind.UNIFIED_MEMORY,
 }
 
-_SIZES: Final[dict[int, int]] = {k: dt.itemsize for k, dt in RAW_DTYPES.items()}
+# Kinds walked over but not converted (CUpti_ActivityAPI is 40 bytes; a unit test checks it
+# against cupti-python's activity_api_dtype).
+SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: 40}
+_SIZES: Final[dict[int, int]] = {**{k: dt.itemsize for k, dt in RAW_DTYPES.items()}, **SKIPPED_SIZES}
 _KIND = struct.Struct("<i")
 
 

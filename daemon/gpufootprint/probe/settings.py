@@ -21,6 +21,7 @@ FLUSH_MODES = ("forced", "period")
 COPY_KINDS = ("memcpy", "memcpy2", "memset")  # names for ``copy_kinds``
 COPY_MODES = ("off", "always")
 PER_THREAD_BUFFER = ("cupti", "on", "off")
+HOOKS_VIA = ("subscriber", "activity")  # how ``driver_hooks`` keeps CUPTI recording mappings
 DELIVERIES = ("raw", "objects")
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
@@ -73,6 +74,10 @@ class ProbeSettings:
     # without a subscriber, CUPTI 13.0 on the H200 lost the MEMORY2 records of virtual-memory
     # mappings made on threads other than the main one (expandable segments). docs/probe.md.
     driver_hooks: bool = True
+    # "subscriber": the callback subscription above (takes CUPTI's one subscriber place).
+    # "activity": cuptiActivityEnableDriverApi for cuMemMap/cuMemUnmap instead (no subscriber,
+    # so a profiler keeps its place; CUPTI then also writes a DRIVER record per call, skipped).
+    driver_hooks_via: str = "subscriber"
     # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it
     # (a diagnostic: neither changed the lost records above).
     per_thread_buffer: str = "cupti"
@@ -124,6 +129,11 @@ class ProbeSettings:
             log.warning("GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER=%r is not one of %s; using %r", per_thread,
                         PER_THREAD_BUFFER, cls.per_thread_buffer)
             values.pop("per_thread_buffer")
+        via = values.get("driver_hooks_via")
+        if via is not None and via not in HOOKS_VIA:
+            log.warning("GPUFOOTPRINT_PROBE_DRIVER_HOOKS_VIA=%r is not one of %s; using %r", via, HOOKS_VIA,
+                        cls.driver_hooks_via)
+            values.pop("driver_hooks_via")
         kinds = values.get("copy_kinds")
         if kinds is not None and not set(copy_kind_names(kinds)) <= set(COPY_KINDS):
             log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
