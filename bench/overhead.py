@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -60,14 +61,23 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # The default until the raw delivery: cupti-python's record objects on CUPTI's thread.
     "probe_objects": {"delivery": "objects"},
     "probe_daemon_away": {},  # the defaults, socket missing
-    # Without the driver-API callback subscription (the default until 2026-12-02 19:10 UTC).
+    # Without driver-API hooks (the default until 2026-12-02 19:10 UTC: mappings on other threads lost).
     "probe_no_hooks": {"driver_hooks": False},
-    # The same end through cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap): no subscriber.
+    # The same end through cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap): no subscriber
+    # (run 11; the default since 2026-12-02 20:40 UTC).
     "probe_hooks_activity": {"driver_hooks_via": "activity"},
+    "probe_hooks_subscriber": {"driver_hooks_via": "subscriber"},  # the default of run 10
+    "probe_b": {},  # a second worker with the defaults (see REPLICAS)
 }
+# Workers that run the same configuration as another. Run 11 read 1.016 between two
+# uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a
+# bias of its own, so a ratio of two single workers cannot resolve 1 %. The summary's "pooled"
+# part compares the geometric means of the replica groups (none, none_b, none_c against probe,
+# probe_b) round by round, which averages that bias down.
+REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe"}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
-CONFIGS = ["none", "none_b", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
+CONFIGS = ["none", "none_b", "none_c", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
 HERE = Path(__file__).resolve()
 
 
@@ -182,6 +192,33 @@ def bootstrap_ci(ratios: list[float], seed: int, n: int = 2000) -> tuple[float, 
     k = len(ratios)
     meds = sorted(statistics.median(rng.choices(ratios, k=k)) for _ in range(n))
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], seed: int) -> dict[str, Any]:
+    """Every configuration (a replica group or a single worker) against the uninstrumented group,
+    round by round (geometric means of the workers' round medians); p99 over all the steps."""
+    groups: dict[str, list[str]] = {}
+    for c in configs:
+        groups.setdefault(REPLICAS.get(c, c), []).append(c)
+    base = groups.get("none", [])
+    out: dict[str, Any] = {}
+    if len(base) < 2:
+        return out
+    for name, members in groups.items():
+        if name == "none":
+            continue
+        row: dict[str, Any] = {"workers": members, "baseline_workers": base}
+        for w in ("a", "b"):
+            def geo(group: list[str], rnd: int) -> float:
+                return math.exp(statistics.fmean(math.log(statistics.median(steps[c][w][rnd])) for c in group))
+            ratios = [geo(members, r) / geo(base, r) for r in range(len(steps[base[0]][w]))]
+            lo, hi = bootstrap_ci(ratios, seed)
+            flat = [t for c in members for r in steps[c][w] for t in r]
+            bflat = [t for c in base for r in steps[c][w] for t in r]
+            row[w] = {"median_ratio": round(statistics.median(ratios), 4), "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
+                      "p99_ratio": round(pct(flat, 99) / pct(bflat, 99), 4)}
+        out[name] = row
+    return out
 
 
 def main() -> int:
@@ -302,6 +339,7 @@ def main() -> int:
         row["settings"] = PROBE_CONFIGS.get(c)
         row["daemon"] = daemons.get(c)
         summary["configs"][c] = row
+    summary["pooled"] = pooled(steps, configs, args.seed)
     text = json.dumps(summary, indent=1)
     if args.out == "-":
         print(text)
@@ -320,6 +358,10 @@ def main() -> int:
                                                      "cupti_dropped_records",
                                                      "buffers_completed", "records_sent", "bulk_records",
                                                      "bulk_fallbacks", "records_dropped")}, row.get("daemon"))
+    for name, row in summary["pooled"].items():
+        print(f"pooled {name:13s}", f"{len(row['workers'])} vs {len(row['baseline_workers'])} workers |",
+              " | ".join(f"{w}: x{row[w]['median_ratio']} ci95 {row[w]['median_ratio_ci95']} p99 x{row[w]['p99_ratio']}"
+                         for w in ("a", "b")))
     return 0
 
 

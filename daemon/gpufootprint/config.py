@@ -26,6 +26,7 @@ import yaml
 from gpufootprint.errors import ConfigError
 from gpufootprint.probe.settings import COPY_MODES as PROBE_COPY_MODES
 from gpufootprint.probe.settings import DELIVERIES as PROBE_DELIVERIES
+from gpufootprint.probe.settings import HOOKS_VIA as PROBE_HOOKS_VIA
 from gpufootprint.probe.settings import MINIMUMS as PROBE_MINIMUMS
 from gpufootprint.probe.settings import copy_mode as probe_copy_mode
 
@@ -177,9 +178,12 @@ class ProbeConfig:
     delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
                           doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
                               "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
-    driver_hooks: bool = _spec(True, doc="subscribe to CUPTI's cuMemMap/cuMemUnmap callbacks (a C no-op): without a "
-                                         "subscriber CUPTI lost the records of mappings made on threads other than "
-                                         "the main one (docs/probe.md, lost records)")
+    driver_hooks: bool = _spec(True, doc="driver-API hooks on cuMemMap/cuMemUnmap: without them CUPTI lost the records "
+                                         "of mappings made on threads other than the main one (docs/probe.md, lost "
+                                         "records)")
+    driver_hooks_via: str = _spec("activity", choices=PROBE_HOOKS_VIA,
+                                  doc="activity: CUPTI's per-API activity switch (no subscriber; a profiler keeps "
+                                      "its place); subscriber: CUPTI's one callback subscription, with a C no-op")
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")

@@ -1,9 +1,11 @@
-"""The driver-API callback subscription that keeps CUPTI recording mappings made on any thread.
+"""The driver-API hooks that keep CUPTI recording mappings made on any thread.
 
 On the H200 (docs/probe.md, "Lost records") CUPTI delivered no MEMORY2 record for a virtual-memory
-mapping made on a thread other than the main one unless a callback subscriber existed. CUPTI has
-one subscriber place per process, so the probe must hold it while it records and give it up
-before a torch.profiler session (Kineto subscribes) and take it back after.
+mapping made on a thread other than the main one unless driver-API hooks on cuMemMap/cuMemUnmap
+were set: by a callback subscriber, or by CUPTI's per-API activity switch (the default, which needs
+no subscriber). CUPTI has one subscriber place per process, so with ``driver_hooks_via="subscriber"``
+the probe must hold it while it records, give it up before a torch.profiler session (Kineto
+subscribes) and take it back after.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests import probe_fakes as fk
 
 
 def _probe(fake: fk.FakeCupti, **settings: object) -> Probe:
+    settings.setdefault("driver_hooks_via", "subscriber")
     probe = Probe(ProbeSettings(socket="", flush_ms=10, torch_hook=False, **settings),  # type: ignore[arg-type]
                   fake, discover_devices=False)
     assert probe.start()
@@ -60,7 +63,7 @@ def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pyt
         assert st["driver_hooks"] == 0 and st["driver_hooks_unavailable"] == 1
         assert probe.table.live_by_kind(0) == {"device": 4096}
         time.sleep(0.1)  # several heartbeats ask again: still one warning, one count
-        warnings = [r.getMessage() for r in caplog.records if "callback subscription" in r.getMessage()]
+        warnings = [r.getMessage() for r in caplog.records if "driver-API hooks" in r.getMessage()]
         assert len(warnings) == 1 and "\n" not in warnings[0]
         assert probe.status()["driver_hooks_unavailable"] == 1
         # WHEN the other subscriber lets go, THEN a later heartbeat takes the place back
@@ -92,7 +95,8 @@ def test_switched_off_the_probe_never_subscribes() -> None:
         probe.stop()
 
 
-def test_via_the_activity_switch_no_subscriber_is_taken_and_a_profiler_keeps_its_place() -> None:
+def test_the_default_activity_switch_takes_no_subscriber_and_a_profiler_keeps_its_place() -> None:
+    assert ProbeSettings().driver_hooks_via == "activity"
     fake = fk.FakeRawCupti()
     fake.other_subscriber = True  # a tool already holds CUPTI's subscriber place
     probe = _probe(fake, driver_hooks_via="activity")
@@ -111,5 +115,5 @@ def test_via_the_activity_switch_no_subscriber_is_taken_and_a_profiler_keeps_its
 def test_a_bad_hooks_via_value_falls_back_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="gpufootprint.probe.settings"):
         s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_DRIVER_HOOKS_VIA": "both"})
-    assert s.driver_hooks_via == "subscriber"
+    assert s.driver_hooks_via == ProbeSettings().driver_hooks_via == "activity"
     assert [r.getMessage() for r in caplog.records if "DRIVER_HOOKS_VIA" in r.getMessage()]

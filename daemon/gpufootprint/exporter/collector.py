@@ -214,7 +214,7 @@ _PROBE_GAUGES = (
     ("gpufootprint_probe_device_bytes", "own_device_bytes",
      "Bound on the GPU memory CUPTI's activity buffers take in the process (size x pool limit)."),
     ("gpufootprint_probe_driver_hooks", "driver_hooks",
-     "1 while the probe holds CUPTI's callback subscription (mappings on every thread are recorded), else 0."),
+     "1 while the probe holds its CUPTI driver-API hooks (mappings on every thread are recorded), else 0."),
     ("gpufootprint_probe_host_bytes", "own_host_bytes",
      "Host memory the probe holds: CUPTI buffers outstanding, packing arrays, unsent frames."),
 )

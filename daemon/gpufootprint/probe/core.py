@@ -173,7 +173,7 @@ class Probe:
             self._set_period(self.flush_s)
 
     def _hooks(self, on: bool) -> None:
-        """The driver-API callback subscription that keeps CUPTI recording mappings on every thread."""
+        """The driver-API hooks that keep CUPTI recording mappings on every thread (settings.py says how)."""
         via = "driver_api_records" if self.settings.driver_hooks_via == "activity" else "driver_hooks"
         hooks = getattr(self._backend, via, None)
         if hooks is None or not self.settings.driver_hooks:
@@ -189,7 +189,7 @@ class Probe:
             self._hooks_missing = True
             self.counters["driver_hooks_unavailable"] += 1
             if self.counters["driver_hooks_unavailable"] == 1:
-                log.warning("gpufootprint probe: no CUPTI callback subscription (%s); mappings made on threads "
+                log.warning("gpufootprint probe: no CUPTI driver-API hooks (%s); mappings made on threads "
                             "other than the main one may be missed (docs/probe.md)", self._backend_reason())
 
     def _backend_reason(self) -> str:
@@ -762,7 +762,9 @@ class Probe:
             if not self.in_gap and self._backend is not None:
                 # Nothing of ours may stay inside CUPTI after this: a buffer delivered
                 # while the interpreter shuts down would call into a dying Python.
+                hooks = self.counters["driver_hooks"]
                 self._quiesce()
+                self.counters["driver_hooks"] = hooks  # GOODBYE says how the process was recorded
             self._flush_and_drain()
             if self._kernel_window is not None:
                 self._close_kernel_window()

@@ -70,14 +70,15 @@ class ProbeSettings:
     # "objects" where it cannot register (two libcupti copies). docs/performance.md.
     delivery: str = "raw"
     raw_buffers: int = 256  # raw delivery: CUPTI host buffers at most; past it CUPTI drops (and counts) records
-    # Subscribe to CUPTI's driver-API callbacks (cuMemMap, cuMemUnmap; a C no-op as the callback):
-    # without a subscriber, CUPTI 13.0 on the H200 lost the MEMORY2 records of virtual-memory
-    # mappings made on threads other than the main one (expandable segments). docs/probe.md.
+    # Without driver-API hooks on cuMemMap/cuMemUnmap, CUPTI 13.0 on the H200 lost the MEMORY2
+    # records of virtual-memory mappings made on threads other than the main one (expandable
+    # segments). docs/probe.md, "Lost records". How the hooks are set (driver_hooks_via):
+    # "activity": cuptiActivityEnableDriverApi for the two calls (no subscriber: a profiler or
+    # another tool keeps CUPTI's one subscriber place; CUPTI also writes a DRIVER record per
+    # call, counted and not sent). "subscriber": cuptiSubscribe with a C no-op callback (takes
+    # that place; handed to torch.profiler for its session). Both kept every mapping on the H200.
     driver_hooks: bool = True
-    # "subscriber": the callback subscription above (takes CUPTI's one subscriber place).
-    # "activity": cuptiActivityEnableDriverApi for cuMemMap/cuMemUnmap instead (no subscriber,
-    # so a profiler keeps its place; CUPTI then also writes a DRIVER record per call, skipped).
-    driver_hooks_via: str = "subscriber"
+    driver_hooks_via: str = "activity"
     # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it
     # (a diagnostic: neither changed the lost records above).
     per_thread_buffer: str = "cupti"
