@@ -115,9 +115,14 @@ def test_kernel_traces_carry_named_kernels_and_graph_ids(name: str, graph_kernel
 
 @pytest.mark.parametrize("name", ["h200_probe_threads_caching.gfp.gz", "h200_probe_threads_expandable.gfp.gz"])
 def test_allocations_made_on_new_threads_are_all_in_the_footprint(name: str) -> None:
-    # Recorded with the driver-API subscription (docs/probe.md, "Lost records"): four new threads
-    # each allocated, then ran a cuBLAS product; then training steps (the autograd thread).
-    marks, _ = replay(name)
+    # Recorded with the driver-API hooks (docs/probe.md, "Lost records"; CUPTI's per-API activity
+    # switch, 20:30 UTC): four new threads each allocated, then ran a cuBLAS product; then
+    # training steps (the autograd thread).
+    marks, pipeline = replay(name)
+    (proc,) = [p for p in pipeline.processes.values() if p.probe_counters]
+    assert proc.probe_counters["driver_hooks"] == 1 and proc.probe_counters["driver_hooks_unavailable"] == 0
+    if "expandable" in name:  # one DRIVER record per cuMemMap/cuMemUnmap: counted, never sent as a record
+        assert proc.probe_counters["driver_api_records"] > 0
     assert list(marks) == ["start", "thread_0", "thread_1", "thread_2", "thread_3", "after_mlp_steps", "end"]
     for label, m in marks.items():
         assert m["live_bytes"].get("device", 0) == m["torch_memory_reserved"] + library_bytes(m), label
