@@ -194,6 +194,11 @@ def bootstrap_ci(ratios: list[float], seed: int, n: int = 2000) -> tuple[float, 
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
+def geo(steps: dict[str, dict[str, list[list[float]]]], group: list[str], w: str, rnd: int) -> float:
+    """Geometric mean over a group of workers of their median step in one round."""
+    return math.exp(statistics.fmean(math.log(statistics.median(steps[c][w][rnd])) for c in group))
+
+
 def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], seed: int) -> dict[str, Any]:
     """Every configuration (a replica group or a single worker) against the uninstrumented group,
     round by round (geometric means of the workers' round medians); p99 over all the steps."""
@@ -209,13 +214,12 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
             continue
         row: dict[str, Any] = {"workers": members, "baseline_workers": base}
         for w in ("a", "b"):
-            def geo(group: list[str], rnd: int) -> float:
-                return math.exp(statistics.fmean(math.log(statistics.median(steps[c][w][rnd])) for c in group))
-            ratios = [geo(members, r) / geo(base, r) for r in range(len(steps[base[0]][w]))]
+            ratios = [geo(steps, members, w, r) / geo(steps, base, w, r) for r in range(len(steps[base[0]][w]))]
             lo, hi = bootstrap_ci(ratios, seed)
             flat = [t for c in members for r in steps[c][w] for t in r]
             bflat = [t for c in base for r in steps[c][w] for t in r]
-            row[w] = {"median_ratio": round(statistics.median(ratios), 4), "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
+            row[w] = {"median_ratio": round(statistics.median(ratios), 4),
+                      "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
                       "p99_ratio": round(pct(flat, 99) / pct(bflat, 99), 4)}
         out[name] = row
     return out
