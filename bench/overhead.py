@@ -2,7 +2,7 @@
 
 Each configuration lives in its own worker process (started once, so start-up
 costs are not measured); the parent runs rounds. ``--interleave step`` (the
-default since 2026-12-02 20:30 UTC): within a round the workers take turns step
+default since run 12, 2026-12-02 20:21 UTC): within a round the workers take turns step
 by step, in a fresh random order for every step, so all configurations of a
 round share the same seconds of the machine. ``--interleave round``: each
 worker times all its steps of the round in one turn (runs 1 to 11). Ratios
@@ -64,12 +64,12 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # Without driver-API hooks (the default until 2026-12-02 19:10 UTC: mappings on other threads lost).
     "probe_no_hooks": {"driver_hooks": False},
     # The same end through cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap): no subscriber
-    # (run 11; the default since 2026-12-02 20:40 UTC).
+    # (run 12; the default since run 13).
     "probe_hooks_activity": {"driver_hooks_via": "activity"},
     "probe_hooks_subscriber": {"driver_hooks_via": "subscriber"},  # the default of run 10
     "probe_b": {},  # a second worker with the defaults (see REPLICAS)
 }
-# Workers that run the same configuration as another. Run 11 read 1.016 between two
+# Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a
 # bias of its own, so a ratio of two single workers cannot resolve 1 %. The summary's "pooled"
 # part compares the geometric means of the replica groups (none, none_b, none_c against probe,
@@ -304,9 +304,7 @@ def main() -> int:
             ask(procs[c], "end")
     finals = {}
     for c, p in procs.items():
-        p.stdin.write("stop\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
-        finals[c] = json.loads(p.stdout.readline())  # type: ignore[union-attr]
+        finals[c] = ask(p, "stop")
         p.wait(30)
     time.sleep(0.5)
     daemons = {}

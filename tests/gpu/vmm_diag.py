@@ -8,8 +8,9 @@ callback each saw, with no subscriber, with subscribers that enable nothing or o
 domain, and with cuMemMap/cuMemUnmap enabled; runs a torch.profiler session while subscribed; times
 a loop of tiny launches with the subscription on and off (in-process, alternated: a rough figure,
 not a bench); and after a profiler session with no subscription of ours, maps again.
-Run at 19:02 UTC without the resource-domain, empty-subscriber and after-profiler parts, which
-were added afterwards and have not run on a GPU.
+Run at 19:02 UTC without the resource-domain, empty-subscriber and after-profiler parts; with
+them at 19:50 UTC (bench/results/h200_2026-12-02T1950Z_vmm_diag.json); the MODES at 20:19 UTC.
+Refactored afterwards (helpers shared by the whole-run and the MODES paths; not run since).
 
     python tests/gpu/vmm_diag.py OUT.json            # the subscriber comparison above (19:02, 19:50 UTC)
     python tests/gpu/vmm_diag.py OUT.json MODE       # one of MODES, each in a fresh process
@@ -150,19 +151,9 @@ def main(out: str, mode: str = "") -> None:
         if sub is not None:
             cupti.activity_flush_all(1)
             result["unmap_callbacks"] = sum(1 for n, *_ in seen_callback if n == "unmap")
-            # A torch.profiler session while our subscription exists: does the user's profiler work?
-            try:
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    x = torch.randn(512, 512, device="cuda")
-                    (x @ x).sum().item()
-                events = prof.key_averages()
-                result["profiler_while_subscribed"] = {
-                    "events": len(events),
-                    "cuda_events": sum(1 for e in events if getattr(e, "device_time_total", 0) > 0)}
-            except Exception as exc:  # noqa: BLE001 - what happened is the result
-                result["profiler_while_subscribed"] = {"error": repr(exc)}
+            # A torch.profiler session while our subscription exists (its CUDA-event count is not
+            # meaningful here: it read 0 with no subscriber of ours too, 20:19 UTC).
+            result["profiler_while_subscribed"] = profiler_session(torch)
             seen_callback.clear()
             on_thread("after_profiler", "")
             result["callback_after_profiler"] = len(seen_callback)
@@ -190,45 +181,54 @@ def main(out: str, mode: str = "") -> None:
             result["launch_loop_ratio_subscribed"] = med["subscribed"] / med["unsubscribed"]
     # After a torch.profiler session with no subscription of ours (Kineto kept its own on the H200):
     # are mappings on new threads recorded? Our activity callbacks are registered again first, as
-    # the probe's hand-back does. Not yet run on the GPU.
+    # the probe's hand-back does.
     if sub is not None:
         cupti.unsubscribe(sub)
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-            x = torch.randn(256, 256, device="cuda")
-            (x @ x).sum().item()
-        cupti.activity_flush_all(1)
-        cupti.activity_register_callbacks(requested, completed)
-        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+    session = profiler_session(torch, 256)
+    if "error" in session:
+        result["after_profiler_unsubscribed"] = session
+    else:
         try:
-            probe_sub = cupti.subscribe(on_api, None)
-            cupti.unsubscribe(probe_sub)
-            result["subscribe_after_profiler"] = "ok"
+            rearm()
+            result["subscribe_after_profiler"] = try_subscribe()
+            result["after_profiler_unsubscribed"] = mapping_round()
         except Exception as exc:  # noqa: BLE001 - what happened is the result
-            result["subscribe_after_profiler"] = repr(exc)
-        result["after_profiler_unsubscribed"] = mapping_round()
-    except Exception as exc:  # noqa: BLE001
-        result["after_profiler_unsubscribed"] = {"error": repr(exc)}
+            result["after_profiler_unsubscribed"] = {"error": repr(exc)}
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)
     print(json.dumps(result, indent=1))
 
 
-def profiler_session(torch: Any) -> dict[str, Any]:
+def profiler_session(torch: Any, n: int = 512) -> dict[str, Any]:
     """A short torch.profiler session; how many of its events carry CUDA time."""
-    from torch.profiler import ProfilerActivity, profile
-
     try:
+        from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            x = torch.randn(512, 512, device="cuda")
+            x = torch.randn(n, n, device="cuda")
             (x @ x).sum().item()
         events = prof.key_averages()
         return {"events": len(events),
                 "cuda_events": sum(1 for e in events if getattr(e, "device_time_total", 0) > 0)}
     except Exception as exc:  # noqa: BLE001 - what happened is the result
         return {"error": repr(exc)}
+
+
+def rearm() -> None:
+    """After a profiler session: flush what CUPTI holds, register our callbacks again, MEMORY2 on
+    (as the probe's hand-back does)."""
+    cupti.activity_flush_all(1)
+    cupti.activity_register_callbacks(requested, completed)
+    cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+
+
+def try_subscribe() -> str:
+    """Can we subscribe (and at once unsubscribe) now? "ok" or CUPTI's error."""
+    try:
+        cupti.unsubscribe(cupti.subscribe(on_api, None))
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - what happened is the result
+        return repr(exc)
 
 
 def driver_api_switch(on: bool) -> list[str]:
@@ -243,17 +243,13 @@ def driver_api_switch(on: bool) -> list[str]:
 
 
 def run_mode(mode: str, result: dict[str, Any], mapping_round: Any, torch: Any) -> None:
+    if mode not in MODES:
+        raise SystemExit(f"vmm_diag.py: mode {mode!r} is not one of {', '.join(MODES)}")
     result["mode"] = mode
     if mode.startswith("profiler_first"):
         result["profiler"] = profiler_session(torch)
-        cupti.activity_flush_all(1)
-        cupti.activity_register_callbacks(requested, completed)  # as the probe's hand-back does
-        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
-        try:
-            cupti.unsubscribe(cupti.subscribe(on_api, None))
-            result["subscribe_after_profiler"] = "ok"
-        except Exception as exc:  # noqa: BLE001
-            result["subscribe_after_profiler"] = repr(exc)
+        rearm()
+        result["subscribe_after_profiler"] = try_subscribe()
     if mode.endswith("driver_api") or mode == "driver_api_profiler":
         result["driver_api_errors"] = driver_api_switch(True)
     seen_driver.clear()
@@ -261,9 +257,7 @@ def run_mode(mode: str, result: dict[str, Any], mapping_round: Any, torch: Any) 
     result["driver_records"] = len(seen_driver)
     if mode == "driver_api_profiler":
         result["profiler"] = profiler_session(torch)
-        cupti.activity_flush_all(1)
-        cupti.activity_register_callbacks(requested, completed)
-        cupti.activity_enable(cupti.ActivityKind.MEMORY2)
+        rearm()
         result["driver_api_errors_after"] = driver_api_switch(True)
         seen_driver.clear()
         result["mappings_after_profiler"] = mapping_round()

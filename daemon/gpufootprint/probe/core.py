@@ -98,7 +98,7 @@ class Probe:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._want_resync = False
-        self._hooks_missing = False  # the driver-API subscription was refused; retried every heartbeat
+        self._hooks_missing = False  # the driver-API hooks were refused; retried every heartbeat
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
         # memory, not at start: without managed memory it has nothing to count, and it is one
@@ -182,7 +182,8 @@ class Probe:
             self.counters["driver_hooks"] = 1 if on else 0
             self._hooks_missing = False
         elif on:
-            # Another subscriber (a profiler that kept it, another tool): asked again every heartbeat.
+            # Refused (subscriber: another tool or a profiler holds CUPTI's one place; activity:
+            # CUPTI refused the switch): asked again every heartbeat.
             self.counters["driver_hooks"] = 0
             if self._hooks_missing:
                 return

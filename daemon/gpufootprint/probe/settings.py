@@ -23,6 +23,9 @@ COPY_MODES = ("off", "always")
 PER_THREAD_BUFFER = ("cupti", "on", "off")
 HOOKS_VIA = ("subscriber", "activity")  # how ``driver_hooks`` keeps CUPTI recording mappings
 DELIVERIES = ("raw", "objects")
+# Settings that must be one of a few names (``copies`` also takes booleans: checked on its own).
+CHOICES = {"flush_mode": FLUSH_MODES, "delivery": DELIVERIES, "per_thread_buffer": PER_THREAD_BUFFER,
+           "driver_hooks_via": HOOKS_VIA}
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
 MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4}
@@ -111,30 +114,16 @@ class ProbeSettings:
                 log.warning("GPUFOOTPRINT_PROBE_%s=%r is not valid; using %r", f.name.upper(), raw, default)
                 values.pop(f.name, None)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        mode = values.get("flush_mode")
-        if mode is not None and mode not in FLUSH_MODES:
-            log.warning("GPUFOOTPRINT_PROBE_FLUSH_MODE=%r is not one of %s; using %r", mode, FLUSH_MODES,
-                        cls.flush_mode)
-            values.pop("flush_mode")
-        delivery = values.get("delivery")
-        if delivery is not None and delivery not in DELIVERIES:
-            log.warning("GPUFOOTPRINT_PROBE_DELIVERY=%r is not one of %s; using %r", delivery, DELIVERIES,
-                        cls.delivery)
-            values.pop("delivery")
+        for name, choices in CHOICES.items():
+            value = values.get(name)
+            if value is not None and value not in choices:
+                log.warning("GPUFOOTPRINT_PROBE_%s=%r is not one of %s; using %r", name.upper(), value, choices,
+                            getattr(cls, name))
+                values.pop(name)
         copies = values.get("copies")
         if copies is not None and copy_mode(copies) not in COPY_MODES:
             log.warning("GPUFOOTPRINT_PROBE_COPIES=%r is not one of %s; using %r", copies, COPY_MODES, cls.copies)
             values.pop("copies")
-        per_thread = values.get("per_thread_buffer")
-        if per_thread is not None and per_thread not in PER_THREAD_BUFFER:
-            log.warning("GPUFOOTPRINT_PROBE_PER_THREAD_BUFFER=%r is not one of %s; using %r", per_thread,
-                        PER_THREAD_BUFFER, cls.per_thread_buffer)
-            values.pop("per_thread_buffer")
-        via = values.get("driver_hooks_via")
-        if via is not None and via not in HOOKS_VIA:
-            log.warning("GPUFOOTPRINT_PROBE_DRIVER_HOOKS_VIA=%r is not one of %s; using %r", via, HOOKS_VIA,
-                        cls.driver_hooks_via)
-            values.pop("driver_hooks_via")
         kinds = values.get("copy_kinds")
         if kinds is not None and not set(copy_kind_names(kinds)) <= set(COPY_KINDS):
             log.warning("GPUFOOTPRINT_PROBE_COPY_KINDS=%r: names must be among %s; using %r", kinds,
