@@ -12,6 +12,7 @@ to a frame.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import numpy as np
@@ -25,6 +26,7 @@ class FramePeaks:
         self._open_idx = -1
         self._open_peak = 0
         self.level = 0  # bytes held after the last applied event
+        self.late_frames = 0  # events merged into a frame older than the open one
 
     def add(self, ts: np.ndarray, deltas: np.ndarray) -> None:
         """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
@@ -39,16 +41,32 @@ class FramePeaks:
         entering[1:] = levels[starts[1:] - 1]
         peaks = np.maximum(seg_max, entering).tolist()
         frame_ids = idx[starts].tolist()
-        if frame_ids[0] == self._open_idx:
-            self._open_peak = max(self._open_peak, peaks[0])
-        else:
-            self._close_open()
-            self._open_idx, self._open_peak = frame_ids[0], peaks[0]
-        for fid, peak in zip(frame_ids[1:], peaks[1:]):
-            self._close_open()
-            self._open_idx, self._open_peak = fid, peak
+        for fid, peak in zip(frame_ids, peaks):
+            if fid == self._open_idx:
+                self._open_peak = max(self._open_peak, peak)
+            elif fid > self._open_idx:
+                self._close_open()
+                self._open_idx, self._open_peak = fid, peak
+            else:
+                self._merge_closed(fid, peak)
         self.level = int(levels[-1])
         self._prune(self._open_idx)
+
+    def _merge_closed(self, fid: int, peak: int) -> None:
+        """An event older than the open frame (a late record): into its frame, keeping frames in order.
+
+        ``window_peak`` walks the frames newest first and stops at the first one before the
+        window, so a frame appended out of order would hide every older peak behind it.
+        The level it reached is taken from the level now (the level back then is not kept):
+        the frame's peak is a bound, and the records' own changes are exact.
+        """
+        frames = self._frames
+        i = bisect.bisect_left(frames, fid, key=_frame_id)
+        if i < len(frames) and frames[i][0] == fid:
+            frames[i] = (fid, max(frames[i][1], peak))
+        elif fid >= self._open_idx - self._keep_frames:
+            frames.insert(i, (fid, peak))
+        self.late_frames += 1
 
     def add_one(self, ts: int, delta: int) -> None:
         self.add(np.array([ts], dtype=np.int64), np.array([delta], dtype=np.int64))
@@ -87,3 +105,7 @@ class FramePeaks:
         frames = self._frames
         while frames and frames[0][0] < horizon:
             frames.popleft()
+
+
+def _frame_id(frame: tuple[int, int]) -> int:
+    return frame[0]

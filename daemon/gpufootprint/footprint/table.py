@@ -70,6 +70,10 @@ class DeviceFootprint:
     um_count: Counter[int] = field(default_factory=Counter)  # by UM counter kind
     um_value: Counter[int] = field(default_factory=Counter)
     last_ts: int = 0
+    # Bytes a stream-ordered pool must hold at least: CUPTI reports a pool's size at its creation
+    # and trims only, while the pool grows silently as allocations need it; it cannot hold less than
+    # what is allocated from it. The highest pool use since the last reported size (a lower bound).
+    pool_floor: int = 0
 
     # --- memory -------------------------------------------------------------
 
@@ -83,6 +87,15 @@ class DeviceFootprint:
         """
         if len(recs) < _BULK_MIN or not self._apply_memory_bulk(recs, errors):
             self._apply_memory_each(recs, errors)
+        if self.async_device_bytes > self.pool_floor:
+            self.pool_floor = self.async_device_bytes
+
+    def live_counts(self) -> dict[int, int]:
+        """Live allocations by memory kind."""
+        counts: dict[int, int] = {}
+        for entry in self.live.values():
+            counts[entry.kind] = counts.get(entry.kind, 0) + 1
+        return counts
 
     def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> bool:
         ops = recs["op"]
@@ -258,6 +271,7 @@ class DeviceFootprint:
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0
         self.pools.clear()
+        self.pool_floor = 0
         self.peaks.reset(ts, 0)
 
     # --- pools, copies, sets, kernels, unified memory ---------------------------
@@ -267,6 +281,7 @@ class DeviceFootprint:
                                         recs["size"].tolist(), recs["used"].tolist()):
             if op in (PoolOp.CREATED, PoolOp.TRIMMED):
                 self.pools[addr] = (size, used)
+                self.pool_floor = self.async_device_bytes
             elif op == PoolOp.DESTROYED:
                 self.pools.pop(addr, None)
             else:
@@ -278,6 +293,8 @@ class DeviceFootprint:
         if mask.any():
             for addr, size, used in zip(recs["pool_addr"][mask].tolist(), recs["pool_size"][mask].tolist(),
                                         recs["pool_used"][mask].tolist()):
+                if self.pools.get(addr, (None,))[0] != size:
+                    self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
                 self.pools[addr] = (size, used)
 
     def apply_memcpy(self, recs: np.ndarray) -> None:
@@ -314,4 +331,6 @@ class DeviceFootprint:
 
     @property
     def pool_reserved_bytes(self) -> int:
-        return sum(r for r, _ in self.pools.values())
+        """Reported pool sizes, or the pools' use when that is higher (growth CUPTI does not report)."""
+        reported = sum(r for r, _ in self.pools.values())
+        return max(reported, self.pool_floor) if (self.pools or self.pool_floor) else 0

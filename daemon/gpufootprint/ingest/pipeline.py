@@ -9,8 +9,17 @@ are applied to the footprint in timestamp order. The watermark moves when
 * the daemon's clock says so (``tick``), or the stream ends.
 
 So the state "as of T" is exactly the state of all records with timestamps <= T
-once T is below the watermark. A record older than the watermark (later than the
-reorder window allows) is applied at once and counted as late.
+once T is below the watermark. A stream that sends WATERMARK frames (every probe,
+and its recordings) is advanced by them alone: under allocation churn CUPTI hands
+over one thread's full buffers while another thread's half-full buffer waits for
+the next forced flush, so "newest record minus the reorder window" would overtake
+records still on their way. A record older than the watermark (which a correct
+probe never sends) is applied at once, counted as late, and the process is marked
+for a resync: its probe's own table then replaces ours, which repairs the state.
+
+A probe also sends, with each watermark, the totals of its own live table; they
+are compared with the footprint as of the same watermark (``verify``), so
+exactness is measured wherever the daemon runs, not only in tests.
 """
 
 from __future__ import annotations
@@ -48,6 +57,14 @@ class ProcessState:
     applied_to: int = 0  # watermark: records with ts <= this are applied
     max_ts: int = 0
     exited_at: float | None = None  # monotonic seconds
+    # The stream sends WATERMARK frames: only they (and marks, and the stream's end) advance it.
+    watermarked: bool = False
+    watermark_at: float = 0.0  # monotonic seconds of the latest WATERMARK
+    late_records: int = 0
+    # Self-verification against the probe's own table (``Pipeline.verify``).
+    drift_bytes: int = 0  # sum over devices and kinds of |ours - the probe's| at the latest check
+    drift_checks: int = 0
+    drift_mismatches: int = 0
     probe_counters: dict[str, float] = field(default_factory=dict)
     kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
     # Per device: how many times its live table changed, and the snapshot array built
@@ -110,6 +127,14 @@ class Pipeline:
         self.errors = IngestErrors()
         self.records_ingested: Counter[str] = Counter()
         self.late_records = 0
+        # Pids whose state a late record or a failed verification made doubtful: the ingest
+        # server asks their probes for a resync (rate-limited) and clears the entry.
+        self.resync_wanted: set[int] = set()
+        self.verify_results: Counter[str] = Counter()  # match, mismatch, skipped
+        # A watermarked stream whose probe never sends a watermark cannot hold more than this
+        # many records back: past it the reorder window applies to it too (counted).
+        self.max_pending_records = 2_000_000
+        self.pending_overflows = 0
 
     # --- input ----------------------------------------------------------------
 
@@ -137,7 +162,11 @@ class Pipeline:
         oldest, newest = int(times.min()), int(times.max())
         if proc.applied_to and oldest <= proc.applied_to:
             late = times <= proc.applied_to
-            self.late_records += int(late.sum())
+            n_late = int(late.sum())
+            self.late_records += n_late
+            proc.late_records += n_late
+            if kind in _STATE_KINDS and proc.source == "probe":
+                self.resync_wanted.add(proc.pid)
             self._apply(proc, kind, _sorted(kind, recs[late]))
             recs, times = recs[~late], times[~late]
             if len(recs) == 0:
@@ -147,8 +176,63 @@ class Pipeline:
         proc.pending_records += len(recs)
         if newest > proc.max_ts:
             proc.max_ts = newest
-        if proc.max_ts - self._reorder_ns > proc.applied_to:
+        if proc.watermarked:
+            if proc.pending_records > self.max_pending_records:
+                self.pending_overflows += 1
+                self.advance(proc.pid, proc.max_ts - self._reorder_ns)
+        elif proc.max_ts - self._reorder_ns > proc.applied_to:
             self.advance(proc.pid, proc.max_ts - self._reorder_ns)
+
+    def watermark(self, pid: int, ts: int) -> None:
+        """A WATERMARK: every record of ``pid`` stamped at or before ``ts`` has been sent."""
+        proc = self.processes.get(pid)
+        if proc is None:
+            return
+        proc.watermarked = True
+        proc.watermark_at = self._monotonic()
+        self.advance(pid, ts)
+
+    def verify(self, pid: int, ts: int, totals: dict[int, dict[int, tuple[int, int]]]) -> str:
+        """Compare ``pid``'s footprint as of ``ts`` with its probe's own table at ``ts``.
+
+        ``totals``: device -> memory kind -> (bytes, live allocations). Returns "match",
+        "mismatch" or "skipped" (our state is not as of ``ts``: records after it were applied).
+        A mismatch marks the process for a resync and is logged once per process.
+        """
+        proc = self.processes.get(pid)
+        if proc is None or proc.applied_to != ts or proc.exited_at is not None:
+            self.verify_results["skipped"] += 1
+            return "skipped"
+        drift = 0
+        first: str | None = None
+        for dev in set(totals) | set(proc.devices):
+            theirs = totals.get(dev, {})
+            fp = proc.devices.get(dev)
+            mine_bytes = fp.live_by_kind if fp is not None else [0] * 32
+            mine_counts = fp.live_counts() if fp is not None else {}
+            for kind in set(theirs) | {k for k, b in enumerate(mine_bytes) if b} | set(mine_counts):
+                tb, tn = theirs.get(kind, (0, 0))
+                mb = mine_bytes[kind] if 0 <= kind < len(mine_bytes) else 0
+                mn = mine_counts.get(kind, 0)
+                if mb != tb or mn != tn:
+                    drift += abs(mb - tb)
+                    if first is None:
+                        first = (f"gpu={dev} kind={MEMORY_KIND_NAMES.get(kind, kind)} daemon={mb} B in {mn} "
+                                 f"allocations, probe={tb} B in {tn}")
+        proc.drift_checks += 1
+        proc.drift_bytes = drift
+        if first is None:
+            self.verify_results["match"] += 1
+            return "match"
+        self.verify_results["mismatch"] += 1
+        proc.drift_mismatches += 1
+        if proc.drift_mismatches == 1:
+            log.warning("footprint drift pid=%d as_of_ns=%d %s: the daemon's footprint differs from the probe's "
+                        "own table; a resync was asked for (further mismatches are counted, not logged)",
+                        pid, ts, first)
+        if proc.source == "probe":
+            self.resync_wanted.add(pid)
+        return "mismatch"
 
     def advance(self, pid: int, ts: int) -> None:
         """Apply, in time order, every pending record of ``pid`` with time <= ``ts``."""
@@ -201,6 +285,11 @@ class Pipeline:
         for dev in set(proc.devices) | set(np.unique(recs["dev"]).tolist()):
             proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
             self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
+        # The state is now the probe's as of ``ts``. Records stamped after it that were applied
+        # already (a stream that ended, the clock's fallback) are part of it no longer: the probe
+        # sends those again after a reconnect, so they must apply again, not count as late.
+        if proc.applied_to > ts:
+            proc.applied_to = ts
 
     def process_exited(self, pid: int, ts: int | None = None) -> None:
         proc = self.processes.get(pid)
@@ -314,6 +403,10 @@ class Pipeline:
     def note_torch(self, pid: int, torch: Any) -> None:
         """A probe heartbeat's "torch" field (allocator statistics): feeds allocator slack."""
         self.hub.note_torch(pid, torch)
+
+
+#: Kinds whose late arrival can leave a wrong state behind (the others only add up).
+_STATE_KINDS = frozenset({RecordKind.MEMORY, RecordKind.MEMORY_POOL})
 
 
 def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:

@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 _RECV = 256 * 1024
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
+#: At most one resync request per process this often (a late record or a drift asked for it).
+RESYNC_REQUEST_EVERY_S = 5.0
+#: A probe that sends watermarks is advanced by the daemon's clock only after this long without one
+#: (at least; five of its declared watermark periods when longer): it has hung or stopped flushing.
+SILENT_PROBE_S = 10.0
 _PEERCRED = struct.Struct("3i")
 #: Descriptors kept free for everything but probe connections (/metrics scrapes, /proc reads, the
 #: Kubernetes API, logs): at most this many, a quarter of RLIMIT_NOFILE when that is small.
@@ -241,6 +246,8 @@ class IngestServer:
         self._fd_ceiling = 0  # a probe connection whose descriptor is at or above it is refused (0: no check)
         self._next_liveness = 0.0
         self._rlog = RateLimitedLog()
+        self._resync_asked: dict[int, float] = {}  # pid -> monotonic time of the last resync request
+        self.resync_requests = 0
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
@@ -334,12 +341,23 @@ class IngestServer:
             lag = max(lag, int(2.5 * declared))
         return lag * 1_000_000
 
+    def silent_after_s(self, hello: dict[str, Any]) -> float:
+        """How long a probe that sends watermarks may go without one before the clock advances it."""
+        declared = hello.get("watermark_ms")
+        if isinstance(declared, (int, float)) and not isinstance(declared, bool) and 0 < declared <= 60_000:
+            return max(SILENT_PROBE_S, 5 * declared / 1000)
+        return SILENT_PROBE_S
+
     def _tick(self) -> None:
         self._enforce_timeouts()
         now = self._clock_ns()
+        mono = time.monotonic()
         for pid, proc in list(self.pipeline.processes.items()):
             if proc.source == "probe" and proc.exited_at is None:
+                if proc.watermarked and mono - proc.watermark_at < self.silent_after_s(proc.info):
+                    continue  # its watermarks say when records are complete; the clock cannot know
                 self.pipeline.advance(pid, now - self.clock_lag_ns(proc.info))
+        self._request_resyncs(mono)
         self.pipeline.expire()
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
@@ -438,6 +456,9 @@ class IngestServer:
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.connections_total += 1
             self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d", pid, uid)
+            # Ask for the probe's table totals with each watermark (a probe that does not know the
+            # op counts it and goes on; an older daemon never asks, so never sees a TOTALS frame).
+            self.send_control(pid, {"op": "verify"})
 
     def _pause_accepting(self, seconds: float) -> None:
         if self._listener is None or self._accept_paused_until:
@@ -582,6 +603,21 @@ class IngestServer:
         self.nvml.set_interval(self.pipeline.hub.fastest_interval_s(live))
         if not self.nvml.threaded:  # the daemon polls on the NVML thread; tests poll here
             self.nvml.maybe_poll()
+
+    def _request_resyncs(self, mono: float) -> None:
+        """Ask the probes of processes whose state a late record or a drift made doubtful for their table."""
+        wanted = self.pipeline.resync_wanted
+        if not wanted:
+            return
+        for pid in list(wanted):
+            if mono - self._resync_asked.get(pid, -RESYNC_REQUEST_EVERY_S) < RESYNC_REQUEST_EVERY_S:
+                continue  # asked recently: the answer is on its way; ask again later if still wanted
+            wanted.discard(pid)
+            if self.send_control(pid, {"op": "resync", "reason": "verify"}):
+                self._resync_asked[pid] = mono
+                self.resync_requests += 1
+        for pid in [p for p in self._resync_asked if p not in self.pipeline.processes]:
+            del self._resync_asked[pid]
 
     def send_control(self, pid: int, body: dict[str, Any]) -> bool:
         """A CONTROL frame (contract: flush_interval, kernel_window, ...) to one probe."""

@@ -110,7 +110,9 @@ class Session:
             if self.future_limit_ns is not None:
                 ts = min(ts, self.future_limit_ns())
             for pid in self.pids:
-                self.pipeline.advance(pid, ts)
+                self.pipeline.watermark(pid, ts)
+        elif ftype is FrameType.TOTALS:
+            self._totals(frame.json())
         elif ftype is FrameType.META:
             meta = frame.json()
             meta_pid = meta.get("pid")
@@ -137,6 +139,30 @@ class Session:
             self._finish_resync()
         elif ftype is FrameType.CONTROL:
             self.problem("unexpected_frame", f"{self.name}: byte {frame.offset}: CONTROL frame from a probe")
+
+    def _totals(self, body: dict[str, Any]) -> None:
+        """The probe's own table at a watermark: checked against the footprint at the same time."""
+        ts, pid, devices = body.get("ts"), body.get("pid"), body.get("devices")
+        if self.ns_pid is not None and pid == self.ns_pid:
+            pid = self.peer_pid
+        if not (isinstance(ts, int) and isinstance(pid, int) and isinstance(devices, dict)) \
+                or (self.peer_pid is not None and pid != self.peer_pid) or pid not in self.pids:
+            self.problem("bad_totals", f"{self.name}: TOTALS without integer ts, the stream's pid and devices")
+            return
+        totals: dict[int, dict[int, tuple[int, int]]] = {}
+        for dev, kinds in list(devices.items())[:64]:
+            if not (isinstance(dev, str) and dev.isdigit() and isinstance(kinds, dict)):
+                self.problem("bad_totals", f"{self.name}: TOTALS device {dev!r} is not a device number")
+                return
+            row: dict[int, tuple[int, int]] = {}
+            for kind, pair in list(kinds.items())[:64]:
+                if not (isinstance(kind, str) and kind.isdigit() and isinstance(pair, list) and len(pair) == 2
+                        and all(isinstance(v, int) and 0 <= v < (1 << 63) for v in pair)):
+                    self.problem("bad_totals", f"{self.name}: TOTALS device {dev} kind {kind!r}: not [bytes, count]")
+                    return
+                row[int(kind)] = (pair[0], pair[1])
+            totals[int(dev)] = row
+        self.pipeline.verify(pid, ts, totals)
 
     def _own(self, pid: int):  # type: ignore[no-untyped-def]
         self.pids.add(pid)

@@ -98,6 +98,16 @@ class Probe:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._want_resync = False
+        # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
+        # after a forced flush is the time of the forced flush before it, not this one's: a record
+        # stamped just before a flush can still be on its way into CUPTI's buffer (an API call in
+        # flight on another thread) when the flush runs; one whole flush period later it is in.
+        self._flushed_ns = 0  # clock time taken just before the latest forced flush
+        self._table_ts = 0  # the probe's table holds every record stamped at or before this
+        # Records dropped while connected (the daemon stopped reading): a resync repairs them once
+        # the table holds them (the watermark passes the drop) and the socket has room again.
+        self._resync_after_ns = 0
+        self._verify = False  # the daemon asked for TOTALS with each watermark
         self._hooks_missing = False  # the driver-API hooks were refused; retried every heartbeat
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
@@ -419,6 +429,11 @@ class Probe:
                 if self._want_resync and self.link is not None and self.link.connected:
                     self._want_resync = False
                     self._resync("requested")
+                if self._resync_after_ns and self._table_ts >= self._resync_after_ns and self.link is not None \
+                        and self.link.connected and self.link.buffered < self.link.buffer_bytes // 2:
+                    self._resync_after_ns = 0
+                    self.counters["drop_resyncs"] += 1
+                    self._resync("dropped")
                 if self.link is not None:
                     self.link.pump()
                     self._count_lost()
@@ -458,9 +473,31 @@ class Probe:
             self.counters["flush_ns"] += int((time.perf_counter() - t0) * 1e9)
         self.packer.flush()
         self._drain()
-        self.table.advance(t)
-        if not self.in_gap:
-            self._emit(framing.encode_watermark(t))
+        if self.in_gap:
+            return
+        safe, self._flushed_ns = self._flushed_ns, t
+        if safe > self._table_ts:
+            self._advance_table(safe)
+            self._emit(framing.encode_watermark(safe))
+            if self._verify or self.tee is not None:
+                self._emit_totals(safe)
+
+    def _advance_table(self, ts: int) -> None:
+        if ts > self._table_ts:
+            self.table.advance(ts)
+            self._table_ts = ts
+
+    def _emit_totals(self, ts: int) -> None:
+        """The table's totals as of the watermark ``ts`` just sent, for the daemon to check itself against."""
+        body = {"ts": ts, "pid": self.pid, "devices": {str(d): {str(k): v for k, v in kinds.items()}
+                                                      for d, kinds in self.table.totals().items()}}
+        if self.tee is not None:
+            try:
+                self.tee.write(framing.encode_json(FrameType.TOTALS, body))
+            except OSError:
+                self.counters["tee_errors"] += 1
+        if self._verify and self.link is not None:
+            self.link.put(framing.encode_json(FrameType.TOTALS, body), must=True)
 
     def _drain(self) -> None:
         q = self._q
@@ -478,7 +515,7 @@ class Probe:
                     self._backend.flush(True)
                 self.packer.flush()
                 self._drain_records_only()
-                self.table.advance(item[1]["ts"])
+                self._advance_table(item[1]["ts"])
                 self._mark(item[1])
                 item[2].set()
             elif head == "gap_begin":
@@ -521,7 +558,11 @@ class Probe:
             self.counters["batches_sent"] += 1
         else:
             self.counters["records_dropped"] += n
-            self.dropped_by_reason["daemon_away" if not (self.link and self.link.connected) else "buffer_full"] += n
+            connected = bool(self.link and self.link.connected)
+            self.dropped_by_reason["buffer_full" if connected else "daemon_away"] += n
+            if connected and kind in (RecordKind.MEMORY, RecordKind.MEMORY_POOL):
+                # The daemon's table now misses these: a resync once the table holds them.
+                self._resync_after_ns = max(self._resync_after_ns, int(arr[TIME_FIELD[kind]].max()))
         self.packer.give_back(kind, owned)
 
     def _emit(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
@@ -552,17 +593,27 @@ class Probe:
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
-        self._flush_and_drain()
+        # Records not yet in the table (stamped after its watermark) went to the old connection or
+        # nowhere: this one gets the table as of its watermark, then those again as ordinary records,
+        # then whatever CUPTI holds now (which goes to this connection only).
+        pending = self.table.pending_array()
         self._resync("connect")
+        for i in range(0, len(pending), _RESYNC_CHUNK):
+            self._emit_link(framing.encode_batch(RecordKind.MEMORY, pending[i:i + _RESYNC_CHUNK]))
+        self._flush_and_drain()
 
     def _emit_link(self, frame: bytes) -> None:
         if self.link is not None:
             self.link.put(frame, must=True)
 
     def _resync(self, reason: str) -> None:
-        """RESYNC_BEGIN, the whole live table as MEMORY batches, RESYNC_END (socket only)."""
-        ts = self._clock_ns()
-        self.table.advance(ts)
+        """RESYNC_BEGIN, the whole live table as MEMORY batches, RESYNC_END (socket only).
+
+        The table is sent as of its own watermark, which the daemon has reached too (the frames
+        that moved it went first): records stamped later follow as usual and apply after it.
+        """
+        ts = self._table_ts or self._flushed_ns or self._clock_ns()
+        self._advance_table(ts)
         arr = self.table.to_array(ts)
         self._emit_link(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
                                                                       "entries": len(arr), "pid": self.pid}))
@@ -584,7 +635,7 @@ class Probe:
         self.packer.flush()
         # Apply what arrived before the hand-back was queued, then rebuild PyTorch's part.
         self._drain_records_only()
-        self.table.advance(self._clock_ns())
+        self._advance_table(self._clock_ns())
         self.table.split_torch_owned(before + after)
         self.table.add_torch_segments(after, self._clock_ns(), self.pid)
         self.gap_seconds += (time.monotonic_ns() - self._gap_started_ns) / 1e9
@@ -624,6 +675,9 @@ class Probe:
                 self._open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
             elif op == "resync":
                 self._want_resync = True
+                self.counters["resyncs_requested"] += 1
+            elif op == "verify":
+                self._verify = True
             elif op == "torch_empty_cache":
                 torch = sys.modules.get("torch")
                 if torch is not None and torch.cuda.is_initialized():

@@ -60,6 +60,21 @@ class LiveTable:
         if len(ready):
             self.apply(ready[np.argsort(ready["ts"], kind="stable")])
 
+    def pending_array(self) -> np.ndarray:
+        """Records queued and not yet applied (stamped after the table's watermark)."""
+        if not self.pending:
+            return np.zeros(0, dtype=MEMORY_DTYPE)
+        return self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+
+    def totals(self) -> dict[int, dict[int, list[int]]]:
+        """device -> memory kind -> [bytes, live allocations], over the whole table."""
+        out: dict[int, dict[int, list[int]]] = {}
+        for row in self._all():
+            pair = out.setdefault(row[DEV], {}).setdefault(row[MK], [0, 0])
+            pair[0] += row[BYTES]
+            pair[1] += 1
+        return out
+
     def apply(self, recs: np.ndarray) -> None:
         """Apply MEMORY records in the given order (callers sort them by time)."""
         rows = self.rows

@@ -48,6 +48,9 @@ class FrameType(enum.IntEnum):
     WATERMARK = 9  # u64 ns: every record with an earlier timestamp was sent
     RESYNC_BEGIN = 10  # JSON: the live allocation table follows as MEMORY batches
     RESYNC_END = 11
+    # JSON {"ts", "pid", "devices": {dev: {kind: [bytes, allocations]}}}: the probe's own live
+    # table as of the WATERMARK ``ts`` just sent, for the daemon to check its footprint against.
+    TOTALS = 12
 
 
 @dataclass(frozen=True, slots=True)
