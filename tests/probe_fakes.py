@@ -253,6 +253,12 @@ class FakeRawCupti(FakeCupti):
             self.flushes += 1
         if self.shuffle:
             self.rng.shuffle(recs)
+        self.deliver(recs)
+
+    def deliver(self, recs: list[Any]) -> None:
+        """Write ``recs`` into buffers the probe hands out and complete each, like CUPTI."""
+        import ctypes
+
         structs = [self.to_struct(r) for r in recs]
         i = 0
         while i < len(structs):
@@ -284,3 +290,47 @@ class FakeRawCupti(FakeCupti):
             out.setdefault(kind, []).append(off)
             off += _struct_dtype(kind).itemsize
         return out
+
+
+class StreamBufferedCupti(FakeRawCupti):
+    """CUPTI as it behaves under allocation churn: one buffer per stream (thread), each handed over
+    when it is full, by CUPTI's worker, the moment it fills; a half-full buffer of a quiet stream
+    waits for a forced flush. So a busy stream's records reach the probe long before a quiet
+    stream's older ones, and a forced flush hands the partial buffers over in no particular order.
+
+    ``emit_at(rec, stamped_ns)`` writes a record stamped earlier than now: an API call that took its
+    timestamp, then ran (a cudaFree waiting for the device) before CUPTI wrote the record.
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.streams: dict[int, list[Any]] = {}
+        self.full_buffers = 0
+        self.partial_buffers = 0
+
+    def emit(self, rec: Any) -> None:
+        if rec.kind not in self.enabled:
+            self.lost_while_disabled += 1
+            return
+        full: list[Any] | None = None
+        with self.lock:
+            buf = self.streams.setdefault(getattr(rec, "stream_id", 0), [])
+            buf.append(rec)
+            if len(buf) >= self.buffer_records:
+                full = self.streams.pop(getattr(rec, "stream_id", 0))
+                self.full_buffers += 1
+            if full is not None and self.delivery is not None:
+                self.deliver(full)  # under the lock: CUPTI completes one buffer at a time
+
+    def flush(self, forced: bool) -> None:
+        if not forced:
+            return
+        with self.lock:
+            self.flushes += 1
+            parts = list(self.streams.values())
+            self.streams = {}
+            self.rng.shuffle(parts)
+            for part in parts:
+                self.partial_buffers += 1
+                if self.delivery is not None:
+                    self.deliver(part)

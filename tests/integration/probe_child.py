@@ -23,12 +23,66 @@ import probe_fakes
 from gpufootprint import probe
 
 
+def churn(fake: probe_fakes.FakeCupti, seconds: float) -> None:
+    """Two threads on one address space, as an allocator without a cache makes them: a busy one
+    (stream 1) allocates and frees all the time, reusing every address as soon as it is free; a
+    quiet one (stream 2) frees, now and then, allocations the busy one handed it, each release
+    stamped when its call began and written up to 3 ms later (the call waited for the device).
+    Addresses move between the threads, so records applied out of time order break the table."""
+    import random
+    import threading
+
+    rng = random.Random(7)
+    lock = threading.Lock()
+    free_addrs = [0x5000_0000 + i * 0x10000 for i in range(64)]
+    handed: list[tuple[int, int]] = []
+    stop = time.monotonic() + seconds
+
+    def quiet() -> None:
+        while time.monotonic() < stop or handed:
+            with lock:
+                item = handed.pop(0) if handed else None
+            if item is None:
+                time.sleep(0.001)
+                continue
+            stamped = time.time_ns()
+            time.sleep(rng.random() * 0.003)
+            fake.emit(probe_fakes.memory_record(2, item[0], item[1], ts=stamped, stream=2))
+            with lock:
+                free_addrs.append(item[0])
+
+    t = threading.Thread(target=quiet)
+    t.start()
+    n = 0
+    while time.monotonic() < stop:
+        with lock:
+            addr = free_addrs.pop(0) if free_addrs else None
+        if addr is None:
+            time.sleep(0.0002)
+            continue
+        size = 512 * (1 + n % 7)
+        fake.emit(probe_fakes.memory_record(1, addr, size, ts=time.time_ns(), stream=1))
+        n += 1
+        if n % 5 == 0:
+            with lock:
+                handed.append((addr, size))
+        else:
+            fake.emit(probe_fakes.memory_record(2, addr, size, ts=time.time_ns(), stream=1))
+            with lock:
+                free_addrs.append(addr)
+        if n % 50 == 0:
+            time.sleep(0.0005)
+    t.join()
+
+
 def main() -> int:
     sync, steps = sys.argv[1], sys.argv[2:]
     # The raw delivery (CUPTI's buffers as bytes) is the probe's default; FAKE_DELIVERY=objects
     # drives cupti-python's record-object callbacks instead.
     cls = probe_fakes.FakeCupti if os.environ.get("FAKE_DELIVERY") == "objects" else probe_fakes.FakeRawCupti
-    fake = cls(shuffle=True, buffer_records=16)
+    if os.environ.get("FAKE_STREAMS") == "1":
+        cls = probe_fakes.StreamBufferedCupti
+    fake = cls(shuffle=True, buffer_records=int(os.environ.get("FAKE_BUFFER_RECORDS", "16")))
     t0 = time.perf_counter()
     ok = probe.start(backend=fake, discover_devices=False)
     start_s = time.perf_counter() - t0
@@ -53,6 +107,8 @@ def main() -> int:
             for i in range(int(arg)):
                 fake.alloc(0x7000_0000 + i * 4096, 4096)
                 fake.free(0x7000_0000 + i * 4096, 4096)
+        elif op == "churn":
+            churn(fake, float(arg))
         elif op == "mark":
             probe.mark(arg)
         elif op == "wait":
@@ -73,7 +129,9 @@ def main() -> int:
         workload_s += time.perf_counter() - t
     probe.stop()
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
-                      "lost_while_disabled": fake.lost_while_disabled}), flush=True)
+                      "lost_while_disabled": fake.lost_while_disabled,
+                      "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes")
+                               if hasattr(fake, k)}}), flush=True)
     return 0
 
 

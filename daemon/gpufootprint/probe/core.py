@@ -772,6 +772,7 @@ class Probe:
             "cupti_gap_seconds": round(self.gap_seconds + (time.monotonic_ns() - self._gap_started_ns) / 1e9
                                        if self.in_gap else self.gap_seconds, 6),
             "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
+            "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
             "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
             "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,

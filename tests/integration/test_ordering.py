@@ -1,0 +1,74 @@
+"""Exact under allocation churn: the real probe (CUPTI faked as it behaves under churn) over a real
+Unix socket into the real ingest server.
+
+Under churn CUPTI hands a busy thread's full buffers over at once while a quiet thread's half-full
+buffer waits for the next forced flush, and an API call can take its timestamp before a flush and
+write its record after it. A daemon that advanced a probe by "newest record minus the reorder
+window" applied the quiet thread's releases after the busy thread had reused the addresses
+(double allocations, releases without allocation, late records: the footprint wrong, silently).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tests.integration.test_probe_link import Daemon, child, finish
+
+
+def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_no_drift(tmp_path: Path) -> None:
+    sock = str(tmp_path / "p.sock")
+    daemon = Daemon(sock)
+    try:
+        p = child(sock, tmp_path, "sleep:0.3", "churn:3", "mark:end", FAKE_STREAMS="1", FAKE_BUFFER_RECORDS="64",
+                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
+        status = finish(p)
+        end = daemon.wait_mark("end")
+    finally:
+        daemon.stop()
+    # The scenario happened: buffers handed over both ways, many watermarks and checks.
+    assert status["fake"]["full_buffers"] > 50 and status["fake"]["partial_buffers"] > 5, status["fake"]
+    assert status["status"]["records_dropped"] == 0
+    pipeline = daemon.pipeline
+    assert dict(pipeline.errors.counts) == {}
+    assert pipeline.late_records == 0
+    assert end["matches"], end
+    (proc,) = pipeline.processes.values()
+    assert proc.drift_checks >= 5 and proc.drift_mismatches == 0 and proc.drift_bytes == 0
+    assert pipeline.verify_results["match"] >= 5 and pipeline.verify_results["mismatch"] == 0
+
+
+def _wait_file(path: Path, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path.name} never appeared"
+        time.sleep(0.01)
+
+
+def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the_same_connection(
+        tmp_path: Path) -> None:
+    """A busy or stopped daemon fills the probe's socket buffer while the connection stays up: the
+    probe drops batches (it never blocks the workload), then resyncs its table once it can, and the
+    footprint equals the probe's table again (before: freed allocations stayed "live" for ever)."""
+    sock = str(tmp_path / "p.sock")
+    daemon = Daemon(sock)
+    try:
+        p = child(sock, tmp_path, "sleep:0.3", "touch:ready", "wait:go", "burst:20000", "touch:burst_done",
+                  "wait:resume", "sleep:1.5", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
+                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
+        _wait_file(tmp_path / "ready")
+        with daemon.server.lock:  # the ingest loop blocks at its next tick: nothing is read
+            time.sleep(0.3)
+            (tmp_path / "go").touch()
+            _wait_file(tmp_path / "burst_done")
+            time.sleep(1.0)  # the probe keeps flushing into a full socket
+        (tmp_path / "resume").touch()
+        status = finish(p)["status"]
+        end = daemon.wait_mark("end")
+    finally:
+        daemon.stop()
+    assert status["dropped_buffer_full"] > 0, status
+    assert status["drop_resyncs"] >= 1, status
+    assert end["matches"], end
+    (proc,) = daemon.pipeline.processes.values()
+    assert proc.drift_bytes == 0
