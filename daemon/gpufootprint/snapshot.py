@@ -54,6 +54,11 @@ class ProcessSnapshot:
     # The newest KERNEL records of this process (read-only, in the order applied), bounded by
     # graph_advisor.kernel_retention; None when the pipeline keeps none.
     recent_kernels: np.ndarray | None = None
+    # Self-verification against the probe's own table at its watermarks (0 and 0 without a probe).
+    drift_bytes: int = 0  # sum over GPUs and kinds of |daemon - probe| at the latest check
+    drift_checks: int = 0
+    drift_mismatches: int = 0
+    late_records: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +149,7 @@ class PipelineSnapshot:
     ingest_errors: dict[str, int]
     late_records: int
     window_peak_seconds: float
+    verify_results: dict[str, int] = field(default_factory=dict)  # match, mismatch, skipped
     daemon: dict[str, Any] = field(default_factory=dict)  # connections, gpu presence, ...
     features: tuple[DeviceFeatures, ...] = ()
     sampler: tuple[SamplerState, ...] = ()

@@ -120,9 +120,18 @@ class FootprintCollector(Collector):
         lag = GaugeMetricFamily("gpufootprint_watermark_timestamp_seconds",
                                 "Time up to which a process's records are applied (Unix seconds).",
                                 labels=["pid", "source"])
+        drift = GaugeMetricFamily("gpufootprint_footprint_drift_bytes",
+                                  "Bytes by which the footprint differed from the probe's own live table at the "
+                                  "latest check (summed over GPUs and kinds; 0: exact).", labels=["pid", "source"])
+        drift_n = CounterMetricFamily("gpufootprint_footprint_drift_mismatches",
+                                      "Checks against the probe's own table that found a difference (each asks the "
+                                      "probe for a resync).", labels=["pid", "source"])
         for proc in snap.processes:
             pending.add_metric([str(proc.pid), proc.source], proc.pending_records)
             lag.add_metric([str(proc.pid), proc.source], proc.as_of_ns / 1e9)
+            if proc.drift_checks:
+                drift.add_metric([str(proc.pid), proc.source], proc.drift_bytes)
+                drift_n.add_metric([str(proc.pid), proc.source], proc.drift_mismatches)
             for dev in proc.devices:
                 base = _proc_values(proc, dev.dev)
                 for kind, value in dev.live_bytes.items():
@@ -149,7 +158,7 @@ class FootprintCollector(Collector):
             for (src, dst), n in sorted(peers.items()):
                 peer.add_metric([str(proc.pid), proc.source, str(src), str(dst)], n)
         yield from (live, device, peak, pool_res, pool_used, nlive, allocs, rels, abytes, rbytes,
-                    cpy_n, cpy_b, cpy_s, set_b, peer, pending, lag)
+                    cpy_n, cpy_b, cpy_s, set_b, peer, pending, lag, drift, drift_n)
         yield from probe_families(snap)
 
         window = GaugeMetricFamily("gpufootprint_window_peak_window_seconds",
@@ -181,6 +190,13 @@ class FootprintCollector(Collector):
                                    "reorder window).")
         late.add_metric([], snap.late_records)
         yield late
+        checks = CounterMetricFamily("gpufootprint_footprint_checks",
+                                     "Checks of the footprint against the probes' own tables at their watermarks, by "
+                                     "result (match, mismatch, skipped: the state was not as of that watermark).",
+                                     labels=["result"])
+        for result in ("match", "mismatch", "skipped"):
+            checks.add_metric([result], snap.verify_results.get(result, 0))
+        yield checks
         yield from sampler_nvml_families(snap)
         for name, value in sorted(snap.daemon.items()):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -209,6 +225,11 @@ _PROBE_COUNTERS = (
      "CPU time spent in the probe's CUPTI buffer callback (packing records)."),
     ("gpufootprint_probe_cupti_gap_seconds", "cupti_gap_seconds",
      "Time CUPTI belonged to torch.profiler; the probe resynced from PyTorch's segments after it."),
+    ("gpufootprint_probe_resyncs", "resyncs",
+     "Times the probe sent its whole live table: after each connect, a profiler gap, dropped records, "
+     "or the daemon's request."),
+    ("gpufootprint_probe_drop_resyncs", "drop_resyncs",
+     "Resyncs the probe sent to repair memory records it dropped while connected (socket buffer full)."),
 )
 _PROBE_GAUGES = (
     ("gpufootprint_probe_device_bytes", "own_device_bytes",

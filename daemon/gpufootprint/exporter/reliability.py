@@ -84,6 +84,11 @@ def daemon_families(stats: ServerStats, snap: PipelineSnapshot) -> Iterator[Metr
                                "gpufootprint_probe_records_sent_total.", labels=["pid", "source"])
     resync = CounterMetricFamily("gpufootprint_daemon_resync_records_received",
                                  "Live-table records received from a probe inside resyncs.", labels=["pid", "source"])
+    asked = CounterMetricFamily("gpufootprint_daemon_resync_requests",
+                                "Resyncs the daemon asked probes for, because a record arrived behind its watermark "
+                                "or the footprint differed from the probe's own table.")
+    asked.add_metric([], stats.resync_requests)
+    yield asked
     for pid, n, n_resync in stats.received:
         source = sources.get(pid, "probe")
         recv.add_metric([str(pid), source], n)

@@ -377,6 +377,8 @@ class Pipeline:
                 as_of_ns=proc.applied_to, probe_counters=dict(proc.probe_counters),
                 recent_kernels=proc.kernels.array() if proc.kernels is not None else (
                     _NO_KERNELS if self.kernel_retention > 0 else None),
+                drift_bytes=proc.drift_bytes, drift_checks=proc.drift_checks,
+                drift_mismatches=proc.drift_mismatches, late_records=proc.late_records,
             ))
         return PipelineSnapshot(
             taken_at=time.time() if wall_time is None else wall_time,
@@ -385,6 +387,7 @@ class Pipeline:
             ingest_errors=dict(self.errors.counts),
             late_records=self.late_records,
             window_peak_seconds=self.config.window_peak_seconds,
+            verify_results=dict(self.verify_results),
             **self._feature_fields(),
         )
 

@@ -85,6 +85,7 @@ class ServerStats:
     received: tuple[tuple[int, int, int], ...] = ()
     config_reloads: tuple[tuple[str, int], ...] = ()
     config_last_reload_ok: float = 1.0
+    resync_requests: int = 0  # resyncs asked of probes (late records, drift)
 
 
 class _BatchMerger:
@@ -595,7 +596,7 @@ class IngestServer:
             accept_errors=self.accept_errors, buffered_bytes=self._buffered,
             received=tuple((pid, r[0], r[1]) for pid, r in sorted(self.received.items())),
             config_reloads=tuple(sorted(self.config_reloads.items())),
-            config_last_reload_ok=self.config_last_reload_ok)
+            config_last_reload_ok=self.config_last_reload_ok, resync_requests=self.resync_requests)
 
     def _poll_nvml(self) -> None:
         assert self.nvml is not None
