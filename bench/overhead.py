@@ -18,7 +18,12 @@ none; probe (the probe's default settings, daemon listening); the probe_*
 variants in PROBE_CONFIGS (delivery, flush mode, GIL-free flush, bulk packing, CUPTI
 buffer size; probe_daemon_away: socket missing, records dropped and counted);
 torch_profiler (torch.profiler(profile_memory=True) around each round);
-memory_history (torch.cuda.memory._record_memory_history). Each probed
+memory_history (torch.cuda.memory._record_memory_history); cupti_floor (CUPTI's own cost: the
+kinds the probe enables, its flush period and forced-flush cadence, every buffer handed back
+unread, no socket: what any CUPTI-based tool pays before it reads a record). ``--alloc`` picks
+PyTorch's allocator: caching (its default: almost no records once warm), async
+(``backend:cudaMallocAsync``, about 850 memory records a step) or nocache
+(``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, about 520). Each probed
 configuration has a daemon (IngestServer) of its own, so the records it applied
 late (behind its reorder window) are counted per configuration.
 """
@@ -77,7 +82,41 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
 REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe"}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
-CONFIGS = ["none", "none_b", "none_c", *PROBE_CONFIGS, "torch_profiler", "memory_history"]
+CONFIGS = ["none", "none_b", "none_c", *PROBE_CONFIGS, "cupti_floor", "torch_profiler", "memory_history"]
+ALLOCATORS = {"caching": {}, "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+              "nocache": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}}
+
+
+def cupti_floor() -> Any:
+    """A CUPTI consumer that enables what the probe enables and reads nothing: the floor.
+
+    The same activity kinds (MEMORY2, MEMORY_POOL), the same driver-API switch, CUPTI's
+    flush period and a forced flush every second from a thread of its own, as the probe
+    does; each completed buffer goes straight back to the pool, unread."""
+    from gpufootprint.probe.backend import FOOTPRINT_ONLY, CuptiBackend
+    from gpufootprint.probe.rawdelivery import RawDelivery
+    from gpufootprint.probe.settings import ProbeSettings
+
+    s = ProbeSettings()
+    backend = CuptiBackend()
+    backend.configure(s.device_buffer_bytes, s.device_buffer_pool_limit)
+    holder: list[RawDelivery] = []
+    delivery = RawDelivery(s.cupti_buffer_bytes, s.raw_buffers, lambda addr, valid: holder[0].give_back(addr))
+    holder.append(delivery)
+    if not backend.register_raw(delivery):
+        raise SystemExit(f"cupti_floor: raw callbacks not registered: {backend.errors}")
+    for kind in FOOTPRINT_ONLY:
+        backend.enable(kind)
+    backend.driver_api_records(True)
+    backend.flush_period(s.flush_ms)
+
+    def flusher() -> None:
+        while True:
+            time.sleep(s.watermark_ms / 1000)
+            backend.flush(True)
+
+    threading.Thread(target=flusher, daemon=True, name="cupti-floor-flush").start()
+    return delivery
 HERE = Path(__file__).resolve()
 
 
@@ -89,6 +128,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         # Every worker on the same CPUs (they take turns): a worker's place on the machine
         # no longer differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5).
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    floor = cupti_floor() if config == "cupti_floor" else None
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -164,6 +204,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
             b = timed(step_b, steps_b)
         print(json.dumps({"a": a, "b": b}), flush=True)
     extra: dict[str, Any] = {}
+    if floor is not None:
+        extra["cupti_floor"] = {"buffers_completed": floor.completed, "buffers_refused": floor.refused}
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -221,6 +263,12 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
             row[w] = {"median_ratio": round(statistics.median(ratios), 4),
                       "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
                       "p99_ratio": round(pct(flat, 99) / pct(bflat, 99), 4)}
+            floor = groups.get("cupti_floor")
+            if floor and name != "cupti_floor":
+                vs = [geo(steps, members, w, r) / geo(steps, floor, w, r) for r in range(len(steps[base[0]][w]))]
+                flo, fhi = bootstrap_ci(vs, seed)
+                row[w]["vs_cupti_floor"] = round(statistics.median(vs), 4)
+                row[w]["vs_cupti_floor_ci95"] = [round(flo, 4), round(fhi, 4)]
         out[name] = row
     return out
 
@@ -239,6 +287,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interleave", choices=("step", "round"), default="step",
                     help="workers take turns every step (step) or every round (round)")
+    ap.add_argument("--alloc", choices=tuple(ALLOCATORS), default="caching",
+                    help="PyTorch's allocator in every worker: caching (default), async (cudaMallocAsync), "
+                         "nocache (PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
     ap.add_argument("--pin", type=int, default=2,
                     help="run every worker on the same N CPUs, the parent on the others (0: no pinning)")
     args = ap.parse_args()
@@ -251,6 +302,11 @@ def main() -> int:
         os.sched_setaffinity(0, set(cpus) - set(worker_cpus))  # the daemons stay off the workers' CPUs
 
     configs = args.configs.split(",")
+    if args.alloc == "async" and "memory_history" in configs:
+        # torch.cuda.memory._record_memory_history raises under cudaMallocAsync (H200, 2026-12-03).
+        configs.remove("memory_history")
+        print("memory_history left out: PyTorch refuses it under cudaMallocAsync", file=sys.stderr)
+    worker_env = {**os.environ, **ALLOCATORS[args.alloc]}
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
     from gpufootprint.config import load_config
     from gpufootprint.ingest.pipeline import Pipeline
@@ -270,7 +326,7 @@ def main() -> int:
         procs[c] = subprocess.Popen([sys.executable, str(HERE), "--worker", c, "--socket", sock,
                                      "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b),
                                      "--cpus", ",".join(map(str, worker_cpus))],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=worker_env)
     for c, p in procs.items():
         line = p.stdout.readline()  # type: ignore[union-attr]
         if "ready" not in line:
@@ -311,10 +367,14 @@ def main() -> int:
     for c, server in servers.items():
         pl = server.pipeline
         daemons[c] = {"late_records": pl.late_records, "records_ingested": dict(pl.records_ingested),
-                      "errors": dict(pl.errors.counts)}
+                      "errors": dict(pl.errors.counts), "checks": dict(pl.verify_results),
+                      "drift_bytes_max": max((p.drift_bytes for p in pl.processes.values()), default=0),
+                      "drift_mismatches": sum(p.drift_mismatches for p in pl.processes.values()),
+                      "resync_requests": server.resync_requests}
         server.stop()
 
     summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+                               "alloc": args.alloc,
                                "interleave": args.interleave,
                                "worker_cpus": worker_cpus,
                                "wall_seconds": round(time.time() - t_start, 1), "configs": {}}
@@ -359,11 +419,12 @@ def main() -> int:
                                                      "callback_seconds", "raw_buffers", "raw_buffers_refused",
                                                      "cupti_dropped_records",
                                                      "buffers_completed", "records_sent", "bulk_records",
-                                                     "bulk_fallbacks", "records_dropped")}, row.get("daemon"))
+                                                     "bulk_fallbacks", "records_dropped", "resyncs",
+                                                     "drop_resyncs")}, row.get("daemon"))
     for name, row in summary["pooled"].items():
         print(f"pooled {name:13s}", f"{len(row['workers'])} vs {len(row['baseline_workers'])} workers |",
               " | ".join(f"{w}: x{row[w]['median_ratio']} ci95 {row[w]['median_ratio_ci95']} p99 x{row[w]['p99_ratio']}"
-                         for w in ("a", "b")))
+                         f" vs floor x{row[w].get('vs_cupti_floor')}" for w in ("a", "b")))
     return 0
 
 
