@@ -9,7 +9,7 @@
 #   profiler_exit the profiler scenario unprobed, probed without the hand-over, and with TEARDOWN_CUPTI=0
 #   exit_reps    REPS runs of the profiler scenario per variant (EXIT_VARIANTS; default unprobed, probe, os._exit, no hook)
 #   variants     one GPU test (TEST) under several probe environments (VARIANTS)
-#   bench        bench/overhead.py (ROUNDS, CONFIGS, BENCH_TIMEOUT from the environment)
+#   bench        bench/overhead.py (ROUNDS, CONFIGS, ALLOC, BENCH_TIMEOUT from the environment)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/r; mkdir -p "$R"; pack() { tar czf "$OUT/results.tgz" -C /tmp r; }
@@ -103,7 +103,8 @@ variants)
   done ;;
 bench)
   timeout ${BENCH_TIMEOUT:-300} python3 bench/overhead.py --rounds ${ROUNDS:-12} ${CONFIGS:+--configs $CONFIGS} \
-    --progress --out "$R/overhead.json" 2> "$R/bench.err"
-  tail -3 "$R/bench.err" ;;
+    --alloc ${ALLOC:-caching} --progress --out "$R/overhead_${ALLOC:-caching}.json" 2> "$R/bench_${ALLOC:-caching}.err" \
+    | tee "$R/bench_${ALLOC:-caching}.txt"
+  tail -3 "$R/bench_${ALLOC:-caching}.err" ;;
 esac; pack; done
 ls -la "$OUT"

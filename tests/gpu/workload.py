@@ -312,6 +312,27 @@ def scenario_kernels_train() -> None:
     mark("end")
 
 
+def scenario_churn() -> None:
+    """Training steps under an allocator that allocates all the time (cudaMallocAsync, or no caching):
+    hundreds of memory records a step, from the main thread and autograd's, for several seconds, so
+    many watermarks and checks pass while memory moves; marks every 25 steps."""
+    steps = int(os.environ.get("WORKLOAD_CHURN_STEPS", "150"))
+    model = _transformer(layers=4, d=1024)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    mark("start")
+    for step in range(steps):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 25 == 24:
+            mark(f"step_{step + 1}")
+    del model, opt, x, loss
+    torch.cuda.empty_cache()
+    mark("end")
+
+
 def scenario_kernels_graph() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512)).cuda()
     static_x = torch.randn(64, 512, device="cuda")
