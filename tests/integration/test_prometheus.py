@@ -154,7 +154,11 @@ def _write_um_round_trip(path: Path) -> None:
     recs["pid"], recs["dev"] = UM_PID, 0
     body = PREAMBLE + encode_json(FrameType.META, {"pid": UM_PID, "format": "synthetic", "scenario": "um_round_trip"})
     body += b"".join(encode_batch(RecordKind.UNIFIED_MEMORY, recs[i:i + 64]) for i in range(0, len(recs), 64))
-    path.write_bytes(body + encode_watermark(int(recs["end"].max()) + 1))
+    # As a probe would end it: a watermark, then its live table's totals as of it (none here), which the
+    # daemon checks its footprint against (gpufootprint_footprint_drift_bytes).
+    wm = int(recs["end"].max()) + 1
+    path.write_bytes(body + encode_watermark(wm) + encode_json(FrameType.TOTALS, {"ts": wm, "pid": UM_PID,
+                                                                                  "devices": {}}))
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +343,7 @@ def test_prometheus_loaded_and_evaluated_every_rule_without_error(stack: tuple[P
 
     rules = _wait("every rule to be evaluated once", evaluated, 60)
     assert {r["name"] for r in rules} == {name for name, _, _ in _rules()}
-    assert len(rules) == 12  # 4 recording rules, 8 alerts
+    assert len(rules) == len(_rules())
     bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not bad
     active = {r["name"]: r for r in rules if r["type"] == "alerting" and r["state"] != "inactive"}

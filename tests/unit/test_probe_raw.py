@@ -242,3 +242,40 @@ def test_records_cupti_stamped_beyond_2_63_are_counted_in_the_probe_not_sent() -
     st = probe.status()
     assert st["cupti_bad_timestamps"] == 1
     assert st["records_sent"] == 2 and probe.table.live_by_kind(0) == {"device": 512}
+
+
+def test_walk_and_gather_agree_with_a_record_by_record_reading_on_mixed_and_uniform_buffers() -> None:
+    """The vectorised paths (a buffer of one kind; runs of one kind inside a mixed buffer; views
+    per run) give exactly what reading one record after another gives."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(5)
+    sizes = {k: rawrecords.RAW_DTYPES[k].itemsize for k in (rawrecords.MEMORY2, rawrecords.MEMORY_POOL,
+                                                            rawrecords.MEMSET)}
+    for trial in range(60):
+        layout: list[int] = []
+        while sum(sizes[k] for k in layout) < 40_000:
+            if trial % 3 == 0:
+                layout.append(rawrecords.MEMORY2)  # uniform
+            else:
+                k = rng.choice([rawrecords.MEMORY_POOL, rawrecords.MEMSET])
+                layout.extend([rawrecords.MEMORY2] * rng.choice([1, 3, 9, 40, 200]) + [k] * rng.choice([1, 2, 12]))
+        buf = bytearray(sum(sizes[k] for k in layout))
+        expect: dict[int, list[int]] = {}
+        off = 0
+        for i, k in enumerate(layout):
+            buf[off:off + 4] = k.to_bytes(4, "little", signed=True)
+            buf[off + 16:off + 24] = (i + 1).to_bytes(8, "little")  # something to tell records apart
+            expect.setdefault(k, []).append(off)
+            off += sizes[k]
+        got = rawrecords.walk(memoryview(buf), len(buf))
+        assert got == expect, trial
+        u8 = np.frombuffer(bytes(buf), dtype=np.uint8)
+        for k, offs in expect.items():
+            fancy = u8[np.asarray(offs)[:, None] + np.arange(sizes[k])].view(rawrecords.RAW_DTYPES[k]).reshape(-1)
+            got_rows = rawrecords.gather(u8, k, offs)
+            assert len(got_rows) == len(offs)
+            for name in fancy.dtype.names or ():
+                assert np.array_equal(got_rows[name], fancy[name]), (trial, k, name)

@@ -70,6 +70,7 @@ class Connection:
     records: int = 0  # records received in BATCH frames outside resyncs (the probe counts these as sent)
     unsent: bytes = b""  # tail of a CONTROL frame the socket did not take at once (at most one frame)
     resync_records: int = 0
+    verify_asked: bool = False  # the probe was asked for TOTALS with its watermarks
 
 
 @dataclass(frozen=True)
@@ -457,9 +458,6 @@ class IngestServer:
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.connections_total += 1
             self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d", pid, uid)
-            # Ask for the probe's table totals with each watermark (a probe that does not know the
-            # op counts it and goes on; an older daemon never asks, so never sees a TOTALS frame).
-            self.send_control(pid, {"op": "verify"})
 
     def _pause_accepting(self, seconds: float) -> None:
         if self._listener is None or self._accept_paused_until:
@@ -565,6 +563,12 @@ class IngestServer:
             conn.resync = False
         elif ftype is FrameType.GOODBYE:
             conn.goodbye = True
+        elif ftype is FrameType.WATERMARK and not conn.verify_asked:
+            # A probe that sends watermarks is asked, once, for its table's totals with each of them
+            # (one that does not know the op counts it and goes on; an older daemon never asks, so
+            # never meets a TOTALS frame).
+            conn.verify_asked = True
+            self.send_control(conn.pid, {"op": "verify"})
         elif ftype is FrameType.BATCH:
             try:
                 n = len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize

@@ -248,7 +248,7 @@ class Probe:
                     offsets = reference
                 elif reference is not None:
                     self.counters["raw_walks_verified"] += 1
-                    if reference != offsets:
+                    if reference != {k: list(v) for k, v in offsets.items()}:
                         self.counters["raw_walk_mismatches"] += 1
                         offsets = reference
             if offsets is None:

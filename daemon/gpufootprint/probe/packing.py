@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -176,7 +176,7 @@ class Packer:
             if n + take == self.capacity:
                 self._handoff(kind)
 
-    def pack_raw(self, buf: memoryview, valid: int, offsets: dict[int, list[int]]) -> int:
+    def pack_raw(self, buf: memoryview, valid: int, offsets: Mapping[int, Sequence[int]]) -> int:
         """Records of one CUPTI buffer, already walked (sender thread); returns how many were packed."""
         u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
         done = 0

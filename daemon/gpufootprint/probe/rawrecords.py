@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import numpy as np
@@ -90,12 +90,21 @@ _SIZES: Final[dict[int, int]] = {**{k: dt.itemsize for k, dt in RAW_DTYPES.items
 _KIND = struct.Struct("<i")
 
 
-def walk(buf: bytes | memoryview, valid: int) -> dict[int, list[int]] | None:
-    """Offsets of each kind's records in ``buf[:valid]``; None when it cannot be walked exactly."""
+def walk(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None:
+    """Offsets of each kind's records in ``buf[:valid]``; None when it cannot be walked exactly.
+
+    A buffer of one kind only (what allocation churn fills: MEMORY2 records back to back) is
+    recognised in one vectorised check; any other is walked record by record, and a run of
+    one kind inside it is measured in one vectorised look.
+    """
+    uniform = _walk_uniform(buf, valid)
+    if uniform is not None:
+        return uniform
     offsets: dict[int, list[int]] = {}
     sizes = _SIZES
     unpack = _KIND.unpack_from
     off = 0
+    prev, same = -1, 0
     while off < valid:
         if off + 4 > valid:
             return None
@@ -108,12 +117,54 @@ def walk(buf: bytes | memoryview, valid: int) -> dict[int, list[int]] | None:
             offsets[kind] = lst = []
         lst.append(off)
         off += size
-    return offsets
+        same = same + 1 if kind == prev else 0
+        prev = kind
+        if same >= 8 and valid - off >= 8 * size:
+            # A run of one kind: find where it ends with one vectorised look at the rest.
+            n = (valid - off) // size
+            kinds = np.ndarray(shape=(n,), dtype="<i4", buffer=buf, offset=off, strides=(size,))
+            other = np.flatnonzero(kinds != kind)
+            run = int(other[0]) if len(other) else n
+            lst.extend(range(off, off + run * size, size))
+            off += run * size
+            same = 0
+    return offsets  # type: ignore[return-value]
 
 
-def gather(u8: np.ndarray, kind: int, offsets: list[int]) -> np.ndarray:
-    """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``."""
+def _walk_uniform(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None:
+    """``{kind: range(0, valid, size)}`` when every record of the buffer is of the first one's kind."""
+    if valid < 4:
+        return None
+    kind = _KIND.unpack_from(buf, 0)[0]
+    size = _SIZES.get(kind)
+    if size is None or valid % size or valid // size < 2:
+        return None
+    n = valid // size
+    kinds = np.ndarray(shape=(n,), dtype="<i4", buffer=buf, offset=0, strides=(size,))
+    if not bool((kinds == kind).all()):
+        return None
+    return {kind: list(range(0, valid, size))}
+
+
+def gather(u8: np.ndarray, kind: int, offsets: Sequence[int]) -> np.ndarray:
+    """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``.
+
+    Records back to back (a ``range`` stepping by the struct's size) are a view of the buffer,
+    valid until the buffer is given back; any other offsets are copied out."""
     dt = RAW_DTYPES[kind]
+    size = dt.itemsize
+    if isinstance(offsets, range) and offsets.step == size and len(offsets):
+        start = offsets.start
+        return u8[start:start + len(offsets) * size].view(dt)
+    offs = np.asarray(offsets, dtype=np.intp)
+    if len(offs) > 1:
+        # Mostly back to back (runs broken by a record of another kind): a view per run.
+        breaks = np.flatnonzero(np.diff(offs) != size) + 1
+        if len(breaks) * 8 < len(offs):
+            starts = np.concatenate(([0], breaks))
+            ends = np.concatenate((breaks, [len(offs)]))
+            return np.concatenate([u8[offs[i]:offs[i] + (j - i) * size].view(dt)
+                                   for i, j in zip(starts.tolist(), ends.tolist())])
     idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(dt.itemsize, dtype=np.intp)
     rows: np.ndarray = u8[idx].view(dt).reshape(len(offsets))
     return rows

@@ -33,7 +33,9 @@ def test_budget_action_reaches_the_probe_and_engine_metrics_are_served(tmp_path:
         child = subprocess.run([sys.executable, str(HERE / "fake_probe.py"), sock, "1", str(4 << 20)],
                                capture_output=True, text=True, timeout=60)
         assert child.returncode == 0, child.stderr
-        assert [json.loads(line) for line in child.stdout.splitlines()] == [{"op": "torch_empty_cache"}]
+        controls = [json.loads(line) for line in child.stdout.splitlines()]
+        # every connection is first asked for its table totals (self-verification); then the budget's action
+        assert controls == [{"op": "verify"}, {"op": "torch_empty_cache"}]
         deadline = time.monotonic() + 5
         while True:
             assert app.http is not None

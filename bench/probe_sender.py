@@ -1,0 +1,118 @@
+"""The probe's own CPU cost per memory record, stage by stage, on the CPU (no GPU needed).
+
+Under allocation churn (cudaMallocAsync: about 850 MEMORY2 records a training step) everything
+the probe does per record runs in the workload's process, on its CPUs, holding the GIL. This
+times each stage of the sender thread on buffers laid out as CUPTI 13 writes them (64 KiB,
+MEMORY2 structs of 128 bytes, alloc/free pairs at reused addresses, as a stream-ordered
+allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run:
+
+  walk       find each record's offset and kind in the buffer (rawrecords.walk)
+  pack       gather and convert to the wire dtype (Packer.pack_raw)
+  table      queue into the probe's live table and apply at a watermark (LiveTable)
+  encode     frame the batch (framing.encode_batch: header, CRC)
+
+Usage: python bench/probe_sender.py [--records N] [--rounds R]
+Prints microseconds per record for each stage (median of R rounds) and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+
+from gpufootprint.probe import rawrecords  # noqa: E402
+from gpufootprint.probe.livetable import LiveTable  # noqa: E402
+from gpufootprint.probe.packing import Packer  # noqa: E402
+from gpufootprint.records import RecordKind  # noqa: E402
+from gpufootprint.wire import framing  # noqa: E402
+
+BUFFER = 64 << 10
+
+
+def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
+    """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses."""
+    dt = rawrecords.RAW_DTYPES[rawrecords.MEMORY2]
+    pool_dt = rawrecords.RAW_DTYPES[rawrecords.MEMORY_POOL]
+    out = []
+    i = 0
+    t = 1_700_000_000_000_000_000
+    while i < n:
+        raw = (ctypes.c_uint8 * BUFFER)()
+        u8 = np.frombuffer(raw, dtype=np.uint8)
+        off = 0
+        while i < n and off + dt.itemsize <= BUFFER:
+            if pool_record_every and i % pool_record_every == 0 and off + pool_dt.itemsize <= BUFFER:
+                rec = np.zeros(1, pool_dt)
+                u8[off:off + pool_dt.itemsize] = rec.view(np.uint8)
+                u8[off:off + 4].view("<i4")[0] = rawrecords.MEMORY_POOL
+                off += pool_dt.itemsize
+            rec = np.zeros(1, dt)
+            rec["op"] = 1 + i % 2
+            rec["mk"] = 3
+            rec["address"] = 0x7F00_0000_0000 + ((i // 2) % 300) * 0x10000
+            rec["bytes"] = 4096 * (1 + (i // 2) % 13)
+            rec["timestamp"] = t + i * 1000
+            rec["is_async"] = 1
+            u8[off:off + dt.itemsize] = rec.view(np.uint8)
+            u8[off:off + 4].view("<i4")[0] = rawrecords.MEMORY2
+            off += dt.itemsize
+            i += 1
+        out.append((raw, off))
+    return out
+
+
+def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # type: ignore[type-arg]
+    packer = Packer(os.getpid(), lambda chunk: chunks.append(chunk), capacity=4096, bulk=True)
+    chunks: list[tuple[RecordKind, np.ndarray]] = []
+    table = LiveTable()
+    walks = []
+    t0 = time.perf_counter()
+    for raw, valid in bufs:
+        walks.append(rawrecords.walk(memoryview(raw).cast("B"), valid))
+    t1 = time.perf_counter()
+    for (raw, valid), offs in zip(bufs, walks):
+        assert offs is not None
+        packer.pack_raw(memoryview(raw).cast("B"), valid, offs)
+        packer.flush()
+    t2 = time.perf_counter()
+    for kind, arr in chunks:
+        if kind is RecordKind.MEMORY:
+            table.add(arr)
+    table.advance(1 << 63)
+    t3 = time.perf_counter()
+    for kind, arr in chunks:
+        framing.encode_batch(kind, arr)
+    t4 = time.perf_counter()
+    assert sum(len(a) for k, a in chunks if k is RecordKind.MEMORY) == n
+    us = 1e6 / n
+    return {"walk": (t1 - t0) * us, "pack": (t2 - t1) * us, "table": (t3 - t2) * us, "encode": (t4 - t3) * us,
+            "total": (t4 - t0) * us}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    print(f"{platform.node()} {platform.processor() or platform.machine()} cpus={os.cpu_count()} "
+          f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round")
+    for name, bufs in (("memory2 only", buffers(args.records)),
+                       ("a pool record every 200", buffers(args.records, pool_record_every=200))):
+        rows = [run(bufs, args.records) for _ in range(args.rounds)]
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"{name:26s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + "  (us per record, median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
