@@ -151,3 +151,22 @@ def test_a_recording_that_lost_records_shows_it() -> None:
     assert pipeline.errors.counts == Counter({"release_without_allocation": 1})
     m = {x["label"]: x for x in result.marks}["after_mlp_steps"]
     assert m["live_bytes"]["device"] == m["torch_memory_reserved"] + library_bytes(m) - 2 * MiB
+
+
+@pytest.mark.parametrize("alloc", ["async", "nocache"])
+def test_allocation_churn_recordings_replay_exact_with_every_check_matching(alloc: str) -> None:
+    """Recorded on the H200 (2026-12-03 04:42 UTC, tests/gpu churn test): 150 transformer steps under
+    cudaMallocAsync or with PyTorch's caching off, about 87,000 memory records from two threads. The
+    recording carries the probe's table totals at every watermark; replayed, the daemon's footprint
+    equals them at every one, and PyTorch's figures at every mark."""
+    marks, pipeline = replay(f"h200_probe_churn_{alloc}.gfp.gz")
+    assert list(marks) == ["start", *[f"step_{n}" for n in range(25, 151, 25)], "end"]
+    assert sum(pipeline.records_ingested.values()) > 80_000
+    assert pipeline.late_records == 0
+    assert pipeline.verify_results["match"] >= 10 and pipeline.verify_results["mismatch"] == 0
+    for label, m in marks.items():
+        if alloc == "async":
+            (proc,) = pipeline.processes.values()
+            assert m["live_bytes"].get("device", 0) >= m["torch_memory_allocated"], label
+        else:
+            assert m["live_bytes"].get("device", 0) == m["torch_memory_reserved"] + library_bytes(m), label

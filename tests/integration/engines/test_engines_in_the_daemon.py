@@ -30,7 +30,7 @@ def test_budget_action_reaches_the_probe_and_engine_metrics_are_served(tmp_path:
     app = App(config, socket_path=sock, listen="127.0.0.1:0")
     app.start()
     try:
-        child = subprocess.run([sys.executable, str(HERE / "fake_probe.py"), sock, "1", str(4 << 20)],
+        child = subprocess.run([sys.executable, str(HERE / "fake_probe.py"), sock, "2", str(4 << 20)],
                                capture_output=True, text=True, timeout=60)
         assert child.returncode == 0, child.stderr
         controls = [json.loads(line) for line in child.stdout.splitlines()]
