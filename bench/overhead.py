@@ -73,6 +73,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_hooks_activity": {"driver_hooks_via": "activity"},
     "probe_hooks_subscriber": {"driver_hooks_via": "subscriber"},  # the default of run 10
     "probe_b": {},  # a second worker with the defaults (see REPLICAS)
+    # CUPTI's buffers read in the workload's process (the default until 2026-12-03): the daemon gets
+    # BATCH frames; the default now forwards buffers of memory records unread.
+    "probe_packed": {"forward_buffers": False},
 }
 # Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a

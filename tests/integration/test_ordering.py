@@ -13,21 +13,28 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.test_probe_link import Daemon, child, finish
 
 
-def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_no_drift(tmp_path: Path) -> None:
+@pytest.mark.parametrize("forward", ["1", "0"], ids=["buffers_forwarded", "buffers_read_in_the_probe"])
+def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_no_drift(tmp_path: Path,
+                                                                                         forward: str) -> None:
     sock = str(tmp_path / "p.sock")
     daemon = Daemon(sock)
     try:
         p = child(sock, tmp_path, "sleep:0.3", "churn:3", "mark:end", FAKE_STREAMS="1", FAKE_BUFFER_RECORDS="64",
-                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
+                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200", GPUFOOTPRINT_PROBE_FORWARD_BUFFERS=forward)
         status = finish(p)
         end = daemon.wait_mark("end")
     finally:
         daemon.stop()
     # The scenario happened: buffers handed over both ways, many watermarks and checks.
     assert status["fake"]["full_buffers"] > 50 and status["fake"]["partial_buffers"] > 5, status["fake"]
+    # after its first watermark the daemon read CUPTI's buffers itself (the probe forwarded them unread)
+    forwarded = status["status"]["forwarded_buffers"]
+    assert forwarded > 50 if forward == "1" else forwarded == 0, status["status"]
     assert status["status"]["records_dropped"] == 0
     pipeline = daemon.pipeline
     assert dict(pipeline.errors.counts) == {}
@@ -54,7 +61,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     daemon = Daemon(sock)
     try:
         p = child(sock, tmp_path, "sleep:0.3", "touch:ready", "wait:go", "burst:20000", "touch:burst_done",
-                  "wait:resume", "sleep:1.5", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
+                  "wait:resume", "sleep:3", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
                   GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
         _wait_file(tmp_path / "ready")
         with daemon.server.lock:  # the ingest loop blocks at its next tick: nothing is read
@@ -69,6 +76,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
         daemon.stop()
     assert status["dropped_buffer_full"] > 0, status
     assert status["drop_resyncs"] >= 1, status
+    assert status["forwarded_buffers"] > 0, status
     assert end["matches"], end
     (proc,) = daemon.pipeline.processes.values()
     assert proc.drift_bytes == 0

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
-from gpufootprint.errors import ConfigError
+from gpufootprint.errors import ConfigError, FrameError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState, PipelineSnapshot
 from gpufootprint.records import DTYPES, RecordKind
-from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
+from gpufootprint.probe import rawrecords
+from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer, encode_json
 
 if TYPE_CHECKING:
     from gpufootprint.nvml.poller import NvmlPoller
@@ -137,6 +138,21 @@ class _BatchMerger:
             return len(frame.payload) % DTYPES[RecordKind(frame.tag)].itemsize == 0
         except ValueError:
             return False
+
+
+def _records_in(frame: Frame) -> int:
+    """Records a BATCH or CUPTI_BUFFER frame carries (0 when it cannot tell)."""
+    if frame.type is FrameType.CUPTI_BUFFER:
+        try:
+            _pid, data = cupti_buffer(frame)
+        except FrameError:
+            return 0
+        offsets = rawrecords.walk(data, len(data))
+        return sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND) if offsets else 0
+    try:
+        return len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
+    except ValueError:
+        return 0
 
 
 def _decoder_reason(error: Exception) -> str:
@@ -564,16 +580,14 @@ class IngestServer:
         elif ftype is FrameType.GOODBYE:
             conn.goodbye = True
         elif ftype is FrameType.WATERMARK and not conn.verify_asked:
-            # A probe that sends watermarks is asked, once, for its table's totals with each of them
-            # (one that does not know the op counts it and goes on; an older daemon never asks, so
-            # never meets a TOTALS frame).
+            # A probe that sends watermarks is asked, once, for its table's totals with each of them,
+            # and told that this daemon reads CUPTI buffers itself (CUPTI_BUFFER frames). A probe that
+            # does not know the op counts it and goes on; an older daemon never asks, so never meets
+            # either frame.
             conn.verify_asked = True
-            self.send_control(conn.pid, {"op": "verify"})
-        elif ftype is FrameType.BATCH:
-            try:
-                n = len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
-            except ValueError:
-                n = 0
+            self.send_control(conn.pid, {"op": "verify", "cupti_buffers": 1})
+        elif ftype is FrameType.BATCH or ftype is FrameType.CUPTI_BUFFER:
+            n = _records_in(frame)
             counts = self.received.setdefault(conn.pid, [0, 0])
             if conn.resync:
                 conn.resync_records += n

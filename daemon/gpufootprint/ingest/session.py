@@ -20,7 +20,8 @@ import numpy as np
 from gpufootprint.errors import FrameError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
-from gpufootprint.wire.framing import Frame, FrameType
+from gpufootprint.probe import rawrecords
+from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class Session:
         ftype = frame.type
         if ftype is FrameType.BATCH:
             self._batch(frame)
+        elif ftype is FrameType.CUPTI_BUFFER:
+            self._cupti_buffer(frame)
         elif ftype is FrameType.MARK:
             self._mark(frame.json())
         elif ftype is FrameType.WATERMARK:
@@ -168,13 +171,31 @@ class Session:
         self.pids.add(pid)
         return self.pipeline.process(pid, self.source)
 
+    def _cupti_buffer(self, frame: Frame) -> None:
+        """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
+        pid, data = cupti_buffer(frame)
+        offsets = rawrecords.walk(data, len(data))
+        if offsets is None:
+            self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
+                                             f"walked (an unknown record kind, or a record past its end): dropped")
+            return
+        u8 = np.frombuffer(data, dtype=np.uint8)
+        for ck, offs in offsets.items():
+            kind = rawrecords.RECORD_KIND.get(ck)
+            if kind is None or kind is RecordKind.KERNEL:
+                continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
+            recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs), pid)
+            self._records(kind, recs, frame.offset)
+
     def _batch(self, frame: Frame) -> None:
         try:
             kind = RecordKind(frame.tag)
         except ValueError:
             self.problem("unknown_record_kind", f"{self.name}: byte {frame.offset}: unknown record kind {frame.tag}")
             return
-        recs = frame.records()
+        self._records(kind, frame.records(), frame.offset)
+
+    def _records(self, kind: RecordKind, recs: np.ndarray, offset: int) -> None:
         if self.ns_pid is not None and len(recs):
             mine = recs["pid"] == self.ns_pid
             if mine.any():
@@ -192,7 +213,7 @@ class Session:
         # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
         absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
         if absurd.any():
-            self.problem("bad_timestamp", f"{self.name}: byte {frame.offset}: {int(absurd.sum())} {kind.name} "
+            self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
                                           f"records with a timestamp beyond the year 2262: dropped")
             recs = recs[~absurd]
             if len(recs) == 0:

@@ -108,6 +108,9 @@ class Probe:
         # the table holds them (the watermark passes the drop) and the socket has room again.
         self._resync_after_ns = 0
         self._verify = False  # the daemon asked for TOTALS with each watermark
+        # The daemon reads CUPTI buffers itself (it said so): buffers of memory and pool records go to
+        # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
+        self._forward = False
         self._hooks_missing = False  # the driver-API hooks were refused; retried every heartbeat
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
@@ -239,6 +242,12 @@ class Probe:
         t0 = time.thread_time()
         try:
             buf = view(address, valid)
+            if self._forward and not self.settings.raw_verify_walk and self.link is not None and self.link.connected \
+                    and rawrecords.uniform_kind(buf, valid) == rawrecords.MEMORY2:
+                # Allocation churn fills whole buffers with MEMORY2 records: no walk needed.
+                self._forward_buffer(buf, valid, None)
+                self.counters["raw_buffers"] += 1
+                return
             offsets = rawrecords.walk(buf, valid)
             if self.settings.raw_verify_walk or offsets is None:
                 walk_raw = getattr(self._backend, "walk_raw", None)
@@ -253,6 +262,9 @@ class Probe:
                         offsets = reference
             if offsets is None:
                 self.counters["raw_buffers_unreadable"] += 1
+            elif self._forward and offsets.keys() <= _FORWARDABLE and self.link is not None \
+                    and self.link.connected:
+                self._forward_buffer(buf, valid, offsets)
             else:
                 n = self.packer.pack_raw(buf, valid, offsets)
                 self.counters["raw_records"] += n
@@ -261,6 +273,44 @@ class Probe:
         finally:
             raw.give_back(address)
             self.callback_seconds += time.thread_time() - t0
+
+    def _forward_buffer(self, buf: memoryview, valid: int, offsets: dict[int, list[int]] | None) -> None:
+        """One CUPTI buffer to the daemon as it is (sender thread): no conversion in the workload's process.
+
+        ``offsets`` None: the buffer holds MEMORY2 records only, back to back."""
+        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+        size = rawrecords.RAW_DTYPES[rawrecords.MEMORY2].itemsize
+        if offsets is None:
+            offsets = {rawrecords.MEMORY2: range(0, valid, size)}  # type: ignore[dict-item]
+        n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
+        mem = offsets.get(rawrecords.MEMORY2)
+        if mem:
+            structs = rawrecords.gather(u8, rawrecords.MEMORY2, mem)
+            self.table.add_raw(structs, self.pid)
+            if self._um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
+                self._configure_unified_memory()
+        if self.tee is not None:  # recordings keep the plain BATCH frames every reader knows
+            for ck, offs in offsets.items():
+                kind = rawrecords.RECORD_KIND.get(ck)
+                if kind is not None:
+                    recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs), self.pid)
+                    try:
+                        self.tee.write(framing.encode_batch(kind, recs))
+                    except OSError:
+                        self.counters["tee_errors"] += 1
+        self.counters["raw_records"] += n
+        self.counters["forwarded_buffers"] += 1
+        assert self.link is not None
+        if self.link.put(framing.encode_cupti_buffer(self.pid, buf[:valid]), records=n):
+            self.counters["records_sent"] += n
+            self.counters["batches_sent"] += 1
+        else:
+            self.counters["records_dropped"] += n
+            self.dropped_by_reason["buffer_full"] += n
+            if mem:
+                self._resync_after_ns = max(self._resync_after_ns, int(structs["timestamp"].max()))
+            elif n:
+                self._resync_after_ns = max(self._resync_after_ns, self._clock_ns())
 
     def _configure_unified_memory(self) -> None:
         """The first managed allocation was seen: unified-memory counters from now on (sender thread)."""
@@ -678,6 +728,8 @@ class Probe:
                 self.counters["resyncs_requested"] += 1
             elif op == "verify":
                 self._verify = True
+                if body.get("cupti_buffers") == 1:  # type: ignore[union-attr]
+                    self._forward = self.settings.forward_buffers
             elif op == "torch_empty_cache":
                 torch = sys.modules.get("torch")
                 if torch is not None and torch.cuda.is_initialized():
@@ -773,6 +825,7 @@ class Probe:
                                        if self.in_gap else self.gap_seconds, 6),
             "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
             "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
+            "forwarded_buffers": c["forwarded_buffers"],
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
             "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
             "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,
@@ -833,6 +886,12 @@ class Probe:
         finally:
             if self.tee is not None:
                 self.tee.close()
+
+
+#: CUPTI record kinds a forwarded buffer may hold (memory, pool, and the driver-API records the
+#: mapping hooks produce, which the daemon skips): anything else (kernels, whose names are pointers
+#: into this process; copies) is read here as before.
+_FORWARDABLE = frozenset({rawrecords.MEMORY2, rawrecords.MEMORY_POOL, rawrecords.DRIVER})
 
 
 def skip_c_teardown() -> bool:

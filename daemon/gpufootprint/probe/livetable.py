@@ -15,6 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from gpufootprint.probe import rawrecords
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
 
 Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
@@ -33,6 +34,10 @@ class LiveTable:
     rows: dict[int, Row] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
     ranges: dict[int, Row] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
     pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
+    # MEMORY2 records as CUPTI wrote them (rawrecords.RAW_DTYPES[MEMORY2]), from buffers forwarded
+    # to the daemon unread: converted here only for the allocations that stay live.
+    pending_raw: list[np.ndarray] = field(default_factory=list)
+    raw_pid: int = 0
     stale_releases: int = 0
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
 
@@ -41,6 +46,50 @@ class LiveTable:
         if len(recs):
             self.pending.append(recs.copy())
 
+    def add_raw(self, structs: np.ndarray, pid: int) -> None:
+        """Queue MEMORY2 structs (a view of a CUPTI buffer: copied here) for ``advance``."""
+        if len(structs):
+            self.pending_raw.append(structs.copy())
+            self.raw_pid = pid
+
+    def _raw_as_records(self) -> None:
+        for structs in self.pending_raw:
+            self.pending.append(rawrecords.convert(rawrecords.MEMORY2, structs, self.raw_pid))
+        self.pending_raw = []
+
+    def _advance_raw(self, ts: int) -> None:
+        raw = self.pending_raw[0] if len(self.pending_raw) == 1 else np.concatenate(self.pending_raw)
+        due = raw["timestamp"] <= ts
+        self.pending_raw = [raw[~due]] if not bool(due.all()) else []
+        ready = raw[due]
+        if len(ready) < _BULK_MIN or self.ranges:
+            recs = rawrecords.convert(rawrecords.MEMORY2, ready, self.raw_pid)
+            self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
+            return
+        ops = ready["op"]
+        keep = (ops == _ALLOC) | (ops == _RELEASE)
+        if not bool(keep.all()):
+            ready, ops = ready[keep], ops[keep]
+        addrs = ready["address"]
+        order = np.lexsort((ready["timestamp"], addrs))  # by address, then time
+        a = addrs[order]
+        released = ops[order] == _RELEASE
+        new_addr = np.empty(len(a), dtype=bool)
+        new_addr[:1] = True
+        new_addr[1:] = a[1:] != a[:-1]
+        last = np.empty(len(a), dtype=bool)
+        last[-1:] = True
+        last[:-1] = new_addr[1:]
+        rows = self.rows
+        stale = sum(1 for x in a[new_addr & released].tolist() if x not in rows)
+        self.stale_releases += stale + int((released[1:] & released[:-1] & ~new_addr[1:]).sum())
+        for x in a[last & released].tolist():
+            rows.pop(x, None)
+        stay = order[last & ~released]
+        if len(stay):
+            recs = rawrecords.convert(rawrecords.MEMORY2, ready[stay], self.raw_pid)
+            rows.update(zip(recs["addr"].tolist(), recs.tolist()))
+
     def advance(self, ts: int) -> None:
         """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
 
@@ -48,6 +97,11 @@ class LiveTable:
         address within microseconds; in time order allocation and release of an
         address alternate exactly (measured on the H200), so the table stays exact.
         """
+        if self.pending_raw:
+            if not self.pending:
+                self._advance_raw(ts)
+                return
+            self._raw_as_records()  # packed records too: put them all in one time order
         if not self.pending:
             return
         recs = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
@@ -63,6 +117,7 @@ class LiveTable:
 
     def pending_array(self) -> np.ndarray:
         """Records queued and not yet applied (stamped after the table's watermark)."""
+        self._raw_as_records()
         if not self.pending:
             return np.zeros(0, dtype=MEMORY_DTYPE)
         return self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)

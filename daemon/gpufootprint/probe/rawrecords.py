@@ -131,6 +131,18 @@ def walk(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None
     return offsets  # type: ignore[return-value]
 
 
+def uniform_kind(buf: bytes | memoryview, valid: int) -> int | None:
+    """The kind of every record in ``buf[:valid]`` when they are all of one kind, else None."""
+    if valid < 4:
+        return None
+    kind = _KIND.unpack_from(buf, 0)[0]
+    size = _SIZES.get(kind)
+    if size is None or valid % size:
+        return None
+    kinds = np.ndarray(shape=(valid // size,), dtype="<i4", buffer=buf, offset=0, strides=(size,))
+    return int(kind) if bool((kinds == kind).all()) else None
+
+
 def _walk_uniform(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None:
     """``{kind: range(0, valid, size)}`` when every record of the buffer is of the first one's kind."""
     if valid < 4:

@@ -85,6 +85,10 @@ class ProbeSettings:
     # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it
     # (a diagnostic: neither changed the lost records above).
     per_thread_buffer: str = "cupti"
+    # Raw delivery: hand CUPTI's buffers of memory and pool records to the daemon unread, when the
+    # daemon says it reads them (it does since it sends the "cupti_buffers" control); the probe keeps
+    # only the MEMORY2 structs it needs for its own table. Off: every buffer is converted here.
+    forward_buffers: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

@@ -51,6 +51,9 @@ class FrameType(enum.IntEnum):
     # JSON {"ts", "pid", "devices": {dev: {kind: [bytes, allocations]}}}: the probe's own live
     # table as of the WATERMARK ``ts`` just sent, for the daemon to check its footprint against.
     TOTALS = 12
+    # u32 pid, u32 reserved, then the valid bytes of one CUPTI activity buffer as CUPTI wrote them
+    # (memory and pool records only): the daemon reads the records, so the workload's process does not.
+    CUPTI_BUFFER = 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,22 @@ def encode_batch(kind: RecordKind, records: np.ndarray) -> bytes:
     if records.dtype != DTYPES[kind]:
         raise TypeError(f"{kind.name} batch needs dtype {DTYPES[kind]}, got {records.dtype}")
     return encode(FrameType.BATCH, records.tobytes(), tag=kind)
+
+
+_RAW_HEAD: Final = struct.Struct("<II")
+
+
+def encode_cupti_buffer(pid: int, data: bytes | memoryview) -> bytes:
+    """A CUPTI buffer's valid bytes, unread, for the daemon to decode (``FrameType.CUPTI_BUFFER``)."""
+    return encode(FrameType.CUPTI_BUFFER, _RAW_HEAD.pack(pid & 0xFFFFFFFF, 0) + bytes(data))
+
+
+def cupti_buffer(frame: Frame) -> tuple[int, memoryview]:
+    """(pid, the buffer's bytes) of a ``CUPTI_BUFFER`` frame."""
+    if len(frame.payload) < _RAW_HEAD.size:
+        raise FrameError(f"byte {frame.offset}: CUPTI_BUFFER frame shorter than its 8-byte header")
+    pid, _ = _RAW_HEAD.unpack_from(frame.payload)
+    return pid, memoryview(frame.payload)[_RAW_HEAD.size:]
 
 
 def encode_watermark(ts_ns: int) -> bytes:
