@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -274,14 +274,14 @@ class Probe:
             raw.give_back(address)
             self.callback_seconds += time.thread_time() - t0
 
-    def _forward_buffer(self, buf: memoryview, valid: int, offsets: dict[int, list[int]] | None) -> None:
+    def _forward_buffer(self, buf: memoryview, valid: int, offsets: Mapping[int, Sequence[int]] | None) -> None:
         """One CUPTI buffer to the daemon as it is (sender thread): no conversion in the workload's process.
 
         ``offsets`` None: the buffer holds MEMORY2 records only, back to back."""
         u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
         size = rawrecords.RAW_DTYPES[rawrecords.MEMORY2].itemsize
         if offsets is None:
-            offsets = {rawrecords.MEMORY2: range(0, valid, size)}  # type: ignore[dict-item]
+            offsets = {rawrecords.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
         mem = offsets.get(rawrecords.MEMORY2)
         if mem:
