@@ -39,6 +39,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: none, built-in defaults)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one configuration key (repeatable)")
+    p.add_argument("--log.level", dest="log_level", choices=("debug", "info", "warning", "error"),
+                   help="logging.level")
+    p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), help="logging.format")
     # SUPPRESS: a -v after the command adds to one given before it instead of resetting it to 0
     p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                    help="debug logging and tracebacks (also accepted before the command)")
@@ -124,6 +127,10 @@ def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Co
         key, value = parse_set_option(text)
         overrides[key] = value
     overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
+    for key, value in (("logging.level", getattr(args, "log_level", None)),
+                       ("logging.format", getattr(args, "log_format", None))):
+        if value is not None:
+            overrides[key] = value
     return load_config(args.config, overrides=overrides)
 
 

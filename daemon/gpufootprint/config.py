@@ -89,7 +89,7 @@ class FootprintConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     level: str = _spec("info", choices=("debug", "info", "warning", "error"))
-    format: str = _spec("text", choices=("text", "json"))
+    format: str = _spec("logfmt", choices=("logfmt", "text", "json"), doc="text: the older name of logfmt")
 
 
 @dataclass(frozen=True)
