@@ -184,3 +184,16 @@ def test_certificate_files_are_reread_when_they_change(pki: Path, tmp_path: Path
         assert _get(server.port, pki, None) == (200, "server2")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode", ["NoClientCert", "RequestClientCert", "RequireAnyClientCert"])
+def test_the_image_healthcheck_speaks_tls_when_the_web_config_does(mode: str, pki: Path, tmp_path: Path) -> None:
+    from gpufootprint.healthcheck import check
+
+    server = _serve(tmp_path, pki, mode)
+    try:
+        assert check(f"0.0.0.0:{server.port}", str(tmp_path / "web.yml")) is None
+        assert check(f"0.0.0.0:{server.port}", None) is not None  # plain HTTP to a TLS port fails
+    finally:
+        server.stop()
+    assert check(f"127.0.0.1:{server.port}", str(tmp_path / "web.yml")) is not None  # stopped
