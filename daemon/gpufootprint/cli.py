@@ -11,9 +11,9 @@ import argparse
 import contextlib
 import errno
 import gzip
-import os
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -153,9 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- shared checks: every one fails with one line that names the key or the path ---------
 
 
-def _reason(exc: OSError) -> str:
+def _reason(exc: OSError, other: str = "--listen HOST:PORT") -> str:
     if exc.errno == errno.EADDRINUSE:
-        return "address already in use: is gpufootprint already running? choose another with --listen HOST:PORT"
+        return f"address already in use: is gpufootprint already running? choose another with {other}"
     return exc.strerror or str(exc)
 
 
@@ -176,7 +176,7 @@ def _start_app(app: App, socket_path: str | None) -> None:
     except OSError as exc:
         if app.http is not None:  # never served: close the bound port (shutdown() would wait forever)
             app.http.httpd.server_close()
-        raise ConfigError(f"daemon.socket {socket_path}: cannot listen ({_reason(exc)})") from None
+        raise ConfigError(f"daemon.socket {socket_path}: cannot listen ({_reason(exc, '--socket PATH')})") from None
 
 
 def _check_socket_dir(path: str, create: bool) -> None:
@@ -297,7 +297,8 @@ def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
             raise ConfigError(f"demo.trace: {t} is not a file")
         frames, problems = load_frames(t)  # a damaged trace fails here, not silently in a feeder thread
         if problems:
-            raise TraceError(problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise TraceError(problems[0] + more)
         if not frames:
             raise TraceError(f"{t}: no frames (an empty trace)")
     app = _open_app(config, socket_path=None, listen=listen)
