@@ -38,6 +38,9 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(src)],
                        capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # setuptools' license-format deprecation ("stops building in February 2027") is gone
+    log = r.stdout + r.stderr
+    assert "is deprecated" not in log and "no longer be supported" not in log, log[-3000:]
     return out
 
 
