@@ -173,3 +173,29 @@ def test_a_damaged_demo_trace_fails_before_serving(tmp_path: Path) -> None:
     r = _run(["demo", "--listen", "127.0.0.1:0", "--trace", _damaged(tmp_path), "--duration", "30"], tmp_path)
     assert r.returncode == 1
     assert "serving" not in r.stdout
+
+
+def test_start_keeps_its_no_gpu_notice_on_the_repainted_screen(tmp_path: Path) -> None:
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    env = cli_env()
+    p = subprocess.Popen([sys.executable, "-m", "gpufootprint", "start", "--listen", "127.0.0.1:0", "--duration",
+                          "2.5"], env=env, cwd=tmp_path, stdout=slave, stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    p.communicate(timeout=60)
+    assert p.returncode == 0
+    screens = out.decode(errors="replace").split("\x1b[2J")
+    assert len(screens) >= 2  # repainted at least once
+    assert "no GPU here" in screens[-1]
