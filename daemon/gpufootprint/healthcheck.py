@@ -35,10 +35,9 @@ def check(listen: str, web_config_file: str | None, timeout: float = 2.0) -> str
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
-        source = web._tls_source  # the server's own files, as the web config names them
-        if source is not None:
-            tls, base, _ = source
-            ctx.load_cert_chain(str(base / str(tls["cert_file"])), str(base / str(tls["key_file"])))
+        own = web.cert_and_key()
+        if own is not None:  # presented only where the server asks for a client certificate
+            ctx.load_cert_chain(str(own[0]), str(own[1]))
         conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=ctx)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)

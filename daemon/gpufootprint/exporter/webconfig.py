@@ -81,6 +81,13 @@ class WebConfig:
     _handshake_logged: int = field(default=0, repr=False)
     _handshake_next_log: float = field(default=0.0, repr=False)
 
+    def cert_and_key(self) -> tuple[Path, Path] | None:
+        """The server's certificate and key files, as the web config names them (None: no TLS)."""
+        if self._tls_source is None:
+            return None
+        tls, base, _ = self._tls_source
+        return base / str(tls["cert_file"]), base / str(tls["key_file"])
+
     def current_tls(self) -> ssl.SSLContext | None:
         """The TLS context for a new connection, rebuilt first if a certificate, key or CA file changed."""
         if self._tls_source is None:
