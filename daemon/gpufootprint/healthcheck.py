@@ -5,7 +5,8 @@ environment, the same flags) to find the port and the web config, so it speaks T
 daemon does. It checks that this container's daemon is alive, not who it is: the server
 certificate is not verified, and where the web config asks for a client certificate the daemon's
 own certificate is presented (enough for RequestClientCert and RequireAnyClientCert; with
-RequireAndVerifyClientCert, only if ``client_ca_file`` signed the server certificate too).
+RequireAndVerifyClientCert, only if ``client_ca_file`` signed the server certificate too and the
+certificate allows client use: extended key usage clientAuth, or none).
 /healthz needs no basic auth.
 """
 
