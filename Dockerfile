@@ -1,6 +1,8 @@
 # gpufootprint daemon image: docker build -t gpufootprint/gpufootprint:0.1.0 .
 # Runs as an unprivileged user with no added capabilities; NVML comes from the
 # driver the NVIDIA container toolkit mounts (NVIDIA_DRIVER_CAPABILITIES=utility).
+# The daemon needs no CUPTI (only the probe inside workloads does): the image installs
+# the daemon extra, at the versions of constraints.txt.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
@@ -11,11 +13,16 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY daemon/ daemon/
-# Dependencies are pinned in pyproject.toml.
+# Dependency layer: rebuilt only when the dependencies or their tested versions change,
+# not at every code change. The list is read from pyproject.toml (base + the daemon extra).
+COPY pyproject.toml constraints.txt ./
 RUN python3 -m venv /opt/gpufootprint \
- && /opt/gpufootprint/bin/pip install --no-cache-dir /src
+ && python3 -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['daemon']))" > /tmp/requirements.txt \
+ && /opt/gpufootprint/bin/pip install --no-cache-dir -c constraints.txt -r /tmp/requirements.txt
+# Code layer
+COPY setup.py MANIFEST.in README.md LICENSE gpufootprint_probe.pth ./
+COPY daemon/ daemon/
+RUN /opt/gpufootprint/bin/pip install --no-cache-dir --no-deps /src
 
 FROM ${CUDA_IMAGE}
 LABEL org.opencontainers.image.title="gpufootprint" \
@@ -29,11 +36,16 @@ RUN apt-get update \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin gpufootprint \
  && install -d -o 10001 -g 10001 -m 0755 /run/gpufootprint
 COPY --from=build /opt/gpufootprint /opt/gpufootprint
+# The metrics address as configuration, not a flag, so the HEALTHCHECK reads the same one; a web
+# config (TLS, basic auth) likewise: GPUFOOTPRINT_EXPORTER__WEB_CONFIG_FILE=/etc/gpufootprint/web.yml.
 ENV PATH=/opt/gpufootprint/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    GPUFOOTPRINT_EXPORTER__LISTEN=0.0.0.0:9878
 USER 10001:10001
 EXPOSE 9878
-HEALTHCHECK --interval=30s --timeout=3s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9878/healthz', timeout=2)"]
+# Speaks TLS when the web config does (python -m gpufootprint.healthcheck reads the daemon's configuration).
+HEALTHCHECK --interval=30s --timeout=5s CMD ["python3", "-m", "gpufootprint.healthcheck"]
+# Exec form: python is PID 1 and handles SIGTERM itself (daemon and demo both stop cleanly on it).
 ENTRYPOINT ["gpufootprint"]
-CMD ["daemon", "--listen", "0.0.0.0:9878"]
+CMD ["daemon"]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from types import FrameType as _PyFrame
 
+from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
@@ -108,6 +109,8 @@ class App:
         self.collector = FootprintCollector(lambda: self.ingest.snapshot, postprocess=_postprocess(config),
                                             extra=self._extra_families)
         self.registry.register(self.collector)
+        # The daemon's own CPU, memory and file descriptors (process_*), as every exporter has them.
+        ProcessCollector(registry=self.registry)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")

@@ -1,29 +1,36 @@
 """Command line: ``gpufootprint daemon|demo|replay|convert|check-config|run|record|abtest``.
 
-Errors become one line on stderr and an exit status (2: configuration or usage,
-1: damaged input or runtime failure); ``-v`` adds the traceback.
+Errors become one line on stderr and an exit status (2: configuration or usage, such as a
+busy port, an output that cannot be written or a missing socket directory; 1: damaged or empty
+input, or a runtime failure); ``-v``, before or after the command, adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gzip
 import json
 import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
 from gpufootprint import __version__
-from gpufootprint.config import Config, config_to_dict, load_config, parse_set_option
-from gpufootprint.errors import ConfigError, GpuFootprintError
+from gpufootprint.config import Config, DaemonConfig, config_to_dict, load_config, parse_set_option
+from gpufootprint.errors import ConfigError, GpuFootprintError, TraceError
 from gpufootprint.log import setup_logging
+
+if TYPE_CHECKING:
+    from gpufootprint.app import App
+    from gpufootprint.nvml.client import NvmlClient
 
 log = logging.getLogger("gpufootprint.cli")
 
@@ -32,24 +39,32 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: none, built-in defaults)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override one configuration key (repeatable)")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
+    p.add_argument("--log.level", dest="log_level", choices=("debug", "info", "warning", "error"),
+                   help="logging.level")
+    p.add_argument("--log.format", dest="log_format", choices=("logfmt", "json"), help="logging.format")
+    # SUPPRESS: a -v after the command adds to one given before it instead of resetting it to 0
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="debug logging and tracebacks (also accepted before the command)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpufootprint", description="Runtime GPU memory-footprint daemon.")
     parser.add_argument("--version", action="version", version=f"gpufootprint {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("start", help="the main job: the daemon on a GPU node, the demo where there is no GPU")
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address")
     p.add_argument("--socket", metavar="PATH", help="probe socket (daemon only)")
+    _socket_dir_flag(p)
     p.add_argument("--duration", type=float, metavar="SECONDS", help="demo only: stop after this long")
 
     p = sub.add_parser("daemon", help="run the node agent: probe socket in, Prometheus metrics out")
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="metrics address (exporter.listen)")
     p.add_argument("--socket", metavar="PATH", help="probe socket (daemon.socket)")
+    _socket_dir_flag(p)
     p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
                    help="TLS and basic auth, exporter-toolkit format (exporter.web_config_file)")
 
@@ -100,12 +115,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _socket_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--create-socket-dir", action="store_true",
+                   help="create the probe socket's directory if it is missing (default: only the built-in "
+                        f"{os.path.dirname(DaemonConfig().socket)})")
+
+
 def _config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Config:
     overrides: dict[str, Any] = {}
     for text in args.sets:
         key, value = parse_set_option(text)
         overrides[key] = value
     overrides.update({k: v for k, v in (extra or {}).items() if v is not None})
+    for key, value in (("logging.level", getattr(args, "log_level", None)),
+                       ("logging.format", getattr(args, "log_format", None))):
+        if value is not None:
+            overrides[key] = value
     return load_config(args.config, overrides=overrides)
 
 
@@ -125,6 +150,79 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# --- shared checks: every one fails with one line that names the key or the path ---------
+
+
+def _reason(exc: OSError, other: str = "--listen HOST:PORT") -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"address already in use: is gpufootprint already running? choose another with {other}"
+    return exc.strerror or str(exc)
+
+
+def _open_app(config: Config, *, socket_path: str | None, listen: str | None,
+              nvml_client: NvmlClient | None = None) -> App:
+    """``App`` binds the metrics port when it is built: a busy port is a one-line error here."""
+    from gpufootprint.app import App
+
+    try:
+        return App(config, socket_path=socket_path, listen=listen, nvml_client=nvml_client)
+    except OSError as exc:
+        raise ConfigError(f"exporter.listen {listen}: cannot listen ({_reason(exc)})") from None
+
+
+def _start_app(app: App, socket_path: str | None) -> None:
+    try:
+        app.start()
+    except OSError as exc:
+        if app.http is not None:  # never served: close the bound port (shutdown() would wait forever)
+            app.http.httpd.server_close()
+        raise ConfigError(f"daemon.socket {socket_path}: cannot listen ({_reason(exc, '--socket PATH')})") from None
+
+
+def _check_socket_dir(path: str, create: bool) -> None:
+    """A missing directory is refused with its path; only the built-in one (or --create-socket-dir) is made."""
+    parent = Path(path).parent
+    if parent.is_dir():
+        return
+    if create or path == DaemonConfig().socket:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"daemon.socket {path}: cannot create {parent} ({exc.strerror})") from None
+        return
+    raise ConfigError(f"daemon.socket {path}: directory {parent} does not exist "
+                      "(create it, or pass --create-socket-dir)")
+
+
+def _check_output(option: str, path: str, inputs: Sequence[str] = ()) -> None:
+    """Refuse an output that is one of the inputs or cannot be written, before anything is opened."""
+    if path == "-":
+        return
+    out = Path(path)
+    for name in inputs:
+        same = out.resolve() == Path(name).resolve()
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(out, name)
+        if same:
+            raise ConfigError(f"command line {option} {path}: is the input file; write to another file")
+    parent = out.parent
+    if out.is_dir():
+        raise ConfigError(f"command line {option} {path}: is a directory")
+    if not parent.is_dir():
+        raise ConfigError(f"command line {option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ConfigError(f"command line {option} {path}: not writable")
+
+
+def _open_output(option: str, path: str, mode: str) -> IO[Any]:
+    try:
+        if path.endswith(".gz"):
+            return gzip.open(path, mode)  # type: ignore[return-value]
+        return open(path, mode)  # noqa: SIM115 - the caller closes it
+    except OSError as exc:
+        raise ConfigError(f"command line {option} {path}: cannot write ({exc.strerror})") from None
+
+
 def _setup(config: Config, verbose: int) -> None:
     setup_logging("debug" if verbose else config.logging.level, config.logging.format)
 
@@ -142,28 +240,27 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from gpufootprint.app import App, detect_gpu
+    from gpufootprint.app import detect_gpu
 
     flags = {"exporter.listen": args.listen, "daemon.socket": args.socket,
              "exporter.web_config_file": getattr(args, "web_config_file", None)}
     config = _config(args, flags)
     _setup(config, args.verbose)
+    _check_socket_dir(config.daemon.socket, args.create_socket_dir)
     present, detail = detect_gpu()
     nvml_client = None
     if present and config.nvml.enabled:
         from gpufootprint.nvml.pynvml_client import PynvmlClient
 
         nvml_client = PynvmlClient()
-    app = App(config, socket_path=config.daemon.socket, listen=config.exporter.listen, nvml_client=nvml_client)
+    app = _open_app(config, socket_path=config.daemon.socket, listen=config.exporter.listen,
+                    nvml_client=nvml_client)
     app.gpu_present = 1.0 if present else 0.0
     if present:
         log.info("gpu found: %s", detail)
     else:
         log.warning("no GPU: %s; serving probe data and metrics anyway", detail)
-    try:
-        app.start()
-    except OSError as exc:
-        raise GpuFootprintError(f"cannot start: {exc}") from None
+    _start_app(app, config.daemon.socket)
     log.info("serving metrics url=%s", app.http.url if app.http else "-")
     stop = threading.Event()
     try:
@@ -179,15 +276,16 @@ def cmd_start(args: argparse.Namespace) -> int:
     present, detail = detect_gpu()
     if present:
         return cmd_daemon(args)
-    print(f"gpufootprint: no GPU here ({detail}); starting the demo: real H200 traces replayed "
-          "into the daemon. On a GPU node this command runs the daemon.", file=sys.stderr)
+    notice = (f"gpufootprint: no GPU here ({detail}); starting the demo: real H200 traces replayed "
+              "into the daemon. On a GPU node this command runs the daemon.")
+    print(notice, file=sys.stderr)
     args.speed, args.trace = None, None
-    return cmd_demo(args)
+    return cmd_demo(args, notice=notice)
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from gpufootprint.app import App
+def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
     from gpufootprint.demo import bundled_traces, run_demo
+    from gpufootprint.replay import load_frames
 
     config = _config(args, {"demo.speed": args.speed})
     _setup(config, args.verbose)
@@ -197,15 +295,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for t in traces:
         if not t.is_file():
             raise ConfigError(f"demo.trace: {t} is not a file")
-    app = App(config, socket_path=None, listen=listen)
+        frames, problems = load_frames(t)  # a damaged trace fails here, not silently in a feeder thread
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise TraceError(problems[0] + more)
+        if not frames:
+            raise TraceError(f"{t}: no frames (an empty trace)")
+    app = _open_app(config, socket_path=None, listen=listen)
     try:
-        return run_demo(app, speed=config.demo.speed, duration=args.duration, traces=traces)
+        return run_demo(app, speed=config.demo.speed, duration=args.duration, traces=traces, notice=notice)
     except OSError as exc:
-        raise GpuFootprintError(f"cannot serve on {listen}: {exc}") from None
+        raise ConfigError(f"exporter.listen {listen}: cannot serve ({_reason(exc)})") from None
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from gpufootprint.app import App
     from gpufootprint.ingest.pipeline import Pipeline
     from gpufootprint.replay import replay_file
 
@@ -216,11 +319,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for name in args.files:
         if not Path(name).exists():
             raise GpuFootprintError(f"{name}: no such file")
+    if args.report_json:
+        _check_output("--report-json", args.report_json, args.files)
     app: App | None = None
     guard: Any = contextlib.nullcontext()
     if args.listen:
-        app = App(config, socket_path=None, listen=args.listen)
-        app.start()
+        app = _open_app(config, socket_path=None, listen=args.listen)
+        _start_app(app, None)
         pipeline = app.pipeline
         guard = app.ingest.lock
         print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
@@ -269,6 +374,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     to_jsonl = ".jsonl" in out.suffixes
+    if not Path(args.input).is_file():
+        raise TraceError(f"{args.input}: no such file")
+    _check_output("-o", args.output, [args.input])
     trace = TraceFile(args.input)
     problems = trace.problems
     compress = out.suffix == ".gz"
@@ -282,12 +390,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
                     problems.append(f"{args.input}: {decoder.error}")
                     return
 
-        with (gzip.open(out, "wt") if compress else open(out, "w")) as text_out:
+        with _open_output("-o", args.output, "wt" if compress else "w") as text_out:
             n = write_jsonl(frames(), text_out)
         what = f"{n} lines"
     else:
         n = 0
-        with (gzip.open(out, "wb") if compress else open(out, "wb")) as bin_out:
+        with _open_output("-o", args.output, "wb") as bin_out:
             for chunk in trace.chunks():
                 bin_out.write(chunk)
                 n += len(chunk)
@@ -309,7 +417,9 @@ def cmd_record(args: argparse.Namespace) -> int:
     from gpufootprint.probe import launcher
 
     config = _config(args)
-    return launcher.record(_command(args.cmd), output=args.output, probe_config=config.probe)
+    command = _command(args.cmd)
+    _check_output("-o", args.output)
+    return launcher.record(command, output=args.output, probe_config=config.probe)
 
 
 def cmd_abtest(args: argparse.Namespace) -> int:
@@ -341,7 +451,7 @@ def _command(cmd: list[str]) -> list[str]:
 
 def _write_json(path: str, obj: Any) -> None:
     fh: IO[str]
-    with (sys.stdout if path == "-" else open(path, "w")) as fh:
+    with (sys.stdout if path == "-" else _open_output("--report-json", path, "w")) as fh:
         json.dump(obj, fh, indent=1)
         fh.write("\n")
 

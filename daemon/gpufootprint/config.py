@@ -7,7 +7,8 @@ and the level it came from.
 
 Environment names: ``GPUFOOTPRINT_`` + the key path upper-cased with ``__``
 between levels, e.g. ``GPUFOOTPRINT_EXPORTER__LISTEN=0.0.0.0:9878``. Values are
-parsed as YAML scalars, so ``60`` is a number and ``true`` a boolean.
+parsed as YAML scalars, so ``60`` is a number and ``true`` a boolean. Other ``GPUFOOTPRINT_*``
+names (no ``__``: the variables Kubernetes makes for a Service named gpufootprint) are ignored.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class FootprintConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     level: str = _spec("info", choices=("debug", "info", "warning", "error"))
-    format: str = _spec("text", choices=("text", "json"))
+    format: str = _spec("logfmt", choices=("logfmt", "text", "json"), doc="text: the older name of logfmt")
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,10 @@ def load_config(
             continue
         if name.startswith(ENV_PREFIX + "PROBE_"):
             continue  # the probe's own environment, read inside workloads
+        if "__" not in name[len(ENV_PREFIX):]:
+            # Not ours: only GPUFOOTPRINT_<SECTION>__<KEY> is configuration. Kubernetes injects
+            # GPUFOOTPRINT_PORT=tcp://... and friends for a Service named gpufootprint.
+            continue
         keypath = name[len(ENV_PREFIX):].lower().split("__")
         # YAML 1.1 reads 0666 as the octal number 438: keep permission modes as written.
         value = raw if keypath[-1].endswith("mode") and raw.strip().isdigit() else \
@@ -484,7 +489,10 @@ def parse_listen(value: str, where: str = "listen") -> tuple[str, int]:
 
 
 def _src(origin: dict[str, str], path: tuple[str, ...]) -> str:
-    source = origin.get(".".join(path))
+    dotted = ".".join(path)
+    source = origin.get(dotted)
+    if source is None and dotted:  # a section: where its first leaf came from
+        source = next((src for key, src in sorted(origin.items()) if key.startswith(dotted + ".")), None)
     return f"{source}: " if source else ""
 
 

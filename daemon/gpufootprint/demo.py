@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -82,8 +83,14 @@ def render(snap: PipelineSnapshot, url: str, started: float) -> str:
     return "\n".join(lines)
 
 
-def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Path]) -> int:
+def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Path],
+             notice: str | None = None) -> int:
+    """``notice``: a line kept at the top of every repaint (the screen is cleared each time)."""
     stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        # As PID 1 in a container, SIGTERM has no default action: without a handler `docker stop`
+        # and compose wait out their grace period and then kill.
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
     app.start()
     url = app.http.url if app.http else "(no --listen)"
     print(f"gpufootprint demo serving {url}", flush=True)
@@ -98,6 +105,8 @@ def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Pat
             if duration is not None and time.monotonic() - started >= duration:
                 break
             screen = render(app.ingest.snapshot, url, started)
+            if notice and tty:
+                screen = notice + "\n\n" + screen
             if tty:
                 sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
                 sys.stdout.flush()

@@ -155,4 +155,9 @@ def load_frames(path: str | Path) -> tuple[list[Frame], list[str]]:
         if decoder.error is not None:
             trace.problems.append(f"{path}: {decoder.error}")
             break
+    else:
+        try:
+            decoder.close()  # a file cut inside its last frame
+        except Exception as exc:  # noqa: BLE001 - FrameError: a truncated last frame
+            trace.problems.append(f"{path}: {exc}")
     return frames, trace.problems

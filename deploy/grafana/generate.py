@@ -43,6 +43,10 @@ class Q:
     instant: bool = False
 
 
+# Grafana has no dollars-per-hour unit; a custom suffix keeps the number a rate, not an amount.
+RATE_USD_PER_HOUR = "suffix: $/h"
+
+
 def target(q: Q, ref: str) -> prom.Dataquery:
     t = prom.Dataquery().expr(q.expr).ref_id(ref).datasource(DS)
     if q.legend:
@@ -75,8 +79,12 @@ def stat_panel(title: str, desc: str, queries: list[Q], unit: str, *, w: int = 6
     return with_targets(p, queries, title, desc, w, h)
 
 
-def table_panel(title: str, desc: str, queries: list[Q], unit: str, *, w: int = 12, h: int = 8) -> table.Panel:
-    return with_targets(table.Panel().unit(unit).show_header(True), queries, title, desc, w, h)
+def table_panel(title: str, desc: str, queries: list[Q], unit: str, *, w: int = 12, h: int = 8,
+                column_units: dict[str, str] | None = None) -> table.Panel:
+    p = table.Panel().unit(unit).show_header(True)
+    for column, column_unit in (column_units or {}).items():
+        p = p.override_by_name(column, [dm.DynamicConfigValue(id_val="unit", value=column_unit)])
+    return with_targets(p, queries, title, desc, w, h)
 
 
 def bars_panel(title: str, desc: str, queries: list[Q], unit: str, *, w: int = 12, h: int = 8,
@@ -162,7 +170,7 @@ def build() -> dict:  # type: ignore[type-arg]
         [Q(f"max by (node, namespace, pod, pid, stream, decision) (gpufootprint_graph_advice{{{PROC_SEL}}}) == 1",
            instant=True),
          Q(f"max by (node, namespace, pod, pid, stream) (gpufootprint_graph_launch_overhead_seconds{{{PROC_SEL}}})",
-           instant=True)], "s"))
+           instant=True)], "none", column_units={"Value #B": "s"}))
 
     d = d.with_row(db.Row("Budgets and leaks"))
     d = d.with_panel(bars_panel(
@@ -182,7 +190,7 @@ def build() -> dict:  # type: ignore[type-arg]
     d = d.with_row(db.Row("Cost"))
     d = d.with_panel(stat_panel(
         "Spend now", "Dollars per hour accrued by all GPU processes in the selection, now.",
-        [Q(f"sum(rate(gpufootprint_cost_dollars_total{{{SEL}, basis=\"time\"}}[{r}])) * 3600")], "currencyUSD"))
+        [Q(f"sum(rate(gpufootprint_cost_dollars_total{{{SEL}, basis=\"time\"}}[{r}])) * 3600")], RATE_USD_PER_HOUR))
     d = d.with_panel(stat_panel(
         "Idle GPU hours", "Hours GPUs in the selection sat idle over the dashboard's time range.",
         [Q(f"sum(increase(gpufootprint_idle_gpu_seconds_total{{{GPU_SEL}}}[$__range])) / 3600")], "h"))

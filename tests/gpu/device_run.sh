@@ -29,11 +29,11 @@ if order == "cupti_first":
     print("after profiler:", maps())'
 for w in $what; do case $w in
 wheels)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade -c constraints.txt --target /tmp/site \
     .whl/cupti_python-*.whl .whl/pyelftools-*.whl
   if ! PYTHONPATH=/tmp/site python3 -c 'from cupti import cupti; cupti.get_timestamp()' > "$R/wheels.txt" 2>&1; then
     echo "cupti-python cannot load without its own libcupti; installing nvidia-cuda-cupti too" | tee -a "$R/wheels.txt"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nvidia_cuda_cupti-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade -c constraints.txt --target /tmp/site .whl/nvidia_cuda_cupti-*.whl
   fi
   ls /tmp/site >> "$R/wheels.txt" ;;
 libcupti)

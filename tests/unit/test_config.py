@@ -104,3 +104,19 @@ def test_probe_buffer_smaller_than_one_frame_is_refused(tmp_path: Path) -> None:
     path.write_text("probe:\n  buffer_bytes: 65536\n")
     with pytest.raises(ConfigError, match="probe.buffer_bytes: 65536 is below the minimum 1048576"):
         load_config(path, env={})
+
+
+def test_kubernetes_service_link_variables_are_not_configuration() -> None:
+    # A ClusterIP Service named gpufootprint makes Kubernetes inject these into every pod of the namespace.
+    links = {"GPUFOOTPRINT_PORT": "tcp://10.96.0.12:9878", "GPUFOOTPRINT_PORT_9878_TCP": "tcp://10.96.0.12:9878",
+             "GPUFOOTPRINT_PORT_9878_TCP_ADDR": "10.96.0.12", "GPUFOOTPRINT_PORT_9878_TCP_PORT": "9878",
+             "GPUFOOTPRINT_PORT_9878_TCP_PROTO": "tcp", "GPUFOOTPRINT_SERVICE_HOST": "10.96.0.12",
+             "GPUFOOTPRINT_SERVICE_PORT": "9878", "GPUFOOTPRINT_SERVICE_PORT_METRICS": "9878"}
+    assert load_config(env=links) == Config()
+    cfg = load_config(env={**links, "GPUFOOTPRINT_EXPORTER__LISTEN": "127.0.0.1:9"})
+    assert cfg.exporter.listen == "127.0.0.1:9"
+
+
+def test_a_misspelt_section_in_the_environment_is_still_refused() -> None:
+    with pytest.raises(ConfigError, match="GPUFOOTPRINT_EXPORTR__LISTEN"):
+        load_config(env={"GPUFOOTPRINT_EXPORTR__LISTEN": "127.0.0.1:9"})

@@ -235,3 +235,12 @@ def test_dockerfile_runs_as_nonroot_on_a_cuda_base() -> None:
     users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("0", "root")
     assert "--cap-add" not in text and "setcap" not in text
+
+
+def test_every_pod_template_turns_service_links_off() -> None:
+    # A Service named gpufootprint would otherwise inject GPUFOOTPRINT_PORT=tcp://... into the pods.
+    templates = [d["spec"]["template"]["spec"] for _, d in all_docs()
+                 if d.get("kind") in ("DaemonSet", "Deployment", "StatefulSet", "Job")]
+    assert templates
+    for spec in templates:
+        assert spec.get("enableServiceLinks") is False, spec

@@ -83,3 +83,30 @@ def test_every_query_uses_contract_metric_names_and_the_template_variables() -> 
     for expr in exprs:
         assert set(METRIC.findall(expr)) <= CONTRACT, expr
         assert '$cluster' in expr or 'scope, name' in expr, expr  # budgets are cluster-wide objects
+
+
+def test_every_panel_has_the_unit_of_what_its_query_returns() -> None:
+    dash = json.loads(OUT.read_text())
+    assert dash["schemaVersion"] >= 41  # the Grafana 11 SDK line
+    units = {p["title"]: p.get("fieldConfig", {}).get("defaults", {}).get("unit") for p in dash["panels"]
+             if p["type"] != "row"}
+    # rates of money are $/h, amounts are dollars; bytes, bytes per second, seconds, ratios
+    assert units["Spend now"] == "suffix: $/h"
+    for amount in ("Idle GPU cost", "Memory held but unused", "Spend by namespace and pod"):
+        assert units[amount] == "currencyUSD"
+    assert units["GPU memory per process, stacked by kind"] == "bytes"
+    assert units["Copy bandwidth by direction"] == "Bps"
+    assert units["Time to budget exhaustion"] == "s"
+    assert units["Budget utilisation"] == "percentunit"
+    assert units["Idle GPU hours"] == "h"
+    for p in dash["panels"]:
+        if p["type"] not in ("row", "state-timeline"):
+            assert units[p["title"]], p["title"]
+        for t in p.get("targets", []):
+            if "* 3600" in t["expr"] and "cost" in t["expr"]:
+                assert units[p["title"]].endswith("$/h"), p["title"]
+    # the advice table: the decision column is a flag, only the overhead column is seconds
+    advice = next(p for p in dash["panels"] if p["title"] == "CUDA Graph advice")
+    assert advice["fieldConfig"]["defaults"]["unit"] == "none"
+    assert advice["fieldConfig"]["overrides"][0]["matcher"]["options"] == "Value #B"
+    assert advice["fieldConfig"]["overrides"][0]["properties"] == [{"id": "unit", "value": "s"}]

@@ -61,14 +61,14 @@ class _Server(ThreadingHTTPServer):
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(REQUEST_TIMEOUT_S)
-        tls = self.web_config.tls
+        tls = self.web_config.current_tls()
         if tls is None:
             super().finish_request(request, client_address)
             return
         try:
             wrapped = tls.wrap_socket(request, server_side=True)
         except (ssl.SSLError, OSError) as exc:
-            log.debug("tls handshake from %s failed: %s", client_address, exc)
+            self.web_config.handshake_failed(client_address, exc)
             return
         try:
             super().finish_request(wrapped, client_address)

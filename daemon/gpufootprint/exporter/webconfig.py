@@ -14,6 +14,13 @@ The file is the one every Prometheus exporter reads with ``--web.config.file``
     basic_auth_users:
       prometheus: $2y$10$...          # bcrypt hash (htpasswd -nBC 10 "" | tr -d ':\\n')
 
+``client_auth_type`` behaves as in Go's crypto/tls: RequestClientCert asks for a certificate and
+takes any (or none), RequireAnyClientCert takes any but needs one, VerifyClientCertIfGiven checks
+one against ``client_ca_file`` when given, RequireAndVerifyClientCert needs a checked one.
+The certificate, key and CA files are re-read when they change (checked at most once a second,
+at a new connection); a half-rotated pair that does not load keeps the previous one, logged.
+A failed handshake is logged as a warning, at most once a minute with the count since.
+
 Supported: the keys above plus ``max_version``. ``cipher_suites``, ``curve_preferences``,
 ``prefer_server_cipher_suites`` and ``http2`` are Go-specific and refused with a message rather
 than silently ignored. Passwords are bcrypt only (the toolkit's only format); results are cached
@@ -25,8 +32,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
+import os
 import ssl
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +46,20 @@ import yaml
 
 from gpufootprint.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version"}
 _GO_ONLY = {"cipher_suites", "curve_preferences", "prefer_server_cipher_suites", "client_allowed_sans"}
 _VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
              "TLS13": ssl.TLSVersion.TLSv1_3}
-_CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "RequestClientCert": ssl.CERT_OPTIONAL,
-                "RequireAnyClientCert": ssl.CERT_REQUIRED, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
+# (OpenSSL verify mode, whether the chain is checked against client_ca_file)
+_CLIENT_AUTH = {"NoClientCert": (ssl.CERT_NONE, False), "RequestClientCert": (ssl.CERT_OPTIONAL, False),
+                "RequireAnyClientCert": (ssl.CERT_REQUIRED, False),
+                "VerifyClientCertIfGiven": (ssl.CERT_OPTIONAL, True),
+                "RequireAndVerifyClientCert": (ssl.CERT_REQUIRED, True)}
+#: how often a new connection may stat the TLS files, and how often a failed handshake is logged
+TLS_FILE_CHECK_S = 1.0
+HANDSHAKE_LOG_S = 60.0
 # Checked when the user is unknown, so a wrong user name takes as long as a wrong password.
 _DUMMY_HASH = b"$2b$10$" + b"C" * 53
 _CACHE_SIZE = 256
@@ -56,6 +73,55 @@ class WebConfig:
     headers: dict[str, str] = field(default_factory=dict)
     _cache: OrderedDict[bytes, bool] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # TLS file reloads: what the context was built from, and the files' state then
+    _tls_source: tuple[dict[str, Any], Path, str] | None = field(default=None, repr=False)
+    _tls_stamp: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    _tls_next_check: float = field(default=0.0, repr=False)
+    handshake_failures: int = 0
+    _handshake_logged: int = field(default=0, repr=False)
+    _handshake_next_log: float = field(default=0.0, repr=False)
+
+    def cert_and_key(self) -> tuple[Path, Path] | None:
+        """The server's certificate and key files, as the web config names them (None: no TLS)."""
+        if self._tls_source is None:
+            return None
+        tls, base, _ = self._tls_source
+        return base / str(tls["cert_file"]), base / str(tls["key_file"])
+
+    def current_tls(self) -> ssl.SSLContext | None:
+        """The TLS context for a new connection, rebuilt first if a certificate, key or CA file changed."""
+        if self._tls_source is None:
+            return self.tls
+        now = time.monotonic()
+        with self._lock:
+            if now < self._tls_next_check:
+                return self.tls
+            self._tls_next_check = now + TLS_FILE_CHECK_S
+            tls, base, where = self._tls_source
+            stamp = _stamp(_tls_files(tls, base))
+            if stamp == self._tls_stamp:
+                return self.tls
+            self._tls_stamp = stamp  # a broken file is tried again when it changes, not every second
+            try:
+                self.tls = _tls_context(tls, base, where)
+            except ConfigError as exc:
+                log.error("tls files changed but do not load, keeping the previous ones: %s", exc)
+            else:
+                log.info("tls files changed: reloaded %s", ", ".join(str(p) for p in _tls_files(tls, base)))
+            return self.tls
+
+    def handshake_failed(self, client: Any, exc: BaseException) -> None:
+        """Count a failed TLS handshake; log the first, then at most once a minute with the count."""
+        now = time.monotonic()
+        with self._lock:
+            self.handshake_failures += 1
+            if now < self._handshake_next_log:
+                return
+            self._handshake_next_log = now + HANDSHAKE_LOG_S
+            since, self._handshake_logged = self.handshake_failures - self._handshake_logged, self.handshake_failures
+        host = client[0] if isinstance(client, tuple) and client else client
+        log.warning("tls handshake failed client=%s error=%r failures_since_last_log=%d", host,
+                    getattr(exc, "reason", None) or str(exc), since)
 
     @property
     def auth_required(self) -> bool:
@@ -116,6 +182,8 @@ def load_web_config(path: str | None) -> WebConfig:
     tls = data.get("tls_server_config")
     if tls:
         cfg.tls = _tls_context(tls, base, where)
+        cfg._tls_source = (dict(tls), base, where)
+        cfg._tls_stamp = _stamp(_tls_files(tls, base))
     http = data.get("http_server_config") or {}
     if not isinstance(http, dict):
         raise ConfigError(f"{where}: http_server_config: expected a mapping")
@@ -175,12 +243,39 @@ def _tls_context(tls: Any, base: Path, where: str) -> ssl.SSLContext:
     if mode not in _CLIENT_AUTH:
         raise ConfigError(f"{where}: tls_server_config.client_auth_type: {mode!r} is not one of "
                           f"{', '.join(_CLIENT_AUTH)}")
-    ctx.verify_mode = _CLIENT_AUTH[mode]
+    verify_mode, checked = _CLIENT_AUTH[mode]
     if tls.get("client_ca_file"):
         try:
             ctx.load_verify_locations(str(base / str(tls["client_ca_file"])))
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{where}: tls_server_config.client_ca_file: cannot load ({exc})") from None
-    elif mode in ("VerifyClientCertIfGiven", "RequireAndVerifyClientCert"):
+    elif checked:
         raise ConfigError(f"{where}: tls_server_config.client_ca_file: required by client_auth_type {mode}")
+    if verify_mode != ssl.CERT_NONE and not checked:
+        from gpufootprint.exporter.tlsverify import accept_any_client_certificate
+
+        try:
+            accept_any_client_certificate(ctx, verify_mode)
+        except OSError as exc:
+            raise ConfigError(f"{where}: tls_server_config.client_auth_type: {mode} is not available here "
+                              f"({exc}); use VerifyClientCertIfGiven or RequireAndVerifyClientCert") from None
+    else:
+        ctx.verify_mode = verify_mode
     return ctx
+
+
+def _tls_files(tls: dict[str, Any], base: Path) -> list[Path]:
+    return [base / str(tls[k]) for k in ("cert_file", "key_file", "client_ca_file") if tls.get(k)]
+
+
+def _stamp(paths: list[Path]) -> tuple[tuple[int, int, int], ...]:
+    """What changes when a file is rewritten or replaced (a Kubernetes secret swaps a symlink)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            out.append((-1, -1, -1))
+        else:
+            out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(out)

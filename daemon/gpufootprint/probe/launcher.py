@@ -251,7 +251,7 @@ def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
     try:
         env = probe_env(relay.socket_path)
         env.update(settings_env(probe_config))
-        return _spawn(cmd, env)
+        rc = _spawn(cmd, env)
     finally:
         relay.close()
         log.info("recorded frames=%d file=%s", relay.frames, output)
@@ -259,3 +259,10 @@ def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
             # The workload's exit status stays the command's; the loss is said once, on stderr.
             print(f"gpufootprint record: error: {relay.write_error}; {relay.frames_lost} frames "
                   f"({relay.records_lost} records) lost, the recording is incomplete", file=sys.stderr)
+    if relay.frames == 0:
+        # No probe ever connected (no GPU, no CUPTI, or a command that is not Python): an empty
+        # file is not a recording, and a zero exit would hide it.
+        print(f"gpufootprint record: error: {output}: empty recording, no probe connected (no GPU or CUPTI "
+              "here, or the command does not start Python)", file=sys.stderr)
+        return rc or 1
+    return rc
