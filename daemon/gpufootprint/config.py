@@ -185,6 +185,9 @@ class ProbeConfig:
     driver_hooks_via: str = _spec("activity", choices=PROBE_HOOKS_VIA,
                                   doc="activity: CUPTI's per-API activity switch (no subscriber; a profiler keeps "
                                       "its place); subscriber: CUPTI's one callback subscription, with a C no-op")
+    forward_buffers: bool = _spec(True, doc="raw delivery: buffers of memory and pool records go to the daemon as "
+                                            "CUPTI wrote them, read there instead of in the workload's process "
+                                            "(docs/probe.md)")
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")
