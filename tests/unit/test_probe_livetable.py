@@ -67,11 +67,22 @@ def test_profiler_gap_rebuild_keeps_library_memory_and_replaces_pytorchs_segment
     assert len(table.to_array(50)) == 4
 
 
-def test_untracked_entry_is_replaced_not_added() -> None:
+def test_untracked_entry_is_replaced_not_added_and_applies_at_the_watermark_like_any_record() -> None:
     table = LiveTable()
-    assert table.set_untracked(0, 1000, ts=1, pid=9) is None
-    old = table.set_untracked(0, 1500, ts=2, pid=9)
-    assert old is not None and old[2] == 1000
+    first = table.untracked_records(0, 1000, ts=1, pid=9)
+    assert [r[12] for r in first] == [1]  # an allocation
+    assert table.live_by_kind(0) == {}  # queued: the daemon applies it at the same watermark
+    second = table.untracked_records(0, 1500, ts=2, pid=9)
+    assert [(r[12], r[2]) for r in second] == [(2, 1000), (1, 1500)]  # release the old, allocate the new
+    assert table.untracked_records(0, 1500, ts=3, pid=9) == []  # unchanged: nothing to send
+    table.advance(2)
     assert table.live_by_kind(0) == {"untracked": 1500}
     assert table.resident_bytes(0) == 0 and table.resident_bytes(0, exclude_untracked=False) == 1500
     assert untracked_address(0) in table.rows
+    assert table.stale_releases == 0
+
+
+def test_resident_bytes_now_counts_what_is_queued() -> None:
+    table = LiveTable()
+    table.add(arr([rec(1, 0x1000, 4096, 10), rec(1, 0x2000, 8192, 11), rec(2, 0x1000, 4096, 12)]))
+    assert table.resident_bytes(0) == 0 and table.resident_bytes_now(0) == 8192

@@ -782,22 +782,14 @@ class Probe:
         if used is None:
             return
         if self.period and not self.in_gap:
-            # NVML minus the table: the table must be as of now, not of the last watermark.
+            # NVML minus what CUPTI saw: everything CUPTI holds must be in, up to now.
             self._flush_and_drain()
         ts = self._clock_ns()
         rows = []
         for dev, nbytes in used.items():
-            seen = self.table.resident_bytes(dev)
-            want = max(0, nbytes - seen)
-            old = self.table.rows.get(_untracked_addr(dev))
-            if old is not None and old[2] == want:
-                continue
-            old = self.table.set_untracked(dev, want, ts, self.pid)
-            if old is not None:
-                rows.append((ts, *old[1:12], 2, *old[13:]))
-            new = self.table.rows.get(_untracked_addr(dev))
-            if new is not None:
-                rows.append(new)
+            # Queued like any record (the table and the daemon apply it at the same watermark).
+            rows += self.table.untracked_records(dev, max(0, nbytes - self.table.resident_bytes_now(dev)), ts,
+                                                 self.pid)
         if rows:
             arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
             for i, r in enumerate(rows):
@@ -913,12 +905,6 @@ def skip_c_teardown() -> bool:
     fflush.argtypes = [ctypes.c_void_p]
     fflush(None)
     return int(on_exit(ctypes.cast(exit_now, ctypes.c_void_p), None)) == 0
-
-
-def _untracked_addr(dev: int) -> int:
-    from gpufootprint.probe.livetable import untracked_address
-
-    return untracked_address(dev)
 
 
 def _torch_numbers() -> dict[str, Any]:

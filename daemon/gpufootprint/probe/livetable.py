@@ -39,6 +39,7 @@ class LiveTable:
     pending_raw: list[np.ndarray] = field(default_factory=list)
     raw_pid: int = 0
     stale_releases: int = 0
+    _untracked: dict[int, Row] = field(default_factory=dict)  # device -> the UNTRACKED entry declared last
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
 
     def add(self, recs: np.ndarray) -> None:
@@ -201,13 +202,44 @@ class LiveTable:
                 return True
         return False
 
-    def set_untracked(self, dev: int, nbytes: int, ts: int, pid: int) -> Row | None:
-        """Replace the synthetic UNTRACKED entry of ``dev``; returns the old row (for a release)."""
+    def untracked_records(self, dev: int, nbytes: int, ts: int, pid: int) -> list[Row]:
+        """Records that make the synthetic UNTRACKED entry of ``dev`` hold ``nbytes`` from ``ts`` on
+        (a release of the one declared before, an allocation of the new one), queued like any record:
+        the table and the daemon apply them at the same watermark. [] when nothing changes."""
         addr = untracked_address(dev)
-        old = self.rows.pop(addr, None)
+        old = self._untracked.get(dev)
+        if old is not None and old[BYTES] == nbytes:
+            return []
+        rows: list[Row] = []
+        if old is not None:
+            rows.append((ts, *old[1:OP], _RELEASE, *old[OP + 1:]))
         if nbytes > 0:
-            self.rows[addr] = (ts, addr, nbytes, 0, 0, 0, 0, pid, dev, 0, 0, 0, _ALLOC, int(MemoryKind.UNTRACKED), 0, 0)
-        return old
+            self._untracked[dev] = (ts, addr, nbytes, 0, 0, 0, 0, pid, dev, 0, 0, 0, _ALLOC,
+                                    int(MemoryKind.UNTRACKED), 0, 0)
+            rows.append(self._untracked[dev])
+        else:
+            self._untracked.pop(dev, None)
+        if rows:
+            arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
+            for i, r in enumerate(rows):
+                arr[i] = r
+            self.add(arr)
+        return rows
+
+    def resident_bytes_now(self, dev: int) -> int:
+        """``resident_bytes`` with every queued record applied (what the GPU holds now, as far as seen)."""
+        total = self.resident_bytes(dev)
+        resident = np.zeros(256, dtype=bool)
+        resident[[int(k) for k in DEVICE_RESIDENT_KINDS if k != MemoryKind.UNTRACKED]] = True
+        for recs in self.pending:
+            mine = (recs["dev"] == dev) & resident[recs["mk"]]
+            sign = np.where(recs["op"][mine] == _ALLOC, 1, np.where(recs["op"][mine] == _RELEASE, -1, 0))
+            total += int((sign * recs["bytes"][mine].astype(np.int64)).sum())
+        for structs in self.pending_raw:
+            mine = (structs["dev"] == dev) & resident[structs["mk"] & 0xFF]
+            sign = np.where(structs["op"][mine] == _ALLOC, 1, np.where(structs["op"][mine] == _RELEASE, -1, 0))
+            total += int((sign * structs["bytes"][mine].astype(np.int64)).sum())
+        return total
 
     def resident_bytes(self, dev: int, *, exclude_untracked: bool = True) -> int:
         total = 0
