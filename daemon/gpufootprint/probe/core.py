@@ -42,6 +42,7 @@ from gpufootprint.wire.framing import Frame, FrameType
 log = logging.getLogger(__name__)
 
 _RESYNC_CHUNK = 4096
+_DROP_RESYNC_EVERY_S = 2.0  # resyncs that repair records dropped while connected: at most this often
 
 
 class Probe:
@@ -107,6 +108,7 @@ class Probe:
         # Records dropped while connected (the daemon stopped reading): a resync repairs them once
         # the table holds them (the watermark passes the drop) and the socket has room again.
         self._resync_after_ns = 0
+        self._drop_resync_at = -_DROP_RESYNC_EVERY_S  # monotonic time of the last one
         self._verify = False  # the daemon asked for TOTALS with each watermark
         # The daemon reads CUPTI buffers itself (it said so): buffers of memory and pool records go to
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
@@ -480,8 +482,11 @@ class Probe:
                     self._want_resync = False
                     self._resync("requested")
                 if self._resync_after_ns and self._table_ts >= self._resync_after_ns and self.link is not None \
-                        and self.link.connected and self.link.buffered < self.link.buffer_bytes // 2:
+                        and self.link.connected and self.link.buffered < self.link.buffer_bytes // 2 \
+                        and now - self._drop_resync_at >= _DROP_RESYNC_EVERY_S:
+                    # At most one every few seconds: under a sustained overload a resync is more load.
                     self._resync_after_ns = 0
+                    self._drop_resync_at = now
                     self.counters["drop_resyncs"] += 1
                     self._resync("dropped")
                 if self.link is not None:
