@@ -155,3 +155,15 @@ def test_pool_reserved_is_never_below_pool_used_on_the_h200_async_trace() -> Non
     for proc in snap.processes:
         for d in proc.devices:
             assert d.pool_reserved_bytes >= d.pool_used_bytes
+
+
+def test_a_watermarked_stream_that_stops_sending_watermarks_cannot_hold_records_back_without_bound() -> None:
+    p = pipeline()
+    p.max_pending_records = 1_000
+    p.process(100, "probe")
+    p.watermark(100, 1)
+    rows = [mem(10 * MS + i * MS, ALLOC if i % 2 == 0 else FREE, 0x1000 + (i // 2) * 64, 64) for i in range(3_000)]
+    for i in range(0, len(rows), 100):
+        p.submit(RecordKind.MEMORY, mem_batch(rows[i:i + 100]))
+    assert p.processes[100].pending_records <= 1_100
+    assert p.pending_overflows >= 1

@@ -131,9 +131,11 @@ class Pipeline:
         # server asks their probes for a resync (rate-limited) and clears the entry.
         self.resync_wanted: set[int] = set()
         self.verify_results: Counter[str] = Counter()  # match, mismatch, skipped
-        # A watermarked stream whose probe never sends a watermark cannot hold more than this
-        # many records back: past it the reorder window applies to it too (counted).
-        self.max_pending_records = 2_000_000
+        # A watermarked stream whose probe stops sending watermarks cannot hold more than this many
+        # records back (at most 80 B each: 32 MB): past it the reorder window applies to it too
+        # (counted). Allocation churn on the H200 made about 60,000 records a second, and records
+        # wait about two watermark periods (2 s).
+        self.max_pending_records = 400_000
         self.pending_overflows = 0
 
     # --- input ----------------------------------------------------------------
