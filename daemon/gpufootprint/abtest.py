@@ -1,8 +1,9 @@
 """``gpufootprint abtest``: compare CUDA Graph advisor policies offline on recorded traces.
 
-Each trace is replayed through the daemon's own decoder, session and pipeline
-(with kernel retention on); the allocation reuse ratio is computed from the
-trace's MEMORY records; then every policy judges every stream of every process.
+Each trace is replayed through the daemon's own decoder, session, pipeline and
+feature hub (with kernel retention on), so the allocation reuse ratio is the
+live daemon's (``features.reuse``); then every policy judges every stream of
+every process with the advisor the daemon runs.
 A policy file is YAML: either the keys of ``graph_advisor`` at the top level, or
 a whole configuration with a ``graph_advisor:`` section.
 """
@@ -14,18 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from gpufootprint import config as config_mod
 from gpufootprint.config import Config, GraphAdvisorConfig
 from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
 from gpufootprint.errors import ConfigError, GpuFootprintError
-from gpufootprint.features.reuse import ReuseCounter
 from gpufootprint.ingest.pipeline import Pipeline
-from gpufootprint.records import RecordKind
 from gpufootprint.replay import replay_file
-from gpufootprint.wire.framing import Frame, FrameType
+from gpufootprint.sampler.hub import FeatureHub
 
 OFFLINE_RETENTION = 1 << 22  # kernels kept per process when replaying a file
 
@@ -62,30 +60,13 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
     for trace in traces:
         if not Path(trace).is_file():
             raise GpuFootprintError(f"{trace}: no such file")
-        pipeline = Pipeline(config.footprint, kernel_retention=OFFLINE_RETENTION)
-        memory: list[np.ndarray] = []
-
-        def keep_memory(frame: Frame, memory: list[np.ndarray] = memory) -> None:
-            if frame.type is FrameType.BATCH and frame.tag == RecordKind.MEMORY:
-                try:
-                    memory.append(frame.records().copy())
-                except GpuFootprintError:
-                    pass  # the session reports the damaged frame
-
-        result = replay_file(trace, pipeline, on_frame=keep_memory, max_frame_bytes=config.daemon.max_frame_bytes)
+        # The daemon's own hub: the reuse ratio is the live one (features.reuse), read by the advisor
+        # over the same steady part as live.
+        pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler),
+                            kernel_retention=OFFLINE_RETENTION)
+        result = replay_file(trace, pipeline, max_frame_bytes=config.daemon.max_frame_bytes)
         problems.extend(result.problems)
-        reuse_counter = ReuseCounter()
-        if memory:
-            reuse_counter.add(np.concatenate(memory))
         snap = pipeline.snapshot(wall_time=0.0)
-        reuse: dict[tuple[int, int], float] = {}
-        for p in snap.processes:
-            k = p.recent_kernels
-            # the steady part: allocations from the median kernel start on
-            since = int(np.median(k["start"])) if k is not None and len(k) else None
-            r = reuse_counter.ratio(p.pid, since)
-            if r is not None:
-                reuse.update({(p.pid, d.dev): r for d in p.devices})
         per_policy: list[tuple[NamedPolicy, tuple[GraphDecision, ...]]] = []
         cache: dict[tuple[float, ...], dict[int, Any]] = {}
         for np_ in policies:
@@ -93,7 +74,7 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
             if key not in cache:
                 cache[key] = {p.pid: compute_stats(p.recent_kernels, np_.policy) for p in snap.processes
                               if p.recent_kernels is not None}
-            per_policy.append((np_, advise(snap, np_.policy, reuse=reuse, stats=cache[key])))
+            per_policy.append((np_, advise(snap, np_.policy, stats=cache[key])))
         index: dict[tuple[int, int | None, int | None], dict[str, Any]] = {}
         for np_, decisions in per_policy:
             for d in decisions:

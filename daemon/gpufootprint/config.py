@@ -201,7 +201,13 @@ class GraphAdvisorConfig:
     enabled: bool = _spec(True, doc="run the CUDA Graph advisor on retained kernel records")
     min_op_count: int = _spec(8, lo=1, hi=1_000_000, doc="capture needs at least this many kernels per step")
     min_mean_kernel_ms: float = _spec(0.5, lo=0, hi=60_000, doc="capture needs this mean kernel duration")
+    max_op_count: int | None = _spec(None, lo=1, hi=1_000_000,
+                                     doc="capture needs at most this many kernels per step (None: no upper bound)")
+    max_mean_kernel_ms: float | None = _spec(None, lo=0, hi=60_000,
+                                             doc="capture needs at most this mean kernel duration: launch-bound "
+                                                 "steps of tiny kernels (None: no upper bound)")
     min_reuse: float = _spec(0.7, lo=0, hi=1, doc="capture needs this allocation reuse ratio")
+    max_reuse: float | None = _spec(None, lo=0, hi=1, doc="capture needs at most this reuse ratio (None: no bound)")
     allow_unknown_reuse: bool = _spec(False, doc="treat an unknown reuse ratio as passing")
     captured_share: float = _spec(0.5, lo=0, hi=1,
                                   doc="a stream whose kernels come from graphs at least this share is captured")

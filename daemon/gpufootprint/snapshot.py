@@ -87,6 +87,10 @@ class DeviceFeatures:
     page_faults: dict[str, int]  # unified-memory page faults, by side (cpu, gpu)
     migration_rate_hz: float | None  # migrations + faults + host<->device copies per second, last window
     migration_windows: tuple[Any, ...] = ()  # features.frames.MigrationWindow: the last second's, with activity
+    # The newest device allocations' (ts, reused) (features.reuse.REUSE_EVENT_DTYPE, read-only) and how many
+    # device allocations there were in all: the advisor's reuse over the steady part (features.reuse.steady_ratio).
+    reuse_events: np.ndarray | None = None
+    device_allocations: int = 0
 
 
 @dataclass(frozen=True, slots=True)

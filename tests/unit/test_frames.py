@@ -77,7 +77,9 @@ def brute_frames(lines: list[dict[str, Any]], pid: int, dev: int) -> list[dict[s
 def brute_reuse(lines: list[dict[str, Any]], pid: int, dev: int) -> float | None:
     freed: set[tuple[int, int]] = set()
     seen = hit = 0
-    for o in sorted((o for o in lines if o["k"] == "mem" and o["pid"] == pid and o["dev"] == dev),
+    # device allocations only (features.reuse): not module globals, not pinned host memory
+    for o in sorted((o for o in lines if o["k"] == "mem" and o["pid"] == pid and o["dev"] == dev
+                     and o.get("mk") in (3, "device")),
                     key=lambda o: o["ts"]):
         if o["op"] == 1:
             seen += 1

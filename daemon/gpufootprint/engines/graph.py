@@ -4,7 +4,8 @@ Per process and stream, from the retained kernel window: kernels per repeated
 step (the period of the kernel-name sequence), mean kernel duration, the
 allocation reuse ratio (a graph replays fixed addresses) and the share of the
 step the stream sat idle between kernels. The policy (op count, duration and
-reuse thresholds) decides; every decision lists each check with its value.
+reuse, each with a lower and an optional upper bound) decides; every decision
+lists each check with its value.
 
 Decisions: ``capture`` (every check passes), ``keep`` (a check fails),
 ``already_captured`` (the stream's kernels are replayed from a graph: graph id
@@ -17,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from gpufootprint.config import GraphAdvisorConfig
 from gpufootprint.engines import inputs
@@ -32,6 +35,9 @@ class GraphPolicy:
     min_op_count: int = 8
     min_mean_kernel_ms: float = 0.5
     min_reuse: float = 0.7
+    max_op_count: int | None = None
+    max_mean_kernel_ms: float | None = None
+    max_reuse: float | None = None
     allow_unknown_reuse: bool = False
     captured_share: float = 0.5
     min_steps: int = 3
@@ -72,8 +78,6 @@ class GraphDecision:
 
 
 def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int], StreamKernelStats]:
-    import numpy as np
-
     assert isinstance(kernels, np.ndarray)
     return stream_stats(kernels, min_match=policy.min_match, min_steps=policy.min_steps,
                         max_period=policy.max_period, analysis_kernels=policy.analysis_kernels,
@@ -103,14 +107,10 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     reasons: list[str] = []
     failed = unknown = False
     mean_ms = stats.mean_kernel_seconds * 1e3
-    for ok, text in (
-        (stats.period >= policy.min_op_count,
-         (f"op_count {stats.period} kernels/step {'>=' if stats.period >= policy.min_op_count else '<'} "
-          f"{policy.min_op_count}")),
-        (mean_ms >= policy.min_mean_kernel_ms,
-         (f"mean kernel duration {mean_ms:.3f} ms {'>=' if mean_ms >= policy.min_mean_kernel_ms else '<'} "
-          f"{policy.min_mean_kernel_ms} ms")),
-    ):
+    checks = [_bounded("op_count", stats.period, "kernels/step", "", "d", policy.min_op_count, policy.max_op_count),
+              _bounded("mean kernel duration", mean_ms, "ms", " ms", ".3f", policy.min_mean_kernel_ms,
+                       policy.max_mean_kernel_ms)]
+    for ok, text in checks:
         reasons.append(("pass: " if ok else "fail: ") + text)
         failed |= not ok
     if reuse is None:
@@ -120,9 +120,8 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
             reasons.append("unknown: allocation reuse ratio not available")
             unknown = True
     else:
-        ok = reuse >= policy.min_reuse
-        reasons.append(("pass: " if ok else "fail: ") +
-                       f"allocation reuse {reuse:.2f} {'>=' if ok else '<'} {policy.min_reuse}")
+        ok, text = _bounded("allocation reuse", reuse, "", "", ".2f", policy.min_reuse, policy.max_reuse)
+        reasons.append(("pass: " if ok else "fail: ") + text)
         failed |= not ok
     if stats.gap_share is not None and stats.saveable_seconds is not None and stats.step_seconds is not None:
         reasons.append(f"info: launch gaps {stats.gap_share:.1%} of a {stats.step_seconds * 1e3:.3f} ms step; "
@@ -130,16 +129,38 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
 
 
+def _bounded(name: str, value: float, unit: str, bound_unit: str, spec: str, lo: float,
+             hi: float | None) -> tuple[bool, str]:
+    """One check against a lower and an optional upper bound, with the text the decision lists."""
+    shown = f"{name} {format(value, spec)}" + (f" {unit}" if unit else "")
+    if value < lo:
+        return False, f"{shown} < {lo}{bound_unit}"
+    if hi is not None and value > hi:
+        return False, f"{shown} > {hi}{bound_unit}"
+    if hi is None:
+        return True, f"{shown} >= {lo}{bound_unit}"
+    return True, f"{lo}{bound_unit} <= {shown} <= {hi}{bound_unit}"
+
+
+def reuse_since(kernels: np.ndarray | None) -> int | None:
+    """Where the steady part starts for the reuse ratio: the median start of the retained kernels."""
+    if kernels is None or len(kernels) == 0:
+        return None
+    return int(np.median(kernels["start"]))
+
+
 def advise(snap: PipelineSnapshot, policy: GraphPolicy,
            reuse: Mapping[tuple[int, int], float] | None = None,
            stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None) -> tuple[GraphDecision, ...]:
     """Decisions for every process whose kernels the pipeline retains.
 
-    ``reuse`` overrides the reuse ratio per (pid, dev) (offline replays compute it
-    from the trace); otherwise the snapshot's own feature is used. ``stats`` lets a
-    caller pass per-pid statistics it cached (they depend only on the kernels).
+    ``reuse`` overrides the reuse ratio per (pid, dev) (a test's what-if); otherwise
+    the sampler's feature is read over the steady part (``reuse_since``), the same
+    way live and in ``abtest``. ``stats`` lets a caller pass per-pid statistics it
+    cached (they depend only on the kernels).
     """
     out: list[GraphDecision] = []
+    feats = inputs.features_of(snap)
     for proc in snap.processes:
         if proc.recent_kernels is None:
             continue  # kernel retention is off: no opinion
@@ -150,10 +171,10 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
                                      decision=INSUFFICIENT, exited=proc.exited,
                                      reasons=("no kernel records seen yet (kernel activity is sampled in windows)",)))
             continue
-        devs = {d.dev: d for d in proc.devices}
+        since = reuse_since(proc.recent_kernels)
         for (dev, stream), st in sorted(per_stream.items()):
             r = reuse.get((proc.pid, dev)) if reuse is not None else None
-            if r is None and dev in devs:
-                r = inputs.reuse_ratio(devs[dev])
+            if r is None:
+                r = inputs.reuse_ratio(feats.get((proc.pid, dev)), since)
             out.append(decide_stream(st, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited))
     return tuple(out)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpufootprint.snapshot import DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
+from gpufootprint.features.reuse import steady_ratio
+from gpufootprint.snapshot import DeviceFeatures, DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
 
 
 def gpu_states(snap: PipelineSnapshot) -> dict[int, GpuState]:
@@ -44,17 +45,27 @@ def gpu_total_bytes(gpu: GpuState, memory_table: Mapping[str, int], default_mode
     return memory_table[key] if key is not None else None
 
 
-def reuse_ratio(dev: DeviceSnapshot) -> float | None:
-    """The sampler's allocation reuse ratio (issue 4), when that stage provides it."""
-    value = getattr(dev, "allocation_reuse_ratio", None)
-    return float(value) if isinstance(value, (int, float)) else None
+def features_of(snap: PipelineSnapshot) -> dict[tuple[int, int], DeviceFeatures]:
+    """The sampler's features by (pid, device)."""
+    return {(f.pid, f.dev): f for f in snap.features}
 
 
-def allocator_slack_bytes(proc: ProcessSnapshot, dev: DeviceSnapshot) -> int:
-    """PyTorch reserved minus allocated on this device (0 when unknown)."""
-    value = getattr(dev, "allocator_slack_bytes", None)
-    if isinstance(value, (int, float)):
-        return max(0, int(value))
+def reuse_ratio(feat: DeviceFeatures | None, since: int | None) -> float | None:
+    """Device-allocation reuse from ``since`` on (features.reuse: the one definition ``abtest`` shares)."""
+    if feat is None:
+        return None
+    if feat.reuse_events is None:
+        return feat.allocation_reuse_ratio
+    if since is None:
+        return feat.allocation_reuse_ratio
+    return steady_ratio(feat.reuse_events, feat.device_allocations, since)
+
+
+def allocator_slack_bytes(proc: ProcessSnapshot, dev: DeviceSnapshot, feat: DeviceFeatures | None = None) -> int:
+    """PyTorch reserved minus allocated on this device (0 when unknown): the sampler's feature (from
+    the probe's heartbeat), else the process's own "torch" info."""
+    if feat is not None and feat.allocator_slack_bytes is not None:
+        return max(0, int(feat.allocator_slack_bytes))
     torch = proc.info.get("torch")
     if isinstance(torch, dict):
         res, alloc = torch.get("reserved", {}), torch.get("allocated", {})

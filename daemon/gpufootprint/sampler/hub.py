@@ -184,6 +184,8 @@ class FeatureHub:
             page_faults=dict(builder.page_faults),
             migration_rate_hz=builder.migration_rate_hz(as_of_ns),
             migration_windows=tuple(builder.recent_migration_windows(as_of_ns)),
+            reuse_events=builder.reuse.events(),
+            device_allocations=builder.reuse.allocations,
         )
 
     def sampler_states(self) -> tuple[SamplerState, ...]:

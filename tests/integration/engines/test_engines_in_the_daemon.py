@@ -23,7 +23,6 @@ def test_budget_action_reaches_the_probe_and_engine_metrics_are_served(tmp_path:
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("daemon: {tick_ms: 50}\n"
                         "budgets:\n  rules:\n    - {scope: process, name: '*', bytes: 1048576, soft_action: true}\n"
-                        "graph_advisor: {allow_unknown_reuse: true}\n"
                         "sampler: {control: false}\n")  # only the budget's CONTROL frames here
     config = load_config(cfg_file, env={})
     sock = str(tmp_path / "probe.sock")
@@ -51,11 +50,13 @@ def test_budget_action_reaches_the_probe_and_engine_metrics_are_served(tmp_path:
     engine_lines = [line for line in text.splitlines() if line.startswith(('gpufootprint_budget', 'gpufootprint_graph'))]
     (decision,) = report["graph"]
     assert decision["decision"] == "capture" and decision["op_count"] == 12
-    assert decision["reasons"][2] == "pass: allocation reuse ratio unknown (allowed by policy)"
+    # the sampler's reuse feature reaches the advisor: one device allocation before the kernels and
+    # none since is a static footprint
+    assert decision["reasons"][2] == "pass: allocation reuse 1.00 >= 0.7"
     assert report["budget_actions_total"][0]["count"] == 1
     pid = next(line.split('pid="')[1].split('"')[0] for line in engine_lines if 'pid="' in line)
     assert ('gpufootprint_budget_actions_total{action="torch_empty_cache",name="%s",scope="process"} 1.0' % pid
             in engine_lines)
-    # 12 kernels/step of 0.8 ms with 0.2 ms gaps; reuse unknown but allowed by this policy
+    # 12 kernels/step of 0.8 ms with 0.2 ms gaps; a static footprint
     assert f'gpufootprint_graph_advice{{decision="capture",pid="{pid}",source="probe",stream="7"}} 1.0' in engine_lines
     assert f'gpufootprint_graph_launch_overhead_seconds{{pid="{pid}",source="probe",stream="7"}} 0.002376' in engine_lines

@@ -55,6 +55,25 @@ def test_thresholds_are_inclusive() -> None:
     assert one(advise(s, DEFAULT, reuse={(1, 0): 0.7})).decision == "keep"
 
 
+def test_upper_bounds_keep_long_kernels_and_long_steps_out_of_a_launch_bound_policy() -> None:
+    launch_bound = GraphPolicy(min_mean_kernel_ms=0.0, max_mean_kernel_ms=0.05, max_op_count=200)
+    tiny = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(101)), 5_000, 10_000)))
+    d = one(advise(tiny, launch_bound, reuse={(1, 0): 1.0}))
+    assert d.decision == "capture"
+    assert d.reasons[:2] == ("pass: 8 <= op_count 101 kernels/step <= 200",
+                             "pass: 0.0 ms <= mean kernel duration 0.005 ms <= 0.05 ms")
+    long = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(10)), 800_000, 10_000)))
+    d = one(advise(long, launch_bound, reuse={(1, 0): 1.0}))
+    assert d.decision == "keep" and d.reasons[1] == "fail: mean kernel duration 0.800 ms > 0.05 ms"
+    wide = snap(1.0, proc(1, dev(), recent_kernels=steps(4, list(range(300)), 5_000, 10_000)))
+    d = one(advise(wide, launch_bound, reuse={(1, 0): 1.0}))
+    assert d.decision == "keep" and d.reasons[0] == "fail: op_count 300 kernels/step > 200"
+    # the upper bounds come from the configuration like the lower ones
+    from gpufootprint.config import GraphAdvisorConfig
+    p = GraphPolicy.from_config(GraphAdvisorConfig(max_mean_kernel_ms=0.05, max_op_count=200))
+    assert (p.max_mean_kernel_ms, p.max_op_count, p.max_reuse) == (0.05, 200, None)
+
+
 def test_unknown_reuse_gives_no_capture_unless_the_policy_allows_it() -> None:
     s = snap(1.0, proc(1, dev(), recent_kernels=steps(5, list(range(10)), 800_000, 10_000)))
     d = one(advise(s, DEFAULT))
