@@ -134,8 +134,17 @@ class SamplerConfig:
     history: int = _spec(4096, lo=1, hi=10_000_000, doc="interval-history entries kept per process")
     max_windows: int = _spec(1000, lo=1, hi=10_000_000, doc="recent anomaly windows kept (all processes)")
     control: bool = _spec(True, doc="send flush_interval to probes when the interval changes")
-    kernel_window_ms: int = _spec(0, lo=0, hi=60_000,
-                                  doc="open the probe's kernel activity this long at each burst (0: never)")
+    kernel_window_ms: int = _spec(50, lo=0, hi=60_000,
+                                  doc="open the probe's kernel activity this long, periodically and at a burst "
+                                      "(0: never; the CUDA Graph advisor reads these windows)")
+    kernel_window_every_seconds: float = _spec(30.0, lo=0, hi=86_400,
+                                               doc="a kernel window this often per process (0: only at bursts)")
+    kernel_window_first_seconds: float = _spec(5.0, lo=0, hi=86_400,
+                                               doc="the first periodic window, this long after a process's first "
+                                                   "watermark (past its start-up)")
+    kernel_window_min_gap_seconds: float = _spec(1.0, lo=0, hi=86_400,
+                                                 doc="windows (periodic or at bursts) at least this far apart: "
+                                                     "bounds the duty cycle of a bursty process")
 
 
 @dataclass(frozen=True)

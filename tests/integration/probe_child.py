@@ -8,6 +8,8 @@ test can stop and restart the daemon at known points.
   python probe_child.py SYNC_DIR STEP [STEP ...]
   steps: alloc:ADDR:SIZE[:KIND]  free:ADDR:SIZE  copy:N  kernel:NAME  mark:LABEL
          wait:NAME  touch:NAME  sleep:SECONDS  burst:N (N allocations and frees)  connected
+         launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels, 1 ms apart;
+                              CUPTI keeps them only while the kernel activity is on)
 """
 
 from __future__ import annotations
@@ -109,6 +111,12 @@ def main() -> int:
                 fake.free(0x7000_0000 + i * 4096, 4096)
         elif op == "churn":
             churn(fake, float(arg))
+        elif op == "launch_loop":
+            end = time.monotonic() + float(arg)
+            while time.monotonic() < end:
+                for i in range(10):
+                    fake.emit(probe_fakes.kernel_record(f"tiny_{i}"))
+                time.sleep(0.001)
         elif op == "mark":
             probe.mark(arg)
         elif op == "wait":

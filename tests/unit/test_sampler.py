@@ -203,6 +203,47 @@ def test_sampler_sends_flush_interval_and_kernel_window_to_probes_only() -> None
     assert all(1 <= ms <= 1000 for ms in flushes)
 
 
+def test_default_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() -> None:
+    # GIVEN a default hub and a probe process whose watermarks come every 100 ms for 3 minutes
+    sent: list[tuple[int, int, dict[str, Any]]] = []
+    hub = FeatureHub()
+    now = [0]
+    hub.control = lambda pid, body: sent.append((now[0], pid, body)) or True
+    pipeline = Pipeline(FootprintConfig(), hub=hub)
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+    pid, t0 = 10, 10**12
+    pipeline.process(pid, "probe")
+    rec = np.zeros(1, MEMORY_DTYPE)
+    rec["ts"], rec["op"], rec["mk"], rec["addr"], rec["bytes"], rec["pid"] = t0, 1, 3, 0x1000, 1 << 30, pid
+    pipeline.submit(RecordKind.MEMORY, rec)
+    for t in range(t0, t0 + 180 * 1000 * MS, 100 * MS):
+        now[0] = t
+        pipeline.advance(pid, t)
+    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones: 5 s in, then
+    # every 30 s, 50 ms each (a duty cycle of 1/600)
+    opened = [(t - t0) / 1e9 for t, _, b in sent if b["op"] == "kernel_window"]
+    assert all(b["ms"] == 50 for _, _, b in sent if b["op"] == "kernel_window")
+    assert opened == pytest.approx([0.1, 5.1, 35.1, 65.1, 95.1, 125.1, 155.1], abs=0.11)
+    # AND a burst opens one at once, but never two within a second
+    hub2 = FeatureHub()
+    got: list[dict[str, Any]] = []
+    hub2.control = lambda pid, body: got.append(body) or True
+    s = hub2.sampler(pid)
+    for i, t in enumerate(range(t0, t0 + 3000 * MS, 100 * MS)):
+        s.bursts = i  # a burst starts in every step
+        hub2._after_step(s, "probe", t)
+    assert len([b for b in got if b["op"] == "kernel_window"]) == 3  # at 0, 1 and 2 s
+    # AND windows can be switched off
+    hub3 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=0))
+    off: list[dict[str, Any]] = []
+    hub3.control = lambda pid, body: off.append(body) or True
+    s = hub3.sampler(pid)
+    for t in range(t0, t0 + 60_000 * MS, 100 * MS):
+        hub3._after_step(s, "probe", t)
+    assert not [b for b in off if b["op"] == "kernel_window"]
+
+
 def test_a_failing_control_callback_never_breaks_ingest() -> None:
     hub = FeatureHub()
 

@@ -7,8 +7,9 @@ process's records are complete up to a time) and ``on_finish``. Everything here
 works per batch; nothing touches a record one at a time except the reuse set.
 
 The hub also turns sampler decisions into CONTROL messages for probes
-(``flush_interval`` when the interval changes, ``kernel_window`` when a burst
-starts) through ``control``, a callback the ingest server provides.
+(``flush_interval`` when the interval changes, ``kernel_window`` periodically
+and when a burst starts) through ``control``, a callback the ingest server
+provides.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class FeatureHub:
         self.controls_sent: Counter[str] = Counter()
         self._sent_interval: dict[int, int] = {}
         self._bursts_seen: dict[int, int] = {}
+        self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
+        self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window
         self._kernel_window_id = 0
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
 
@@ -94,7 +97,7 @@ class FeatureHub:
         if s is None:
             return
         s.advance(ts)
-        self._after_step(s, source)
+        self._after_step(s, source, ts)
 
     def on_finish(self, pid: int, end: int, source: str) -> None:
         s = self.samplers.get(pid)
@@ -107,6 +110,8 @@ class FeatureHub:
         self.samplers.pop(pid, None)
         self._sent_interval.pop(pid, None)
         self._bursts_seen.pop(pid, None)
+        self._window_due.pop(pid, None)
+        self._window_last.pop(pid, None)
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
             del self.builders[key]
@@ -133,7 +138,7 @@ class FeatureHub:
 
     # --- control --------------------------------------------------------------------------
 
-    def _after_step(self, s: ProcessSampler, source: str) -> None:
+    def _after_step(self, s: ProcessSampler, source: str, now_ns: int | None = None) -> None:
         for w in s.closed_windows:
             self.windows.append(w)
             self.window_counts[w.reason] += 1
@@ -143,12 +148,31 @@ class FeatureHub:
         iv_ms = max(1, min(1000, s.interval_ns // _MS))
         if self._sent_interval.get(s.pid) != iv_ms and self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
             self._sent_interval[s.pid] = iv_ms
-        if self.config.kernel_window_ms and s.bursts != self._bursts_seen.get(s.pid, 0):
-            # One window per step that saw a burst start (a step can span several; one is enough).
-            self._bursts_seen[s.pid] = s.bursts
-            self._kernel_window_id += 1
-            self._send(s.pid, {"op": "kernel_window", "ms": self.config.kernel_window_ms,
-                               "id": self._kernel_window_id})
+        if self.config.kernel_window_ms and now_ns is not None:
+            self._kernel_windows(s, now_ns)
+
+    def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
+        """Open the probe's kernel activity for a short window: periodically (so every process with
+        kernels gets a Graph verdict soon after it starts) and when a burst starts, never closer
+        together than ``kernel_window_min_gap_seconds`` (the duty cycle stays low)."""
+        cfg = self.config
+        every_ns = int(cfg.kernel_window_every_seconds * 1e9)
+        due = self._window_due.get(s.pid)
+        if due is None and every_ns:
+            due = self._window_due[s.pid] = now_ns + int(cfg.kernel_window_first_seconds * 1e9)
+        burst = s.bursts != self._bursts_seen.get(s.pid, 0)
+        self._bursts_seen[s.pid] = s.bursts  # one window per step that saw a burst start (one is enough)
+        periodic = due is not None and now_ns >= due
+        if not (burst or periodic):
+            return
+        last = self._window_last.get(s.pid)
+        if last is not None and now_ns - last < cfg.kernel_window_min_gap_seconds * 1e9:
+            return
+        self._kernel_window_id += 1
+        if self._send(s.pid, {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}):
+            self._window_last[s.pid] = now_ns
+            if periodic:
+                self._window_due[s.pid] = now_ns + every_ns
 
     def _send(self, pid: int, body: dict[str, Any]) -> bool:
         assert self.control is not None
