@@ -129,7 +129,7 @@ class App:
     def _wire_engines(self, config: Config) -> None:
         self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
         self.pipeline.snapshot_live_tables = config.leaks.enabled
-        self.engines = Engines(config)
+        self.engines = Engines(config, started_at=time.time())
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick

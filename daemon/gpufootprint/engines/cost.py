@@ -23,12 +23,13 @@ processes (memory) + unallocated == P x wall time, up to float rounding.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
 from gpufootprint.config import CostConfig
 from gpufootprint.engines import inputs
-from gpufootprint.snapshot import PipelineSnapshot, ProcessSnapshot
+from gpufootprint.snapshot import GpuState, PipelineSnapshot, ProcessSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,14 @@ class CostTotals:
 
 
 class CostLedger:
-    def __init__(self, cfg: CostConfig) -> None:
+    """``started_at``: when the daemon started (wall clock). A GPU is priced from then on: the
+    time before it was first seen, and any later time it is absent from snapshots (no process
+    on it, no NVML), is idle time, so its wall time is the daemon's."""
+
+    def __init__(self, cfg: CostConfig, started_at: float | None = None) -> None:
         self.cfg = cfg
+        self.started_at = started_at
+        self._known: dict[int, GpuState] = {}  # every GPU seen, as last seen
         self._prev: PipelineSnapshot | None = None
         self._proc: dict[tuple[int, int, str], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
         self._labels: dict[tuple[int, int, str], tuple[str | None, str | None]] = {}
@@ -92,6 +99,11 @@ class CostLedger:
                 self._accrue(prev, snap, dt)
         gpus = inputs.gpu_states(snap)
         for idx, g in gpus.items():
+            if idx not in self._known and self.started_at is not None:
+                # First seen now: idle since the daemon started (no process was on it that we know of).
+                self._idle(idx, g, snap.taken_at - self.started_at)
+            self._known[idx] = dataclasses.replace(g, utilization_ratio=None)
+        for idx, g in gpus.items():
             model = inputs.gpu_model(g, self.cfg.default_model)
             self._gpu_model[idx] = (model, self.price(model))
         for p in snap.processes:
@@ -106,9 +118,25 @@ class CostLedger:
                 self._seen.pop(key, None)
         return self.totals()
 
+    def _idle(self, idx: int, g: GpuState, dt: float) -> None:
+        price = self.price(inputs.gpu_model(g, self.cfg.default_model))
+        if price is None or dt <= 0:
+            return
+        acc = self._gpu[idx]
+        dollars = price * dt / 3600.0
+        acc[0] += dt
+        acc[1] += dt
+        acc[2] += dollars
+        acc[5] += dollars
+
     def _accrue(self, prev: PipelineSnapshot, now: PipelineSnapshot, dt: float) -> None:
         kernel_now = {(p.pid, d.dev): d.kernel_seconds for p in now.processes for d in p.devices}
-        for idx, g in inputs.gpu_states(prev).items():
+        feats = inputs.features_of(prev)
+        states = inputs.gpu_states(prev)
+        if self.started_at is not None:
+            for idx, g in self._known.items():
+                states.setdefault(idx, g)  # known before, absent now: idle, still priced
+        for idx, g in states.items():
             model = inputs.gpu_model(g, self.cfg.default_model)
             price = self.price(model)
             if price is None:
@@ -122,7 +150,8 @@ class CostLedger:
                 for d in p.devices:
                     if d.dev == idx and d.device_bytes > 0:
                         busy = max(0.0, kernel_now.get((p.pid, idx), d.kernel_seconds) - d.kernel_seconds)
-                        unused = inputs.allocator_slack_bytes(p, d) + inputs.pool_headroom_bytes(d)
+                        unused = (inputs.allocator_slack_bytes(p, d, feats.get((p.pid, d.dev)))
+                                  + inputs.pool_headroom_bytes(d))
                         holders.append((p, d.device_bytes, busy, unused))
             acc = self._gpu[idx]
             acc[0] += dt

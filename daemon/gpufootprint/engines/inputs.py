@@ -15,12 +15,34 @@ from gpufootprint.snapshot import DeviceFeatures, DeviceSnapshot, GpuState, Pipe
 
 
 def gpu_states(snap: PipelineSnapshot) -> dict[int, GpuState]:
-    """Every GPU the snapshot knows of: NVML's, plus devices only the probes reported."""
+    """Every GPU the snapshot knows of: NVML's, plus devices only the probes reported.
+
+    A GPU NVML does not describe takes its model and memory from what the process
+    said of it: the probe's HELLO ``devices`` (CUDA's name and total memory) or a
+    recorded trace's header ``device``, so a replay is priced as the GPU it ran on.
+    """
     out = {g.index: g for g in snap.gpus}
     for proc in snap.processes:
         for dev in proc.devices:
-            out.setdefault(dev.dev, GpuState(index=dev.dev))
+            known = out.get(dev.dev)
+            if known is None or (known.model is None and known.total_bytes is None):
+                model, total = _described(proc, dev.dev)
+                if known is None or model is not None or total is not None:
+                    out[dev.dev] = GpuState(index=dev.dev, model=model, total_bytes=total,
+                                            utilization_ratio=known.utilization_ratio if known else None)
     return out
+
+
+def _described(proc: ProcessSnapshot, dev: int) -> tuple[str | None, int | None]:
+    devices = proc.info.get("devices")
+    if isinstance(devices, list):
+        for d in devices:
+            if isinstance(d, dict) and d.get("index") == dev:
+                name, total = d.get("name"), d.get("total_bytes")
+                return (name if isinstance(name, str) and name else None,
+                        total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None)
+    name = proc.info.get("device")
+    return (name if isinstance(name, str) and name else None), None
 
 
 def model_key(model: str | None, table: Mapping[str, object]) -> str | None:

@@ -44,13 +44,14 @@ EMPTY_OUTPUTS = EngineOutputs(taken_at=0.0)
 
 
 class Engines:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, started_at: float | None = None) -> None:
+        """``started_at``: the daemon's start (wall clock): the cost ledger prices GPUs from then."""
         self.config = config
         self.policy = GraphPolicy.from_config(config.graph_advisor)
         self.budgets = BudgetTracker(config.budgets, config.cost)
         self.leaks = LeakTracker(config.leaks)
         self.degradation = DegradationTracker(config.degradation, config.cost)
-        self.cost = CostLedger(config.cost)
+        self.cost = CostLedger(config.cost, started_at)
         self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats]]] = {}
         self._suspects: set[tuple[int, int]] = set()
         self._advice: set[tuple[int, int, str]] = set()

@@ -104,3 +104,55 @@ def test_costs_reconcile_on_a_replayed_real_trace() -> None:
     by = {p.pid: p for p in procs}
     assert by[5252].memory_dollars == pytest.approx(PRICE * wall / 3600 * (512 * MIB) / 150_754_820_096, rel=0.05)
     assert by[5151].time_dollars == pytest.approx(by[5252].time_dollars, rel=0.01)  # equal split, no kernels
+
+
+def test_allocator_slack_from_the_probe_heartbeat_is_priced_as_unused_memory() -> None:
+    # GIVEN a real pipeline: 2 GiB of device memory, and the probe's heartbeat says PyTorch reserved
+    # 2 GiB of which 1.2 GiB is allocated (800 MiB of slack)
+    import numpy as np
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+    pipeline = Pipeline(FootprintConfig())
+    pipeline.process(7, "probe")
+    rec = np.zeros(1, MEMORY_DTYPE)
+    rec["ts"], rec["op"], rec["mk"], rec["addr"], rec["bytes"], rec["pid"] = 10**9, 1, 3, 0x1000, 2 * GIB, 7
+    pipeline.submit(RecordKind.MEMORY, rec)
+    pipeline.advance(7, 2 * 10**9)
+    pipeline.note_torch(7, {"allocated": {"0": 2 * GIB - 800 * MIB}, "reserved": {"0": 2 * GIB}})
+    ledger = CostLedger(CostConfig(max_interval_seconds=3600))
+    import dataclasses
+
+    ledger.observe(dataclasses.replace(pipeline.snapshot(wall_time=0.0), gpus=gpus()[:1]))
+    (pc,) = ledger.observe(dataclasses.replace(pipeline.snapshot(wall_time=3600.0), gpus=gpus()[:1])).processes
+    # THEN the slack reaches the cost engine: 800 MiB of 140 GiB for an hour
+    assert pc.unused_memory_dollars == pytest.approx(PRICE * (800 * MIB) / (140 * GIB))
+
+
+def test_a_replayed_trace_is_priced_as_the_gpu_it_was_recorded_on() -> None:
+    # no NVML, no cost.default_model: the trace header's "NVIDIA H200" prices it
+    for name in ("h200_caching.jsonl.gz", "h200_probe_expandable.gfp.gz"):
+        ledger = CostLedger(CostConfig(max_interval_seconds=3600))
+        snaps = list(replay_snapshots(DATA / name))
+        for s in snaps:
+            ledger.observe(s)
+        (g,) = ledger.totals().gpus
+        assert (g.model, g.dollars_per_hour) == ("NVIDIA H200", PRICE), name
+        if name.endswith(".gfp.gz"):  # the probe's recording has watermarks: snapshots over time
+            assert len(snaps) > 10 and sum(p.memory_dollars for p in ledger.totals().processes) > 0
+        reconcile(ledger, g.wall_seconds)  # from the first snapshot that knew the GPU (no daemon start here)
+
+
+def test_wall_time_runs_from_the_daemon_start_even_while_no_process_is_on_the_gpu() -> None:
+    # GIVEN a daemon started at t=0 without NVML: the GPU is first seen with a process at t=100,
+    # the process leaves at t=300 and is forgotten; snapshots continue to t=500
+    ledger = CostLedger(CostConfig(default_model="H200"), started_at=0.0)
+    for t in range(0, 501, 10):
+        ps = [proc(1, dev(0, 10 * GIB))] if 100 <= t < 300 else []
+        ledger.observe(snap(float(t), *ps))
+    (g,) = ledger.totals().gpus
+    # THEN the GPU's wall time is the daemon's, idle outside the process's 200 s, and it reconciles
+    assert g.wall_seconds == pytest.approx(500.0)
+    assert g.idle_seconds == pytest.approx(300.0)
+    reconcile(ledger, 500.0)
