@@ -245,9 +245,15 @@ class BudgetsConfig:
 @dataclass(frozen=True)
 class LeaksConfig:
     enabled: bool = _spec(True)
-    min_age_seconds: float = _spec(300.0, lo=0, hi=86_400 * 30, doc="allocations older than this are suspects")
-    growth_window_seconds: float = _spec(600.0, lo=1, hi=86_400 * 7, doc="window of the footprint trend")
+    warmup_seconds: float = _spec(120.0, lo=0, hi=86_400, doc="no verdict in a process's first seconds (start-up)")
+    growth_window_seconds: float = _spec(240.0, lo=1, hi=86_400 * 7, doc="window of the footprint trend")
+    growth_segments: int = _spec(8, lo=2, hi=1000, doc="the window is cut in this many segments; growth is "
+                                                       "sustained when the segments' floors keep rising")
+    min_rising_share: float = _spec(0.75, lo=0, hi=1, doc="share of segment-to-segment steps whose floor must "
+                                                          "rise (a single step up is not growth)")
     min_growth_bytes_per_second: float = _spec(1024.0, lo=0, hi=1e15, doc="the footprint must grow this fast")
+    min_age_seconds: float = _spec(60.0, lo=0, hi=86_400 * 30,
+                                   doc="allocations made since the growth began and older than this are suspects")
     min_suspect_bytes: int = _spec(1 << 20, lo=0, hi=1 << 50, doc="suspect bytes below this are ignored")
     min_trend_points: int = _spec(5, lo=2, hi=100_000)
     top_sites: int = _spec(5, lo=1, hi=100, doc="allocation sites reported per process")

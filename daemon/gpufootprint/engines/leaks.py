@@ -1,11 +1,21 @@
-"""Leak suspicion: old allocations while the footprint keeps growing.
+"""Leak suspicion: sustained growth of the footprint, made of allocations that stay.
 
-Per process and GPU: the bytes of live allocations older than ``min_age_seconds``
-(from the live table's allocation timestamps, measured against the process's
-own watermark, so replays judge by trace time) and the least-squares growth of
-the GPU-resident footprint over ``growth_window_seconds``. A process is a
-suspect when both hold: old bytes >= ``min_suspect_bytes`` and growth >=
-``min_growth_bytes_per_second`` over a window that is at least half covered.
+Per process and GPU, from the GPU-resident footprint sampled at each snapshot
+(against the process's own watermark, so replays judge by trace time):
+
+* **warm-up**: no verdict in the process's first ``warmup_seconds`` (start-up
+  allocations, a caching allocator filling its pool);
+* **sustained growth**: the trailing ``growth_window_seconds`` are cut into
+  ``growth_segments``; the *floor* (lowest sample) of each segment must rise from
+  one segment to the next in at least ``min_rising_share`` of the steps, and the
+  least-squares slope must be at least ``min_growth_bytes_per_second``. A single
+  step up (a second model loaded) raises one floor, not most of them; spiky
+  training raises peaks, not floors;
+* **onset**: the start of the first segment whose floor the growth raised; it is
+  kept while the growth lasts and forgotten when it stops;
+* **suspect allocations**: live allocations (device, array, managed) made at or
+  after the onset and at least ``min_age_seconds`` old: the growth is made of
+  them and they stayed. At least ``min_suspect_bytes`` of them make a suspect.
 
 Allocation sites: the record model carries no call site (CUPTI's allocation
 source is not part of MEMORY2 records as the probe packs them), so a site is the
@@ -58,6 +68,8 @@ class LeakTracker:
     def __init__(self, cfg: LeaksConfig) -> None:
         self.cfg = cfg
         self.trends: dict[tuple[int, int], Trend] = {}
+        self.first_seen: dict[tuple[int, int], int] = {}  # trace ns of the first snapshot with the process
+        self.onsets: dict[tuple[int, int], int] = {}  # trace ns where the current growth began
 
     def evaluate(self, snap: PipelineSnapshot) -> tuple[LeakStatus, ...]:
         cfg = self.cfg
@@ -73,34 +85,85 @@ class LeakTracker:
                 trend = self.trends.setdefault(key, Trend(cfg.growth_window_seconds))
                 if now_ns:
                     trend.add(now_ns / 1e9, float(dev.device_bytes))
-                slope = trend.slope(cfg.min_trend_points)
-                covered = trend.covered_seconds >= cfg.growth_window_seconds / 2
-                table = dev.live_table
-                if table is None:
-                    out.append(LeakStatus(proc.pid, proc.source, dev.dev, False, 0, 0, slope,
-                                          ("allocation ages unknown (live tables are not in the snapshot)",)))
-                    continue
-                cutoff = now_ns - int(cfg.min_age_seconds * 1e9)
-                old = table[(table["ts"].astype(np.int64) <= cutoff) & np.isin(table["mk"], _LEAK_KINDS)]
-                old_bytes = int(old["bytes"].sum())
-                reasons: list[str] = []
-                big = old_bytes >= cfg.min_suspect_bytes and old_bytes > 0
-                growing = slope is not None and covered and slope >= cfg.min_growth_bytes_per_second
-                reasons.append(f"{'pass' if big else 'fail'}: {old_bytes} B in {len(old)} allocations older than "
-                               f"{cfg.min_age_seconds:g} s (threshold {cfg.min_suspect_bytes} B)")
-                if slope is None or not covered:
-                    reasons.append(f"fail: footprint trend needs {cfg.min_trend_points} samples over at least "
-                                   f"{cfg.growth_window_seconds / 2:g} s (have {len(trend.points)} over "
-                                   f"{trend.covered_seconds:.1f} s)")
-                else:
-                    reasons.append(f"{'pass' if growing else 'fail'}: footprint grows {slope:.0f} B/s "
-                                   f"(threshold {cfg.min_growth_bytes_per_second:g} B/s)")
-                out.append(LeakStatus(proc.pid, proc.source, dev.dev, big and growing, old_bytes, len(old), slope,
-                                      tuple(reasons), _sites(old, cfg.top_sites)))
+                    self.first_seen.setdefault(key, now_ns)
+                out.append(self._judge(proc.pid, proc.source, dev.dev, dev.live_table, trend, now_ns, key))
         for key in list(self.trends):
             if key not in keep:
                 del self.trends[key]
+                self.first_seen.pop(key, None)
+                self.onsets.pop(key, None)
         return tuple(out)
+
+    def _judge(self, pid: int, source: str, dev: int, table: np.ndarray | None, trend: Trend, now_ns: int,
+               key: tuple[int, int]) -> LeakStatus:
+        cfg = self.cfg
+        slope = trend.slope(cfg.min_trend_points)
+        age = (now_ns - self.first_seen.get(key, now_ns)) / 1e9
+        if table is None:
+            return LeakStatus(pid, source, dev, False, 0, 0, slope,
+                              ("allocation ages unknown (live tables are not in the snapshot)",))
+        if age < cfg.warmup_seconds:
+            self.onsets.pop(key, None)
+            return LeakStatus(pid, source, dev, False, 0, 0, slope,
+                              (f"warm-up: no verdict in the first {cfg.warmup_seconds:g} s (at {age:.0f} s)",))
+        reasons: list[str] = []
+        rising, steps, onset = _rising_floors(trend, cfg.growth_window_seconds, cfg.growth_segments)
+        covered = trend.covered_seconds >= cfg.growth_window_seconds * (1 - 1 / cfg.growth_segments)
+        sustained = (covered and steps > 0 and rising / steps >= cfg.min_rising_share and slope is not None
+                     and slope >= cfg.min_growth_bytes_per_second)
+        if not covered or slope is None:
+            reasons.append(f"fail: footprint trend needs {cfg.min_trend_points} samples over "
+                           f"{cfg.growth_window_seconds * (1 - 1 / cfg.growth_segments):g} s (have "
+                           f"{len(trend.points)} over {trend.covered_seconds:.1f} s)")
+        else:
+            reasons.append(f"{'pass' if sustained else 'fail'}: footprint grows {slope:.0f} B/s with its floor "
+                           f"rising in {rising} of {steps} segments (thresholds {cfg.min_growth_bytes_per_second:g} "
+                           f"B/s, {cfg.min_rising_share:.0%})")
+        if sustained and onset is not None:
+            onset = min(onset, self.onsets.get(key, onset))
+            self.onsets[key] = onset
+        else:
+            self.onsets.pop(key, None)
+            onset = None
+        if onset is None:
+            return LeakStatus(pid, source, dev, False, 0, 0, slope, tuple(reasons))
+        cutoff = now_ns - int(cfg.min_age_seconds * 1e9)
+        ts = table["ts"].astype(np.int64)
+        old = table[(ts >= onset) & (ts <= cutoff) & np.isin(table["mk"], _LEAK_KINDS)]
+        old_bytes = int(old["bytes"].sum())
+        big = old_bytes >= cfg.min_suspect_bytes and old_bytes > 0
+        reasons.append(f"{'pass' if big else 'fail'}: {old_bytes} B in {len(old)} allocations made since the "
+                       f"growth began {(now_ns - onset) / 1e9:.0f} s ago and older than {cfg.min_age_seconds:g} s "
+                       f"(threshold {cfg.min_suspect_bytes} B)")
+        return LeakStatus(pid, source, dev, big, old_bytes, len(old), slope, tuple(reasons),
+                          _sites(old, cfg.top_sites))
+
+
+def _rising_floors(trend: Trend, window: float, segments: int) -> tuple[int, int, int | None]:
+    """(steps whose floor rose, steps, onset ns): segment floors over the trailing window.
+
+    The onset is the start of the segment before the first rise of the trailing
+    run in which the floor rose in most steps; None when it never rose.
+    """
+    if len(trend.points) < 2:
+        return 0, 0, None
+    end = trend.points[-1][0]
+    start = end - window
+    width = window / segments
+    floors: list[tuple[float, float] | None] = [None] * segments
+    for t, v in trend.points:
+        j = min(segments - 1, max(0, int((t - start) / width)))
+        f = floors[j]
+        if f is None or v < f[1]:
+            floors[j] = (start + j * width, v)
+    seen = [f for f in floors if f is not None]
+    ups = [b[1] > a[1] for a, b in zip(seen, seen[1:])]
+    onset = None
+    for i, up in enumerate(ups):
+        if up:
+            onset = int(seen[i][0] * 1e9)
+            break
+    return sum(ups), len(ups), onset
 
 
 def _sites(old: np.ndarray, top: int) -> tuple[LeakSite, ...]:
