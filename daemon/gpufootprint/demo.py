@@ -19,7 +19,7 @@ from pathlib import Path
 from gpufootprint.app import App
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import COPY_KIND_NAMES
-from gpufootprint.replay import Pacer, frame_time_ns, load_frames, shift_frame
+from gpufootprint.replay import Pacer, frame_time_ns, load_frames, paced, shift_frame
 from gpufootprint.snapshot import PipelineSnapshot
 from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_json
 
@@ -48,11 +48,13 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
         first = next((t for t in map(frame_time_ns, frames) if t is not None), 0)
         delta = time.time_ns() - first
         pacer = Pacer(speed, stop)
-        for frame in frames:
-            pacer.wait_for(frame_time_ns(frame))
+        for whole in frames:
+            for frame in paced(shift_frame(whole, delta, pid=pid), pacer):
+                if stop.is_set():
+                    break
+                app.ingest.inject(session, frame)
             if stop.is_set():
                 break
-            app.ingest.inject(session, shift_frame(frame, delta, pid=pid))
         app.ingest.inject(session, None)
         stop.wait(1.0 / speed)
 

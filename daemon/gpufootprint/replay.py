@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
@@ -44,6 +46,9 @@ def frame_time_ns(frame: Frame) -> int | None:
 class Pacer:
     """Sleeps so that trace time advances ``speed`` times faster than wall time."""
 
+    #: Records due within this much wall time of each other are handed on together.
+    RESOLUTION_S = 0.001
+
     def __init__(self, speed: float, stop: threading.Event | None = None) -> None:
         self.speed = speed
         self.stop = stop or threading.Event()
@@ -60,6 +65,44 @@ class Pacer:
         delay = due - time.monotonic()
         if delay > 0:
             self.stop.wait(delay)
+
+    def due_slots(self, ts_ns: np.ndarray) -> np.ndarray:
+        """Each timestamp's wall-clock due time in units of ``RESOLUTION_S`` (equal: due together)."""
+        origin = self._origin[1] if self._origin is not None else int(ts_ns.min())
+        return (ts_ns.astype(np.int64) - origin) // max(1, int(self.RESOLUTION_S * 1e9 * self.speed))
+
+
+def paced(frame: Frame, pacer: Pacer) -> Iterator[Frame]:
+    """``frame`` handed on when it is due: a batch is split so that each record comes at its own
+    time (records due within ``Pacer.RESOLUTION_S`` of each other stay together)."""
+    if frame.type is not FrameType.BATCH:
+        pacer.wait_for(frame_time_ns(frame))
+        yield frame
+        return
+    try:
+        kind = RecordKind(frame.tag)
+        recs = frame.records()
+    except Exception:  # noqa: BLE001 - the session reports the damage
+        yield frame
+        return
+    if len(recs) == 0:
+        yield frame
+        return
+    times = recs[TIME_FIELD[kind]].astype(np.int64)
+    order = np.argsort(times, kind="stable")
+    recs, times = recs[order], times[order]
+    pacer.wait_for(int(times[0]))
+    slots = pacer.due_slots(times)
+    cuts = np.flatnonzero(np.diff(slots)) + 1
+    if len(cuts) == 0:
+        yield frame
+        return
+    for lo, hi in zip(np.concatenate(([0], cuts)).tolist(), np.concatenate((cuts, [len(recs)])).tolist()):
+        pacer.wait_for(int(times[lo]))
+        if pacer.stop.is_set():
+            return
+        raw = encode_batch(kind, recs[lo:hi])
+        yield Frame(frame.type, frame.tag, raw[HEADER_SIZE:], frame.offset)
 
 
 def replay_file(
@@ -80,18 +123,19 @@ def replay_file(
     pacer = Pacer(speed, stop) if speed else None
     started = time.perf_counter()
     for chunk in trace.chunks():
-        for frame in decoder.feed(chunk):
-            if pacer is not None:
-                pacer.wait_for(frame_time_ns(frame))
+        for whole in decoder.feed(chunk):
+            for frame in (paced(whole, pacer) if pacer is not None else (whole,)):
+                if stop is not None and stop.is_set():
+                    break
+                if on_frame is not None:
+                    on_frame(frame)
+                if guard is None:
+                    session.handle(frame)
+                else:
+                    with guard:  # the daemon's ingest thread publishes snapshots meanwhile
+                        session.handle(frame)
             if stop is not None and stop.is_set():
                 break
-            if on_frame is not None:
-                on_frame(frame)
-            if guard is None:
-                session.handle(frame)
-            else:
-                with guard:  # the daemon's ingest thread publishes snapshots meanwhile
-                    session.handle(frame)
         if decoder.error is not None or (stop is not None and stop.is_set()):
             break
     if decoder.error is not None:

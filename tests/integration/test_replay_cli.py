@@ -107,3 +107,40 @@ def test_invalid_config_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_missing_trace_is_one_line_exit_1(tmp_path: Path) -> None:
     proc = _cli("replay", str(tmp_path / "nope.jsonl"))
     assert proc.returncode == 1 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_paced_replay_hands_on_each_record_at_its_own_time_not_whole_batches(tmp_path: Path) -> None:
+    # GIVEN one batch of 4,000 allocations spread evenly over 2 s of trace time (a probe's batch can
+    # hold 4,096 records and cover a long quiet stretch)
+    import time
+
+    import numpy as np
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+    from gpufootprint.wire.framing import PREAMBLE, encode_batch
+
+    t0 = 1_800_000_000_000_000_000
+    recs = np.zeros(4000, MEMORY_DTYPE)
+    recs["ts"] = t0 + np.arange(4000) * 500_000
+    recs["op"], recs["mk"], recs["pid"], recs["bytes"] = 1, 3, 77, 4096
+    recs["addr"] = 0x1000_0000 + np.arange(4000) * 4096
+    path = tmp_path / "one_batch.gfp"
+    path.write_bytes(PREAMBLE + encode_batch(RecordKind.MEMORY, recs))
+    handed: list[tuple[float, int, int]] = []  # (wall s since start, first ts, records)
+    started = time.monotonic()
+
+    def seen(frame) -> None:  # type: ignore[no-untyped-def]
+        r = frame.records()
+        handed.append((time.monotonic() - started, int(r["ts"].min()), len(r)))
+
+    # WHEN it is replayed at --speed 1
+    result = replay_file(path, Pipeline(FootprintConfig()), speed=1.0, on_frame=seen)
+    # THEN it takes the trace's 2 s, in many small batches, none handed on before its time
+    assert result.problems == [] and result.records == 4000
+    assert result.elapsed_s >= 1.99
+    assert len(handed) > 500 and max(n for _, _, n in handed) <= 10
+    assert all(wall >= (ts - t0) / 1e9 - 0.002 for wall, ts, _ in handed)
+    # and through the command line as well
+    t = time.monotonic()
+    out = _cli("replay", "--speed", "1", str(path))
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t >= 2.0
