@@ -56,6 +56,23 @@ def test_30ms_spike_in_a_quiet_minute_is_caught_in_a_burst_with_an_exact_peak(tm
     assert hub.window_counts["footprint_change"] == len(windows)
 
 
+def test_window_starts_at_the_change_that_made_the_interval_volatile_not_a_small_one_before(
+        tmp_path: Path) -> None:
+    # GIVEN 1 KiB ticks every 130 ms (off the 200 ms grid), so a tick often shares the spike's interval
+    for at in (30_000, 30_150, 30_350, 30_499, 12_345):
+        lines, facts = quiet_minute_with_spike(spike_at_ms=at, tick_ms=130)
+        windows = list(replay_lines(tmp_path, lines).hub.windows)
+        # THEN one window in the minute besides the start-up and the final release, around the spike
+        middle = [w for w in windows if facts["t0"] + 200 * MS < w.start_ns < facts["end"]]
+        assert len(middle) == 1, (at, [(w.start_ns - facts["t0"], w.peak_bytes) for w in middle])
+        (win,) = middle
+        assert facts["peak"] <= win.peak_bytes <= facts["peak"] + 1024  # a 1 KiB tick may be live in it
+        assert 0 <= facts["spike_start"] - win.start_ns < 5 * MS
+        # and no window's peak is just the baseline it rose from (the 1 GiB the process holds), save the
+        # final release, which only went down
+        assert all(w.peak_bytes > (1 << 30) for w in middle)
+
+
 def test_spike_spanning_an_interval_boundary_is_still_one_covering_window(tmp_path: Path) -> None:
     for offset_ms in range(0, 200, 13):  # move the spike across the 200 ms grid
         lines, facts = quiet_minute_with_spike(spike_at_ms=20_000 + offset_ms, minute_ms=25_000)

@@ -7,8 +7,9 @@ order). After each interval it picks the next one:
 * volatile (the footprint moved by ``volatile_rel_change`` of its level, at
   least ``volatile_min_bytes`` and ``range_jump_factor`` times the usual move, or
   the event rate jumped ``rate_jump_factor`` times the usual): a burst. Because
-  records wait in the reorder buffer anyway, the burst starts *at the first
-  change inside that interval*, not after it: the interval is cut there and the
+  records wait in the reorder buffer anyway, the burst starts *at the change
+  that made the interval volatile* (the first at which the footprint's range
+  met the rule), not after it: the interval is cut there and the
   timeline from that point is walked again in ``burst_ms`` frames. An anomaly
   window opens at that frame and closes once ``burst_min_frames`` calm frames
   have passed and the level is back near where it was before (or has held a new
@@ -159,23 +160,30 @@ class ProcessSampler:
             if self.mode != BURST:
                 reason = self._volatile(rng, entering, n_events, secs)
                 if reason is not None:
-                    first = self._first_change(mem_ts, delta, i_mem, j_mem) if reason == "footprint_change" \
-                        else int(ev_ts[i_ev])
+                    first = self._volatile_change(mem_ts, total, i_mem, j_mem, entering) \
+                        if reason == "footprint_change" else int(ev_ts[i_ev])
                     burst_ns = cfg.burst_ms * _MS
                     t1 = max(cursor, first // burst_ns * burst_ns)
                     if t1 > cursor:
                         self._record(cursor, t1, self.mode, 1)
                         # The usual rate and range learn only from the part sampled in the old mode
-                        # (no level moved in it), again independent of the watermarks.
+                        # (only changes too small to count moved a level), again independent of the
+                        # watermarks.
                         n_before = int(np.searchsorted(ev_ts, t1, "left")) - i_ev
-                        self._update_usual(0, n_before, (t1 - cursor) / 1e9)
+                        before = total[i_mem:int(np.searchsorted(mem_ts, t1, "left"))]
+                        rng_before = (max(entering, int(before.max())) - min(entering, int(before.min()))
+                                      if len(before) else 0)
+                        self._update_usual(rng_before, n_before, (t1 - cursor) / 1e9)
                     gpu = self._busiest_dev(devs, per_dev, i_mem, j_mem)
-                    self.window = _OpenWindow(start=t1, reason=reason, gpu=gpu, baseline=entering,
+                    k_mem = int(np.searchsorted(mem_ts, t1, "left"))
+                    if k_mem > i_mem:  # small changes before the one that mattered: the levels move on
+                        self._levels_to(devs, total, per_dev, i_mem, k_mem)
+                    self.window = _OpenWindow(start=t1, reason=reason, gpu=gpu, baseline=self.level,
                                               peak=dict(self.level_dev), last_volatile_end=t1)
                     self.mode, self.interval_ns = BURST, burst_ns
                     self.bursts += 1
-                    # Walk again from t1: nothing before it moved a level, so the levels hold.
-                    i_mem = int(np.searchsorted(mem_ts, t1, "left"))
+                    # Walk again from t1, from the levels just before it.
+                    i_mem = k_mem
                     i_ev = int(np.searchsorted(ev_ts, t1, "left"))
                     cursor = t1
                     continue
@@ -185,12 +193,7 @@ class ProcessSampler:
             peaks = self._dev_peaks(devs, per_dev, i_mem, j_mem)
             self.last_peak = peaks
             if j_mem > i_mem:
-                self.level = int(total[j_mem - 1])
-                if self._one_dev is not None:
-                    self.level_dev[self._one_dev] = int(per_dev[j_mem - 1])
-                for d in ([] if self._one_dev is not None else np.unique(devs[i_mem:j_mem]).tolist()):
-                    last = i_mem + int(np.flatnonzero(devs[i_mem:j_mem] == d)[-1])
-                    self.level_dev[d] = int(per_dev[last])
+                self._levels_to(devs, total, per_dev, i_mem, j_mem)
             sampled_mode = self.mode
             if self.mode == BURST:
                 self._burst_frame(end, rng, entering, n_events, secs, peaks)
@@ -282,10 +285,33 @@ class ProcessSampler:
 
     # --- helpers ----------------------------------------------------------------------
 
-    @staticmethod
-    def _first_change(mem_ts: np.ndarray, delta: np.ndarray, i: int, j: int) -> int:
-        moved = np.flatnonzero(delta[i:j])
-        return int(mem_ts[i + int(moved[0])]) if len(moved) else int(mem_ts[i])
+    def _volatile_change(self, mem_ts: np.ndarray, total: np.ndarray, i: int, j: int, entering: int) -> int:
+        """The time of the level change that made the interval volatile: the first at which the
+        range of levels since the interval began meets the footprint rule. Small changes before
+        it (a 1 KiB allocation) are not where the burst starts: a window opened there would
+        close, calm, before the change that mattered, its peak only the baseline."""
+        lv = total[i:j]
+        if len(lv) == 0:
+            return int(mem_ts[i]) if i < len(mem_ts) else 0
+        hi = np.maximum.accumulate(np.maximum(lv, entering))
+        lo = np.minimum.accumulate(np.minimum(lv, entering))
+        cfg = self.config
+        floor = max(entering, cfg.volatile_min_bytes)
+        need = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * floor, 1)
+        usual = cfg.range_jump_factor * (self.range_ewma or 0.0)
+        rng = hi - lo
+        hit = np.flatnonzero((rng >= need) & (rng > usual))
+        return int(mem_ts[i + int(hit[0])]) if len(hit) else int(mem_ts[i])
+
+    def _levels_to(self, devs: np.ndarray, total: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> None:
+        """Move the levels to after event ``j - 1`` (events ``i`` to ``j`` were walked)."""
+        self.level = int(total[j - 1])
+        if self._one_dev is not None:
+            self.level_dev[self._one_dev] = int(per_dev[j - 1])
+            return
+        for d in np.unique(devs[i:j]).tolist():
+            last = i + int(np.flatnonzero(devs[i:j] == d)[-1])
+            self.level_dev[d] = int(per_dev[last])
 
     def _dev_peaks(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> dict[int, int]:
         peaks = dict(self.level_dev)
