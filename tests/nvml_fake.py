@@ -32,10 +32,17 @@ class FakeNvml:
         self.energy = [1000.0 * (i + 1) for i in range(gpus)]
         self.pending_xid: list[tuple[int, int]] = []
         self.unsupported_calls = 0
+        self.util = [0.42] * gpus
 
     # --- test controls ------------------------------------------------------------
     def add_process(self, gpu: int, pid: int, used: int) -> None:
         self.procs[gpu][pid] = used
+
+    def set_utilization(self, gpu: int, ratio: float) -> None:
+        self.util[gpu] = ratio
+
+    def set_used(self, gpu: int, used: int) -> None:
+        self.used[gpu] = used
 
     def lose(self, gpu: int) -> None:
         self.lost.add(gpu)
@@ -103,7 +110,7 @@ class FakeNvml:
 
     def utilization(self, index: int) -> float:
         self._check(index)
-        return 0.42
+        return self.util[index]
 
     def pcie_throughput(self, index: int) -> tuple[float, float]:
         self._check(index)

@@ -97,13 +97,20 @@ def _postprocess(config: Config) -> Postprocess:
 
 class App:
     def __init__(self, config: Config, *, socket_path: str | None, listen: str | None,
-                 nvml_client: NvmlClient | None = None) -> None:
+                 nvml_client: NvmlClient | None = None, clock_ns: Callable[[], int] | None = None) -> None:
+        """``clock_ns``: the wall clock of snapshots, NVML polls and the cost ledger (a test's fake
+        clock drives a daemon through minutes in a moment); the system clock by default."""
         self.config = config
         self.pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
         self.gpu_present = 0.0
+        self._clock_ns = clock_ns or time.time_ns
         # NVML only with a client (the daemon passes the real one when a GPU is present).
-        self.nvml = NvmlPoller(nvml_client, config.nvml) if nvml_client is not None and config.nvml.enabled else None
-        self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path,
+        self.nvml: NvmlPoller | None = None
+        if nvml_client is not None and config.nvml.enabled:
+            self.nvml = (NvmlPoller(nvml_client, config.nvml) if clock_ns is None else
+                         NvmlPoller(nvml_client, config.nvml, monotonic=lambda: self._clock_ns() / 1e9,
+                                    wall_ns=self._clock_ns))
+        self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,
                                    extra_daemon_values=self._daemon_values, nvml=self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot, postprocess=_postprocess(config),
@@ -129,7 +136,7 @@ class App:
     def _wire_engines(self, config: Config) -> None:
         self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
         self.pipeline.snapshot_live_tables = config.leaks.enabled
-        self.engines = Engines(config, started_at=time.time())
+        self.engines = Engines(config, started_at=self._clock_ns() / 1e9)
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick
@@ -164,7 +171,7 @@ class App:
     def _daemon_values(self) -> dict[str, float]:
         age = 0.0
         if self.ingest.snapshot.taken_at:
-            age = max(0.0, time.time() - self.ingest.snapshot.taken_at)
+            age = max(0.0, self._clock_ns() / 1e9 - self.ingest.snapshot.taken_at)
         return {"gpu_present": self.gpu_present, "snapshot_age_seconds": age}
 
     def anomalies_json(self) -> list[dict[str, object]]:
