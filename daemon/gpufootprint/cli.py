@@ -284,7 +284,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
-    from gpufootprint.demo import bundled_traces, run_demo
+    from gpufootprint.demo import bundled_traces, demo_config, demo_gpu, run_demo
     from gpufootprint.replay import load_frames
 
     config = _config(args, {"demo.speed": args.speed})
@@ -301,7 +301,9 @@ def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
             raise TraceError(problems[0] + more)
         if not frames:
             raise TraceError(f"{t}: no frames (an empty trace)")
-    app = _open_app(config, socket_path=None, listen=listen)
+    nvml, attach = demo_gpu()  # a simulated H200 in NVML's place, reading the demo's own snapshot
+    app = _open_app(demo_config(config), socket_path=None, listen=listen, nvml_client=nvml)
+    attach(app)
     try:
         return run_demo(app, speed=config.demo.speed, duration=args.duration, traces=traces, notice=notice)
     except OSError as exc:

@@ -3,30 +3,54 @@
 Each bundled trace plays one process. At every loop the process "restarts" (a new
 HELLO with a new start time), so its footprint starts from nothing, exactly as a
 workload restarted under the daemon would.
+
+What the bundled traces show, so that every panel of the shipped dashboard has
+data within a minute:
+
+* h200_caching, h200_expandable: the footprint by kind, copies, memsets, churn;
+* h200_kernels_train: KERNEL records of a training step (CUDA Graph advice);
+* h200_probe_pinned_managed: a probe recording with its counters (probe overhead
+  and drops) and unified memory (page migrations and faults);
+* synth_leak (its leaking process only): steady growth, so budgets predict an
+  exhaustion time and, after a few minutes, the leak engine suspects it.
+
+Beside them a simulated H200 (``nvml.simulated``) plays NVML's part: device
+memory, utilisation, power, and the model that prices the GPU. Without budget
+rules of its own the demo sets two (a process budget and 90% of each GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
 from gpufootprint.app import App
+from gpufootprint.config import Config
 from gpufootprint.ingest.session import Session
-from gpufootprint.records import COPY_KIND_NAMES
+from gpufootprint.nvml.simulated import SimulatedNvml
+from gpufootprint.records import COPY_KIND_NAMES, RecordKind
 from gpufootprint.replay import Pacer, frame_time_ns, load_frames, paced, shift_frame
 from gpufootprint.snapshot import PipelineSnapshot
-from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_json
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_json
 
 log = logging.getLogger(__name__)
 
-BUNDLED = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz")
+BUNDLED = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz", "h200_kernels_train.gfp.gz",
+           "h200_probe_pinned_managed.gfp.gz", "synth_leak.gfp.gz")
 DEMO_PIDS = (855, 856)
+#: Traces of several processes play one of them (the demo gives each trace one pid).
+ONLY_PID = {"synth_leak.gfp.gz": 5151}
+#: Budgets the demo sets when the configuration has none: both panels then have data.
+DEMO_BUDGETS: list[dict[str, object]] = [{"scope": "process", "name": "*", "bytes": 4 << 30},
+                                         {"scope": "gpu", "name": "*", "fraction": 0.9}]
 
 
 def bundled_traces() -> list[Path]:
@@ -34,21 +58,44 @@ def bundled_traces() -> list[Path]:
     return [Path(str(base / name)) for name in BUNDLED]
 
 
+def _own_process(frames: list[Frame], only: int | None) -> list[Frame]:
+    """The frames of one process of a multi-process trace (``only``), every frame otherwise."""
+    if only is None:
+        return frames
+    out = []
+    for f in frames:
+        if f.type is FrameType.BATCH:
+            recs = f.records()
+            mine = recs[recs["pid"] == only]
+            if len(mine) == 0:
+                continue
+            raw = encode_batch(RecordKind(f.tag), mine)
+            f = Frame(f.type, f.tag, raw[HEADER_SIZE:], f.offset)
+        out.append(f)
+    return out
+
+
 def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event) -> None:
     frames, problems = load_frames(path)
     for problem in problems:
         log.error("%s", problem)
+    frames = _own_process(frames, ONLY_PID.get(path.name))
+    own_hello = next((f.json() for f in frames if f.type is FrameType.HELLO), None)
     loop = 0
     while not stop.is_set():
         loop += 1
         session = Session(app.pipeline, source="trace", name=f"demo {path.name}")
-        hello = encode_json(FrameType.HELLO, {"pid": pid, "start_time": loop, "trace": path.name,
-                                              "host": os.uname().nodename})
+        # A probe recording's own HELLO (its devices, versions) is kept; the pid and start time are the demo's.
+        hello_body = {**(own_hello or {}), "pid": pid, "start_time": loop, "trace": path.name,
+                      "host": os.uname().nodename}
+        hello = encode_json(FrameType.HELLO, hello_body)
         app.ingest.inject(session, Frame(FrameType.HELLO, 0, hello[HEADER_SIZE:], 0))
         first = next((t for t in map(frame_time_ns, frames) if t is not None), 0)
         delta = time.time_ns() - first
         pacer = Pacer(speed, stop)
         for whole in frames:
+            if whole.type is FrameType.HELLO:
+                continue
             for frame in paced(shift_frame(whole, delta, pid=pid), pacer):
                 if stop.is_set():
                     break
@@ -57,6 +104,34 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
                 break
         app.ingest.inject(session, None)
         stop.wait(1.0 / speed)
+
+
+def demo_config(config: Config) -> Config:
+    """The demo's configuration: budgets when the user set none."""
+    if config.budgets.rules:
+        return config
+    return dataclasses.replace(config, budgets=dataclasses.replace(config.budgets, rules=list(DEMO_BUDGETS)))
+
+
+def demo_gpu() -> tuple[SimulatedNvml, Callable[[App], None]]:
+    """The simulated H200, and how to hand it the app whose snapshot says what each process holds."""
+    holder: list[App] = []
+
+    def held() -> dict[int, int]:
+        if not holder:
+            return {}
+        snap = holder[0].ingest.snapshot
+        return {p.pid: sum(d.device_bytes for d in p.devices if d.dev == 0) for p in snap.processes if not p.exited}
+
+    return SimulatedNvml(held), holder.append
+
+
+def demo_app(config: Config, listen: str) -> App:
+    """The daemon the demo runs: its configuration and a simulated H200 in NVML's place."""
+    nvml, attach = demo_gpu()
+    app = App(demo_config(config), socket_path=None, listen=listen, nvml_client=nvml)
+    attach(app)
+    return app
 
 
 def render(snap: PipelineSnapshot, url: str, started: float) -> str:

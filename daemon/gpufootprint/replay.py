@@ -14,7 +14,8 @@ import numpy as np
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import TIME_FIELD, RecordKind
-from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameDecoder, FrameType, encode_batch, encode_json
+from gpufootprint.wire.framing import (HEADER_SIZE, Frame, FrameDecoder, FrameType, encode_batch, encode_json,
+                                       encode_watermark)
 from gpufootprint.wire.sources import TraceFile
 
 
@@ -177,13 +178,15 @@ def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
         if pid is not None:
             recs["pid"] = pid
         raw = encode_batch(kind, recs)
-    elif frame.type in (FrameType.MARK, FrameType.META):
+    elif frame.type in (FrameType.MARK, FrameType.META, FrameType.HELLO, FrameType.HEARTBEAT, FrameType.GOODBYE):
         body = frame.json()
         if isinstance(body.get("ts"), int):
             body["ts"] += delta_ns
         if pid is not None and "pid" in body:
             body["pid"] = pid
         raw = encode_json(frame.type, body)
+    elif frame.type is FrameType.WATERMARK:
+        raw = encode_watermark(frame.watermark() + delta_ns)
     else:
         return frame
     return Frame(frame.type, frame.tag, raw[HEADER_SIZE:], frame.offset)
