@@ -19,11 +19,14 @@ import pytest
 import yaml
 
 from tests.integration.test_prometheus import (
+    RULES,
     Prom,
     _assert_ok,
     _free_port,
     _get,
+    _metrics,
     _panel_queries,
+    _rules,
     _substitute,
     _tool,
     _wait,
@@ -36,7 +39,7 @@ DEADLINE_S = 60.0
 def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> None:
     prometheus = _tool("prometheus")
     dport, pport = _free_port(), _free_port()
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
               "scrape_configs": [{"job_name": "gpufootprint", "static_configs": [
                   {"targets": [f"127.0.0.1:{dport}"], "labels": {"cluster": "demo", "node": "local"}}]}]}
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -72,6 +75,13 @@ def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> Non
         waited = time.monotonic() - started
         assert not empty, f"after {waited:.0f} s, panels without data:\n" + "\n".join(empty)
         assert waited <= DEADLINE_S + 15  # one more round of queries at most past the minute
+        # Every series a rule reads exists here, NVML's included (the simulated H200), and no
+        # alert fires on a healthy demo: in particular memory is far from 90% of the device.
+        absent = [f"{name}: {metric}" for name, _, expr in _rules() for metric in _metrics(expr)
+                  if not _assert_ok(prom.instant(f'count({{__name__="{metric}"}})'), metric)]
+        assert not absent, absent
+        firing = _assert_ok(prom.instant('ALERTS{alertstate="firing"}'), "alerts")
+        assert firing == [], firing
     finally:
         for proc in (demo, server):
             if proc is not None:
