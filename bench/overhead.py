@@ -31,6 +31,7 @@ late (behind its reorder window) are counted per configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -76,6 +77,17 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # CUPTI's buffers read in the workload's process (the default until 2026-12-03): the daemon gets
     # BATCH frames; the default now forwards buffers of memory records unread.
     "probe_packed": {"forward_buffers": False},
+    # The probe's defaults; only the daemon's kernel windows differ (DAEMON_SAMPLER).
+    "probe_kernel_windows_off": {},
+    "probe_kernel_windows_dense": {},
+}
+# probe_kernel_windows: the daemon's sampler.kernel_window_* per configuration. Every other probed
+# configuration runs the default daemon: 50 ms of kernel activity every 30 s per process (the first
+# 5 s in) and at bursts. "off": never (the probe as before 2026-12-03); "dense": 50 ms every 1 s,
+# 30 times the default's duty cycle, so that its cost reads above the noise.
+DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
+    "probe_kernel_windows_off": {"kernel_window_ms": 0},
+    "probe_kernel_windows_dense": {"kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0},
 }
 # Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a
@@ -314,12 +326,15 @@ def main() -> int:
     from gpufootprint.config import load_config
     from gpufootprint.ingest.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.sampler.hub import FeatureHub
 
     cfg = load_config(env={})
     servers: dict[str, IngestServer] = {}
     for c in configs:
         if c.startswith("probe") and c != "probe_daemon_away":
-            servers[c] = IngestServer(cfg, Pipeline(cfg.footprint), socket_path=os.path.join(tmp, f"{c}.sock"))
+            hub = FeatureHub(cfg.features, dataclasses.replace(cfg.sampler, **DAEMON_SAMPLER.get(c, {})))
+            servers[c] = IngestServer(cfg, Pipeline(cfg.footprint, hub=hub),
+                                      socket_path=os.path.join(tmp, f"{c}.sock"))
             servers[c].open()
             threading.Thread(target=servers[c].run, daemon=True).start()
 

@@ -1,0 +1,82 @@
+"""On the GPU: a default `gpufootprint daemon` gives a launch-bound training process a CUDA
+Graph verdict other than insufficient_data within a minute.
+
+Nothing is configured but the socket and the HTTP port: the verdict comes from the
+daemon's default kernel windows (sampler.kernel_window_*: 50 ms every 30 s, the first 5 s
+after the process's first watermark). The seconds from the workload's start to the first
+verdict, and the verdict, are printed and written to $GPUFOOTPRINT_GPU_OUT when set
+(docs/performance.md quotes them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFOOTPRINT_")}
+    sock, port = str(tmp_path / "probe.sock"), _free_port()
+    daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock,
+                               "--listen", f"127.0.0.1:{port}"], env=env, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "daemon.log", "w"))
+    workload: subprocess.Popen[str] | None = None
+    found: list[dict[str, Any]] = []
+    waited = None
+    try:
+        api = f"http://127.0.0.1:{port}/api/engines"
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert time.monotonic() < deadline and daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+            time.sleep(0.2)
+        started = time.monotonic()
+        workload = subprocess.Popen([sys.executable, "-m", "gpufootprint", "run", "--socket", sock, "--",
+                                     sys.executable, str(HERE / "launch_bound.py"), "120"], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        last: list[dict[str, Any]] = []
+        while time.monotonic() - started < 75 and workload.poll() is None:
+            try:
+                last = json.loads(urllib.request.urlopen(api, timeout=10).read())["graph"]
+            except OSError:
+                last = []
+            found = [d for d in last if d["decision"] != "insufficient_data"]
+            if found:
+                waited = time.monotonic() - started
+                break
+            time.sleep(1.0)
+        summary = {"seconds_to_verdict": waited, "verdicts": found or last}
+        print(json.dumps(summary, indent=1))
+        out = os.environ.get("GPUFOOTPRINT_GPU_OUT")
+        if out:
+            Path(out, "graph_live_default.json").write_text(json.dumps(summary, indent=1))
+        assert found, f"no verdict other than insufficient_data in 75 s: {last}"
+        assert waited is not None and waited <= 60, waited
+        # 100 add_ launches of microseconds each and a small MLP: the main stream's step repeats
+        main = max(found, key=lambda d: d["kernels"])
+        assert main["op_count"] is not None and main["reuse_ratio"] is not None, main
+    finally:
+        for proc in (workload, daemon):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (workload, daemon):
+            if proc is not None:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
