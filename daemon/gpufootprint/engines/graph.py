@@ -151,13 +151,15 @@ def reuse_since(kernels: np.ndarray | None) -> int | None:
 
 def advise(snap: PipelineSnapshot, policy: GraphPolicy,
            reuse: Mapping[tuple[int, int], float] | None = None,
-           stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None) -> tuple[GraphDecision, ...]:
+           stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None,
+           since: Mapping[int, int | None] | None = None) -> tuple[GraphDecision, ...]:
     """Decisions for every process whose kernels the pipeline retains.
 
     ``reuse`` overrides the reuse ratio per (pid, dev) (a test's what-if); otherwise
     the sampler's feature is read over the steady part (``reuse_since``), the same
     way live and in ``abtest``. ``stats`` lets a caller pass per-pid statistics it
-    cached (they depend only on the kernels).
+    cached (they depend only on the kernels), ``since`` the per-pid ``reuse_since``
+    likewise.
     """
     out: list[GraphDecision] = []
     feats = inputs.features_of(snap)
@@ -171,10 +173,10 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
                                      decision=INSUFFICIENT, exited=proc.exited,
                                      reasons=("no kernel records seen yet (kernel activity is sampled in windows)",)))
             continue
-        since = reuse_since(proc.recent_kernels)
+        start = since[proc.pid] if since is not None and proc.pid in since else reuse_since(proc.recent_kernels)
         for (dev, stream), st in sorted(per_stream.items()):
             r = reuse.get((proc.pid, dev)) if reuse is not None else None
             if r is None:
-                r = inputs.reuse_ratio(feats.get((proc.pid, dev)), since)
+                r = inputs.reuse_ratio(feats.get((proc.pid, dev)), start)
             out.append(decide_stream(st, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited))
     return tuple(out)

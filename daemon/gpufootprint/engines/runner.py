@@ -20,7 +20,7 @@ from gpufootprint.config import Config
 from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
-from gpufootprint.engines.graph import GraphDecision, GraphPolicy, advise, compute_stats
+from gpufootprint.engines.graph import GraphDecision, GraphPolicy, advise, compute_stats, reuse_since
 from gpufootprint.engines.leaks import LeakStatus, LeakTracker
 from gpufootprint.features.kernels import StreamKernelStats
 from gpufootprint.snapshot import PipelineSnapshot
@@ -52,7 +52,8 @@ class Engines:
         self.leaks = LeakTracker(config.leaks)
         self.degradation = DegradationTracker(config.degradation, config.cost)
         self.cost = CostLedger(config.cost, started_at)
-        self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats]]] = {}
+        # per pid: (its kernel array, their statistics, where the steady part starts for the reuse ratio)
+        self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats], int | None]] = {}
         self._suspects: set[tuple[int, int]] = set()
         self._advice: set[tuple[int, int, str]] = set()
 
@@ -61,18 +62,19 @@ class Engines:
         graph: tuple[GraphDecision, ...] = ()
         if cfg.graph_advisor.enabled:
             stats: dict[int, dict[tuple[int, int], StreamKernelStats]] = {}
+            since: dict[int, int | None] = {}
             for proc in snap.processes:
                 arr = proc.recent_kernels
                 if arr is None:
                     continue
                 cached = self._stats.get(proc.pid)
                 if cached is None or cached[0] is not arr:
-                    cached = (arr, compute_stats(arr, self.policy))
+                    cached = (arr, compute_stats(arr, self.policy), reuse_since(arr))
                     self._stats[proc.pid] = cached
-                stats[proc.pid] = cached[1]
+                stats[proc.pid], since[proc.pid] = cached[1], cached[2]
             for pid in set(self._stats) - set(stats):
                 del self._stats[pid]
-            graph = advise(snap, self.policy, stats=stats)
+            graph = advise(snap, self.policy, stats=stats, since=since)
         budgets: tuple[BudgetStatus, ...] = ()
         actions: tuple[BudgetAction, ...] = ()
         if cfg.budgets.enabled:
