@@ -15,7 +15,9 @@ all: unknown (None).
 ``ReuseTracker`` counts per (pid, device) as batches arrive (the sampler hub
 owns one per frame builder; ``abtest`` replays through the same hub), and keeps
 the newest allocations' (time, reused) pairs so ``steady_ratio`` can answer for
-any ``since`` at engine time from an immutable snapshot.
+any ``since`` at engine time from an immutable snapshot. CUPTI's release records
+carry their size; for traces whose releases omit it, the size last allocated at
+the address is used, remembered from the first batch with such a release on.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
 _NO_EVENTS.flags.writeable = False
 
 
-_MIX, _MASK = 0x9E3779B97F4A7C15, (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15
 
 
 def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -44,7 +46,8 @@ class ReuseTracker:
 
     def __init__(self, capacity: int = 100_000, history: int = 65_536) -> None:
         self._freed: set[int] = set()
-        self._live: dict[int, int] = {}  # address -> size: a release record may omit the size
+        self._live: dict[int, int] = {}  # address -> last allocated size: a release record may omit it
+        self._sizeless = False  # a release without its size was seen: keep ``_live``
         self._capacity = capacity
         self._history = history
         self._chunks: list[np.ndarray] = []
@@ -54,32 +57,43 @@ class ReuseTracker:
         self.reused = 0
 
     def add(self, recs: np.ndarray) -> None:
-        sel = recs[recs["mk"] == MemoryKind.DEVICE]
+        device = recs["mk"] == MemoryKind.DEVICE
+        sel = recs if bool(device.all()) else recs[device]
         if len(sel) == 0:
             return
         if len(sel) > 1 and bool((np.diff(sel["ts"].astype(np.int64)) < 0).any()):
             sel = sel[np.argsort(sel["ts"], kind="stable")]
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
-        ts_out: list[int] = []
-        hit: list[bool] = []
+        ops, addr, size = sel["op"], sel["addr"], sel["bytes"]
+        is_alloc = ops == alloc
+        if len(live) >= self._capacity:
+            live.clear()
+        if len(freed) >= self._capacity:
+            freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
+        if self._sizeless or bool(((ops == release) & (size == 0)).any()):
+            # CUPTI's release records carry the size; a trace that omits it gets each release the
+            # size last allocated at its address, remembered from the first such batch on (one pass
+            # in Python; the common case never pays for it).
+            self._sizeless = True
+            size = size.copy()
+            for i, (op, a, b) in enumerate(zip(ops.tolist(), addr.tolist(), size.tolist())):
+                if op == alloc:
+                    live[a] = b
+                elif op == release and b == 0:
+                    size[i] = live.get(a, 0)
         # One pass over precomputed integer keys: measured faster than a numpy formulation at
         # every batch size from 8 to 16,384 records (sort and group costs more than set lookups).
-        for ts, op, addr, size, key in zip(sel["ts"].tolist(), sel["op"].tolist(), sel["addr"].tolist(),
-                                           sel["bytes"].tolist(), reuse_keys(sel["addr"], sel["bytes"]).tolist()):
+        hit: list[bool] = []
+        add_hit, add_freed = hit.append, freed.add
+        for op, key in zip(ops.tolist(), reuse_keys(addr, size).tolist()):
             if op == alloc:
-                ts_out.append(ts)
-                hit.append(key in freed)
-                if len(live) >= self._capacity:
-                    live.clear()
-                live[addr] = size
+                add_hit(key in freed)
             elif op == release:
-                if len(freed) >= self._capacity:
-                    freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-                known = live.pop(addr, size)
-                freed.add(key if known == size else addr ^ ((known * _MIX) & _MASK))
-        if not ts_out:
+                add_freed(key)
+        if not hit:
             return
+        ts_out = sel["ts"][is_alloc]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit
         self.allocations += len(ev)
