@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import cli_env
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -31,7 +33,8 @@ def _free_port() -> int:
 
 
 def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFOOTPRINT_")}
+    # The source tree on PYTHONPATH (the lent machine has no installed package), nothing configured.
+    env = {k: v for k, v in cli_env().items() if not k.startswith("GPUFOOTPRINT_")}
     sock, port = str(tmp_path / "probe.sock"), _free_port()
     daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock,
                                "--listen", f"127.0.0.1:{port}"], env=env, cwd=tmp_path,
