@@ -438,7 +438,8 @@ def main() -> int:
                                                      "cupti_dropped_records",
                                                      "buffers_completed", "records_sent", "bulk_records",
                                                      "bulk_fallbacks", "records_dropped", "resyncs",
-                                                     "drop_resyncs")}, row.get("daemon"))
+                                                     "drop_resyncs", "forwarded_buffers", "table_seconds",
+                                                     "forward_seconds")}, row.get("daemon"))
     for name, row in summary["pooled"].items():
         print(f"pooled {name:13s}", f"{len(row['workers'])} vs {len(row['baseline_workers'])} workers |",
               " | ".join(f"{w}: x{row[w]['median_ratio']} ci95 {row[w]['median_ratio_ci95']} p99 x{row[w]['p99_ratio']}"

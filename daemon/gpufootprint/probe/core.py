@@ -71,6 +71,8 @@ class Probe:
         self.counters: Counter[str] = Counter()
         self.dropped_by_reason: Counter[str] = Counter()
         self.callback_seconds = 0.0
+        self.table_seconds = 0.0  # CPU time applying records to the probe's own table (at watermarks)
+        self.forward_seconds = 0.0  # CPU time framing forwarded buffers (part of callback_seconds)
         self.own_device_bytes = 0
         self.buffers_requested = 0
         self.buffers_completed = 0
@@ -303,7 +305,10 @@ class Probe:
         self.counters["raw_records"] += n
         self.counters["forwarded_buffers"] += 1
         assert self.link is not None
-        if self.link.put(framing.encode_cupti_buffer(self.pid, buf[:valid]), records=n):
+        t0 = time.thread_time()
+        frame = framing.encode_cupti_buffer(self.pid, buf[:valid])
+        self.forward_seconds += time.thread_time() - t0
+        if self.link.put(frame, records=n):
             self.counters["records_sent"] += n
             self.counters["batches_sent"] += 1
         else:
@@ -539,8 +544,10 @@ class Probe:
 
     def _advance_table(self, ts: int) -> None:
         if ts > self._table_ts:
+            t0 = time.thread_time()
             self.table.advance(ts)
             self._table_ts = ts
+            self.table_seconds += time.thread_time() - t0
 
     def _emit_totals(self, ts: int) -> None:
         """The table's totals as of the watermark ``ts`` just sent, for the daemon to check itself against."""
@@ -822,7 +829,8 @@ class Probe:
                                        if self.in_gap else self.gap_seconds, 6),
             "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
             "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
-            "forwarded_buffers": c["forwarded_buffers"],
+            "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(self.table_seconds, 6),
+            "forward_seconds": round(self.forward_seconds, 6),
             "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
             "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
             "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,
