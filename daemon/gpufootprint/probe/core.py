@@ -543,11 +543,13 @@ class Probe:
                 self._emit_totals(safe)
 
     def _advance_table(self, ts: int) -> None:
-        if ts > self._table_ts:
-            t0 = time.thread_time()
-            self.table.advance(ts)
-            self._table_ts = ts
-            self.table_seconds += time.thread_time() - t0
+        """Apply queued records up to ``ts`` (or the table's watermark, if later: a record stamped
+        before it that came late is applied too)."""
+        t0 = time.thread_time()
+        ts = max(ts, self._table_ts)
+        self.table.advance(ts)
+        self._table_ts = ts
+        self.table_seconds += time.thread_time() - t0
 
     def _emit_totals(self, ts: int) -> None:
         """The table's totals as of the watermark ``ts`` just sent, for the daemon to check itself against."""
@@ -674,7 +676,7 @@ class Probe:
         The table is sent as of its own watermark, which the daemon has reached too (the frames
         that moved it went first): records stamped later follow as usual and apply after it.
         """
-        ts = self._table_ts or self._flushed_ns or self._clock_ns()
+        ts = self._table_ts  # 0 before the first watermark: an empty table, nothing applied yet
         self._advance_table(ts)
         arr = self.table.to_array(ts)
         self._emit_link(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
