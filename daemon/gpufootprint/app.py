@@ -121,7 +121,7 @@ class App:
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
-            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.published.is_set,
+            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.ready,
                                       json_routes={"/api/anomalies": self.anomalies_json,
                                                    "/api/migrations": self.migrations_json},
                                       web_config=load_web_config(config.exporter.web_config_file),
@@ -166,13 +166,12 @@ class App:
 
     def _extra_families(self) -> Iterator[Metric]:
         yield from engine_families(self.engine_outputs)
-        yield from daemon_families(self.ingest.stats, self.ingest.snapshot)  # issue 7
+        yield from daemon_families(self.ingest.stats, self.ingest.snapshot, self.ingest.health())
 
     def _daemon_values(self) -> dict[str, float]:
-        age = 0.0
-        if self.ingest.snapshot.taken_at:
-            age = max(0.0, self._clock_ns() / 1e9 - self.ingest.snapshot.taken_at)
-        return {"gpu_present": self.gpu_present, "snapshot_age_seconds": age}
+        # The snapshot's age is not here: a value inside the snapshot freezes with it. It is
+        # computed at scrape time from the last successful tick (exporter/reliability.py).
+        return {"gpu_present": self.gpu_present}
 
     def anomalies_json(self) -> list[dict[str, object]]:
         """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""

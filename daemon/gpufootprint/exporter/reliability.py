@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpufootprint.ingest.server import ServerStats
+from gpufootprint.ingest.server import ServerStats, TickHealth
 from gpufootprint.snapshot import PipelineSnapshot
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -50,7 +50,28 @@ def sanitize_label_values(families: Iterable[Metric], max_len: int) -> list[Metr
     return out
 
 
-def daemon_families(stats: ServerStats, snap: PipelineSnapshot) -> Iterator[Metric]:
+def daemon_families(stats: ServerStats, snap: PipelineSnapshot, health: TickHealth | None = None) -> Iterator[Metric]:
+    if health is not None:
+        age = GaugeMetricFamily("gpufootprint_daemon_snapshot_age_seconds",
+                                "Seconds since the last tick that succeeded, at the time of this scrape: it grows "
+                                "while ticks fail or stall.")
+        age.add_metric([], max(0.0, health.last_ok_age_s) if health.last_ok_wall else float("nan"))
+        yield age
+        errors = CounterMetricFamily("gpufootprint_daemon_tick_errors",
+                                     "Ticks (watermarks, expiry, snapshot) that raised; /readyz fails until one "
+                                     "succeeds again.")
+        errors.add_metric([], health.tick_errors)
+        yield errors
+    quarantined = GaugeMetricFamily("gpufootprint_daemon_quarantined_process",
+                                    "1 for each process whose state broke a tick and was dropped (its records are "
+                                    "dropped until it exits), with the exception's type.", labels=["pid", "reason"])
+    for pid, reason in stats.quarantined:
+        quarantined.add_metric([str(pid), reason], 1)
+    yield quarantined
+    quarantines = CounterMetricFamily("gpufootprint_daemon_quarantines",
+                                      "Processes quarantined because their state broke a tick.")
+    quarantines.add_metric([], stats.quarantines)
+    yield quarantines
     disc = CounterMetricFamily("gpufootprint_daemon_disconnects",
                                "Probe connections the daemon closed or lost, by reason (eof, goodbye, "
                                "truncated_frame, bad_preamble, bad_version, frame_too_large, bad_checksum, "

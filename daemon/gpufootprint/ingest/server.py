@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import grp
 import logging
 import os
@@ -31,6 +32,7 @@ from gpufootprint.config import Config
 from gpufootprint.errors import ConfigError, FrameError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import MarkCallback, Session
+from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState, PipelineSnapshot
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.probe import rawrecords
@@ -88,6 +90,21 @@ class ServerStats:
     config_reloads: tuple[tuple[str, int], ...] = ()
     config_last_reload_ok: float = 1.0
     resync_requests: int = 0  # resyncs asked of probes (late records, drift)
+    quarantined: tuple[tuple[int, str], ...] = ()  # (pid, reason) of processes whose state was dropped
+    quarantines: int = 0
+
+
+@dataclass(frozen=True)
+class TickHealth:
+    """Read at scrape time, not from the snapshot: a stuck loop cannot freeze what it says."""
+
+    last_ok_wall: float  # time.time() of the last tick that published a snapshot (0: none yet)
+    last_ok_age_s: float  # seconds since then, on the monotonic clock
+    tick_errors: int
+    last_failed: bool  # the latest tick raised
+
+    def healthy(self, stall_s: float) -> bool:
+        return self.last_ok_wall > 0 and not self.last_failed and self.last_ok_age_s <= stall_s
 
 
 class _BatchMerger:
@@ -194,8 +211,34 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+def lock_socket_path(path: str) -> int:
+    """Hold ``<socket>.lock`` with flock for the daemon's lifetime: a second daemon on the same path
+    refuses to start instead of replacing a live one's socket. The kernel drops the lock when the
+    holder dies, so a stale lock file never blocks a restart."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = ""
+        try:
+            holder = Path(f"{path}.lock").read_text().strip()
+        except OSError:
+            pass
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        raise ConfigError(f"daemon.socket: {path} is in use by another gpufootprint daemon{who}; "
+                          "stop it or choose another socket") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def bind_probe_socket(path: str, mode: str, group: str | None) -> socket.socket:
-    """Create the listening socket owner-only (or group-accessible) before anyone can connect."""
+    """Create the listening socket owner-only (or group-accessible) before anyone can connect.
+    Call with the path's lock held (``lock_socket_path``): the socket found there is then a dead
+    daemon's, safe to replace."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() or target.is_symlink():
@@ -216,7 +259,7 @@ def bind_probe_socket(path: str, mode: str, group: str | None) -> socket.socket:
             raise ConfigError(f"daemon.socket_group: no group named {group!r}") from None
         os.chown(path, -1, gid)
     os.chmod(path, int(mode, 8))
-    sock.listen(128)
+    sock.listen(socket.SOMAXCONN)  # probes of a whole node may start within milliseconds
     sock.setblocking(False)
     return sock
 
@@ -266,6 +309,14 @@ class IngestServer:
         self._rlog = RateLimitedLog()
         self._resync_asked: dict[int, float] = {}  # pid -> monotonic time of the last resync request
         self.resync_requests = 0
+        self.guard = Guard(Limits.from_config(config.daemon))
+        self.quarantines = 0
+        self.tick_errors = 0
+        self._tick_failed = False
+        self._last_ok_wall = 0.0
+        self._last_ok_mono = 0.0
+        self._lock_fd = -1
+        self._socket_ino: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we created
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
@@ -274,7 +325,15 @@ class IngestServer:
     def open(self) -> None:
         if self.socket_path:
             dc = self.config.daemon
-            self._listener = bind_probe_socket(self.socket_path, dc.socket_mode, dc.socket_group)
+            self._lock_fd = lock_socket_path(self.socket_path)
+            try:
+                self._listener = bind_probe_socket(self.socket_path, dc.socket_mode, dc.socket_group)
+            except BaseException:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+                raise
+            st = os.stat(self.socket_path)
+            self._socket_ino = (st.st_dev, st.st_ino)
             self._sel.register(self._listener, selectors.EVENT_READ, "listen")
             log.info("listening for probes socket=%s mode=%s", self.socket_path, dc.socket_mode)
             self._fd_ceiling = fd_ceiling()
@@ -330,20 +389,55 @@ class IngestServer:
             self._sel.unregister(self._listener)
             self._listener.close()
             if self.socket_path:
-                try:
-                    os.unlink(self.socket_path)
-                except OSError:
-                    pass
+                self._remove_own_socket()
         self.tick()  # the final flush: what the closed sessions applied is in the last snapshot
         log.info("shut down cleanly connections_closed=%d pending_records=%d", closed,
                  sum(p.pending_records for p in self.pipeline.processes.values()))
 
+    def _remove_own_socket(self) -> None:
+        """Unlink the socket only if it is still the one this daemon bound (same inode), then let
+        the lock go: a successor that took the path over keeps its socket."""
+        assert self.socket_path
+        try:
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._socket_ino:
+                os.unlink(self.socket_path)
+            else:
+                log.info("socket %s belongs to another daemon now: left in place", self.socket_path)
+        except OSError:
+            pass
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def health(self) -> TickHealth:
+        age = time.monotonic() - self._last_ok_mono if self._last_ok_mono else float("inf")
+        return TickHealth(self._last_ok_wall, age, self.tick_errors, self._tick_failed)
+
+    def ready(self) -> bool:
+        """/readyz: a snapshot was published, the last tick succeeded, and not too long ago."""
+        return self.published.is_set() and self.health().healthy(self.config.daemon.tick_stall_seconds)
+
     # --- the pipeline's clock -------------------------------------------------------
 
     def tick(self) -> None:
-        """Advance live processes' watermarks by the clock, expire, publish a snapshot."""
-        with self.lock:
-            self._tick()
+        """Advance live processes' watermarks by the clock, expire, publish a snapshot.
+
+        A failure is counted (``tick_errors``) and makes /readyz fail until a tick succeeds again;
+        the snapshot is not replaced, and its age, computed at scrape time, grows.
+        """
+        try:
+            with self.lock:
+                self._tick()
+        except Exception:
+            self.tick_errors += 1
+            self._tick_failed = True
+            self._rlog("tick_error", logging.ERROR, "tick failed (%d so far); the last good snapshot stays, "
+                       "/readyz fails", self.tick_errors, exc_info=True)
+            return
+        self._tick_failed = False
+        self._last_ok_wall = time.time()
+        self._last_ok_mono = time.monotonic()
 
     def clock_lag_ns(self, hello: dict[str, Any]) -> int:
         """How far behind the daemon's clock a live probe's records are applied without its word.
@@ -374,9 +468,15 @@ class IngestServer:
             if proc.source == "probe" and proc.exited_at is None:
                 if proc.watermarked and mono - proc.watermark_at < self.silent_after_s(proc.info):
                     continue  # its watermarks say when records are complete; the clock cannot know
-                self.pipeline.advance(pid, now - self.clock_lag_ns(proc.info))
+                try:
+                    self.pipeline.advance(pid, now - self.clock_lag_ns(proc.info))
+                except Exception as exc:  # noqa: BLE001 - one process's state must not stop everyone's tick
+                    self.quarantine(pid, exc)
         self._request_resyncs(mono)
         self.pipeline.expire()
+        self._bound_processes()
+        self.guard.limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
+        self.guard.recount(self.pipeline.processes)
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
             daemon_values.update(self._extra())
@@ -388,7 +488,7 @@ class IngestServer:
             # The engines' view of each GPU (model for prices, size, utilisation for advice).
             extra["gpus"] = tuple(GpuState(index=g.index, model=g.model, uuid=g.uuid, total_bytes=g.memory_total_bytes,
                                            utilization_ratio=g.utilization_ratio) for g in nvml_snap.gpus)
-        self.snapshot = dataclasses.replace(self.pipeline.snapshot(now / 1e9), daemon=daemon_values, **extra)
+        self.snapshot = dataclasses.replace(self._pipeline_snapshot(now / 1e9), daemon=daemon_values, **extra)
         self._publish_stats()
         self.published.set()
         if self.on_snapshot is not None:
@@ -396,6 +496,51 @@ class IngestServer:
                 self.on_snapshot(self.snapshot)
             except Exception:  # noqa: BLE001 - an engine bug must not stop ingest
                 log.exception("snapshot consumer failed")
+
+    def _pipeline_snapshot(self, wall: float) -> PipelineSnapshot:
+        """The pipeline's snapshot; if building it fails, the processes whose own state fails are
+        quarantined and it is built again without them (a failure that remains fails the tick)."""
+        try:
+            return self.pipeline.snapshot(wall)
+        except Exception:  # noqa: BLE001 - find the process at fault
+            found = False
+            for pid, proc in list(self.pipeline.processes.items()):
+                try:
+                    for dev, fp in list(proc.devices.items()):
+                        self.pipeline.device_state(pid, dev)
+                        self.pipeline.hub.device_features(pid, dev, proc.applied_to, fp.pool_reserved_bytes,
+                                                          fp.async_device_bytes)
+                except Exception as exc:  # noqa: BLE001
+                    self.quarantine(pid, exc)
+                    found = True
+            if not found:
+                raise
+            return self.pipeline.snapshot(wall)
+
+    def quarantine(self, pid: int, exc: BaseException) -> None:
+        """Drop one process's state after it broke a tick: counted, logged, marked in
+        ``gpufootprint_daemon_quarantined_process``; its later records are dropped until it exits."""
+        reason = type(exc).__name__
+        self.quarantines += 1
+        self.guard.quarantined[pid] = reason
+        self.pipeline.processes.pop(pid, None)
+        self.pipeline.hub.forget(pid)
+        self._rlog("quarantine", logging.ERROR, "pid=%d quarantined: its state broke a tick (%s: %s); the other "
+                   "processes go on", pid, reason, exc)
+
+    def _bound_processes(self) -> None:
+        """Past daemon.max_processes, forget the processes that exited longest ago first."""
+        procs = self.pipeline.processes
+        excess = len(procs) - self.config.daemon.max_processes
+        if excess <= 0:
+            return
+        exited = sorted((p.exited_at, pid) for pid, p in procs.items() if p.exited_at is not None)
+        for _, pid in exited[:excess]:
+            del procs[pid]
+            self.pipeline.hub.forget(pid)
+        self.pipeline.errors.add("process_limit", f"more than daemon.max_processes="
+                                 f"{self.config.daemon.max_processes} processes: {min(excess, len(exited))} exited "
+                                 "ones forgotten early", min(excess, len(exited)))
 
     # --- injected streams (demo, tests) ---------------------------------------------
 
@@ -469,6 +614,7 @@ class IngestServer:
             session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid,
                               on_mark=self._on_mark)
             session.future_limit_ns = self._future_limit_ns  # issue 7: clock steps
+            session.guard, session.limits = self.guard, self.guard.limits
             conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes), session, pid, uid)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -501,6 +647,8 @@ class IngestServer:
                 if proc.source == "probe" and proc.exited_at is None and pid not in connected \
                         and not _pid_alive(pid):
                     self.pipeline.process_exited(pid)
+            for pid in [p for p in self.guard.quarantined if p not in connected and not _pid_alive(p)]:
+                del self.guard.quarantined[pid]
         for conn in [c for c in self._conns.values() if c.unsent]:
             self._flush_unsent(conn)
         timeout = self.config.daemon.hello_timeout_seconds
@@ -587,7 +735,7 @@ class IngestServer:
             conn.verify_asked = True
             self.send_control(conn.pid, {"op": "verify", "cupti_buffers": 1})
         elif ftype is FrameType.BATCH or ftype is FrameType.CUPTI_BUFFER:
-            n = _records_in(frame)
+            n = _own_records(frame, conn.pid, conn.session.ns_pid)
             counts = self.received.setdefault(conn.pid, [0, 0])
             if conn.resync:
                 conn.resync_records += n
@@ -614,7 +762,8 @@ class IngestServer:
             accept_errors=self.accept_errors, buffered_bytes=self._buffered,
             received=tuple((pid, r[0], r[1]) for pid, r in sorted(self.received.items())),
             config_reloads=tuple(sorted(self.config_reloads.items())),
-            config_last_reload_ok=self.config_last_reload_ok, resync_requests=self.resync_requests)
+            config_last_reload_ok=self.config_last_reload_ok, resync_requests=self.resync_requests,
+            quarantined=tuple(sorted(self.guard.quarantined.items())), quarantines=self.quarantines)
 
     def _poll_nvml(self) -> None:
         assert self.nvml is not None
@@ -697,6 +846,26 @@ _SESSION_REASONS = {"bad_preamble": "bad_frame", "bad_version": "bad_frame", "fr
                     "bad_checksum": "bad_frame", "bad_frame_type": "bad_frame",
                     "frame_before_hello": "unexpected_frame", "frame_after_goodbye": "unexpected_frame",
                     "duplicate_hello": "unexpected_frame", "resync_mismatch": "unexpected_frame"}
+
+
+def _own_records(frame: Frame, pid: int, ns_pid: int | None) -> int:
+    """Records of a BATCH or CUPTI_BUFFER that speak for the peer (the rest are dropped as
+    pid_mismatch, so they are not "received" from this probe either)."""
+    if frame.type is FrameType.CUPTI_BUFFER:
+        try:
+            claimed, _data = cupti_buffer(frame)
+        except FrameError:
+            return 0
+        return _records_in(frame) if claimed == pid or (ns_pid is not None and claimed == ns_pid) else 0
+    try:
+        recs = frame.records()
+    except Exception:  # noqa: BLE001 - a damaged batch is counted by the session
+        return 0
+    pids = recs["pid"]
+    mine = pids == pid
+    if ns_pid is not None:
+        mine |= pids == ns_pid
+    return int(mine.sum())
 
 
 def fd_ceiling() -> int:

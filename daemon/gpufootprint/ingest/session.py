@@ -19,6 +19,7 @@ import numpy as np
 
 from gpufootprint.errors import FrameError
 from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.ingest.validate import Guard, Limits, bounded_metadata, check_fields
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.probe import rawrecords
 from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer
@@ -82,6 +83,10 @@ class Session:
         # issue 7: for live probes, the latest credible timestamp (daemon clock + max_future_seconds);
         # later ones are clamped to it and counted, so one stepped clock cannot stall the reorder buffer.
         self.future_limit_ns: Callable[[], int] | None = None
+        # Field ranges for every source; for live probes (``guard``) also what a process may hold.
+        self.limits = Limits()
+        self.guard: Guard | None = None
+        self._string_bytes = 0  # kernel-name characters this stream holds (counted in the guard)
 
     # --- frames -----------------------------------------------------------------
 
@@ -92,10 +97,32 @@ class Session:
         except FrameError as exc:
             self.problem("bad_frame", f"{self.name}: {exc}")
 
-    def problem(self, reason: str, message: str) -> None:
-        self.pipeline.errors.add(reason, message)
+    def problem(self, reason: str, message: str, n: int = 1) -> None:
+        self.pipeline.errors.add(reason, message, n)
         if len(self.problems) < 100:
             self.problems.append(message)
+
+    def _count(self, reason: str, detail: str, n: int) -> None:
+        self.problem(reason, f"{self.name}: {detail}", n)
+
+    def _mine(self, pid: object) -> int | None:
+        """For a live probe: the peer's pid when ``pid`` names it (or is absent), else None (counted):
+        a connection speaks only for the process at its other end, as the kernel says (SO_PEERCRED)."""
+        assert self.peer_pid is not None
+        if pid is None or pid == self.peer_pid or (self.ns_pid is not None and pid == self.ns_pid):
+            return self.peer_pid
+        self.problem("identity", f"{self.name}: a frame speaks for pid {str(pid)[:32]}, not the peer's "
+                                 f"{self.peer_pid}: dropped")
+        return None
+
+    def _credible_ts(self, ts: object, what: str) -> int | None:
+        """A control frame's timestamp as an int inside the record range, clamped like records."""
+        if not isinstance(ts, int) or isinstance(ts, bool) or not 0 <= ts < MAX_TIMESTAMP_NS:
+            self.problem("bad_timestamp", f"{self.name}: {what} timestamp {str(ts)[:32]} out of range")
+            return None
+        if self.future_limit_ns is not None:
+            ts = min(ts, self.future_limit_ns())
+        return ts
 
     def _dispatch(self, frame: Frame) -> None:
         ftype = frame.type
@@ -112,14 +139,25 @@ class Session:
                 return
             if self.future_limit_ns is not None:
                 ts = min(ts, self.future_limit_ns())
-            for pid in self.pids:
+            for pid in ([self.peer_pid] if self.peer_pid is not None else self.pids):
                 self.pipeline.watermark(pid, ts)
         elif ftype is FrameType.TOTALS:
             self._totals(frame.json())
         elif ftype is FrameType.META:
             meta = frame.json()
             meta_pid = meta.get("pid")
-            if isinstance(meta_pid, int):
+            if self.peer_pid is not None:
+                if self._mine(meta_pid) is None:
+                    return
+                proc = self._own(self.peer_pid)
+                update = clean_info({k: v for k, v in meta.items() if k not in ("k", "pid")})
+                if not bounded_metadata(proc.info, update, self.limits.max_metadata_bytes):
+                    self.problem("metadata_limit", f"{self.name}: META would take pid {self.peer_pid}'s fields past "
+                                                   f"daemon.max_metadata_bytes={self.limits.max_metadata_bytes}: "
+                                                   f"dropped")
+                    return
+                proc.info.update(update)
+            elif isinstance(meta_pid, int):
                 self._own(meta_pid).info.update({k: v for k, v in meta.items() if k != "k"})
         elif ftype is FrameType.HELLO:
             self._hello(frame.json())
@@ -128,16 +166,22 @@ class Session:
         elif ftype is FrameType.GOODBYE:
             body = frame.json()
             self._counters(body)
+            end = self._credible_ts(body["ts"], "GOODBYE") if isinstance(body.get("ts"), int) else None
             for pid in self._speakers(body):
-                self.pipeline.process_exited(pid, body.get("ts") if isinstance(body.get("ts"), int) else None)
+                self.pipeline.process_exited(pid, end)
         elif ftype is FrameType.STRINGS:
             for key, value in frame.json().items():
                 if key.isdigit() and isinstance(value, str):
+                    if self.guard is not None and not self.guard.take_strings(len(value[:512])):
+                        self.problem("strings_limit", f"{self.name}: kernel names past the daemon's bound: dropped")
+                        return
+                    self._string_bytes += len(value[:512])
                     self.kernel_names[int(key)] = value[:512]
         elif ftype is FrameType.RESYNC_BEGIN:
             body = frame.json()
             self._resync = []
-            self._resync_ts = int(body.get("ts", 0))
+            begin = self._credible_ts(body.get("ts", 0), "RESYNC_BEGIN")
+            self._resync_ts = begin if begin is not None else 0
         elif ftype is FrameType.RESYNC_END:
             self._finish_resync()
         elif ftype is FrameType.CONTROL:
@@ -218,8 +262,30 @@ class Session:
             recs = recs[~absurd]
             if len(recs) == 0:
                 return
+        recs = check_fields(kind, recs, self.limits, self._count)
+        if len(recs) == 0:
+            return
         if self.future_limit_ns is not None:
             recs = self._clamp_future(kind, recs)
+        if self.guard is not None and self.peer_pid is not None:
+            if self.peer_pid in self.guard.quarantined:
+                self._count("quarantined", f"pid {self.peer_pid} is quarantined: records dropped", len(recs))
+                return
+            if self._resync is not None and kind is RecordKind.MEMORY:
+                held = sum(len(c) for c in self._resync)
+                room = self.limits.max_live_allocations_per_process - held
+                if len(recs) > room:
+                    self._count("allocation_limit", f"resync past daemon.max_live_allocations_per_process="
+                                                    f"{self.limits.max_live_allocations_per_process}: dropped",
+                                len(recs) - max(0, room))
+                    recs = recs[:max(0, room)]
+            else:
+                proc = self._own(self.peer_pid)
+                pid = self.peer_pid
+                recs = self.guard.admit(proc, kind, recs, self._count,
+                                        lambda: self.pipeline.advance(pid, max(proc.max_ts, proc.applied_to + 1)))
+            if len(recs) == 0:
+                return
         self.records += len(recs)
         if self._resync is not None and kind is RecordKind.MEMORY:
             self._resync.append(recs)
@@ -271,13 +337,23 @@ class Session:
             known = self.pipeline.restart(key, self.source)  # the pid was reused by a new process
         proc = self._own(key)
         proc.source = self.source
-        proc.info.update(clean_info(hello) if self.peer_pid is not None else hello)
+        if self.peer_pid is not None:
+            info = clean_info(hello)
+            if not bounded_metadata({}, info, self.limits.max_metadata_bytes):
+                # Keep the identity (scalars); nested values are what can be large.
+                info = {k: v for k, v in info.items() if not isinstance(v, (dict, list))}
+                self.problem("metadata_limit", f"{self.name}: HELLO past daemon.max_metadata_bytes="
+                                               f"{self.limits.max_metadata_bytes}: nested fields dropped")
+            proc.info.update(info)
+        else:
+            proc.info.update(hello)
         proc.exited_at = None
 
     def _counters(self, body: dict[str, Any]) -> None:
         if "torch" in body:  # allocator statistics (contract: HEARTBEAT "torch"), for allocator slack
+            torch = body["torch"] if self.peer_pid is None else self._bounded_torch(body["torch"])
             for pid in self._speakers(body):
-                self.pipeline.note_torch(pid, body["torch"])
+                self.pipeline.note_torch(pid, torch)
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return
@@ -287,10 +363,31 @@ class Session:
         for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).probe_counters.update(clean)
 
+    def _bounded_torch(self, torch: Any) -> Any:
+        """Allocator statistics keyed by device numbers in range, with integer values in range."""
+        if not isinstance(torch, dict):
+            return None
+        out: dict[str, dict[str, int]] = {}
+        for part in ("allocated", "reserved"):
+            values = torch.get(part)
+            if not isinstance(values, dict):
+                return None
+            out[part] = {k: v for k, v in list(values.items())[:self.limits.max_devices_per_process]
+                         if isinstance(k, str) and k.isdigit() and int(k) < self.limits.max_devices_per_process
+                         and isinstance(v, int) and 0 <= v <= self.limits.max_record_bytes}
+        return out
+
     def _speakers(self, body: dict[str, Any]) -> set[int]:
         """The pids a HEARTBEAT/GOODBYE speaks for: its own ``pid`` when it names one
-        (a recorded file can hold several probes' frames), else the whole stream's."""
+        (a recorded file can hold several probes' frames), else the whole stream's; a live
+        probe's, only ever its peer's."""
         pid = body.get("pid")
+        if self.peer_pid is not None:
+            mine = self._mine(pid)
+            if mine is None:
+                return set()
+            self._own(mine)
+            return {mine}
         if self.ns_pid is not None and pid == self.ns_pid:
             pid = self.peer_pid
         if isinstance(pid, int) and (self.peer_pid is None or pid == self.peer_pid):
@@ -303,8 +400,15 @@ class Session:
         if self.ns_pid is not None and pid == self.ns_pid:
             pid = self.peer_pid
         if not (isinstance(ts, int) and isinstance(pid, int) and isinstance(dev, int)):
-            self.problem("bad_mark", f"{self.name}: mark {mark.get('label')!r} lacks integer ts/pid/dev")
+            self.problem("bad_mark", f"{self.name}: mark {str(mark.get('label'))[:64]!r} lacks integer ts/pid/dev")
             return
+        if self.peer_pid is not None:
+            if self._mine(pid) is None:
+                return
+            checked = self._credible_ts(ts, "MARK")
+            if checked is None:
+                return
+            ts = checked
         self._own(pid)
         self.pipeline.advance(pid, ts)
         state = self.pipeline.device_state(pid, dev)
@@ -333,5 +437,9 @@ class Session:
         if self._resync is not None:
             self.problem("truncated_resync", f"{self.name}: stream ended inside a resync")
             self._resync = None
+        if self.guard is not None:  # a live stream's names die with it
+            self.guard.take_strings(-self._string_bytes)
+            self._string_bytes = 0
+            self.kernel_names.clear()
         for pid in self.pids:
             self.pipeline.finish(pid)

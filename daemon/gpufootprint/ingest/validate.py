@@ -1,0 +1,195 @@
+"""Range checks and resource bounds at the wire boundary, before the pipeline sees a record.
+
+Every field that later becomes a dictionary key, a signed 64-bit number or a sum is
+checked here, per record, with numpy (one vectorised comparison per field): sizes and
+byte counts, device numbers, durations. A record out of range is dropped and counted
+under its reason; the rest of its batch goes on. The footprint code can then add and
+subtract in int64 without ever overflowing (``max_record_bytes`` times the most records
+a process may hold stays far below 2**63).
+
+For live probes a ``Guard`` also bounds what one process, and all of them together,
+can make the daemon hold: devices, live allocations, records waiting in the reorder
+buffer. The totals are recounted at every tick and moved by each admitted batch, so a
+flood between two ticks is bounded too. docs/reliability.md gives the memory each
+bound implies.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpufootprint.config import DaemonConfig
+from gpufootprint.ingest.pipeline import ProcessState
+from gpufootprint.records import UM_CPU_PAGE_FAULT_COUNT, MemoryOp, RecordKind
+
+#: Longest kernel, copy or set the daemon believes (end - start): a sum of a batch of them
+#: stays far inside int64.
+MAX_DURATION_NS = 3600 * 10**9
+
+Problem = Callable[[str, str, int], None]  # (reason, detail, records)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_record_bytes: int = 1 << 42
+    max_devices_per_process: int = 16
+    max_live_allocations_per_process: int = 200_000
+    max_live_allocations: int = 500_000
+    max_pending_records_per_process: int = 250_000
+    max_pending_records: int = 500_000
+    max_device_footprints: int = 2048
+    max_metadata_bytes: int = 16 * 1024
+    max_string_bytes: int = 16 * 1024 * 1024  # kernel names held for all live connections
+
+    @classmethod
+    def from_config(cls, dc: DaemonConfig) -> Limits:
+        return cls(max_record_bytes=dc.max_record_bytes, max_devices_per_process=dc.max_devices_per_process,
+                   max_live_allocations_per_process=dc.max_live_allocations_per_process,
+                   max_live_allocations=dc.max_live_allocations,
+                   max_pending_records_per_process=dc.max_pending_records_per_process,
+                   max_pending_records=dc.max_pending_records,
+                   max_device_footprints=dc.max_device_footprints, max_metadata_bytes=dc.max_metadata_bytes)
+
+
+# Per kind: fields that are byte counts (bounded by max_record_bytes), fields that are device
+# numbers (bounded by max_devices_per_process), and whether (start, end) is an interval.
+_BYTES: dict[RecordKind, tuple[str, ...]] = {
+    RecordKind.MEMORY: ("bytes", "pool_size", "pool_used", "pool_thresh"),
+    RecordKind.MEMORY_POOL: ("size", "used", "thresh"),
+    RecordKind.MEMCPY: ("bytes",),
+    RecordKind.MEMSET: ("bytes",),
+    RecordKind.KERNEL: (),
+    RecordKind.UNIFIED_MEMORY: ("value",),
+}
+_DEVICES: dict[RecordKind, tuple[str, ...]] = {
+    RecordKind.MEMCPY: ("dev", "src_dev", "dst_dev"),
+}
+_INTERVAL = frozenset({RecordKind.MEMCPY, RecordKind.MEMSET, RecordKind.KERNEL, RecordKind.UNIFIED_MEMORY})
+
+
+def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Problem) -> np.ndarray:
+    """``recs`` without the records whose fields are out of range; each reason counted once per batch."""
+    if len(recs) == 0:
+        return recs
+    bad = np.zeros(len(recs), dtype=bool)
+    cap = np.uint64(limits.max_record_bytes)
+    for name in _BYTES[kind]:
+        over = recs[name] > cap
+        if kind is RecordKind.UNIFIED_MEMORY:
+            over &= recs["ck"] != UM_CPU_PAGE_FAULT_COUNT  # its value is an address, counted as one fault
+        if over.any():
+            problem("bad_size", f"{int(over.sum())} {kind.name} records with {name} above "
+                                f"daemon.max_record_bytes={limits.max_record_bytes}", int((over & ~bad).sum()))
+            bad |= over
+    devs = np.uint32(limits.max_devices_per_process)
+    for name in _DEVICES.get(kind, ("dev",)):
+        over = recs[name] >= devs
+        if over.any():
+            problem("bad_device", f"{int(over.sum())} {kind.name} records with {name} >= "
+                                  f"daemon.max_devices_per_process={limits.max_devices_per_process}",
+                    int((over & ~bad).sum()))
+            bad |= over
+    if kind in _INTERVAL:
+        start, end = recs["start"], recs["end"]
+        # end < start is clipped to a zero duration downstream; a huge one would overflow a sum
+        long = (end > start) & ((end - start) > np.uint64(MAX_DURATION_NS))
+        if long.any():
+            problem("bad_duration", f"{int(long.sum())} {kind.name} records lasting over "
+                                    f"{MAX_DURATION_NS // 10**9} s", int((long & ~bad).sum()))
+            bad |= long
+    return recs[~bad] if bad.any() else recs
+
+
+@dataclass
+class Totals:
+    """What all processes hold together, recounted at each tick and moved by admitted batches."""
+
+    live_allocations: int = 0
+    pending_records: int = 0
+    device_footprints: int = 0
+
+
+class Guard:
+    """The per-process and total bounds for live probes. One per daemon, used on the ingest thread."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.totals = Totals()
+        self.quarantined: dict[int, str] = {}  # pid -> why its state was dropped
+        self.string_bytes = 0
+
+    def take_strings(self, n: int) -> bool:
+        """Reserve ``n`` characters of kernel names (negative: give back); False when past the bound."""
+        if n > 0 and self.string_bytes + n > self.limits.max_string_bytes:
+            return False
+        self.string_bytes += n
+        return True
+
+    def recount(self, processes: dict[int, ProcessState]) -> None:
+        live = pending = devices = 0
+        for proc in processes.values():
+            devices += len(proc.devices)
+            live += sum(len(fp.live) for fp in proc.devices.values())
+            pending += proc.pending_records
+        self.totals = Totals(live, pending, devices)
+
+    def admit(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, problem: Problem,
+              flush: Callable[[], None]) -> np.ndarray:
+        """The part of a live probe's batch its process may still hold; ``flush`` applies its pending
+        records at once (its reorder buffer is full: records after it count as late, none is lost)."""
+        lim, tot = self.limits, self.totals
+        n = len(recs)
+        pending = proc.pending_records
+        if pending and (pending + n > lim.max_pending_records_per_process
+                        or tot.pending_records + n > lim.max_pending_records):
+            problem("pending_limit", f"pid={proc.pid}: {pending} records waiting for the "
+                                     f"watermark (bound daemon.max_pending_records_per_process="
+                                     f"{lim.max_pending_records_per_process}, daemon.max_pending_records="
+                                     f"{lim.max_pending_records}): applied at once", pending)
+            flush()
+            tot.pending_records -= pending
+        devices = proc.devices
+        new_devs = [d for d in np.unique(recs["dev"]).tolist() if d not in devices]
+        if new_devs:
+            room = min(lim.max_devices_per_process - len(devices), lim.max_device_footprints - tot.device_footprints)
+            if len(new_devs) > room:
+                refused = new_devs[max(0, room):]
+                drop = np.isin(recs["dev"], np.asarray(refused, dtype=recs["dev"].dtype))
+                problem("device_limit", f"pid={proc.pid}: records for {len(refused)} more "
+                                        f"devices than daemon.max_device_footprints={lim.max_device_footprints} "
+                                        f"allows", int(drop.sum()))
+                recs = recs[~drop]
+                new_devs = new_devs[:max(0, room)]
+            tot.device_footprints += len(new_devs)
+        if kind is RecordKind.MEMORY and len(recs):
+            allocs = recs["op"] == MemoryOp.ALLOCATION
+            n_alloc = int(allocs.sum())
+            if n_alloc:
+                held = sum(len(fp.live) for fp in devices.values()) + proc.pending_records
+                room = min(lim.max_live_allocations_per_process - held,
+                           lim.max_live_allocations - tot.live_allocations - tot.pending_records)
+                if n_alloc > room:
+                    # Keep releases (they only shrink the table) and the first allocations that fit.
+                    over = allocs & (np.cumsum(allocs) > max(0, room))
+                    problem("allocation_limit", f"pid={proc.pid}: {int(over.sum())} allocations "
+                                                f"past daemon.max_live_allocations_per_process="
+                                                f"{lim.max_live_allocations_per_process} or daemon.max_live_"
+                                                f"allocations={lim.max_live_allocations}", int(over.sum()))
+                    recs = recs[~over]
+                    n_alloc = max(0, room)
+                tot.live_allocations += n_alloc
+        tot.pending_records += len(recs)
+        return recs
+
+
+def bounded_metadata(info: dict[str, object], update: dict[str, object], limit: int) -> bool:
+    """Would ``info`` updated with ``update`` stay within ``limit`` bytes of JSON?"""
+    merged = {**info, **update}
+    try:
+        return len(json.dumps(merged, default=str)) <= limit
+    except (TypeError, ValueError, RecursionError):
+        return False
