@@ -223,24 +223,39 @@ class App:
             self.nvml.close()
         sys.setswitchinterval(self._switch_interval)
 
-    def wait_for_signal(self, stop: threading.Event, reload: Callable[[], Config] | None = None) -> None:
-        hup = threading.Event()
+    @staticmethod
+    def install_signal_handlers(stop: threading.Event, hup: threading.Event) -> None:
+        """SIGTERM/SIGINT set ``stop``, SIGHUP sets ``hup``. Call it first thing, before the
+        configuration is read and the daemon starts: until then a SIGHUP would kill the process."""
 
         def _handler(signum: int, _frame: _PyFrame | None) -> None:
             log.info("signal %s: shutting down", signal.Signals(signum).name)
             stop.set()
 
         def _hup(_signum: int, _frame: _PyFrame | None) -> None:
-            hup.set()  # the work happens below, outside the signal handler
+            hup.set()  # the work happens on a reload thread, never in the handler
 
         signal.signal(signal.SIGTERM, _handler)
         signal.signal(signal.SIGINT, _handler)
-        if reload is not None:
-            signal.signal(signal.SIGHUP, _hup)
+        signal.signal(signal.SIGHUP, _hup)
+
+    def wait_for_signal(self, stop: threading.Event, reload: Callable[[], Config] | None = None,
+                        hup: threading.Event | None = None) -> None:
+        """Until ``stop``: each SIGHUP reloads on a thread of its own (one at a time), so a reload
+        that hangs or grows (a hostile file) never delays SIGTERM, which this loop checks every 0.1 s."""
+        if hup is None:
+            hup = threading.Event()
+            self.install_signal_handlers(stop, hup)
+        worker: threading.Thread | None = None
         while not stop.wait(0.1):
-            if hup.is_set():
+            if hup.is_set() and (worker is None or not worker.is_alive()):
                 hup.clear()
-                self.reload(reload)
+                if reload is None:
+                    continue
+                worker = threading.Thread(target=self.reload, args=(reload,), name="gpufootprint-reload", daemon=True)
+                worker.start()
+        if worker is not None and worker.is_alive():
+            log.warning("a configuration reload is still running at shutdown: abandoned")
 
     # --- SIGHUP (issue 7) ------------------------------------------------------------
 

@@ -242,6 +242,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_daemon(args: argparse.Namespace) -> int:
     from gpufootprint.app import detect_gpu
 
+    stop, hup = threading.Event(), threading.Event()
+    App.install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
     flags = {"exporter.listen": args.listen, "daemon.socket": args.socket,
              "exporter.web_config_file": getattr(args, "web_config_file", None)}
     config = _config(args, flags)
@@ -262,9 +264,8 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log.warning("no GPU: %s; serving probe data and metrics anyway", detail)
     _start_app(app, config.daemon.socket)
     log.info("serving metrics url=%s", app.http.url if app.http else "-")
-    stop = threading.Event()
     try:
-        app.wait_for_signal(stop, reload=lambda: _config(args, flags))  # SIGHUP re-reads file, env, flags
+        app.wait_for_signal(stop, reload=lambda: _config(args, flags), hup=hup)  # SIGHUP re-reads file, env, flags
     finally:
         app.stop()
     return 0

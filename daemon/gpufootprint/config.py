@@ -401,17 +401,9 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: invalid YAML ({problem})") from None
+    from gpufootprint.yamlsafe import read_yaml_file  # no aliases, bounded depth and size
+
+    data = read_yaml_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -122,6 +122,28 @@ class MetricsServer:
             self.exposition.stop()
 
 
+def accepts_gzip(header: str) -> bool:
+    """Does an Accept-Encoding header accept gzip? ``gzip;q=0`` (RFC 9110: "not acceptable") does not,
+    nor does ``*;q=0``; ``*`` with a non-zero q does."""
+    star: bool | None = None
+    for part in header.split(","):
+        coding, _, params = part.strip().partition(";")
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.strip().partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        coding = coding.strip().lower()
+        if coding in ("gzip", "x-gzip"):
+            return q > 0
+        if coding == "*":
+            star = q > 0
+    return bool(star)
+
+
 def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -139,7 +161,7 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
             try:
                 if path == "/metrics":
                     encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                    gz = "gzip" in self.headers.get("Accept-Encoding", "")
+                    gz = accepts_gzip(self.headers.get("Accept-Encoding", ""))
                     if server.exposition is not None:
                         body = server.exposition.body(encoder, content_type, gz)
                         self._send(200, body, content_type, gzipped=gz)

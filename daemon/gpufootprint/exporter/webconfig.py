@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from gpufootprint.errors import ConfigError
+from gpufootprint.yamlsafe import read_yaml_file
 
 log = logging.getLogger(__name__)
 
@@ -164,13 +164,7 @@ def load_web_config(path: str | None) -> WebConfig:
     if not path:
         return WebConfig()
     where = f"web config {path}"
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: invalid YAML ({str(exc).splitlines()[0]})") from None
-    data = data or {}
+    data = read_yaml_file(path, "web config") or {}  # no aliases, bounded depth and size, as the config
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the top level must be a mapping")
     unknown = set(data) - {"tls_server_config", "http_server_config", "basic_auth_users"}

@@ -122,7 +122,10 @@ class Relay:
         self.write_error: str | None = None
         raw: IO[bytes] = open(output, "wb", buffering=0)  # noqa: SIM115 - unbuffered: a failed write is one frame
         self._raw = raw
-        self._fh: IO[bytes] = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6) if output.endswith(".gz") else raw  # type: ignore[assignment]
+        # A write may be short (a disk filling up, RLIMIT_FSIZE): _WholeWrites finishes it or raises.
+        whole = _WholeWrites(raw)
+        self._fh: IO[bytes] = gzip.GzipFile(fileobj=whole, mode="wb", compresslevel=6) if output.endswith(".gz") else whole  # type: ignore[assignment]
+        self._plain = not output.endswith(".gz")
         self._put(PREAMBLE, 0)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
@@ -150,7 +153,10 @@ class Relay:
         except OSError:
             return
         sock.setblocking(False)
-        state = {"decoder": FrameDecoder(), "index": self._seen, "resync": None}
+        # Kernel-name ids of the n-th probe move to their own range (n << 24); the 8 bits above the
+        # ids hold 256 probes, so the ranges wrap past that (names of probes 256 apart may then
+        # mix in one file) instead of overflowing the 32-bit id.
+        state = {"decoder": FrameDecoder(), "index": self._seen % 256, "resync": None}
         self._seen += 1
         self._open += 1
         self._sel.register(sock, selectors.EVENT_READ, state)
@@ -174,10 +180,19 @@ class Relay:
 
     def _put(self, data: bytes, records: int) -> None:
         if self.write_error is None:
+            start = self._raw.tell() if self._plain else -1
             try:
                 self._fh.write(data)
                 return
             except OSError as exc:  # ENOSPC, EIO, EFBIG...: from here on the file cannot be trusted
+                if start >= 0:
+                    # Part of this frame may be on disk: cut it off, so the file ends on a whole frame
+                    # and the loss counted (this frame on) is exact.
+                    try:
+                        os.ftruncate(self._raw.fileno(), start)
+                        self._raw.seek(start)
+                    except OSError:
+                        pass
                 self.write_error = f"{self.output}: {exc.strerror or exc}"
                 log.error("record: cannot write %s (%s); the workload goes on, frames from here on are counted as "
                           "lost", self.output, exc.strerror or exc)
@@ -239,6 +254,36 @@ class Relay:
             os.rmdir(self._dir)
         except OSError:
             pass
+
+
+class _WholeWrites:
+    """A file object whose ``write`` writes everything or raises: a raw file's write may take only
+    part of the data (a full disk returns a short count before it returns ENOSPC)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data)
+        while view:
+            n = self._raw.write(view)
+            if not n:  # nothing taken and no error: treat as a full disk rather than spin
+                raise OSError(28, os.strerror(28))
+            view = view[n:]
+        return len(data)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
 
 
 def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
