@@ -1,4 +1,4 @@
-"""The HTTP side: /metrics, /healthz, /readyz and JSON routes, on a threading server.
+"""The HTTP side: /metrics, /healthz, /readyz and JSON routes, on a bounded server (exporter/bounded.py).
 
 prometheus_client's own ``start_http_server`` serves only /metrics; we need health
 routes and JSON routes beside it, so we use its ``choose_encoder`` for content
@@ -9,23 +9,20 @@ of time (exporter/exposition.py); without one, it renders at each scrape.
 
 from __future__ import annotations
 
-import errno
 import gzip
 import json
 import logging
-import ssl
 import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
+from gpufootprint.exporter.bounded import WRITE_DEADLINE_S, BoundedHTTPServer
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.webconfig import WebConfig
-from gpufootprint.ingest.server import ACCEPT_PAUSE_S
 
 log = logging.getLogger(__name__)
 
@@ -34,46 +31,6 @@ JsonRoute = Callable[[], Any]
 
 #: Paths served without basic auth (liveness and readiness probes carry no secrets and say nothing).
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-#: A client that has not finished its request (or TLS handshake) by then is dropped.
-REQUEST_TIMEOUT_S = 30.0
-
-
-class _Server(ThreadingHTTPServer):
-    """Issue 7: TLS is negotiated in the request's own thread (a client that stalls its handshake
-    holds one thread, never the accept loop), with the web config current at that moment."""
-
-    daemon_threads = True
-    web_config: WebConfig
-    accept_errors = 0
-
-    def get_request(self) -> tuple[Any, Any]:
-        """socketserver drops a failed accept() silently and selects again at once: out of file
-        descriptors, the listener stays readable and that loop would spin. Pause instead."""
-        try:
-            return super().get_request()
-        except OSError as exc:
-            self.accept_errors += 1
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                if self.accept_errors == 1 or self.accept_errors % 100 == 0:
-                    log.warning("http accept failed (%d times so far): %s", self.accept_errors, exc)
-                time.sleep(ACCEPT_PAUSE_S)
-            raise
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        request.settimeout(REQUEST_TIMEOUT_S)
-        tls = self.web_config.current_tls()
-        if tls is None:
-            super().finish_request(request, client_address)
-            return
-        try:
-            wrapped = tls.wrap_socket(request, server_side=True)
-        except (ssl.SSLError, OSError) as exc:
-            self.web_config.handshake_failed(client_address, exc)
-            return
-        try:
-            super().finish_request(wrapped, client_address)
-        finally:
-            wrapped.close()
 
 
 class MetricsServer:
@@ -85,14 +42,15 @@ class MetricsServer:
         self.ready = ready
         self.json_routes = dict(json_routes or {})
         handler = _make_handler(self)
-        self.httpd = _Server((host, port), handler)
+        self.httpd = BoundedHTTPServer((host, port), handler)
         self.httpd.web_config = web_config or WebConfig()
         self.auth_failures = 0
         self._thread: threading.Thread | None = None
 
     @property
     def web_config(self) -> WebConfig:
-        return self.httpd.web_config
+        web: WebConfig = self.httpd.web_config
+        return web
 
     def set_web_config(self, web_config: WebConfig) -> None:
         """SIGHUP: new TLS files and users apply from the next connection on."""
@@ -148,7 +106,12 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        timeout = REQUEST_TIMEOUT_S
+        timeout = WRITE_DEADLINE_S  # the request was read whole before this runs: this bounds the reply
+        head = False
+
+        def do_HEAD(self) -> None:  # noqa: N802 - what GET would answer, without the body
+            self.head = True
+            self.do_GET()
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             path = self.path.split("?", 1)[0]
@@ -202,7 +165,8 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
             if gzipped:
                 self.send_header("Content-Encoding", "gzip")
             self.end_headers()
-            self.wfile.write(body)
+            if not self.head:
+                self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature from the base
             log.debug("http %s", format % args)

@@ -1,0 +1,371 @@
+"""A bounded HTTP/1.1 server for /metrics: a slow or idle client can never hold a thread.
+
+The standard library's ``ThreadingHTTPServer`` gives every connection a thread that
+blocks reading headers, with a timeout per read (not per request), and a listen
+backlog of 5: a few thousand sockets that send a header byte at a time exhaust
+threads and descriptors before authentication is even looked at. Here one I/O thread
+owns every socket while a request is being read (TLS handshakes included), under a
+selector, with
+
+* a cap on open connections: past it, the connection that has waited longest without
+  a complete request is closed to make room, so a flood of slow sockets churns among
+  itself while a scraper that sends its request at once gets through;
+* a deadline for the whole request (headers and body), counted from its first byte,
+  and an idle deadline for keep-alive connections;
+* bounded request size (headers and body);
+* a listen backlog of 1024.
+
+Only complete requests reach the worker threads, which run the ordinary
+``BaseHTTPRequestHandler`` (routes, auth, encoders unchanged) on the buffered bytes and
+write the response with a deadline for the whole write. No library fitted: waitress
+reads requests the same way but has no TLS, and cheroot reads headers in its worker
+threads (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import io
+import logging
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: Connections open at once (reading, waiting for a worker, or idle between requests).
+MAX_CONNECTIONS = 512
+#: A request (headers and body) must arrive whole within this many seconds of its first byte.
+REQUEST_DEADLINE_S = 10.0
+#: A connection with no request in progress is closed after this long.
+IDLE_TIMEOUT_S = 75.0  # longer than Prometheus's usual 60 s scrape interval, so keep-alive survives
+#: A response must be written whole within this long (a client that does not read holds a worker no longer).
+WRITE_DEADLINE_S = 10.0
+MAX_REQUEST_BYTES = 64 * 1024
+BACKLOG = 1024
+WORKERS = 8
+ACCEPT_PAUSE_S = 0.5
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    addr: Any
+    opened: float
+    buf: bytearray = field(default_factory=bytearray)
+    started: float | None = None  # monotonic time of the current request's first byte
+    last: float = 0.0  # when it last became idle (accepted, or a response was written)
+    handshaking: bool = False
+
+
+class BoundedHTTPServer:
+    """Serves ``handler`` (a ``BaseHTTPRequestHandler`` class) on ``address`` within the bounds above.
+
+    Duck-types what ``MetricsServer`` and the handler use of ``socketserver``'s servers:
+    ``server_address``, ``serve_forever``, ``shutdown``, ``server_close``, ``web_config``."""
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
+                 max_connections: int = MAX_CONNECTIONS, workers: int = WORKERS,
+                 request_deadline_s: float = REQUEST_DEADLINE_S, idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        host, port = address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        self.socket.setblocking(False)
+        self.server_address: tuple[Any, ...] = self.socket.getsockname()
+        self.handler = handler
+        self.web_config: Any = None
+        self.max_connections = max_connections
+        self.request_deadline_s = request_deadline_s
+        self.idle_timeout_s = idle_timeout_s
+        self.accept_errors = 0
+        self.evicted = 0  # connections closed to make room under the cap
+        self.timed_out = 0  # requests that missed their deadline, idle connections closed
+        self._sel = selectors.DefaultSelector()
+        self._conns: collections.OrderedDict[_Conn, None] = collections.OrderedDict()  # oldest waiting first
+        self._busy = 0  # connections handed to workers
+        self._back: collections.deque[_Conn] = collections.deque()  # keep-alive connections back from workers
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpufootprint-http")
+        self._stop = threading.Event()
+        self._serving = False
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._accept_paused_until = 0.0
+
+    # --- the I/O thread ------------------------------------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._serving = True
+        self._sel.register(self.socket, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(min(poll_interval, 0.25)):
+                    if key.data is None:
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        self._read(key.data)
+                self._take_back()
+                self._expire()
+        finally:
+            self._stopped.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.socket.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.accept_errors += 1
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self.accept_errors == 1 or self.accept_errors % 100 == 0:
+                        log.warning("http accept failed (%d times so far): %s", self.accept_errors, exc)
+                    self._sel.unregister(self.socket)  # waiting clients stay in the backlog meanwhile
+                    self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+                return
+            if len(self._conns) + self._busy >= self.max_connections and not self._evict():
+                sock.close()  # every slot holds a request being answered: this one waits for none
+                continue
+            sock.setblocking(False)
+            now = time.monotonic()
+            conn = _Conn(sock, addr, now, last=now)
+            tls = self.web_config.current_tls() if self.web_config is not None else None
+            if tls is not None:
+                try:
+                    conn.sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (ssl.SSLError, OSError) as exc:
+                    self.web_config.handshake_failed(addr, exc)
+                    sock.close()
+                    continue
+                conn.handshaking = True
+            self._conns[conn] = None
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            if conn.handshaking:
+                self._read(conn)  # the ClientHello may be there already
+
+    def _evict(self) -> bool:
+        """Close the connection that has waited longest without a complete request."""
+        for conn in self._conns:
+            self.evicted += 1
+            self._close(conn)
+            return True
+        return False
+
+    def _read(self, conn: _Conn) -> None:
+        if conn.handshaking:
+            try:
+                conn.sock.do_handshake()  # type: ignore[attr-defined]
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                if conn.started is None:
+                    conn.started = time.monotonic()  # a handshake counts against the request's deadline
+                return
+            except (ssl.SSLError, OSError) as exc:
+                self.web_config.handshake_failed(conn.addr, exc)
+                self._close(conn)
+                return
+            conn.handshaking = False
+        while True:
+            try:
+                data = conn.sock.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except OSError:
+                self._close(conn)
+                return
+            if not data:
+                self._close(conn)
+                return
+            if conn.started is None:
+                conn.started = time.monotonic()
+            conn.buf += data
+            if len(conn.buf) > MAX_REQUEST_BYTES:
+                self._reply_and_close(conn, b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+                return
+            if not isinstance(conn.sock, ssl.SSLSocket) or not conn.sock.pending():
+                break
+        if self._complete(conn):
+            self._dispatch(conn)
+
+    @staticmethod
+    def _complete(conn: _Conn) -> bool:
+        end = conn.buf.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        head = bytes(conn.buf[:end]).decode("latin-1").lower()
+        length = 0
+        for line in head.split("\r\n")[1:]:
+            name, _, value = line.partition(":")
+            if name.strip() == "content-length":
+                try:
+                    length = int(value.strip())
+                except ValueError:
+                    length = 0
+        return len(conn.buf) >= end + 4 + length
+
+    def _dispatch(self, conn: _Conn) -> None:
+        self._sel.unregister(conn.sock)
+        self._conns.pop(conn, None)
+        self._busy += 1
+        try:
+            self._pool.submit(self._serve, conn)
+        except RuntimeError:  # shutting down
+            self._busy -= 1
+            conn.sock.close()
+
+    def _take_back(self) -> None:
+        while self._back:
+            with self._lock:
+                conn = self._back.popleft()
+            self._busy -= 1
+            if conn.sock.fileno() < 0:
+                continue
+            if self._stop.is_set():
+                conn.sock.close()
+                continue
+            conn.last = time.monotonic()
+            conn.started = time.monotonic() if conn.buf else None
+            self._conns[conn] = None
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            if self._complete(conn):  # a pipelined request was already in the buffer
+                self._dispatch(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self.socket, selectors.EVENT_READ, None)
+        for conn in list(self._conns):
+            if conn.started is not None:
+                if now - conn.started > self.request_deadline_s:
+                    self.timed_out += 1
+                    self._reply_and_close(conn, b"HTTP/1.1 408 Request Timeout\r\n")
+            elif now - conn.last > self.idle_timeout_s:
+                self.timed_out += 1
+                self._close(conn)
+
+    def _reply_and_close(self, conn: _Conn, status: bytes) -> None:
+        try:
+            conn.sock.send(status + b"Connection: close\r\nContent-Length: 0\r\n\r\n")
+        except (OSError, ssl.SSLError):
+            pass
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        self._conns.pop(conn, None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    # --- worker threads ------------------------------------------------------------------------
+
+    def _serve(self, conn: _Conn) -> None:
+        keep = False
+        try:
+            conn.sock.settimeout(WRITE_DEADLINE_S)
+            data = bytes(conn.buf)
+            conn.buf.clear()
+            handler = _one_request(self.handler)(conn.sock, conn.addr, self, data)
+            keep = not handler.close_connection
+            conn.buf += handler.leftover
+        except Exception:  # noqa: BLE001 - a request must never take the server down
+            log.debug("http request from %s failed", conn.addr, exc_info=True)
+        if keep:
+            try:
+                conn.sock.setblocking(False)
+            except OSError:
+                keep = False
+        if not keep:
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        with self._lock:
+            self._back.append(conn)
+        self._wake()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._serving:
+            self._stopped.wait(10)
+
+    def server_close(self) -> None:
+        self._stop.set()
+        for conn in list(self._conns):
+            self._close(conn)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self._sel.close()
+        except (OSError, RuntimeError):
+            pass
+        self.socket.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns) + self._busy
+
+
+_handlers: dict[type[BaseHTTPRequestHandler], Callable[..., Any]] = {}
+
+
+def _one_request(base: type[BaseHTTPRequestHandler]) -> Callable[..., Any]:
+    """``base`` answering exactly one request read from a buffer, writing to the socket."""
+    made = _handlers.get(base)
+    if made is not None:
+        return made
+
+    class OneRequest(base):  # type: ignore[valid-type,misc]
+        def __init__(self, sock: socket.socket, addr: Any, server: Any, data: bytes) -> None:
+            self._data = data
+            self.leftover = b""
+            super().__init__(sock, addr, server)
+
+        def setup(self) -> None:
+            super().setup()
+            reader: Any = getattr(self, "rfile")  # noqa: B009 - set by the base class's setup
+            reader.close()  # the socket's reader: open, it would keep the descriptor alive after close()
+            self.rfile = io.BytesIO(self._data)
+
+        def handle(self) -> None:
+            self.close_connection = True
+            self.handle_one_request()
+            reader: Any = self.rfile
+            self.leftover = self._data[reader.tell():]
+
+    _handlers[base] = OneRequest
+    return OneRequest
