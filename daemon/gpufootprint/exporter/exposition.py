@@ -94,6 +94,20 @@ class ExpositionCache:
 
     # --- the scrape -----------------------------------------------------------------
 
+    def cached(self, encoder: Encoder, content_type: str, gzipped: bool) -> bytes | None:
+        """The fresh cached body, or None when answering needs rendering (which may take a while)."""
+        now = self._clock()
+        with self._lock:
+            wanted = self._wanted.get(content_type)
+            if wanted is None or not self._fresh(now):
+                return None
+            body = self._bodies.get((content_type, gzipped))
+            if body is not None:
+                wanted.last = now
+                if gzipped:
+                    wanted.last_gzip = now
+            return body
+
     def body(self, encoder: Encoder, content_type: str, gzipped: bool) -> bytes:
         """The body for one scrape: cached bytes when there are fresh ones (gzipped if asked)."""
         now = self._clock()

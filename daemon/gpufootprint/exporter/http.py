@@ -13,14 +13,14 @@ import gzip
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 
-from gpufootprint.exporter.bounded import WRITE_DEADLINE_S, BoundedHTTPServer
+from gpufootprint.exporter.bounded import WRITE_DEADLINE_S, BoundedHTTPServer, FastAnswer
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.webconfig import WebConfig
 
@@ -42,10 +42,39 @@ class MetricsServer:
         self.ready = ready
         self.json_routes = dict(json_routes or {})
         handler = _make_handler(self)
-        self.httpd = BoundedHTTPServer((host, port), handler)
+        self._negotiated: dict[tuple[str, str], tuple[Callable[..., bytes], str, bool]] = {}
+        self.httpd = BoundedHTTPServer((host, port), handler, fast=self._fast)
         self.httpd.web_config = web_config or WebConfig()
         self.auth_failures = 0
         self._thread: threading.Thread | None = None
+
+    def _fast(self, method: str, target: str, headers: Mapping[str, str]) -> FastAnswer | None:
+        """What can be answered at once on the server's I/O thread: the health routes, and /metrics from
+        the pre-rendered body when no password is asked. Everything else goes to a worker (Handler)."""
+        path = target.split("?", 1)[0]
+        web = self.web_config
+        text = "text/plain; charset=utf-8"
+        common = list(web.headers.items())
+        if path == "/healthz":
+            return 200, "OK", [*common, ("Content-Type", text)], b"ok\n"
+        if path == "/readyz":
+            ok = self.ready()
+            return (200, "OK", [*common, ("Content-Type", text)], b"ready\n") if ok else \
+                (503, "Service Unavailable", [*common, ("Content-Type", text)], b"not ready\n")
+        if path == "/metrics" and self.exposition is not None and not web.users:
+            key = (headers.get("accept", ""), headers.get("accept-encoding", ""))
+            chosen = self._negotiated.get(key)
+            if chosen is None:
+                chosen = (*choose_encoder(key[0]), accepts_gzip(key[1]))
+                if len(self._negotiated) < 64:  # scrapers send the same few headers every time
+                    self._negotiated[key] = chosen
+            encoder, content_type, gz = chosen
+            body = self.exposition.cached(encoder, content_type, gz)
+            if body is None:
+                return None
+            extra = [("Content-Encoding", "gzip")] if gz else []
+            return 200, "OK", [*common, ("Content-Type", content_type), *extra], body
+        return None
 
     @property
     def web_config(self) -> WebConfig:
