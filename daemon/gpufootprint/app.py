@@ -80,7 +80,7 @@ def detect_gpu() -> tuple[bool, str]:
     return count > 0, f"{count} GPU(s), driver {driver}"
 
 
-def _postprocess(config: Config) -> Postprocess:
+def _postprocess(config: Config, preferred: Callable[[], set[str]] | None = None) -> Postprocess:
     """Issue 6: pod labels (kubernetes.mode) and the per-metric series cap."""
     from gpufootprint.exporter.cardinality import build_postprocess
     from gpufootprint.k8s.attribution import build_attributor
@@ -92,7 +92,8 @@ def _postprocess(config: Config) -> Postprocess:
         node_name_env=k.node_name_env, api_server=k.api_server, token_file=k.token_file, ca_file=k.ca_file,
         proc_root=k.proc_root, refresh_s=k.pod_refresh_seconds, retry_s=k.unresolved_retry_seconds,
         timeout_s=k.api_timeout_seconds)
-    return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length)
+    return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length,
+                             preferred)
 
 
 class App:
@@ -113,7 +114,8 @@ class App:
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,
                                    extra_daemon_values=self._daemon_values, nvml=self.nvml)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = FootprintCollector(lambda: self.ingest.snapshot, postprocess=_postprocess(config),
+        self.collector = FootprintCollector(lambda: self.ingest.snapshot,
+                                            postprocess=_postprocess(config, self._live_probe_pids),
                                             extra=self._extra_families)
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors (process_*), as every exporter has them.
@@ -167,6 +169,10 @@ class App:
     def _extra_families(self) -> Iterator[Metric]:
         yield from engine_families(self.engine_outputs)
         yield from daemon_families(self.ingest.stats, self.ingest.snapshot, self.ingest.health())
+
+    def _live_probe_pids(self) -> set[str]:
+        """Processes with a live probe now: their series are kept first under exporter.series_cap."""
+        return {str(p.pid) for p in self.ingest.snapshot.processes if p.source == "probe" and not p.exited}
 
     def _daemon_values(self) -> dict[str, float]:
         # The snapshot's age is not here: a value inside the snapshot freezes with it. It is

@@ -164,3 +164,26 @@ def test_a_failing_postprocess_never_serves_uncapped_per_process_series() -> Non
     assert "gpufootprint_device_bytes" not in got
     assert got["gpufootprint_exporter_collect_errors_total"][0][1] == 1.0
     assert got["gpufootprint_records_ingested_total"]
+
+
+def test_past_the_cap_processes_with_a_live_probe_take_slots_before_exited_or_fake_ones() -> None:
+    from prometheus_client.core import GaugeMetricFamily
+
+    live = {"7", "8"}
+    cap = SeriesCap(3, preferred=lambda: live)
+
+    def fam(pids: list[str]) -> GaugeMetricFamily:
+        g = GaugeMetricFamily("gpufootprint_x_bytes", "x", labels=["pid"])
+        for p in pids:
+            g.add_metric([p], 1.0)
+        return g
+
+    # GIVEN a hundred short-lived processes seen first, holding every slot
+    fakes = [str(1000 + i) for i in range(100)]
+    cap.apply([fam(fakes)])
+    # WHEN two processes with live probes appear
+    out = cap.apply([fam(fakes + ["7", "8"])])[0]
+    shown = {s.labels["pid"] for s in out.samples}
+    # THEN they are shown (two of the three slots, the third is the overflow) and the rest folded
+    assert shown == {"7", "8", OVERFLOW_PID}
+    assert [s.value for s in out.samples if s.labels["pid"] == OVERFLOW_PID] == [100.0]

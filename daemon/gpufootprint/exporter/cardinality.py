@@ -54,17 +54,23 @@ def attach_pod_labels(families: Iterable[Metric], labels_for: Callable[[str], di
 
 
 class SeriesCap:
-    def __init__(self, max_series: int) -> None:
+    """``preferred``: the pids (as label values) of processes with a live probe now. Past the cap
+    their series take slots first, before those of exited or replayed processes: a burst of
+    short-lived processes cannot fold the processes still running into the overflow series."""
+
+    def __init__(self, max_series: int, preferred: Callable[[], set[str]] | None = None) -> None:
         if max_series < 2:
             raise ValueError("series cap must be at least 2 (one kept series and the overflow)")
         self.max_series = max_series
+        self.preferred = preferred
         self._admitted: dict[str, dict[_SeriesKey, None]] = {}  # metric -> keys holding a slot, oldest first
         self.dropped: dict[str, int] = {}
         self._lock = threading.Lock()  # scrapes may run on several HTTP threads at once
 
     def apply(self, families: Iterable[Metric]) -> list[Metric]:
+        live = self.preferred() if self.preferred is not None else set()
         with self._lock:
-            out = [self._cap(fam) for fam in families]
+            out = [self._cap(fam, live) for fam in families]
         dropped = CounterMetricFamily(DROPPED_METRIC, "Series folded into the pid=\"__overflow__\" series of a "
                                       "metric because it had reached exporter.series_cap, counted at every "
                                       "exposition.", labels=["metric"])
@@ -73,7 +79,7 @@ class SeriesCap:
         out.append(dropped)
         return out
 
-    def _cap(self, fam: Metric) -> Metric:
+    def _cap(self, fam: Metric, live: set[str]) -> Metric:
         per_process = [s for s in fam.samples if "pid" in s.labels]
         if not per_process:
             return fam
@@ -88,13 +94,16 @@ class SeriesCap:
             kept = present
         else:
             room = self.max_series - 1  # one slot is the overflow series
-            kept = {k: None for k in old if k in present}
-            if len(kept) > room:  # the cap was lowered by a reload
-                kept = dict.fromkeys(list(kept)[:room])
-            for k in present:
-                if len(kept) >= room:
-                    break
-                kept.setdefault(k, None)
+            # Slots go, in order: live processes already shown, new live ones, others already
+            # shown, new others. Within each, the order of arrival (a series keeps its slot).
+            pid = {key: dict(key).get("pid", "") for key in present}
+            kept: dict[_SeriesKey, None] = {}
+            for want_live in (True, False):
+                for k in [k for k in old if k in present] + list(present):
+                    if len(kept) >= room:
+                        break
+                    if (pid[k] in live) is want_live:
+                        kept.setdefault(k, None)
         # Forget series that are gone, so their slots free up for newcomers.
         self._admitted[fam.name] = {k: None for k in old if k in kept} | {k: None for k in kept if k not in old}
         if len(kept) == len(present):
@@ -124,10 +133,11 @@ class SeriesCap:
 
 
 def build_postprocess(attributor: Attributor | None, max_series: int,
-                      max_label_len: int | None = None) -> Callable[[list[Metric]], list[Metric]]:
+                      max_label_len: int | None = None,
+                      preferred: Callable[[], set[str]] | None = None) -> Callable[[list[Metric]], list[Metric]]:
     """The collector's hook: pod labels (when Kubernetes attribution is on), then the cap;
     issue 7: label values cut to ``max_label_len`` and cleaned of control characters first."""
-    cap = SeriesCap(max_series)
+    cap = SeriesCap(max_series, preferred)
 
     def labels_for(pid: str) -> dict[str, str]:
         assert attributor is not None
