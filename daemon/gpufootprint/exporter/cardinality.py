@@ -90,6 +90,7 @@ class SeriesCap:
         for s in per_process:
             present.setdefault(_key(s.labels), None)
         old = self._admitted.get(fam.name, {})
+        kept: dict[_SeriesKey, None]
         if len(present) <= self.max_series:
             kept = present
         else:
@@ -97,7 +98,7 @@ class SeriesCap:
             # Slots go, in order: live processes already shown, new live ones, others already
             # shown, new others. Within each, the order of arrival (a series keeps its slot).
             pid = {key: dict(key).get("pid", "") for key in present}
-            kept: dict[_SeriesKey, None] = {}
+            kept = {}
             for want_live in (True, False):
                 for k in [k for k in old if k in present] + list(present):
                     if len(kept) >= room:
