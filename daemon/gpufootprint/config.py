@@ -62,22 +62,26 @@ class DaemonConfig:
                                   doc="a record whose size or byte count is larger is dropped (bad_size)")
     max_devices_per_process: int = _spec(16, lo=1, hi=4096,
                                          doc="device numbers at or above it are dropped (bad_device)")
-    max_device_footprints: int = _spec(2048, lo=1, hi=1_000_000,
+    max_device_footprints: int = _spec(64, lo=1, hi=1_000_000,
                                        doc="(process, device) tables in all; records opening more are dropped")
-    max_live_allocations_per_process: int = _spec(200_000, lo=1, hi=1_000_000,
+    max_live_allocations_per_process: int = _spec(100_000, lo=1, hi=10_000_000,
                                                   doc="live allocations (with records still waiting) one process "
                                                       "may hold; further allocations are dropped and counted")
-    max_live_allocations: int = _spec(500_000, lo=1, hi=1_000_000,
+    max_live_allocations: int = _spec(250_000, lo=1, hi=100_000_000,
                                       doc="live allocations of all processes together")
-    max_pending_records_per_process: int = _spec(250_000, lo=1000, hi=10_000_000,
+    max_pending_records_per_process: int = _spec(100_000, lo=1000, hi=10_000_000,
                                                  doc="records waiting for a process's watermark; past it they are "
                                                      "applied at once (pending_limit)")
-    max_pending_records: int = _spec(500_000, lo=1000, hi=100_000_000,
+    max_pending_records: int = _spec(250_000, lo=1000, hi=100_000_000,
                                      doc="records waiting for the watermark in all processes together")
-    max_metadata_bytes: int = _spec(16 * 1024, lo=1024, hi=1 << 24,
+    max_metadata_bytes: int = _spec(8 * 1024, lo=1024, hi=1 << 24,
                                     doc="JSON bytes of HELLO/META fields one process may keep; a META past it is "
                                         "dropped")
-    max_processes: int = _spec(2048, lo=1, hi=1_000_000,
+    max_retained_kernels: int = _spec(500_000, lo=0, hi=100_000_000,
+                                      doc="KERNEL records the graph advisor keeps for all processes together "
+                                          "(graph_advisor.kernel_retention each); past it a process's kernel "
+                                          "records are dropped (kernel_limit)")
+    max_processes: int = _spec(1024, lo=1, hi=1_000_000,
                                doc="processes held in all; past it the longest-exited are forgotten early")
     tick_stall_seconds: float = _spec(10.0, lo=0.1, hi=3600,
                                       doc="/readyz fails when no tick has succeeded for this long")

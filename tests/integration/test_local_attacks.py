@@ -400,3 +400,24 @@ def test_the_probe_socket_listens_with_the_systems_largest_backlog(tmp_path: Pat
             c.close()
         server.stop()
         server.run()
+
+
+def test_kernel_records_retained_and_device_tables_are_bounded_in_total(live) -> None:
+    from gpufootprint.records import KERNEL_DTYPE
+
+    srv, good = live(max_retained_kernels=1000, max_device_footprints=3)
+    srv.pipeline.kernel_retention = 5000  # as the daemon sets it when the graph advisor is on
+    s = _connect(srv.server.socket_path)
+    k = np.zeros(3000, KERNEL_DTYPE)
+    k["start"] = time.time_ns() + np.arange(3000)
+    k["end"] = k["start"] + 10
+    k["pid"] = ME
+    recs = _allocations(4, 4096)
+    recs["dev"] = [0, 1, 2, 3]
+    s.sendall(_hello() + encode_batch(RecordKind.KERNEL, k) + encode_batch(RecordKind.MEMORY, recs))
+    srv.wait(lambda: srv.pipeline.errors.counts["kernel_limit"] == 2000)
+    srv.wait(lambda: srv.pipeline.errors.counts["device_limit"] >= 1)
+    # the honest peer's table on device 0 was there first: two more fit in all, not four
+    assert sum(len(p.devices) for p in srv.pipeline.processes.values()) == 3
+    _good_still_reports(srv, good)
+    s.close()

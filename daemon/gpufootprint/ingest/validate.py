@@ -37,13 +37,14 @@ Problem = Callable[[str, str, int], None]  # (reason, detail, records)
 class Limits:
     max_record_bytes: int = 1 << 42
     max_devices_per_process: int = 16
-    max_live_allocations_per_process: int = 200_000
-    max_live_allocations: int = 500_000
-    max_pending_records_per_process: int = 250_000
-    max_pending_records: int = 500_000
-    max_device_footprints: int = 2048
-    max_metadata_bytes: int = 16 * 1024
-    max_string_bytes: int = 16 * 1024 * 1024  # kernel names held for all live connections
+    max_live_allocations_per_process: int = 100_000
+    max_live_allocations: int = 250_000
+    max_pending_records_per_process: int = 100_000
+    max_pending_records: int = 250_000
+    max_device_footprints: int = 64
+    max_metadata_bytes: int = 8 * 1024
+    max_retained_kernels: int = 500_000
+    max_string_bytes: int = 8 * 1024 * 1024  # kernel names held for all live connections
 
     @classmethod
     def from_config(cls, dc: DaemonConfig) -> Limits:
@@ -52,7 +53,8 @@ class Limits:
                    max_live_allocations=dc.max_live_allocations,
                    max_pending_records_per_process=dc.max_pending_records_per_process,
                    max_pending_records=dc.max_pending_records,
-                   max_device_footprints=dc.max_device_footprints, max_metadata_bytes=dc.max_metadata_bytes)
+                   max_device_footprints=dc.max_device_footprints, max_metadata_bytes=dc.max_metadata_bytes,
+                   max_retained_kernels=dc.max_retained_kernels)
 
 
 # Per kind: fields that are byte counts (bounded by max_record_bytes), fields that are device
@@ -111,6 +113,7 @@ class Totals:
     live_allocations: int = 0
     pending_records: int = 0
     device_footprints: int = 0
+    retained_kernels: int = 0
 
 
 class Guard:
@@ -130,12 +133,29 @@ class Guard:
         return True
 
     def recount(self, processes: dict[int, ProcessState]) -> None:
-        live = pending = devices = 0
+        live = pending = devices = kernels = 0
         for proc in processes.values():
             devices += len(proc.devices)
             live += sum(len(fp.live) for fp in proc.devices.values())
             pending += proc.pending_records
-        self.totals = Totals(live, pending, devices)
+            kernels += len(proc.kernels.array()) if proc.kernels is not None else 0
+        self.totals = Totals(live, pending, devices, kernels)
+
+    def admit_kernels(self, proc: ProcessState, recs: np.ndarray, retention: int, problem: Problem) -> np.ndarray:
+        """KERNEL records a process may add to what the graph advisor retains for all processes."""
+        if retention <= 0 or len(recs) == 0:
+            return recs
+        held = len(proc.kernels.array()) if proc.kernels is not None else 0
+        growth = min(retention, held + len(recs)) - held  # a full ring replaces, it does not grow
+        room = self.limits.max_retained_kernels - self.totals.retained_kernels
+        if growth > room:  # then the ring is not full even with ``room`` more: keep just those
+            keep = max(0, room)
+            problem("kernel_limit", f"pid={proc.pid}: KERNEL records past daemon.max_retained_kernels="
+                                    f"{self.limits.max_retained_kernels}: dropped", len(recs) - keep)
+            recs = recs[:keep]
+            growth = keep
+        self.totals.retained_kernels += max(0, growth)
+        return recs
 
     def admit(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, problem: Problem,
               flush: Callable[[], None]) -> np.ndarray:
