@@ -40,7 +40,13 @@ log = logging.getLogger(__name__)
 LIVE_PREFIXES = ("logging.",)
 LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
                        "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
-                       "exporter.series_cap", "exporter.web_config_file", "exporter.render_interval_ms"})
+                       "exporter.series_cap", "exporter.web_config_file", "exporter.render_interval_ms",
+                       # the bounds on what a local process can make the daemon hold (ingest/validate.py)
+                       "daemon.max_record_bytes", "daemon.max_devices_per_process", "daemon.max_device_footprints",
+                       "daemon.max_live_allocations_per_process", "daemon.max_live_allocations",
+                       "daemon.max_pending_records_per_process", "daemon.max_pending_records",
+                       "daemon.max_metadata_bytes", "daemon.max_retained_kernels", "daemon.max_processes",
+                       "daemon.tick_stall_seconds"})
 
 
 #: The interpreter's thread switch interval while the daemon runs (Python's default is 5 ms).
