@@ -475,7 +475,11 @@ class IngestServer:
         self._request_resyncs(mono)
         self.pipeline.expire()
         self._bound_processes()
-        self.guard.limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
+        limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
+        if limits != self.guard.limits:
+            self.guard.limits = limits
+            for conn in self._conns.values():
+                conn.session.limits = limits
         self.guard.recount(self.pipeline.processes)
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
