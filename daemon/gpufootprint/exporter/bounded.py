@@ -147,6 +147,8 @@ class BoundedHTTPServer:
                 return
             except OSError as exc:
                 self.accept_errors += 1
+                if exc.errno == errno.EMFILE and self._conns and self._evict():
+                    continue  # out of descriptors: one held by a slow client goes to the waiting scrape
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     if self.accept_errors == 1 or self.accept_errors % 100 == 0:
                         log.warning("http accept failed (%d times so far): %s", self.accept_errors, exc)

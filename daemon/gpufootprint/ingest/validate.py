@@ -59,9 +59,11 @@ class Limits:
 
 # Per kind: fields that are byte counts (bounded by max_record_bytes), fields that are device
 # numbers (bounded by max_devices_per_process), and whether (start, end) is an interval.
+# A pool's release threshold is not among them: UINT64_MAX is its usual "never release" (PyTorch sets
+# it), and nothing adds it up.
 _BYTES: dict[RecordKind, tuple[str, ...]] = {
-    RecordKind.MEMORY: ("bytes", "pool_size", "pool_used", "pool_thresh"),
-    RecordKind.MEMORY_POOL: ("size", "used", "thresh"),
+    RecordKind.MEMORY: ("bytes", "pool_size", "pool_used"),
+    RecordKind.MEMORY_POOL: ("size", "used"),
     RecordKind.MEMCPY: ("bytes",),
     RecordKind.MEMSET: ("bytes",),
     RecordKind.KERNEL: (),
