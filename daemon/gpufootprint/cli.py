@@ -240,7 +240,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from gpufootprint.app import detect_gpu
+    from gpufootprint.app import App, detect_gpu
 
     stop, hup = threading.Event(), threading.Event()
     App.install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
