@@ -69,10 +69,10 @@ class DaemonConfig:
                                                       "may hold; further allocations are dropped and counted")
     max_live_allocations: int = _spec(250_000, lo=1, hi=100_000_000,
                                       doc="live allocations of all processes together")
-    max_pending_records_per_process: int = _spec(100_000, lo=1000, hi=10_000_000,
+    max_pending_records_per_process: int = _spec(250_000, lo=1000, hi=10_000_000,
                                                  doc="records waiting for a process's watermark; past it they are "
                                                      "applied at once (pending_limit)")
-    max_pending_records: int = _spec(250_000, lo=1000, hi=100_000_000,
+    max_pending_records: int = _spec(400_000, lo=1000, hi=100_000_000,
                                      doc="records waiting for the watermark in all processes together")
     max_metadata_bytes: int = _spec(8 * 1024, lo=1024, hi=1 << 24,
                                     doc="JSON bytes of HELLO/META fields one process may keep; a META past it is "

@@ -39,8 +39,8 @@ class Limits:
     max_devices_per_process: int = 16
     max_live_allocations_per_process: int = 100_000
     max_live_allocations: int = 250_000
-    max_pending_records_per_process: int = 100_000
-    max_pending_records: int = 250_000
+    max_pending_records_per_process: int = 250_000
+    max_pending_records: int = 400_000
     max_device_footprints: int = 64
     max_metadata_bytes: int = 8 * 1024
     max_retained_kernels: int = 500_000
