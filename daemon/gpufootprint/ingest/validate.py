@@ -191,9 +191,15 @@ class Guard:
             allocs = recs["op"] == MemoryOp.ALLOCATION
             n_alloc = int(allocs.sum())
             if n_alloc:
-                held = sum(len(fp.live) for fp in devices.values()) + proc.pending_records
-                room = min(lim.max_live_allocations_per_process - held,
+                live = sum(len(fp.live) for fp in devices.values())
+                # Waiting records may be allocations too: counted at first as if all were (cheap); only
+                # near the bound are the waiting MEMORY records counted exactly.
+                room = min(lim.max_live_allocations_per_process - live - proc.pending_records,
                            lim.max_live_allocations - tot.live_allocations - tot.pending_records)
+                if n_alloc > room:
+                    waiting = sum(len(chunk[2]) for chunk in proc.pending.get(RecordKind.MEMORY, ()))
+                    room = min(lim.max_live_allocations_per_process - live - waiting,
+                               lim.max_live_allocations - tot.live_allocations)
                 if n_alloc > room:
                     # Keep releases (they only shrink the table) and the first allocations that fit.
                     over = allocs & (np.cumsum(allocs) > max(0, room))

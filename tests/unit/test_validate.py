@@ -1,0 +1,71 @@
+"""ingest/validate.py: the range checks and the bounds, on real record arrays and a real Pipeline."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gpufootprint.config import load_config
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.ingest.validate import Guard, Limits, check_fields
+from gpufootprint.records import (KERNEL_DTYPE, MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, UNIFIED_MEMORY_DTYPE,
+                                  RecordKind)
+
+
+def _counter() -> tuple[dict[str, int], object]:
+    seen: dict[str, int] = {}
+
+    def problem(reason: str, detail: str, n: int) -> None:
+        seen[reason] = seen.get(reason, 0) + n
+
+    return seen, problem
+
+
+def test_sizes_devices_and_durations_out_of_range_are_dropped_each_counted_once() -> None:
+    recs = np.zeros(6, MEMORY_DTYPE)
+    recs["bytes"] = [1, 1 << 63, (1 << 42) + 1, 5, 5, 7]
+    recs["dev"] = [0, 0, 0, 16, 3, 99]
+    recs["pool_size"][5] = 1 << 62  # and a bad device: counted under one reason only
+    recs["pool_thresh"] = np.uint64((1 << 64) - 1)  # "never release": not a size anyone adds up
+    seen, problem = _counter()
+    kept = check_fields(RecordKind.MEMORY, recs, Limits(), problem)  # type: ignore[arg-type]
+    assert kept["bytes"].tolist() == [1, 5]
+    assert seen == {"bad_size": 3, "bad_device": 1}
+
+
+def test_a_cpu_page_fault_counts_one_whatever_its_address_value() -> None:
+    recs = np.zeros(2, UNIFIED_MEMORY_DTYPE)
+    recs["ck"] = [UM_CPU_PAGE_FAULT_COUNT, 1]
+    recs["value"] = np.uint64(1 << 60)
+    seen, problem = _counter()
+    kept = check_fields(RecordKind.UNIFIED_MEMORY, recs, Limits(), problem)  # type: ignore[arg-type]
+    assert kept["ck"].tolist() == [UM_CPU_PAGE_FAULT_COUNT] and seen == {"bad_size": 1}
+
+
+def test_kernels_lasting_more_than_an_hour_are_dropped() -> None:
+    k = np.zeros(2, KERNEL_DTYPE)
+    k["start"] = 10**18
+    k["end"] = [10**18 + 5, 10**18 + 7200 * 10**9]
+    seen, problem = _counter()
+    assert len(check_fields(RecordKind.KERNEL, k, Limits(), problem)) == 1  # type: ignore[arg-type]
+    assert seen == {"bad_duration": 1}
+
+
+def test_records_waiting_for_the_watermark_do_not_count_as_allocations_unless_they_are() -> None:
+    cfg = load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000})
+    pipeline = Pipeline(cfg.footprint)
+    now = time.time_ns()
+    k = np.zeros(150_000, KERNEL_DTYPE)  # a busy process: many kernel records wait for its watermark
+    k["start"], k["pid"] = now + np.arange(150_000), 7
+    k["end"] = k["start"] + 1
+    pipeline.submit(RecordKind.KERNEL, k)
+    proc = pipeline.processes[7]
+    assert proc.pending_records == 150_000
+    guard = Guard(Limits(max_live_allocations_per_process=100_000))
+    guard.recount(pipeline.processes)
+    a = np.zeros(10, MEMORY_DTYPE)
+    a["ts"], a["addr"], a["bytes"], a["pid"], a["op"], a["mk"] = now, np.arange(10) * 4096 + 4096, 4096, 7, 1, 3
+    seen, problem = _counter()
+    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
+    assert len(kept) == 10 and seen == {}
