@@ -421,3 +421,17 @@ def test_kernel_records_retained_and_device_tables_are_bounded_in_total(live) ->
     assert sum(len(p.devices) for p in srv.pipeline.processes.values()) == 3
     _good_still_reports(srv, good)
     s.close()
+
+
+def test_kernel_names_are_bounded_in_total_and_given_back_when_the_connection_ends(live) -> None:
+    srv, good = live()
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    name = "k" * 512
+    for chunk in range(20):  # 20 frames of 1,000 names of 512 characters: 10 Mi characters in all
+        s.sendall(encode_json(FrameType.STRINGS, {str(chunk * 1000 + i): name for i in range(1000)}))
+    srv.wait(lambda: srv.pipeline.errors.counts["strings_limit"] >= 1)
+    assert srv.server.guard.string_bytes <= 8 * 1024 * 1024
+    s.close()
+    srv.wait(lambda: srv.server.guard.string_bytes == 0)
+    _good_still_reports(srv, good)
