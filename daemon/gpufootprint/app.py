@@ -30,7 +30,9 @@ from gpufootprint.exporter.webconfig import load_web_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.nvml.client import NvmlClient
+from gpufootprint.k8s.attribution import Attributor
 from gpufootprint.nvml.poller import NvmlPoller
+from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
 
@@ -86,20 +88,25 @@ def detect_gpu() -> tuple[bool, str]:
     return count > 0, f"{count} GPU(s), driver {driver}"
 
 
-def _postprocess(config: Config, preferred: Callable[[], set[str]] | None = None) -> Postprocess:
+def _postprocess(config: Config, attributor: Attributor | None,
+                 preferred: Callable[[], set[str]] | None = None) -> Postprocess:
     """Issue 6: pod labels (kubernetes.mode) and the per-metric series cap."""
     from gpufootprint.exporter.cardinality import build_postprocess
+
+    return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length,
+                             preferred)
+
+
+def _attributor(config: Config) -> Attributor | None:
     from gpufootprint.k8s.attribution import build_attributor
 
     k = config.kubernetes
-    attributor = build_attributor(
+    return build_attributor(
         k.mode, env=os.environ, extra_labels=config.exporter.extra_pod_labels, pod_env=k.pod_name_env,
         namespace_env=k.namespace_env, container_env=k.container_env, labels_file=k.labels_file,
         node_name_env=k.node_name_env, api_server=k.api_server, token_file=k.token_file, ca_file=k.ca_file,
         proc_root=k.proc_root, refresh_s=k.pod_refresh_seconds, retry_s=k.unresolved_retry_seconds,
         timeout_s=k.api_timeout_seconds)
-    return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length,
-                             preferred)
 
 
 class App:
@@ -117,11 +124,16 @@ class App:
             self.nvml = (NvmlPoller(nvml_client, config.nvml) if clock_ns is None else
                          NvmlPoller(nvml_client, config.nvml, monotonic=lambda: self._clock_ns() / 1e9,
                                     wall_ns=self._clock_ns))
+        self.attributor = _attributor(config)
+        # OOM capture: the applied records of each process's last seconds, and the probes' oom marks.
+        self.oom = OomManager(config.oom, self.pipeline, pod_of=self._pod_labels,
+                              monotonic=time.monotonic if clock_ns is None else lambda: self._clock_ns() / 1e9)
+        self.pipeline.hub.taps.append(self.oom.on_records)
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,
-                                   extra_daemon_values=self._daemon_values, nvml=self.nvml)
+                                   extra_daemon_values=self._daemon_values, nvml=self.nvml, on_mark=self.oom.on_mark)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot,
-                                            postprocess=_postprocess(config, self._live_probe_pids),
+                                            postprocess=_postprocess(config, self.attributor, self._live_probe_pids),
                                             extra=self._extra_families)
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors (process_*), as every exporter has them.
@@ -131,7 +143,9 @@ class App:
             host, port = parse_listen(listen, "exporter.listen")
             self.http = MetricsServer(self.registry, host, port, ready=self.ingest.ready,
                                       json_routes={"/api/anomalies": self.anomalies_json,
-                                                   "/api/migrations": self.migrations_json},
+                                                   "/api/migrations": self.migrations_json,
+                                                   "/api/processes": self.processes_json,
+                                                   "/api/oom": self.oom.api},
                                       web_config=load_web_config(config.exporter.web_config_file),
                                       exposition=ExpositionCache(self.registry,
                                                                  config.exporter.render_interval_ms / 1000))
@@ -154,6 +168,10 @@ class App:
     def _engine_tick(self, snap: PipelineSnapshot) -> None:
         """Run the engines on the new snapshot (ingest thread): send actions, log events."""
         try:
+            self.oom.tick()
+        except Exception:  # noqa: BLE001 - a capture bug must not stop ingest
+            log.exception("oom capture failed")
+        try:
             out = self.engines.step(snap)
         except Exception:  # noqa: BLE001 - keep ingesting; the last outputs stay exported
             self.engine_errors += 1
@@ -175,6 +193,7 @@ class App:
     def _extra_families(self) -> Iterator[Metric]:
         yield from engine_families(self.engine_outputs)
         yield from daemon_families(self.ingest.stats, self.ingest.snapshot, self.ingest.health())
+        yield from oom_families(self.oom)
 
     def _live_probe_pids(self) -> set[str]:
         """Processes with a live probe now: their series are kept first under exporter.series_cap."""
@@ -184,6 +203,16 @@ class App:
         # The snapshot's age is not here: a value inside the snapshot freezes with it. It is
         # computed at scrape time from the last successful tick (exporter/reliability.py).
         return {"gpu_present": self.gpu_present}
+
+    def _pod_labels(self, pid: int) -> dict[str, str]:
+        return self.attributor.identify(pid).labels() if self.attributor is not None else {}
+
+    def processes_json(self) -> dict[str, object]:
+        """GET /api/processes: per GPU and per process, what ``gpufootprint top`` shows."""
+        from gpufootprint.exporter.processes import processes_document
+
+        return processes_document(self.ingest.snapshot, self.engine_outputs, oom_counts=dict(self.oom.counts),
+                                  pod_of=self._pod_labels if self.attributor is not None else None)
 
     def anomalies_json(self) -> list[dict[str, object]]:
         """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""
@@ -231,6 +260,7 @@ class App:
             self._thread.join(timeout=10)
         if self.http is not None:
             self.http.stop()
+        self.oom.stop()
         if self.nvml is not None:
             self.nvml.close()
         sys.setswitchinterval(self._switch_interval)

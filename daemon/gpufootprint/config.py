@@ -228,6 +228,8 @@ class ProbeConfig:
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")
+    oom_records: bool = _spec(True, doc="CUPTI API records of the allocation calls: a call that fails with "
+                                        "CUDA_ERROR_OUT_OF_MEMORY is an OOM event (docs/oom.md)")
 # --- decision engines (issue 5) ------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.
@@ -338,6 +340,22 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True)
+class OomConfig:
+    """What the daemon keeps and writes when a probed process runs out of GPU memory (docs/oom.md)."""
+
+    enabled: bool = _spec(True, doc="keep each process's recent records and write a capture at each OOM")
+    directory: str = _spec("/var/lib/gpufootprint/oom", doc="where captures are written (created if missing)")
+    seconds: float = _spec(60.0, lo=1, hi=3600, doc="a capture holds the records of this many seconds before the OOM")
+    max_captures: int = _spec(20, lo=1, hi=100_000, doc="captures kept; the oldest is removed first")
+    max_buffer_bytes: int = _spec(64 << 20, lo=1 << 16, hi=1 << 34,
+                                  doc="recent records kept per process at most (oldest dropped first)")
+    coalesce_seconds: float = _spec(2.0, lo=0, hi=600,
+                                    doc="OOM notices of one process this close together are one event (a framework "
+                                        "retries after freeing its cache; PyTorch's observer adds its own notice)")
+    report: bool = _spec(True, doc="write report.html next to each capture (plots need the [report] extra)")
+
+
+@dataclass(frozen=True)
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
@@ -354,6 +372,7 @@ class Config:
     degradation: DegradationConfig = field(default_factory=DegradationConfig)
     cost: CostConfig = field(default_factory=CostConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    oom: OomConfig = field(default_factory=OomConfig)
 
 
 # --- loading ------------------------------------------------------------------

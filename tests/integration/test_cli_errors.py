@@ -49,6 +49,13 @@ def _copy(tmp: Path) -> str:
     return str(tmp / "in.gfp.gz")
 
 
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _bad_config(tmp: Path) -> str:
     (tmp / "bad.yaml").write_text("exporter:\n  listen: nowhere\n")
     return str(tmp / "bad.yaml")
@@ -98,6 +105,21 @@ CASES = [
          1, "empty recording"),
     Case("abtest", "missing policy", lambda t, p: [str(TRACE), "--policy", str(t / "none.yaml")], 2,
          "none.yaml"),
+    Case("top", "no daemon there", lambda t, p: ["--once", "--url", f"http://127.0.0.1:{_closed_port()}"], 1,
+         "cannot connect"),
+    Case("top", "bad interval", lambda t, p: ["--interval", "0"], 2, "--interval"),
+    Case("report", "missing input", lambda t, p: [str(t / "none.gfp")], 1, "none.gfp: no such file"),
+    Case("report", "output is the input", lambda t, p: [(c := _copy(t)), "-o", c], 2, "is the input file"),
+    Case("report", "output in a missing directory", lambda t, p: [str(TRACE), "-o", str(t / "no" / "r.html")], 2,
+         "does not exist"),
+    Case("report", "plot of another kind", lambda t, p: [str(TRACE), "--plot", str(t / "p.jpg")], 2,
+         "must end in .png or .svg"),
+    Case("export", "missing input", lambda t, p: [str(t / "none.gfp"), "--to", "perfetto", "-o", str(t / "o.json")],
+         1, "none.gfp: no such file"),
+    Case("export", "output is the input", lambda t, p: [(c := _copy(t)), "--to", "memory-viz", "-o", c], 2,
+         "is the input file"),
+    Case("export", "output in a missing directory",
+         lambda t, p: [str(TRACE), "--to", "perfetto", "-o", str(t / "no" / "o.json")], 2, "does not exist"),
 ]
 
 

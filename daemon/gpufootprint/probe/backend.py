@@ -206,6 +206,20 @@ class CuptiBackend:
             ok = self._call(f"activity_enable_driver_api({int(cbid)})", switch, int(cbid), 1 if on else 0) and ok
         return ok
 
+    def oom_api_records(self, on: bool) -> bool:
+        """CUPTI's per-API activity switch for the allocation entry points (probe/oom.py says why):
+        a DRIVER record per call, with its return value, so a failed allocation is seen."""
+        from gpufootprint.probe.oom import ALLOCATION_CBIDS
+
+        switch = getattr(self._c, "activity_enable_driver_api", None)
+        if switch is None:
+            self._note("oom records: this cupti-python has no activity_enable_driver_api")
+            return False
+        ok = True
+        for cbid in ALLOCATION_CBIDS:
+            ok = self._call(f"activity_enable_driver_api({cbid})", switch, cbid, 1 if on else 0) and ok
+        return ok
+
     def _hooks_api(self) -> tuple[Any, int, list[int]] | None:
         """The mapped libcupti with the three callback-API functions bound, looked up once."""
         if not self._hooks_looked_up:

@@ -31,6 +31,7 @@ from gpufootprint.probe import hostinfo, rawrecords
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, copy_kinds
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
 from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER
@@ -63,6 +64,11 @@ class Probe:
         self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
         self.packer = Packer(self.pid, self._sink, capacity=settings.capacity, bulk=settings.bulk_pack)
         self.table = LiveTable()
+        # Failed allocations (CUPTI's API records) and PyTorch's OOM notices: probe/oom.py.
+        self.oom = OomWatch(clock_ns)
+        self.packer.on_api_rows = self.oom.api_rows
+        self.packer.on_api_objects = self.oom.api_objects
+        self._last_dev = 0  # the device of the newest allocation record: an OOM record names none
         self.link: SocketLink | None = None
         if settings.socket:
             self.link = SocketLink(settings.socket, buffer_bytes=settings.buffer_bytes,
@@ -186,8 +192,14 @@ class Probe:
             if not self._backend.enable(kind):
                 self.counters[f"kind_unavailable_{kind}"] += 1
         self._hooks(True)
+        self._oom_records(True)
         if self.period:
             self._set_period(self.flush_s)
+
+    def _oom_records(self, on: bool) -> None:
+        switch = getattr(self._backend, "oom_api_records", None)
+        if switch is not None and self.settings.oom_records and not switch(on) and on:
+            self.counters["oom_records_unavailable"] += 1
 
     def _hooks(self, on: bool) -> None:
         """The driver-API hooks that keep CUPTI recording mappings on every thread (settings.py says how)."""
@@ -341,6 +353,7 @@ class Probe:
         for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
             self._backend.disable(kind)
         self._hooks(False)
+        self._oom_records(False)
         if self.period:
             self._set_period(0)
 
@@ -478,6 +491,8 @@ class Probe:
                 if now >= next_hb and not stopping:
                     if self._hooks_missing and not self.in_gap:
                         self._hooks(True)  # the tool that held CUPTI's subscriber place may have let go
+                    if self.settings.oom_records and not self.oom.torch_attached:
+                        self.oom.attach_torch()
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
                     next_hb = now + s.heartbeat_ms / 1000
                 if self.table.range_splits:
@@ -595,6 +610,10 @@ class Probe:
             elif head == "gap_end":
                 self._gap_end(*item[1])
                 item[2].set()
+        if self.oom.pending():  # each OOM goes out as a MARK after a flush, like a workload's mark
+            for body in self.oom.marks(self.pid, self._last_dev):
+                q.append(("mark", body, threading.Event()))
+            self._drain()
 
     def _records(self, kind: RecordKind, arr: np.ndarray) -> None:
         owned = arr.base if arr.base is not None and len(arr) < self.packer.capacity else arr
@@ -609,6 +628,7 @@ class Probe:
                 return
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
+            self._last_dev = int(arr["dev"][-1])
             if self._um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
                 self._configure_unified_memory()
         if kind is RecordKind.KERNEL:
@@ -851,6 +871,7 @@ class Probe:
             "driver_api_records": self.packer.api_records,
             "cupti_dropped_records": self._cupti_dropped(), "cupti_bad_timestamps": c["cupti_bad_timestamps"],
             "unified_memory_configured": c["unified_memory_configured"],
+            "oom_records_unavailable": c["oom_records_unavailable"], **self.oom.counters(),
             **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},
             **{f"disconnects_{k}": v for k, v in (self.link.disconnects.items() if self.link else ())},
             **{f"dropped_{k}": v for k, v in self.dropped_by_reason.items()},

@@ -69,6 +69,10 @@ class Packer:
         self.records_packed = 0
         self.unknown_kinds = 0
         self.api_records = 0  # DRIVER records (driver_hooks_via="activity"): counted, not sent
+        # DRIVER records are also handed here (raw bytes, or cupti-python's objects): failed
+        # allocations, probe/oom.py.
+        self.on_api_rows: Callable[[np.ndarray, list[int]], None] | None = None
+        self.on_api_objects: Callable[[list[Any]], None] | None = None
         self.bad_records = 0
         self.arrays_allocated = 0
         self._dispatch: dict[int, Callable[[Any], None]] = {
@@ -114,7 +118,7 @@ class Packer:
                 try:
                     fn = dispatch.get(rec.kind)
                     if fn is None:
-                        self._skip(rec.kind, 1)
+                        self._skip(rec.kind, 1, rec)
                         continue
                     fn(rec)
                     done += 1
@@ -138,7 +142,7 @@ class Packer:
                     continue
                 fn = dispatch.get(k)
                 if fn is None:
-                    self._skip(k, 1)
+                    self._skip(k, 1, rec)
                     continue
                 fn(rec)
                 done += 1
@@ -159,9 +163,11 @@ class Packer:
             self.bulk_records += len(rows)
         return done
 
-    def _skip(self, kind: int, n: int) -> None:
+    def _skip(self, kind: int, n: int, rec: Any = None) -> None:
         if kind == rawrecords.DRIVER:
             self.api_records += n
+            if rec is not None and self.on_api_objects is not None:
+                self.on_api_objects([rec])
         else:
             self.unknown_kinds += n
 
@@ -184,6 +190,11 @@ class Packer:
             for k, offs in offsets.items():
                 if k not in rawrecords.RECORD_KIND:
                     self._skip(k, len(offs))
+                    if k == rawrecords.DRIVER and self.on_api_rows is not None:
+                        try:
+                            self.on_api_rows(u8, offs)
+                        except Exception:  # noqa: BLE001 - a malformed record must not stop the buffer
+                            self.bad_records += len(offs)
                     continue
                 try:
                     src = rawrecords.gather(u8, k, offs)

@@ -89,6 +89,10 @@ class ProbeSettings:
     # daemon says it reads them (it does since it sends the "cupti_buffers" control); the probe keeps
     # only the MEMORY2 structs it needs for its own table. Off: every buffer is converted here.
     forward_buffers: bool = True
+    # CUPTI's per-API activity records for the allocation entry points (cuMemAlloc*, cuMemCreate,
+    # cuMemAllocAsync/FromPool, cuMemAllocManaged, cuMemHostAlloc): a call that returns
+    # CUDA_ERROR_OUT_OF_MEMORY becomes an OOM MARK for the daemon's capture (probe/oom.py).
+    oom_records: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ class FeatureHub:
         self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window
         self._kernel_window_id = 0
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
+        self.taps: list[Callable[[int, int, RecordKind, np.ndarray], None]] = []
 
     # --- hooks the pipeline calls -------------------------------------------------------
 
@@ -78,6 +79,8 @@ class FeatureHub:
         return peaks
 
     def on_records(self, pid: int, dev: int, kind: RecordKind, recs: np.ndarray) -> None:
+        for tap in self.taps:  # others that want the applied records (the OOM capture's recent records)
+            tap(pid, dev, kind, recs)
         builder = self.builders.get((pid, dev))
         if builder is None:
             return

@@ -1,0 +1,1 @@
+"""Out-of-memory capture: recent records per process, captures, and their listing."""

@@ -1,0 +1,88 @@
+"""Each process's records of the last N seconds, as the pipeline applied them.
+
+Fed by the feature hub's tap (records of one kind, one device, in time order, after
+the reorder buffer), so what is kept is exactly what built the footprint. Chunks are
+kept whole and dropped whole: by age (older than ``seconds`` behind the newest record
+of the process) and by size (``max_bytes`` per process, oldest first). ``covered_from``
+says from when on nothing was dropped, so a capture never claims a record it lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpufootprint.records import DTYPES, TIME_FIELD, RecordKind
+
+
+@dataclass
+class _Recent:
+    chunks: deque[tuple[int, int, RecordKind, np.ndarray]] = field(default_factory=deque)  # (lo, hi, kind, recs)
+    nbytes: int = 0
+    newest: int = 0
+    covered_from: int = 0  # every record with a time above this is kept (0: nothing dropped yet)
+
+
+class RecentRecords:
+    def __init__(self, seconds: float, max_bytes: int) -> None:
+        self.window_ns = int(seconds * 1e9)
+        self.max_bytes = max_bytes
+        self._procs: dict[int, _Recent] = {}
+        self.dropped_for_size = 0  # records dropped by the size bound before their time was up
+
+    def add(self, pid: int, kind: RecordKind, recs: np.ndarray) -> None:
+        if len(recs) == 0:
+            return
+        r = self._procs.get(pid)
+        if r is None:
+            r = self._procs[pid] = _Recent()
+        times = recs[TIME_FIELD[kind]]
+        lo, hi = int(times.min()), int(times.max())
+        # A view into a large decoded frame would keep the whole frame alive: own the rows.
+        own = recs if recs.base is None else recs.copy()
+        r.chunks.append((lo, hi, kind, own))
+        r.nbytes += own.nbytes
+        r.newest = max(r.newest, hi)
+        cut = r.newest - self.window_ns
+        while r.chunks and (r.chunks[0][1] < cut or r.nbytes > self.max_bytes):
+            old_lo, old_hi, _kind, old = r.chunks.popleft()
+            if old_hi >= cut:
+                self.dropped_for_size += len(old)
+            r.nbytes -= old.nbytes
+            r.covered_from = max(r.covered_from, old_hi)
+
+    def covered_from(self, pid: int) -> int:
+        r = self._procs.get(pid)
+        return r.covered_from if r is not None else 0
+
+    def window(self, pid: int, after_ns: int, until_ns: int | None = None) -> dict[RecordKind, np.ndarray]:
+        """Records of ``pid`` with time in (after_ns, until_ns], per kind, in time order."""
+        r = self._procs.get(pid)
+        out: dict[RecordKind, list[np.ndarray]] = {}
+        if r is not None:
+            for lo, hi, kind, recs in r.chunks:
+                if hi <= after_ns or (until_ns is not None and lo > until_ns):
+                    continue
+                t = recs[TIME_FIELD[kind]]
+                keep = t > np.uint64(after_ns)
+                if until_ns is not None:
+                    keep &= t <= np.uint64(until_ns)
+                out.setdefault(kind, []).append(recs[keep])
+        joined: dict[RecordKind, np.ndarray] = {}
+        for kind, parts in out.items():
+            arr = np.concatenate(parts) if parts else np.zeros(0, DTYPES[kind])
+            order = np.argsort(arr[TIME_FIELD[kind]], kind="stable")
+            joined[kind] = arr[order]
+        return joined
+
+    def nbytes(self, pid: int) -> int:
+        r = self._procs.get(pid)
+        return r.nbytes if r is not None else 0
+
+    def forget(self, pid: int) -> None:
+        self._procs.pop(pid, None)
+
+    def pids(self) -> list[int]:
+        return list(self._procs)

@@ -1,0 +1,178 @@
+"""Failed allocations, whatever the framework: the probe's side of out-of-memory capture.
+
+CUPTI's per-API activity switch (``cuptiActivityEnableDriverApi``, the one the probe
+already uses for cuMemMap) makes CUPTI write a ``CUpti_ActivityAPI`` record for every
+call of the chosen driver functions, with the call's return value. Switched on for the
+allocation entry points below, a record whose return value is
+``CUDA_ERROR_OUT_OF_MEMORY`` is an out-of-memory event, from PyTorch, CuPy, JAX, Numba
+or raw driver calls alike. The record carries no arguments and no device: the requested
+size is unknown on this path, and the device is the one the process last allocated on
+(``dev_known`` says so). With PyTorch, its own out-of-memory observer adds the
+requested size and the allocator's figures.
+
+Nothing here runs on CUPTI's thread or the workload's, except the PyTorch observer
+(called by PyTorch on the failing thread after it released its allocator lock), which
+only queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Final
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+#: CUDA_ERROR_OUT_OF_MEMORY
+CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+
+#: CUpti_driver_api_trace_cbid of the allocation entry points (stable values of CUPTI's
+#: generated header; tests/unit/test_probe_oom.py checks them against cupti-python's enum).
+ALLOCATION_CBIDS: Final[dict[int, str]] = {
+    29: "cuMemAlloc", 243: "cuMemAlloc_v2", 31: "cuMemAllocPitch", 244: "cuMemAllocPitch_v2",
+    598: "cuMemAllocAsync", 599: "cuMemAllocAsync_ptsz", 611: "cuMemAllocFromPoolAsync",
+    612: "cuMemAllocFromPoolAsync_ptsz", 371: "cuMemAllocManaged", 549: "cuMemCreate",
+    37: "cuMemAllocHost", 294: "cuMemAllocHost_v2", 39: "cuMemHostAlloc", 271: "cuMemHostAlloc_v2",
+}
+
+#: CUpti_ActivityAPI (40 bytes): the fields read here.
+API_DTYPE: Final = np.dtype({"names": ["cbid", "start", "end", "tid", "ret"],
+                             "formats": ["<u4", "<u8", "<u8", "<u4", "<u4"],
+                             "offsets": [4, 8, 16, 28, 36], "itemsize": 40})
+
+#: A process that fails allocations in a loop sends at most this many OOM marks (the rest are counted).
+MAX_MARKS: Final = 100
+
+
+class OomWatch:
+    """Collects failed allocation calls and PyTorch OOM notices until the sender takes them.
+
+    ``api_rows`` and ``api_objects`` run on the thread that reads CUPTI's buffers;
+    ``torch_observer`` on the workload's failing thread; ``take`` on the sender.
+    """
+
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._clock_ns = clock_ns
+        self._events: deque[dict[str, Any]] = deque(maxlen=1000)
+        self._lock = threading.Lock()
+        self.failed_calls = 0  # allocation calls that returned OUT_OF_MEMORY
+        self.other_failures = 0  # allocation calls that failed otherwise (not an OOM)
+        self.torch_events = 0
+        self.marks_sent = 0
+        self.marks_suppressed = 0
+        self.torch_attached = False
+
+    # --- CUPTI's API records -------------------------------------------------------------
+
+    def api_rows(self, u8: np.ndarray, offsets: list[int]) -> None:
+        """DRIVER records of one raw buffer, at ``offsets`` in its bytes."""
+        idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
+        rows = u8[idx].view(API_DTYPE).reshape(len(offsets))
+        alloc = np.isin(rows["cbid"], np.fromiter(ALLOCATION_CBIDS, np.uint32))
+        failed = alloc & (rows["ret"] != 0)
+        if not failed.any():
+            return
+        for r in rows[failed]:
+            self._api_call(int(r["cbid"]), int(r["end"]), int(r["ret"]), int(r["tid"]))
+
+    def api_objects(self, records: list[Any]) -> None:
+        """cupti-python's ActivityAPI objects (the objects delivery path)."""
+        for rec in records:
+            cbid = int(getattr(rec, "cbid", -1))
+            ret = int(getattr(rec, "return_value", 0))
+            if cbid in ALLOCATION_CBIDS and ret != 0:
+                self._api_call(cbid, int(getattr(rec, "end", 0)), ret, int(getattr(rec, "thread_id", 0)))
+
+    def _api_call(self, cbid: int, end_ns: int, ret: int, tid: int) -> None:
+        if ret != CUDA_ERROR_OUT_OF_MEMORY:
+            self.other_failures += 1
+            return
+        self.failed_calls += 1
+        self._put({"source": "cupti", "api": ALLOCATION_CBIDS[cbid], "ts": end_ns, "thread_id": tid,
+                   "requested_bytes": None})
+
+    # --- PyTorch ---------------------------------------------------------------------------
+
+    def attach_torch(self) -> bool:
+        """Attach the PyTorch OOM observer once torch has initialised CUDA (its per-device allocators
+        exist only then: an observer attached earlier would be lost). True once attached."""
+        if self.torch_attached:
+            return True
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        try:
+            if not torch.cuda.is_initialized():
+                return False
+            torch._C._cuda_attach_out_of_memory_observer(self.torch_observer)
+        except Exception as exc:  # noqa: BLE001 - another allocator backend, an older torch
+            log.debug("gpufootprint probe: no PyTorch OOM observer: %s", exc)
+            self.torch_attached = True  # do not try every heartbeat
+            return False
+        self.torch_attached = True
+        return True
+
+    def torch_observer(self, device: int, alloc: int, device_total: int, device_free: int) -> None:
+        """PyTorch calls this before raising OutOfMemoryError (its allocator lock released)."""
+        try:
+            self.torch_events += 1
+            event: dict[str, Any] = {"source": "torch", "ts": self._clock_ns(), "dev": int(device),
+                                     "requested_bytes": int(alloc), "device_limit_bytes": int(device_total),
+                                     "device_free_bytes": int(device_free)}
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                event["torch_reserved_bytes"] = int(torch.cuda.memory_reserved(device))
+                event["torch_allocated_bytes"] = int(torch.cuda.memory_allocated(device))
+            self._put(event)
+        except Exception:  # noqa: BLE001 - never into PyTorch's error path
+            pass
+
+    # --- the sender --------------------------------------------------------------------------
+
+    def _put(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def pending(self) -> bool:
+        return bool(self._events)
+
+    def take(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def marks(self, pid: int, default_dev: int) -> list[dict[str, Any]]:
+        """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed driver
+        calls of this batch (at the last one's time, counting them all); at most MAX_MARKS in all."""
+        events = self.take()
+        if not events:
+            return []
+        out: list[dict[str, Any]] = []
+        calls = [e for e in events if e["source"] == "cupti"]
+        if calls:
+            last = max(calls, key=lambda e: e["ts"])
+            out.append({"label": "oom", "ts": last["ts"], "pid": pid, "dev": default_dev, "expect_live_bytes": None,
+                        "oom": {"source": "cupti", "api": last["api"], "failed_calls": len(calls),
+                                "requested_bytes": None, "dev_known": False, "thread_id": last["thread_id"]}})
+        for e in events:
+            if e["source"] == "torch":
+                body = {k: v for k, v in e.items() if k not in ("ts", "dev")}
+                out.append({"label": "oom", "ts": e["ts"], "pid": pid, "dev": e["dev"], "expect_live_bytes": None,
+                            "oom": {**body, "dev_known": True}})
+        room = max(0, MAX_MARKS - self.marks_sent)
+        self.marks_suppressed += max(0, len(out) - room)
+        out = out[:room]
+        self.marks_sent += len(out)
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return {"oom_failed_calls": self.failed_calls, "oom_other_alloc_failures": self.other_failures,
+                "oom_torch_events": self.torch_events, "oom_marks_sent": self.marks_sent,
+                "oom_marks_suppressed": self.marks_suppressed, "oom_torch_observer": int(self.torch_attached)}

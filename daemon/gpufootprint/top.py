@@ -1,0 +1,163 @@
+"""``gpufootprint top``: a live terminal table of a running daemon (or the demo).
+
+It reads the daemon's HTTP API (``/api/processes``), never the probe socket, so it
+works from anywhere the metrics port is reachable. The live view uses the standard
+library's curses (no escape codes written by hand, nothing to install); ``--once``
+prints one frame as plain text for scripts. Every line fits 80 columns.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from gpufootprint.errors import GpuFootprintError
+
+WIDTH = 80
+SORT_KEYS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "device": lambda r: -(r.get("device_bytes") or 0),
+    "peak": lambda r: -(r.get("window_peak_bytes") or 0),
+    "slack": lambda r: -(r.get("allocator_slack_bytes") or 0),
+    "oom": lambda r: -(r.get("oom_events") or 0),
+    "pid": lambda r: r.get("pid") or 0,
+}
+#: curses keys -> sort key
+KEYS = {"d": "device", "p": "peak", "s": "slack", "o": "oom", "i": "pid"}
+_KIND_SHORT = {"device": "dev", "pinned": "pin", "managed": "mgd", "device_static": "sta", "array": "arr",
+               "untracked": "unt", "pageable": "pgb", "managed_static": "mst", "unknown": "unk"}
+_MODE = {"steady": "stdy", "quiet": "quiet", "burst": "BURST"}
+_GRAPH = {"capture": "CAPT", "keep": "keep", "already_captured": "done", "insufficient_data": "-"}
+HEADER = f"{'PID':>7} {'POD/COMMAND':<14} {'GP':>2} {'DEVICE':>8} {'PEAK':>8} {'KINDS %':<12} {'SLACK':>7} " \
+         f"{'MODE':<5} {'GRPH':<4} {'L'} {'OO'}"
+
+
+def size(n: int | None) -> str:
+    """Bytes in at most 7 characters: 512B, 4.0K, 12.3M, 131.1G."""
+    if n is None:
+        return "-"
+    v = float(n)
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(v) < 1024 or unit == "T":
+            return f"{int(v)}{unit}" if unit == "B" else f"{v:.1f}{unit}"
+        v /= 1024
+    return f"{v:.1f}T"
+
+
+def fetch(url: str, timeout: float = 5.0, user: str | None = None) -> dict[str, Any]:
+    """GET ``url``/api/processes; a one-line error that names the URL otherwise."""
+    target = url.rstrip("/")
+    if target.endswith("/metrics"):
+        target = target[: -len("/metrics")]
+    target += "/api/processes"
+    req = urllib.request.Request(target)
+    if user:
+        req.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the user's own daemon URL
+            doc = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise GpuFootprintError(f"{target}: HTTP {exc.code} {exc.reason}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise GpuFootprintError(f"{target}: cannot connect ({reason}); is the daemon running?") from None
+    except ValueError as exc:
+        raise GpuFootprintError(f"{target}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("processes"), list):
+        raise GpuFootprintError(f"{target}: not a gpufootprint /api/processes document")
+    return doc
+
+
+def _name(row: dict[str, Any]) -> str:
+    if row.get("pod"):
+        return str(row["pod"])
+    cmd = str(row.get("command") or "")
+    return cmd.rsplit("/", 1)[-1] if cmd else "-"
+
+
+def _kinds(live: dict[str, int]) -> str:
+    total = sum(v for v in live.values() if v > 0)
+    if total <= 0:
+        return "-"
+    top = sorted(live.items(), key=lambda kv: -kv[1])[:2]
+    return " ".join(f"{_KIND_SHORT.get(k, k[:3])}{min(99, round(100 * v / total))}" for k, v in top)
+
+
+def process_line(r: dict[str, Any]) -> str:
+    line = (f"{r.get('pid', 0):>7} {_name(r)[:14]:<14} {r.get('gpu', 0):>2} {size(r.get('device_bytes')):>8} "
+            f"{size(r.get('window_peak_bytes')):>8} {_kinds(r.get('live_bytes') or {}):<12} "
+            f"{size(r.get('allocator_slack_bytes')):>7} {_MODE.get(r.get('sampler_mode') or '', '-'):<5} "
+            f"{_GRAPH.get(r.get('graph_verdict') or '', '-'):<4} {'L' if r.get('leak_suspect') else ' '} "
+            f"{min(99, r.get('oom_events') or 0) or '':>2}")
+    return line[:WIDTH]
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    used, total = g.get("used_bytes"), g.get("total_bytes")
+    model = str(g.get("model") or "")[:22]
+    view = f"used {size(used)} / {size(total)}" if used is not None else \
+        f"total {size(total)}" if total is not None else "no NVML view"
+    return f"GPU {g.get('gpu')} {model:<22} {view:<26} probed {size(g.get('probed_bytes'))}"[:WIDTH]
+
+
+def render(doc: dict[str, Any], sort: str = "device", *, source: str = "", limit: int | None = None) -> list[str]:
+    """One frame: a title, a line per GPU, the header, a line per (process, GPU)."""
+    rows = [r for r in doc.get("processes", []) if isinstance(r, dict)]
+    rows.sort(key=SORT_KEYS.get(sort, SORT_KEYS["device"]))
+    taken = doc.get("taken_at")
+    when = time.strftime("%H:%M:%S", time.localtime(taken)) if isinstance(taken, (int, float)) and taken else "-"
+    title = f"gpufootprint top  {source}  {when}  sort: {sort}  peak window " \
+            f"{doc.get('window_peak_seconds', '-')}s"
+    lines = [title[:WIDTH]]
+    lines += [gpu_line(g) for g in doc.get("gpus", []) if isinstance(g, dict)]
+    lines.append(HEADER)
+    shown = rows if limit is None else rows[:max(0, limit)]
+    lines += [process_line(r) for r in shown]
+    if not rows:
+        lines.append("(no probed processes)")
+    elif len(shown) < len(rows):
+        lines.append(f"... {len(rows) - len(shown)} more")
+    return lines
+
+
+def run_once(url: str, sort: str, user: str | None = None) -> str:
+    return "\n".join(render(fetch(url, user=user), sort, source=url))
+
+
+def run_live(url: str, sort: str, interval: float = 1.0, user: str | None = None) -> None:
+    """The live view: refreshes every ``interval`` s; keys d/p/s/o/i sort, q quits."""
+    import curses
+
+    def loop(screen: Any) -> None:
+        nonlocal sort
+        curses.curs_set(0)
+        screen.timeout(int(interval * 1000))
+        error = ""
+        doc: dict[str, Any] = {"processes": [], "gpus": []}
+        while True:
+            try:
+                doc = fetch(url, user=user)
+                error = ""
+            except GpuFootprintError as exc:
+                error = str(exc)
+            height, width = screen.getmaxyx()
+            lines = render(doc, sort, source=url, limit=max(0, height - 6))
+            lines.append("keys: d device  p peak  s slack  o oom  i pid  q quit")
+            if error:
+                lines.append(("! " + error)[:WIDTH])
+            screen.erase()
+            for y, line in enumerate(lines[: height - 1]):
+                attr = curses.A_BOLD if y == 0 or line == HEADER else curses.A_NORMAL
+                screen.addnstr(y, 0, line, max(1, width - 1), attr)
+            screen.refresh()
+            key = screen.getch()
+            if key in (ord("q"), 27):
+                return
+            if 0 <= key < 256 and chr(key) in KEYS:
+                sort = KEYS[chr(key)]
+
+    curses.wrapper(loop)
