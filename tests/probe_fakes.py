@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UM, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
+DRIVER = 4  # CUpti_ActivityAPI: written per call of a driver function switched on by cuptiActivityEnableDriverApi
 
 
 def memory_record(op: int, addr: int, size: int, *, ts: int | None = None, mk: int = 3, dev: int = 0,
@@ -70,6 +71,13 @@ def kernel_record(name: str, *, graph: int = 0, node: int = 0) -> Any:
                            is_device_launched=0)
 
 
+def api_record(cbid: int, ret: int, *, end: int | None = None, tid: int = 1) -> Any:
+    """A CUpti_ActivityAPI record (cupti-python's ActivityAPI attribute names)."""
+    t = end or time.time_ns()
+    return SimpleNamespace(kind=DRIVER, cbid=cbid, start=t - 5000, end=t, process_id=0, thread_id=tid,
+                           correlation_id=9, return_value=ret)
+
+
 def um_record(ck: int, value: int, addr: int) -> Any:
     t = time.time_ns()
     return SimpleNamespace(kind=UM, counter_kind=ck, value=value, start=t, end=t + 10, address=addr,
@@ -95,6 +103,8 @@ class FakeCupti:
         self.subscribed = False  # the driver-API callback subscription (CUPTI allows one subscriber)
         self.other_subscriber = False  # another tool (a profiler) holds that one place
         self.driver_api_switch = False  # cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap)
+        self.api_cbids: set[int] = set()  # cuptiActivityEnableDriverApi for the allocation calls
+        self.api_switch_refused = False  # scenario: this CUPTI refuses the per-API switch
 
     # --- Backend protocol ---
     def driver_hooks(self, on: bool) -> bool:
@@ -107,6 +117,23 @@ class FakeCupti:
         """CUPTI's per-API activity switch: no subscriber needed, so another tool's place does not matter."""
         self.driver_api_switch = on
         return True
+
+    def oom_api_records(self, on: bool) -> bool:
+        """cuptiActivityEnableDriverApi for the allocation entry points (the probe's OOM records)."""
+        from gpufootprint.probe.oom import ALLOCATION_CBIDS
+
+        if self.api_switch_refused:
+            return False
+        self.api_cbids = set(ALLOCATION_CBIDS) if on else set()
+        return True
+
+    def api_call(self, cbid: int, ret: int, **kw: Any) -> None:
+        """A driver call returned ``ret``: CUPTI writes its API record only while its switch is on."""
+        if cbid in self.api_cbids:
+            with self.lock:
+                self.pending.append(api_record(cbid, ret, **kw))
+        else:
+            self.lost_while_disabled += 1
 
     def other_tool_subscribes(self) -> bool:
         """A profiler's cuptiSubscribe: refused while the probe holds CUPTI's one subscriber place."""
@@ -170,7 +197,7 @@ class FakeCupti:
 
 # cupti-python's struct for each kind: what CUPTI 13 writes into its buffers.
 _STRUCTS = {MEMORY2: "memory4", MEMORY_POOL: "memory_pool3", MEMCPY: "memcpy6", MEMCPY2: "memcpy_pto_p4",
-            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3"}
+            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3", DRIVER: "api"}
 
 
 def _struct_dtype(kind: int) -> Any:
@@ -334,3 +361,13 @@ class StreamBufferedCupti(FakeRawCupti):
                 self.partial_buffers += 1
                 if self.delivery is not None:
                     self.deliver(part)
+
+
+def fake_torch(reserved: int = 0, allocated: int = 0) -> Any:
+    """A stand-in for the parts of ``torch`` the probe touches: CUDA initialised, the allocator's
+    figures, and ``torch._C._cuda_attach_out_of_memory_observer`` keeping what is attached."""
+    observers: list[Any] = []
+    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1,
+                           memory_reserved=lambda d=0: reserved, memory_allocated=lambda d=0: allocated)
+    c = SimpleNamespace(observers=observers, _cuda_attach_out_of_memory_observer=observers.append)
+    return SimpleNamespace(cuda=cuda, _C=c, __name__="torch")

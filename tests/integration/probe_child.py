@@ -10,6 +10,8 @@ test can stop and restart the daemon at known points.
          wait:NAME  touch:NAME  sleep:SECONDS  burst:N (N allocations and frees)  connected
          launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels, 1 ms apart;
                               CUPTI keeps them only while the kernel activity is on)
+         apicall:CBID:RET (a driver call's API record)  faketorch (a stand-in torch module with
+         CUDA initialised)  torchoom:SIZE (that module's OOM observer called, as PyTorch does)
 """
 
 from __future__ import annotations
@@ -119,6 +121,18 @@ def main() -> int:
                 time.sleep(0.001)
         elif op == "mark":
             probe.mark(arg)
+        elif op == "apicall":
+            cbid, ret = arg.split(":")
+            fake.api_call(int(cbid), int(ret))
+        elif op == "faketorch":
+            sys.modules["torch"] = probe_fakes.fake_torch()
+        elif op == "torchoom":
+            torch = sys.modules["torch"]
+            end = time.monotonic() + 20
+            while not torch._C.observers and time.monotonic() < end:  # attached at a heartbeat
+                time.sleep(0.01)
+            for fn in torch._C.observers:
+                fn(0, int(arg), 80 << 30, 1 << 20)
         elif op == "wait":
             end = time.monotonic() + 30
             while not os.path.exists(os.path.join(sync, arg)) and time.monotonic() < end:

@@ -1,0 +1,148 @@
+"""The probe's side of OOM capture: CUPTI's API records of the allocation calls, PyTorch's observer.
+
+The fake CUPTI (tests/probe_fakes.py) writes API records only for the calls whose per-API switch
+is on, in cupti-python's ``activity_api_dtype`` layout on the raw path; the probe must turn each
+batch of CUDA_ERROR_OUT_OF_MEMORY returns into one ``oom`` MARK, after a flush.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpufootprint.probe import rawrecords
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.oom import ALLOCATION_CBIDS, API_DTYPE, CUDA_ERROR_OUT_OF_MEMORY, OomWatch
+from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.wire.framing import FrameType, iter_frames
+from gpufootprint.wire.sources import TraceFile
+
+from tests import probe_fakes as fk
+
+CU_MEM_ALLOC_V2 = 243
+CU_MEM_CREATE = 549
+CU_MEM_MAP = 558  # not an allocation entry point: its failures are not OOM events here
+
+
+def test_allocation_cbids_are_cuptis_own_numbers() -> None:
+    from cupti import cupti
+
+    for cbid, name in ALLOCATION_CBIDS.items():
+        assert int(getattr(cupti.driver_api_trace_cbid, name)) == cbid, name
+    # every allocation entry point the issue names is switched on
+    for name in ("cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemCreate", "cuMemAllocAsync", "cuMemAllocFromPoolAsync",
+                 "cuMemAllocManaged", "cuMemHostAlloc", "cuMemAllocHost_v2"):
+        assert name in ALLOCATION_CBIDS.values()
+
+
+def test_api_record_layout_matches_cupti_python() -> None:
+    from cupti import cupti
+
+    theirs = cupti.activity_api_dtype
+    assert API_DTYPE.itemsize == theirs.itemsize == rawrecords.SKIPPED_SIZES[rawrecords.DRIVER]
+    for name, ours in (("cbid", "cbid"), ("start", "start"), ("end", "end"), ("thread_id", "tid"),
+                       ("return_value", "ret")):
+        assert API_DTYPE.fields[ours][1] == theirs.fields[name][1], name
+
+
+def _raw(rows: list[tuple[int, int, int]]) -> tuple[np.ndarray, list[int]]:
+    from cupti import cupti
+
+    arr = np.zeros(len(rows), cupti.activity_api_dtype)
+    for i, (cbid, ret, end) in enumerate(rows):
+        arr[i]["kind"], arr[i]["cbid"], arr[i]["end"], arr[i]["return_value"] = rawrecords.DRIVER, cbid, end, ret
+    u8 = np.frombuffer(arr.tobytes(), np.uint8)
+    return u8, [i * arr.dtype.itemsize for i in range(len(rows))]
+
+
+def test_only_out_of_memory_returns_of_allocation_calls_are_events() -> None:
+    watch = OomWatch()
+    u8, offs = _raw([(CU_MEM_ALLOC_V2, 0, 10), (CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, 20),
+                     (CU_MEM_MAP, CUDA_ERROR_OUT_OF_MEMORY, 30), (CU_MEM_CREATE, 1, 40),
+                     (CU_MEM_CREATE, CUDA_ERROR_OUT_OF_MEMORY, 50)])
+    watch.api_rows(u8, offs)
+    assert (watch.failed_calls, watch.other_failures) == (2, 1)
+    marks = watch.marks(pid=7, default_dev=3)
+    # one mark for the batch, at the last failure's time, counting both
+    assert len(marks) == 1
+    m = marks[0]
+    assert (m["label"], m["ts"], m["pid"], m["dev"]) == ("oom", 50, 7, 3)
+    assert m["oom"]["failed_calls"] == 2 and m["oom"]["api"] == "cuMemCreate" and m["oom"]["dev_known"] is False
+    assert m["expect_live_bytes"] is None  # the probe's table is past the failure by now
+    assert watch.marks(pid=7, default_dev=3) == []
+
+
+def test_a_process_failing_in_a_loop_sends_a_bounded_number_of_marks() -> None:
+    watch = OomWatch()
+    for i in range(150):
+        watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=i + 1)])
+        watch.marks(pid=1, default_dev=0)
+    assert watch.marks_sent == 100 and watch.marks_suppressed == 50
+
+
+def test_torch_observer_attaches_only_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = fk.fake_torch(reserved=3 << 30, allocated=2 << 30)
+    torch.cuda.is_initialized = lambda: False
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    watch = OomWatch(clock_ns=lambda: 1234)
+    assert watch.attach_torch() is False and torch._C.observers == []
+    torch.cuda.is_initialized = lambda: True
+    assert watch.attach_torch() is True and len(torch._C.observers) == 1
+    assert watch.attach_torch() is True and len(torch._C.observers) == 1  # once
+    torch._C.observers[0](0, 4 << 30, 80 << 30, 1 << 20)
+    (m,) = watch.marks(pid=5, default_dev=9)
+    assert (m["ts"], m["dev"]) == (1234, 0)  # PyTorch names the device
+    assert m["oom"]["requested_bytes"] == 4 << 30 and m["oom"]["torch_reserved_bytes"] == 3 << 30
+    assert m["oom"]["dev_known"] is True and m["oom"]["source"] == "torch"
+
+
+def _run(tmp_path: Path, fake: Any, steps: Any, **settings: Any) -> list[dict[str, Any]]:
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, **settings), fake, discover_devices=False)
+    assert probe.start()
+    try:
+        steps(fake)
+        time.sleep(0.3)
+    finally:
+        probe.stop()
+    frames = list(iter_frames(TraceFile(path).chunks()))
+    return [f.json() for f in frames if f.type is FrameType.MARK]
+
+
+@pytest.mark.parametrize("cls", [fk.FakeRawCupti, fk.FakeCupti], ids=["raw", "objects"])
+def test_probe_sends_one_oom_mark_after_the_records_before_it(tmp_path: Path, cls: type) -> None:
+    fake = cls()
+
+    def steps(f: Any) -> None:
+        f.alloc(0x1000, 1 << 20, dev=2)
+        f.api_call(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY)
+        f.api_call(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY)  # the framework's retry after freeing its cache
+
+    marks = _run(tmp_path, fake, steps)
+    assert fake.api_cbids == set()  # switched off again at stop
+    ooms = [m for m in marks if m["label"] == "oom"]
+    assert len(ooms) == 1
+    assert ooms[0]["oom"]["failed_calls"] == 2 and ooms[0]["dev"] == 2  # the device last allocated on
+
+
+def test_oom_records_can_be_switched_off(tmp_path: Path) -> None:
+    fake = fk.FakeRawCupti()
+    marks = _run(tmp_path, fake, lambda f: f.api_call(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY), oom_records=False)
+    assert fake.lost_while_disabled == 1 and not [m for m in marks if m["label"] == "oom"]
+
+
+def test_a_cupti_that_refuses_the_switch_is_counted_not_fatal(tmp_path: Path) -> None:
+    fake = fk.FakeRawCupti()
+    fake.api_switch_refused = True
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10), fake, discover_devices=False)
+    assert probe.start()
+    fake.alloc(0x1000, 4096)
+    probe.stop()
+    assert probe.counters["oom_records_unavailable"] == 1
+    assert probe.table.live_by_kind(0) == {"device": 4096}
