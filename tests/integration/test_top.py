@@ -1,0 +1,107 @@
+"""``gpufootprint top`` against a running demo (real traces replayed into the daemon, real HTTP),
+and /api/processes against /metrics from the same daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufootprint.top import HEADER, WIDTH, render, size
+
+from tests.conftest import cli_env
+from tests.integration.test_daemon import _free_port, _scrape, _wait
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def demo():  # type: ignore[no-untyped-def]
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
+                             "--duration", "120"], env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _scrape(port).get("gpufootprint_device_bytes"), timeout=30)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _top(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gpufootprint", "top", *args], env=cli_env(), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_once_prints_one_frame_of_80_columns_with_every_process(demo: int) -> None:
+    doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{demo}/api/processes", timeout=10).read())
+    pids = {r["pid"] for r in doc["processes"]}
+    assert pids
+    r = _top("--once", "--url", f"http://127.0.0.1:{demo}", "--sort", "pid")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert all(len(line) <= WIDTH for line in lines)
+    assert HEADER in lines
+    rows = lines[lines.index(HEADER) + 1:]
+    assert [int(line.split()[0]) for line in rows] == sorted(int(line.split()[0]) for line in rows)
+    assert {int(line.split()[0]) for line in rows} <= pids and len(rows) >= 1
+
+
+def test_api_processes_agrees_with_metrics(demo: int) -> None:
+    # the demo replays in a loop: compare one process's device bytes from two reads that agree in time
+    def same() -> Any:
+        a = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{demo}/api/processes", timeout=10).read())
+        m = {(lb["pid"], lb["gpu"]): v for lb, v in _scrape(demo)["gpufootprint_device_bytes"]}
+        b = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{demo}/api/processes", timeout=10).read())
+        rows = {(str(r["pid"]), str(r["gpu"])): r["device_bytes"] for r in a["processes"] if not r["exited"]}
+        rows_b = {(str(r["pid"]), str(r["gpu"])): r["device_bytes"] for r in b["processes"] if not r["exited"]}
+        return rows if rows == rows_b and rows and all(m.get(k) == v for k, v in rows.items()) else None
+
+    assert _wait(same, timeout=30)
+
+
+def test_an_unreachable_daemon_is_a_one_line_error(tmp_path: Path) -> None:
+    port = _free_port()
+    r = _top("--once", "--url", f"http://127.0.0.1:{port}")
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith(f"gpufootprint top: error: http://127.0.0.1:{port}/api/processes: cannot connect")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _doc() -> dict[str, Any]:
+    row = {"pid": 123456, "gpu": 0, "source": "probe", "exited": False, "command": "python /very/long/path/train.py",
+           "pod": None, "device_bytes": 131_074 << 20, "window_peak_bytes": 140 << 30,
+           "live_bytes": {"device": 130 << 30, "pinned": 2 << 30, "untracked": 1 << 30},
+           "allocator_slack_bytes": 3 << 30, "sampler_mode": "burst", "graph_verdict": "capture",
+           "leak_suspect": True, "oom_events": 123}
+    small = dict(row, pid=7, pod="trainer-0-with-a-very-long-name", device_bytes=512, window_peak_bytes=1024,
+                 live_bytes={}, allocator_slack_bytes=None, sampler_mode=None, graph_verdict=None,
+                 leak_suspect=None, oom_events=0)
+    return {"taken_at": 0, "window_peak_seconds": 60.0, "processes": [small, row],
+            "gpus": [{"gpu": 0, "model": "NVIDIA H200 with a long model name", "used_bytes": 139 << 30,
+                      "total_bytes": 140 << 30, "probed_bytes": 131 << 30}]}
+
+
+def test_render_fits_80_columns_even_with_extreme_values() -> None:
+    lines = render(_doc(), "device", source="http://a-very-long-host-name.example:9878")
+    assert all(len(line) <= 80 for line in lines)
+    big, small = lines[3], lines[4]
+    assert big.split()[0] == "123456" and "128.0G" in big and "dev98 pin2" in big and "BURST" in big
+    assert "CAPT" in big and big.rstrip().endswith("L 99")
+    assert small.split()[1] == "trainer-0-with" and small.split()[3] == "512B"
+    assert render(_doc(), "pid")[3].split()[0] == "7"
+    assert render(_doc(), "oom")[3].split()[0] == "123456"
+
+
+def test_sizes_are_short() -> None:
+    assert [size(n) for n in (None, 0, 1023, 1024, 1536 << 20, 131_074 << 20)] == \
+        ["-", "0B", "1023B", "1.0K", "1.5G", "128.0G"]
