@@ -73,6 +73,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # (run 12; the default since run 13).
     "probe_hooks_activity": {"driver_hooks_via": "activity"},
     "probe_hooks_subscriber": {"driver_hooks_via": "subscriber"},  # the default of run 10
+    # Without the API records of the allocation calls that catch OOMs (docs/oom.md; on by default
+    # since 2026-12-03): "probe" against this one is what those records cost.
+    "probe_no_oom_records": {"oom_records": False},
     "probe_b": {},  # a second worker with the defaults (see REPLICAS)
     # CUPTI's buffers read in the workload's process (the default until 2026-12-03): the daemon gets
     # BATCH frames; the default now forwards buffers of memory records unread.
