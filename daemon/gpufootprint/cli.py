@@ -159,7 +159,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise ConfigError(f"command line --interval: {args.interval} must be positive")
     if args.once or not sys.stdout.isatty():
-        print(run_once(args.url, args.sort, user=args.user))
+        try:
+            print(run_once(args.url, args.sort, user=args.user), flush=True)
+        except BrokenPipeError:  # `top --once | head`: the reader has all it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     run_live(args.url, args.sort, interval=args.interval, user=args.user)
     return 0

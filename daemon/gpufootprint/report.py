@@ -25,8 +25,9 @@ import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
 from gpufootprint.recording import Recording, Series, kind_name, load, series, tables_at
-from gpufootprint.records import COPY_KIND_NAMES, RecordKind
+from gpufootprint.records import COPY_KIND_NAMES, DEVICE_RESIDENT_KINDS, MemoryKind, RecordKind
 
+_STACK_RANK = {**{k: 0 for k in DEVICE_RESIDENT_KINDS}, MemoryKind.PINNED: 2, MemoryKind.PAGEABLE: 2}
 _MAX_PANELS = 8  # (pid, GPU) panels in the main plot; the rest are listed in the table
 _TOP_ALLOCATIONS = 15
 
@@ -61,16 +62,20 @@ def main_figure(rec: Recording, all_series: list[Series]) -> Any:
     fig, axes = plt.subplots(len(shown), 1, figsize=(10, 3.2 * len(shown)), squeeze=False, sharex=False)
     for ax, s in zip(axes[:, 0], shown):
         x = (s.times.astype(np.float64) - t0) / 1e9
-        # Steps: each level holds until the next change; the stack is drawn from cumulative sums.
-        stack = np.cumsum(s.levels / 2**20, axis=1)
+        # Steps: each level holds until the next change; the stack is drawn from cumulative sums,
+        # GPU-resident kinds at the bottom (the peak line is theirs), then managed, then host kinds.
+        order = sorted(range(len(s.kinds)), key=lambda j: (_STACK_RANK.get(s.kinds[j], 1), s.kinds[j]))
+        stack = np.cumsum(s.levels[:, order] / 2**20, axis=1)
         prev = np.zeros(len(x))
-        for j, k in enumerate(s.kinds):
-            ax.fill_between(x, prev, stack[:, j], step="post", alpha=0.75, label=kind_name(k), linewidth=0)
-            prev = stack[:, j]
+        for col, j in enumerate(order):
+            k = s.kinds[j]
+            label = kind_name(k) + (" (host)" if _STACK_RANK.get(k, 1) == 2 else "")
+            ax.fill_between(x, prev, stack[:, col], step="post", alpha=0.75, label=label, linewidth=0)
+            prev = stack[:, col]
         peak, i = s.peak()
         if i >= 0:
             ax.axhline(peak / 2**20, color="black", linewidth=0.8, linestyle="--")
-            ax.annotate(f"peak {_mib(peak)}", (x[i], peak / 2**20), textcoords="offset points", xytext=(4, 4),
+            ax.annotate(f"GPU-resident peak {_mib(peak)}", (x[i], peak / 2**20), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
         for w in rec.anomaly_windows:
             if int(w["pid"]) == s.pid and int(w["gpu"]) == s.dev:

@@ -110,8 +110,9 @@ def render(doc: dict[str, Any], sort: str = "device", *, source: str = "", limit
     rows.sort(key=SORT_KEYS.get(sort, SORT_KEYS["device"]))
     taken = doc.get("taken_at")
     when = time.strftime("%H:%M:%S", time.localtime(taken)) if isinstance(taken, (int, float)) and taken else "-"
-    title = f"gpufootprint top  {source}  {when}  sort: {sort}  peak window " \
-            f"{doc.get('window_peak_seconds', '-')}s"
+    window = doc.get("window_peak_seconds")
+    peak = f"{window:g}s" if isinstance(window, (int, float)) else "-"
+    title = f"gpufootprint top {when}  sort {sort}  peak over {peak}  {source}"
     lines = [title[:WIDTH]]
     lines += [gpu_line(g) for g in doc.get("gpus", []) if isinstance(g, dict)]
     lines.append(HEADER)
@@ -152,7 +153,7 @@ def run_live(url: str, sort: str, interval: float = 1.0, user: str | None = None
             screen.erase()
             for y, line in enumerate(lines[: height - 1]):
                 attr = curses.A_BOLD if y == 0 or line == HEADER else curses.A_NORMAL
-                screen.addnstr(y, 0, line, max(1, width - 1), attr)
+                screen.addnstr(y, 0, line, max(1, width), attr)  # never the last row: no scroll
             screen.refresh()
             key = screen.getch()
             if key in (ord("q"), 27):
