@@ -211,7 +211,7 @@ class App:
         """GET /api/processes: per GPU and per process, what ``gpufootprint top`` shows."""
         from gpufootprint.exporter.processes import processes_document
 
-        return processes_document(self.ingest.snapshot, self.engine_outputs, oom_counts=dict(self.oom.counts),
+        return processes_document(self.ingest.snapshot, self.engine_outputs, oom_counts=self.oom.counts_now(),
                                   pod_of=self._pod_labels if self.attributor is not None else None)
 
     def anomalies_json(self) -> list[dict[str, object]]:

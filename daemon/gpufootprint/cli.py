@@ -424,7 +424,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         for name in args.files:
             results.append(replay_file(name, pipeline, speed=args.speed, guard=guard,
-                                       max_frame_bytes=config.daemon.max_frame_bytes))
+                                       max_frame_bytes=config.daemon.max_frame_bytes,
+                                       on_mark=app.oom.on_mark if app is not None else None))
         if app is not None:
             app.ingest.tick()
             if args.linger > 0:

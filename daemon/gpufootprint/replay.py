@@ -115,11 +115,17 @@ def replay_file(
     stop: threading.Event | None = None,
     max_frame_bytes: int | None = None,
     guard: Any = None,
+    on_mark: Callable[[dict[str, Any]], None] | None = None,
 ) -> ReplayResult:
     """Run ``path`` through ``pipeline``. Damage is reported in ``problems``; records before it count."""
     trace = TraceFile(path)
     marks: list[dict[str, Any]] = []
-    session = Session(pipeline, source="trace", name=str(path), on_mark=marks.append)
+    def mark(result: dict[str, Any]) -> None:
+        marks.append(result)
+        if on_mark is not None:  # the daemon's OOM manager, when a replay is served (replay --listen)
+            on_mark(result)
+
+    session = Session(pipeline, source="trace", name=str(path), on_mark=mark)
     decoder = FrameDecoder(max_frame_bytes) if max_frame_bytes else FrameDecoder()
     pacer = Pacer(speed, stop) if speed else None
     started = time.perf_counter()

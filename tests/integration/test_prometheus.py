@@ -47,7 +47,7 @@ UM_PID = 6161  # the synthetic unified-memory trace's process (_write_um_round_t
 #   h200_probe_pinned_managed    real H200 probe recording, pid 615: HEARTBEAT/GOODBYE counters, unified memory
 #                                (probe overhead and drops) and unified-memory GPU page faults
 #   um_round_trip.gfp (tmp)      synthetic: unified-memory transfers in both directions, CPU and
-#                                GPU faults, with a known answer
+#                                GPU faults, with a known answer; then an OOM (the OOM counter, its alert)
 #   h200_kernels_train.gfp.gz    real H200 probe recording, pid 672: KERNEL records of a
 #                                training step (graph advice, launch overhead); anomaly windows
 #                                after Prometheus has started scraping (the annotation's increase)
@@ -156,9 +156,14 @@ def _write_um_round_trip(path: Path) -> None:
     recs["pid"], recs["dev"] = UM_PID, 0
     body = PREAMBLE + encode_json(FrameType.META, {"pid": UM_PID, "format": "synthetic", "scenario": "um_round_trip"})
     body += b"".join(encode_batch(RecordKind.UNIFIED_MEMORY, recs[i:i + 64]) for i in range(0, len(recs), 64))
+    # Then an allocation fails (the probe's `oom` MARK): the OOM counter and its alert (docs/oom.md).
+    oom_ts = int(recs["end"].max()) + 1
+    body += encode_json(FrameType.MARK, {"label": "oom", "ts": oom_ts, "pid": UM_PID, "dev": 0,
+                                         "oom": {"source": "cupti", "api": "cuMemAlloc_v2", "failed_calls": 1,
+                                                 "requested_bytes": None, "dev_known": False}})
     # As a probe would end it: a watermark, then its live table's totals as of it (none here), which the
     # daemon checks its footprint against (gpufootprint_footprint_drift_bytes).
-    wm = int(recs["end"].max()) + 1
+    wm = oom_ts + 1
     path.write_bytes(body + encode_watermark(wm) + encode_json(FrameType.TOTALS, {"ts": wm, "pid": UM_PID,
                                                                                   "devices": {}}))
 
@@ -266,12 +271,14 @@ def _rules() -> list[tuple[str, str, str]]:
             for g in doc["groups"] for r in g["rules"]]
 
 
-# Alerts the replay is built to raise, with the labels that single out their series. Both
-# hold pending (their `for` is minutes long); every other alert must stay inactive.
+# Alerts the replay is built to raise, with the labels that single out their series. The first
+# two hold pending (their `for` is minutes long); every other alert must stay inactive.
 EXPECTED_ALERTS = {
     "GpuFootprintLeakSuspected": {"pid": "5151"},  # synth_leak's leaking process
     "GpuFootprintBudgetExhaustionSoon": {"scope": "process", "name": "5151"},  # its 2 GiB budget (CONFIG)
+    "GpuFootprintOutOfMemory": {"pid": str(UM_PID), "pod": "trainer-0"},  # um_round_trip's failed allocation
 }
+FIRING_AT_ONCE = {"GpuFootprintOutOfMemory"}  # no `for:`: an OOM has happened, nothing to wait for
 
 
 def _assert_ok(result: dict[str, Any], what: str) -> list[Any]:
@@ -355,7 +362,8 @@ def test_prometheus_loaded_and_evaluated_every_rule_without_error(stack: tuple[P
     # PodCostHigh, IdleGpuHoursHigh, GpuMemoryNearlyFull: inactive.
     assert set(active) == set(EXPECTED_ALERTS)
     for name, rule in active.items():
-        assert rule["state"] == "pending", (name, rule["state"])  # `for:` is minutes; the test lasts seconds
+        # `for:` is minutes; the test lasts seconds
+        assert rule["state"] == ("firing" if name in FIRING_AT_ONCE else "pending"), (name, rule["state"])
         assert [{k: a["labels"].get(k) for k in EXPECTED_ALERTS[name]} for a in rule["alerts"]] == [
             EXPECTED_ALERTS[name]]
 

@@ -172,14 +172,16 @@ class OomManager:
             event["torch"] = {k: torch[k] for k in ("torch_reserved_bytes", "torch_allocated_bytes",
                                                     "device_free_bytes", "device_limit_bytes") if k in torch}
         key = (p.pid, dev, p.source)
-        self.counts[key] += 1
-        while len(self.counts) > _KEEP_COUNTS:
-            del self.counts[next(iter(self.counts))]
+        with self._lock:  # scrapes and /api/processes read the counts from other threads
+            self.counts[key] += 1
+            while len(self.counts) > _KEEP_COUNTS:
+                del self.counts[next(iter(self.counts))]
         log.warning("oom pid=%d pod=%s gpu=%d requested_bytes=%s footprint_bytes=%d failed_calls=%d seen_by=%s",
                     p.pid, pod.get("pod", "-") if pod else "-", dev,
                     "unknown" if requested is None else requested, footprint, event["failed_calls"],
                     ",".join(event["seen_by"]))
-        if not (self.config.enabled and self._directory_ready()):
+        if p.source != "probe" or not (self.config.enabled and self._directory_ready()):
+            # A replayed recording's OOM (replay --listen) is counted and listed, never captured again.
             event["capture"] = None
             with self._lock:
                 self.events.append(event)
@@ -244,7 +246,8 @@ class OomManager:
             (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
         except OSError as exc:
             self.capture_errors += 1
-            event["capture"] = None
+            with self._lock:
+                event["capture"] = None
             log.warning("oom capture %s not written: %s", where, exc)
             return
         self.captures_written += 1
@@ -253,7 +256,8 @@ class OomManager:
                 from gpufootprint.report import write_report
 
                 write_report([where / CAPTURE_FILE], where / REPORT_FILE, title=f"OOM capture {job['name']}")
-                event["report"] = f"{job['name']}/{REPORT_FILE}"
+                with self._lock:
+                    event["report"] = f"{job['name']}/{REPORT_FILE}"
                 (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
             except Exception as exc:  # noqa: BLE001 - the capture stands without its page
                 log.warning("oom report for %s not written: %s", where, exc)
@@ -310,6 +314,10 @@ class OomManager:
         with self._lock:
             return [dict(e) for e in self.events]
 
+    def counts_now(self) -> dict[tuple[int, int, str], int]:
+        with self._lock:
+            return dict(self.counts)
+
     def buffered_bytes(self) -> int:
         return sum(self.recent.nbytes(pid) for pid in self.recent.pids())
 
@@ -325,7 +333,7 @@ def oom_families(manager: OomManager) -> Iterator[Metric]:
     events = CounterMetricFamily("gpufootprint_oom_events",
                                  "Out-of-memory events (failed allocations; notices within oom.coalesce_seconds "
                                  "are one event).", labels=["pid", "gpu", "source"])
-    for (pid, gpu, source), n in sorted(manager.counts.items()):
+    for (pid, gpu, source), n in sorted(manager.counts_now().items()):
         events.add_metric([str(pid), str(gpu), source], n)
     yield events
     written = CounterMetricFamily("gpufootprint_oom_captures", "OOM captures written to oom.directory.")

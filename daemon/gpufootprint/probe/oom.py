@@ -173,6 +173,6 @@ class OomWatch:
         return out
 
     def counters(self) -> dict[str, int]:
-        return {"oom_failed_calls": self.failed_calls, "oom_other_alloc_failures": self.other_failures,
-                "oom_torch_events": self.torch_events, "oom_marks_sent": self.marks_sent,
+        # Few keys: the daemon keeps at most 64 heartbeat counters per probe (docs/reliability.md).
+        return {"oom_failed_calls": self.failed_calls, "oom_torch_events": self.torch_events,
                 "oom_marks_suppressed": self.marks_suppressed, "oom_torch_observer": int(self.torch_attached)}
