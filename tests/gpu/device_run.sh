@@ -10,6 +10,7 @@
 #   exit_reps    REPS runs of the profiler scenario per variant (EXIT_VARIANTS; default unprobed, probe, os._exit, no hook)
 #   variants     one GPU test (TEST) under several probe environments (VARIANTS)
 #   bench        bench/overhead.py (ROUNDS, CONFIGS, ALLOC, BENCH_TIMEOUT from the environment)
+#   oom          tests/gpu/test_oom_gpu.py: a PyTorch and a CuPy process run to OOM under the daemon
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/r; mkdir -p "$R"; pack() { tar czf "$OUT/results.tgz" -C /tmp r; }
@@ -44,6 +45,8 @@ libcupti)
   } > "$R/machine.txt" 2>&1; cat "$R/machine.txt" ;;
 tests)
   OUT=$R GPUFOOTPRINT_GPU_OUT=$R timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu -rA 2>&1 | tee "$R/gpu_tests.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" ;;
+oom)
+  GPUFOOTPRINT_GPU_OUT=$R timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_oom_gpu.py -rA 2>&1 | tee "$R/gpu_oom.log" | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" ;;
 tests_period)
   GPUFOOTPRINT_PROBE_FLUSH_MODE=period GPUFOOTPRINT_PROBE_BULK_PACK=1 GPUFOOTPRINT_PROBE_FLUSH_NOGIL=1 \
   GPUFOOTPRINT_PROBE_CUPTI_BUFFER_BYTES=65536 GPUFOOTPRINT_GPU_TAG=_period GPUFOOTPRINT_GPU_OUT=$R \

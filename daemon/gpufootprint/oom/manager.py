@@ -24,6 +24,8 @@ import json
 import logging
 import queue
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -49,6 +51,7 @@ REPORT_FILE = "report.html"
 META_FILE = "meta.json"
 _KEEP_EVENTS = 1000  # events listed by /api/oom (captures or not)
 _KEEP_COUNTS = 10_000  # (pid, gpu, source) counters kept; the oldest go first
+REPORT_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -252,16 +255,28 @@ class OomManager:
             return
         self.captures_written += 1
         if self.config.report:
-            try:
-                from gpufootprint.report import write_report
-
-                write_report([where / CAPTURE_FILE], where / REPORT_FILE, title=f"OOM capture {job['name']}")
-                with self._lock:
-                    event["report"] = f"{job['name']}/{REPORT_FILE}"
-                (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
-            except Exception as exc:  # noqa: BLE001 - the capture stands without its page
-                log.warning("oom report for %s not written: %s", where, exc)
+            self._report(job["name"], where, event)
         self._prune()
+
+    def _report(self, name: str, where: Path, event: dict[str, Any]) -> None:
+        """``gpufootprint report`` of the capture, in a child process: matplotlib never enters the
+        daemon (its memory stays the daemon's own), and a plotting failure cannot reach it."""
+        cmd = [sys.executable, "-m", "gpufootprint", "report", str(where / CAPTURE_FILE), "-o",
+               str(where / REPORT_FILE), "--title", f"OOM capture {name}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=REPORT_TIMEOUT_S, check=False)
+            detail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            detail = str(exc)
+        if not (where / REPORT_FILE).exists():
+            log.warning("oom report for %s not written: %s", where, detail)
+            return
+        with self._lock:
+            event["report"] = f"{name}/{REPORT_FILE}"
+        try:
+            (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
+        except OSError as exc:
+            log.warning("oom capture %s: meta.json not updated: %s", where, exc)
 
     def _prune(self) -> None:
         root = Path(self.config.directory)
