@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -70,7 +70,7 @@ class OomWatch:
 
     # --- CUPTI's API records -------------------------------------------------------------
 
-    def api_rows(self, u8: np.ndarray, offsets: list[int]) -> None:
+    def api_rows(self, u8: np.ndarray, offsets: Sequence[int]) -> None:
         """DRIVER records of one raw buffer, at ``offsets`` in its bytes."""
         idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
         rows = u8[idx].view(API_DTYPE).reshape(len(offsets))

@@ -71,7 +71,7 @@ class Packer:
         self.api_records = 0  # DRIVER records (driver_hooks_via="activity"): counted, not sent
         # DRIVER records are also handed here (raw bytes, or cupti-python's objects): failed
         # allocations, probe/oom.py.
-        self.on_api_rows: Callable[[np.ndarray, list[int]], None] | None = None
+        self.on_api_rows: Callable[[np.ndarray, Sequence[int]], None] | None = None
         self.on_api_objects: Callable[[list[Any]], None] | None = None
         self.bad_records = 0
         self.arrays_allocated = 0
