@@ -13,6 +13,11 @@ import json
 import sys
 import time
 
+from gpufootprint import probe
+
+if not probe.status().get("started"):
+    probe.start()  # before the framework: CUPTI must see the first allocation (as tests/gpu/workload.py)
+
 GiB = 1 << 30
 
 
@@ -51,11 +56,10 @@ def run_cupy() -> dict[str, object]:
 
 def main() -> int:
     figures = run_torch() if sys.argv[1] == "torch" else run_cupy()
-    from gpufootprint import probe
-
     cur = probe.current()
     figures["probe"] = {**cur.oom.counters(), "oom_records_unavailable": cur.counters["oom_records_unavailable"]} \
         if cur is not None else None
+    figures["probe_started"] = cur is not None
     print(json.dumps(figures), flush=True)
     time.sleep(0.5)
     return 0

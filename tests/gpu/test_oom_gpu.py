@@ -70,6 +70,7 @@ def test_one_capture_per_oom_with_the_frameworks_own_footprint(framework: str, t
     if framework == "cupy":
         pytest.importorskip("cupy")
     figures, events, app = _run(framework, tmp_path)
+    assert figures["probe_started"], figures
     assert figures["probe"]["oom_records_unavailable"] == 0 and figures["probe"]["oom_failed_calls"] >= 1, figures
     assert len(events) == 1, events
     (event,) = events
