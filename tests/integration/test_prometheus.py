@@ -382,6 +382,22 @@ def test_scraped_series_carry_pod_labels_from_the_sidecar_environment(stack: tup
     assert float(caching["value"][1]) > 200 * 2**20
 
 
+def test_api_processes_and_oom_carry_the_engines_and_the_replayed_oom(stack: tuple[Prom, str]) -> None:
+    """What ``top`` reads, from the same daemon: the leak engine's flag, the CUDA Graph advisor's verdict,
+    pod names from the sidecar environment, and the replayed OOM (counted, listed, not captured again)."""
+    _, metrics_url = stack
+    base = metrics_url[: -len("/metrics")]
+    doc = json.loads(_get(f"{base}/api/processes"))
+    rows = {r["pid"]: r for r in doc["processes"]}
+    assert rows[5151]["leak_suspect"] is True and rows[5252]["leak_suspect"] is False
+    assert rows[672]["graph_verdict"] is not None
+    assert {r["pod"] for r in rows.values()} == {"trainer-0"}
+    assert rows[UM_PID]["oom_events"] == 1 and all(r["oom_events"] == 0 for p, r in rows.items() if p != UM_PID)
+    (event,) = json.loads(_get(f"{base}/api/oom"))
+    assert (event["pid"], event["source"], event["capture"]) == (UM_PID, "trace", None)
+    assert event["pod"] == {"namespace": "ml-team", "pod": "trainer-0", "container": "trainer"}
+
+
 def _documented() -> set[str]:
     return set(re.findall(r"`(gpufootprint_[a-z0-9_]+)`", METRICS_DOC.read_text()))
 

@@ -105,3 +105,54 @@ def test_render_fits_80_columns_even_with_extreme_values() -> None:
 def test_sizes_are_short() -> None:
     assert [size(n) for n in (None, 0, 1023, 1024, 1536 << 20, 131_074 << 20)] == \
         ["-", "0B", "1023B", "1.0K", "1.5G", "128.0G"]
+
+
+def test_live_view_draws_in_a_terminal_and_takes_its_keys(demo: int) -> None:
+    """The curses view in a real pseudo-terminal of 80x24: it draws the table, re-sorts on a key, quits on q."""
+    import fcntl
+    import os
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {**cli_env(), "TERM": "xterm", "LINES": "24", "COLUMNS": "80"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "top", "--url", f"http://127.0.0.1:{demo}",
+                             "--interval", "0.2"], stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30) -> bool:
+        nonlocal seen
+        start = len(seen)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    return needle in seen[start:]
+            if needle in seen[start:]:
+                return True
+        return False
+
+    try:
+        assert read_until(b"POD/COMMAND"), seen[-2000:]
+        assert b"sort device" in seen
+        # curses redraws only what changed: after the key, the title's sort word is rewritten
+        mark = len(seen)
+        os.write(master, b"p")
+        deadline = time.monotonic() + 30
+        while b"peak" not in seen[mark:] and time.monotonic() < deadline:
+            read_until(b"peak", timeout=1)
+        assert b"peak" in seen[mark:], seen[-2000:]
+        os.write(master, b"q")
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
