@@ -196,3 +196,18 @@ def test_records_of_processes_that_are_gone_are_forgotten(tmp_path: Path) -> Non
     del pipeline.processes[42]
     manager.tick()
     assert manager.buffered_bytes() == 0
+
+
+def test_recent_records_of_all_processes_are_bounded_together() -> None:
+    # GIVEN room for 4 records in all, 3 per process
+    recent = RecentRecords(seconds=100, max_bytes=3 * 80, max_total_bytes=4 * 80)
+    for i in range(3):
+        recent.add(1, RecordKind.MEMORY, mem_batch([mem(T0 + i, ALLOC, 0x1000 + i, 8, pid=1)]))
+    for i in range(2):
+        recent.add(2, RecordKind.MEMORY, mem_batch([mem(T0 + 10 + i, ALLOC, 0x2000 + i, 8, pid=2)]))
+    # THEN the process holding the most lost its oldest, and says from when it is complete
+    assert recent.total_bytes == 4 * 80
+    assert (len(recent.window(1, 0)[RecordKind.MEMORY]), len(recent.window(2, 0)[RecordKind.MEMORY])) == (2, 2)
+    assert recent.covered_from(1) == T0 and recent.covered_from(2) == 0
+    recent.forget(1)
+    assert recent.total_bytes == 2 * 80

@@ -74,7 +74,7 @@ class OomManager:
         self.pipeline = pipeline
         self.pod_of = pod_of
         self._monotonic = monotonic
-        self.recent = RecentRecords(config.seconds, config.max_buffer_bytes)
+        self.recent = RecentRecords(config.seconds, config.max_buffer_bytes, config.max_total_buffer_bytes)
         self._pending: dict[int, _Pending] = {}
         self.counts: Counter[tuple[int, int, str]] = Counter()
         self.events: deque[dict[str, Any]] = deque(maxlen=_KEEP_EVENTS)
@@ -334,7 +334,7 @@ class OomManager:
             return dict(self.counts)
 
     def buffered_bytes(self) -> int:
-        return sum(self.recent.nbytes(pid) for pid in self.recent.pids())
+        return self.recent.total_bytes
 
 
 def window_until(window: dict[RecordKind, np.ndarray], until_ns: int) -> dict[RecordKind, np.ndarray]:

@@ -3,7 +3,8 @@
 Fed by the feature hub's tap (records of one kind, one device, in time order, after
 the reorder buffer), so what is kept is exactly what built the footprint. Chunks are
 kept whole and dropped whole: by age (older than ``seconds`` behind the newest record
-of the process) and by size (``max_bytes`` per process, oldest first). ``covered_from``
+of the process) and by size (``max_bytes`` per process, oldest first; past ``max_total_bytes``
+for all processes together, the oldest chunk of the process holding the most). ``covered_from``
 says from when on nothing was dropped, so a capture never claims a record it lost.
 """
 
@@ -26,9 +27,11 @@ class _Recent:
 
 
 class RecentRecords:
-    def __init__(self, seconds: float, max_bytes: int) -> None:
+    def __init__(self, seconds: float, max_bytes: int, max_total_bytes: int | None = None) -> None:
         self.window_ns = int(seconds * 1e9)
         self.max_bytes = max_bytes
+        self.max_total_bytes = max_total_bytes if max_total_bytes is not None else max_bytes * 4
+        self.total_bytes = 0
         self._procs: dict[int, _Recent] = {}
         self.dropped_for_size = 0  # records dropped by the size bound before their time was up
 
@@ -44,14 +47,24 @@ class RecentRecords:
         own = recs if recs.base is None else recs.copy()
         r.chunks.append((lo, hi, kind, own))
         r.nbytes += own.nbytes
+        self.total_bytes += own.nbytes
         r.newest = max(r.newest, hi)
         cut = r.newest - self.window_ns
         while r.chunks and (r.chunks[0][1] < cut or r.nbytes > self.max_bytes):
-            old_lo, old_hi, _kind, old = r.chunks.popleft()
-            if old_hi >= cut:
-                self.dropped_for_size += len(old)
-            r.nbytes -= old.nbytes
-            r.covered_from = max(r.covered_from, old_hi)
+            self._drop_oldest(r, cut)
+        while self.total_bytes > self.max_total_bytes:
+            biggest = max(self._procs.values(), key=lambda p: p.nbytes)
+            if not biggest.chunks:
+                break
+            self._drop_oldest(biggest, biggest.newest - self.window_ns)
+
+    def _drop_oldest(self, r: _Recent, cut: int) -> None:
+        _lo, old_hi, _kind, old = r.chunks.popleft()
+        if old_hi >= cut:
+            self.dropped_for_size += len(old)
+        r.nbytes -= old.nbytes
+        self.total_bytes -= old.nbytes
+        r.covered_from = max(r.covered_from, old_hi)
 
     def covered_from(self, pid: int) -> int:
         r = self._procs.get(pid)
@@ -82,7 +95,9 @@ class RecentRecords:
         return r.nbytes if r is not None else 0
 
     def forget(self, pid: int) -> None:
-        self._procs.pop(pid, None)
+        r = self._procs.pop(pid, None)
+        if r is not None:
+            self.total_bytes -= r.nbytes
 
     def pids(self) -> list[int]:
         return list(self._procs)
