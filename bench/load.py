@@ -112,7 +112,7 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
 
 
 def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
-    daemon = Daemon("footprint.process_grace_seconds=600", core=0)
+    daemon = Daemon("footprint.process_grace_seconds=600", *args.daemon_set, core=0)
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     go = time.time() + 1.0
@@ -172,6 +172,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--scrape-interval", type=float, default=0.1, help="seconds between timed scrapes")
     ap.add_argument("--json")
+    ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a daemon configuration override (repeatable), e.g. oom.enabled=false")
     args = ap.parse_args()
     os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
