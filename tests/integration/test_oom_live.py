@@ -56,11 +56,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tmp_path: Path) -> None:
     proc, port, sock = daemon
     # GIVEN a process holding 3 MiB that then fails cuMemAlloc_v2 twice (a framework's retry)
-    child = start_probe_child(sock, tmp_path, "sleep:0.3", "alloc:0x1000:2097152", "alloc:0x400000:1048576",
+    child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "alloc:0x400000:1048576",
                               "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5")
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["started"]
+    # the daemon reads CUPTI's buffers itself (they are forwarded unread): the probe still saw the failures
+    assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 2
     # THEN one event in /metrics, for that pid
     events = _wait(lambda: [v for labels, v in _scrape(port).get("gpufootprint_oom_events_total", [])
                             if labels["pid"] == str(pid)], timeout=20)

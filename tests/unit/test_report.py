@@ -50,9 +50,9 @@ def test_plot_with_another_suffix_is_a_one_line_error(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "gpufootprint", "report", str(DATA / "h200_probe_caching.gfp.gz"),
                         "-o", str(tmp_path / "r.html"), "--plot", str(tmp_path / "p.jpg")], env=cli_env(),
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1
-    assert r.stderr.strip() == f"gpufootprint report: error: --plot {tmp_path / 'p.jpg'}: the file name must end " \
-                               "in .png or .svg"
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"gpufootprint report: error: command line --plot {tmp_path / 'p.jpg'}: the file " \
+                               "name must end in .png or .svg"
 
 
 def test_without_matplotlib_the_page_still_has_its_tables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -299,6 +299,9 @@ class Probe:
         if offsets is None:
             offsets = {rawrecords.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
+        api = offsets.get(rawrecords.DRIVER)
+        if api:  # failed allocations are found here, before the buffer leaves (probe/oom.py)
+            self.oom.api_rows(u8, api)
         mem = offsets.get(rawrecords.MEMORY2)
         if mem:
             structs = rawrecords.gather(u8, rawrecords.MEMORY2, mem)
