@@ -67,7 +67,7 @@ def test_sdist_and_wheel_carry_the_startup_hook_and_the_license(dist: Path) -> N
     # SPDX metadata (PEP 639), the version from gpufootprint/__init__.py, extras by who needs what
     assert meta["License-Expression"] == "Apache-2.0"
     assert meta["Version"] == version
-    assert set(meta.get_all("Provides-Extra") or []) == {"probe", "daemon", "test"}
+    assert set(meta.get_all("Provides-Extra") or []) == {"probe", "daemon", "report", "test"}
     requires = meta.get_all("Requires-Dist") or []
     base = [r for r in requires if "extra ==" not in r]
     assert not [r for r in base if r.split("<")[0].split(">")[0].split("=")[0].strip() in
