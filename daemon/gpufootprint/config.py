@@ -347,9 +347,9 @@ class OomConfig:
     directory: str = _spec("/var/lib/gpufootprint/oom", doc="where captures are written (created if missing)")
     seconds: float = _spec(60.0, lo=1, hi=3600, doc="a capture holds the records of this many seconds before the OOM")
     max_captures: int = _spec(20, lo=1, hi=100_000, doc="captures kept; the oldest is removed first")
-    max_buffer_bytes: int = _spec(32 << 20, lo=1 << 16, hi=1 << 34,
+    max_buffer_bytes: int = _spec(16 << 20, lo=1 << 16, hi=1 << 34,
                                   doc="recent records kept per process at most (oldest dropped first)")
-    max_total_buffer_bytes: int = _spec(64 << 20, lo=1 << 16, hi=1 << 36,
+    max_total_buffer_bytes: int = _spec(32 << 20, lo=1 << 16, hi=1 << 36,
                                         doc="recent records kept for all processes together (the process "
                                             "holding the most loses its oldest first)")
     coalesce_seconds: float = _spec(2.0, lo=0, hi=600,
