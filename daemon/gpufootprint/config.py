@@ -162,7 +162,7 @@ class SamplerConfig:
     history: int = _spec(4096, lo=1, hi=10_000_000, doc="interval-history entries kept per process")
     max_windows: int = _spec(1000, lo=1, hi=10_000_000, doc="recent anomaly windows kept (all processes)")
     control: bool = _spec(True, doc="send flush_interval to probes when the interval changes")
-    kernel_window_ms: int = _spec(50, lo=0, hi=60_000,
+    kernel_window_ms: int = _spec(0, lo=0, hi=60_000,
                                   doc="open the probe's kernel activity this long, periodically and at a burst "
                                       "(0: never; the CUDA Graph advisor reads these windows)")
     kernel_window_every_seconds: float = _spec(30.0, lo=0, hi=86_400,
@@ -228,8 +228,11 @@ class ProbeConfig:
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")
-    oom_records: bool = _spec(True, doc="CUPTI API records of the allocation calls: a call that fails with "
-                                        "CUDA_ERROR_OUT_OF_MEMORY is an OOM event (docs/oom.md)")
+    oom_records: bool = _spec(False, doc="CUPTI API records of the allocation calls: a call that fails with "
+                                         "CUDA_ERROR_OUT_OF_MEMORY is an OOM event; off: on the H200 no record of a "
+                                         "failed call arrived (docs/oom.md)")
+    oom_torch_observer: bool = _spec(True, doc="PyTorch's out-of-memory observer: requested bytes and the "
+                                               "allocator's figures at each PyTorch OOM (docs/oom.md)")
 # --- decision engines (issue 5) ------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.

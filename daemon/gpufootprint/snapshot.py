@@ -154,6 +154,7 @@ class PipelineSnapshot:
     late_records: int
     window_peak_seconds: float
     verify_results: dict[str, int] = field(default_factory=dict)  # match, mismatch, skipped
+    late_by_kind: dict[str, int] = field(default_factory=dict)  # late records by record kind
     daemon: dict[str, Any] = field(default_factory=dict)  # connections, gpu presence, ...
     features: tuple[DeviceFeatures, ...] = ()
     sampler: tuple[SamplerState, ...] = ()

@@ -91,14 +91,18 @@ def check_exact(daemon: Daemon, scenario: str, *, strict: bool = True) -> dict[s
     ``strict``: also no late record and no ingest error (the profiler hand-over and the restart
     scenarios lose records by design; their drift is still recorded)."""
     pl = daemon.pipeline
-    row = {"checks": dict(pl.verify_results), "late_records": pl.late_records, "errors": dict(pl.errors.counts),
+    row = {"checks": dict(pl.verify_results), "late_records": pl.late_records, "late_by_kind": dict(pl.late_by_kind),
+           "errors": dict(pl.errors.counts),
            "resync_requests": daemon.server.resync_requests,
            "drift": {pid: [p.drift_checks, p.drift_mismatches, p.drift_bytes] for pid, p in pl.processes.items()}}
     SUMMARY.setdefault("exactness", {})[scenario] = row
     _save()
     if strict:
         assert pl.verify_results["mismatch"] == 0, row
-        assert pl.late_records == 0 and not pl.errors.counts, row
+        # Memory and pool records late could make the state wrong; kernel records (the default kernel
+        # windows) complete on the GPU and may come after the watermark of their start.
+        assert pl.late_by_kind["memory"] == 0 and pl.late_by_kind["memory_pool"] == 0, row
+        assert not pl.errors.counts, row
         assert all(p.drift_bytes == 0 for p in pl.processes.values()), row
     return row
 

@@ -57,7 +57,8 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     proc, port, sock = daemon
     # GIVEN a process holding 3 MiB that then fails cuMemAlloc_v2 twice (a framework's retry)
     child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "alloc:0x400000:1048576",
-                              "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5")
+                              "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5",
+                              GPUFOOTPRINT_PROBE_OOM_RECORDS="1")  # off by default (docs/oom.md)
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["started"]
@@ -101,7 +102,7 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
 def test_pytorchs_oom_observer_adds_the_requested_size(daemon: Any, tmp_path: Path) -> None:
     proc, port, sock = daemon
     child = start_probe_child(sock, tmp_path, "faketorch", "sleep:0.3", "alloc:0x1000:4194304", "sleep:0.2",
-                              "apicall:243:2", "torchoom:1073741824", "sleep:1.5")
+                              "apicall:243:2", "torchoom:1073741824", "sleep:1.5", GPUFOOTPRINT_PROBE_OOM_RECORDS="1")
     finish_probe_child(child)
     (event,) = _wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == child.pid and e.get("capture")],
                      timeout=30)

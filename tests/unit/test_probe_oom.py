@@ -103,6 +103,8 @@ def test_torch_observer_attaches_only_once_cuda_is_initialised(monkeypatch: pyte
 
 def _run(tmp_path: Path, fake: Any, steps: Any, **settings: Any) -> list[dict[str, Any]]:
     path = tmp_path / "t.gfp"
+    # oom_records is off by default (no API record of a failed call arrived on the H200); on here.
+    settings = {"oom_records": True, **settings}
     probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, **settings), fake, discover_devices=False)
     assert probe.start()
     try:
@@ -140,7 +142,7 @@ def test_a_cupti_that_refuses_the_switch_is_counted_not_fatal(tmp_path: Path) ->
     fake = fk.FakeRawCupti()
     fake.api_switch_refused = True
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10), fake, discover_devices=False)
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, oom_records=True), fake, discover_devices=False)
     assert probe.start()
     fake.alloc(0x1000, 4096)
     probe.stop()

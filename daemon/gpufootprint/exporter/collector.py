@@ -186,9 +186,11 @@ class FootprintCollector(Collector):
             errors.add_metric([reason], n)
         yield errors
         late = CounterMetricFamily("gpufootprint_late_records",
-                                   "Records that arrived after their time was already applied (beyond the "
-                                   "reorder window).")
-        late.add_metric([], snap.late_records)
+                                   "Records that arrived after their time was already applied, by record kind.",
+                                   labels=["kind"])
+        for kind in ("memory", "memory_pool", *sorted(k for k in snap.late_by_kind if k not in ("memory",
+                                                                                                "memory_pool"))):
+            late.add_metric([kind], snap.late_by_kind.get(kind, 0))
         yield late
         checks = CounterMetricFamily("gpufootprint_footprint_checks",
                                      "Checks of the footprint against the probes' own tables at their watermarks, by "

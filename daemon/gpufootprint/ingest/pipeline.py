@@ -127,6 +127,9 @@ class Pipeline:
         self.errors = IngestErrors()
         self.records_ingested: Counter[str] = Counter()
         self.late_records = 0
+        # By record kind: memory and pool records late would make the state wrong (and ask for a
+        # resync); kernel records complete on the GPU, often after the watermark of their start.
+        self.late_by_kind: Counter[str] = Counter()
         # Pids whose state a late record or a failed verification made doubtful: the ingest
         # server asks their probes for a resync (rate-limited) and clears the entry.
         self.resync_wanted: set[int] = set()
@@ -166,6 +169,7 @@ class Pipeline:
             late = times <= proc.applied_to
             n_late = int(late.sum())
             self.late_records += n_late
+            self.late_by_kind[kind.name.lower()] += n_late
             proc.late_records += n_late
             if kind in _STATE_KINDS and proc.source == "probe":
                 self.resync_wanted.add(proc.pid)
@@ -388,6 +392,7 @@ class Pipeline:
             records_ingested=dict(self.records_ingested),
             ingest_errors=dict(self.errors.counts),
             late_records=self.late_records,
+            late_by_kind=dict(self.late_by_kind),
             window_peak_seconds=self.config.window_peak_seconds,
             verify_results=dict(self.verify_results),
             **self._feature_fields(),

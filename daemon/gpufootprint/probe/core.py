@@ -494,7 +494,7 @@ class Probe:
                 if now >= next_hb and not stopping:
                     if self._hooks_missing and not self.in_gap:
                         self._hooks(True)  # the tool that held CUPTI's subscriber place may have let go
-                    if self.settings.oom_records and not self.oom.torch_attached:
+                    if self.settings.oom_torch_observer and not self.oom.torch_attached:
                         self.oom.attach_torch()
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
                     next_hb = now + s.heartbeat_ms / 1000

@@ -92,7 +92,12 @@ class ProbeSettings:
     # CUPTI's per-API activity records for the allocation entry points (cuMemAlloc*, cuMemCreate,
     # cuMemAllocAsync/FromPool, cuMemAllocManaged, cuMemHostAlloc): a call that returns
     # CUDA_ERROR_OUT_OF_MEMORY becomes an OOM MARK for the daemon's capture (probe/oom.py).
-    oom_records: bool = True
+    # Off by default: on the H200 (CUPTI 13.0, driver 580, 2026-12-03) no record of a failed call
+    # arrived, for PyTorch's or CuPy's out-of-memory errors alike (docs/oom.md).
+    oom_records: bool = False
+    # PyTorch's out-of-memory observer (once torch has initialised CUDA): requested bytes and the
+    # allocator's figures; on the H200 it reported every PyTorch OOM.
+    oom_torch_observer: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:
