@@ -67,29 +67,11 @@ class LiveTable:
             recs = rawrecords.convert(rawrecords.MEMORY2, ready, self.raw_pid)
             self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
             return
-        ops = ready["op"]
-        keep = (ops == _ALLOC) | (ops == _RELEASE)
-        if not bool(keep.all()):
-            ready, ops = ready[keep], ops[keep]
         addrs = ready["address"]
-        order = np.lexsort((ready["timestamp"], addrs))  # by address, then time
-        a = addrs[order]
-        released = ops[order] == _RELEASE
-        new_addr = np.empty(len(a), dtype=bool)
-        new_addr[:1] = True
-        new_addr[1:] = a[1:] != a[:-1]
-        last = np.empty(len(a), dtype=bool)
-        last[-1:] = True
-        last[:-1] = new_addr[1:]
-        rows = self.rows
-        stale = sum(1 for x in a[new_addr & released].tolist() if x not in rows)
-        self.stale_releases += stale + int((released[1:] & released[:-1] & ~new_addr[1:]).sum())
-        for x in a[last & released].tolist():
-            rows.pop(x, None)
-        stay = order[last & ~released]
+        stay = self._apply_by_address(addrs, ready["op"], np.lexsort((ready["timestamp"], addrs)))
         if len(stay):
             recs = rawrecords.convert(rawrecords.MEMORY2, ready[stay], self.raw_pid)
-            rows.update(zip(recs["addr"].tolist(), recs.tolist()))
+            self.rows.update(zip(recs["addr"].tolist(), recs.tolist()))
 
     def advance(self, ts: int) -> None:
         """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
@@ -147,16 +129,21 @@ class LiveTable:
             self._apply_each(recs)
 
     def _apply_bulk(self, recs: np.ndarray) -> None:
-        ops = recs["op"]
-        keep = (ops == _ALLOC) | (ops == _RELEASE)
-        if not bool(keep.all()):
-            recs, ops = recs[keep], ops[keep]
-            if len(recs) == 0:
-                return
-        addrs = recs["addr"]
-        order = np.argsort(addrs, kind="stable")  # by address, then in the given (time) order
+        # by address, then in the given (time) order
+        stay = self._apply_by_address(recs["addr"], recs["op"], np.argsort(recs["addr"], kind="stable"))
+        if len(stay):
+            rows = recs[stay]
+            self.rows.update(zip(rows["addr"].tolist(), rows.tolist()))
+
+    def _apply_by_address(self, addrs: np.ndarray, ops: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """Apply records given in ``order`` (by address, then time): per address only its last record
+        decides whether it stays live. Releases leave the table here; returns the indexes of the
+        allocations that stay, for the caller to store in its own form."""
+        order = order[np.isin(ops[order], (_ALLOC, _RELEASE))]
+        if len(order) == 0:
+            return order
         a = addrs[order]
-        o = ops[order]
+        released = ops[order] == _RELEASE
         new_addr = np.empty(len(a), dtype=bool)
         new_addr[0] = True
         new_addr[1:] = a[1:] != a[:-1]
@@ -164,17 +151,14 @@ class LiveTable:
         last[-1] = True
         last[:-1] = new_addr[1:]
         rows = self.rows
-        released = o == _RELEASE
         # Releases of nothing: a first release of an address the table does not hold, or a release
         # right after another release of the same address.
         stale = sum(1 for x in a[new_addr & released].tolist() if x not in rows)
-        stale += int((released[1:] & released[:-1] & ~new_addr[1:]).sum())
-        self.stale_releases += stale
+        self.stale_releases += stale + int((released[1:] & released[:-1] & ~new_addr[1:]).sum())
         for x in a[last & released].tolist():
             rows.pop(x, None)
-        stay = order[last & ~released]
-        if len(stay):
-            rows.update(zip(addrs[stay].tolist(), recs[stay].tolist()))
+        stay: np.ndarray = order[last & ~released]
+        return stay
 
     def _apply_each(self, recs: np.ndarray) -> None:
         rows = self.rows
