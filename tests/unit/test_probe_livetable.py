@@ -74,7 +74,7 @@ def test_untracked_entry_is_replaced_not_added_and_applies_at_the_watermark_like
     assert table.live_by_kind(0) == {}  # queued: the daemon applies it at the same watermark
     second = table.untracked_records(0, 1500, ts=2, pid=9)
     assert [(r[12], r[2]) for r in second] == [(2, 1000), (1, 1500)]  # release the old, allocate the new
-    assert table.untracked_records(0, 1500, ts=3, pid=9) == []  # unchanged: nothing to send
+    assert len(table.untracked_records(0, 1500, ts=3, pid=9)) == 0  # unchanged: nothing to send
     table.advance(2)
     assert table.live_by_kind(0) == {"untracked": 1500}
     assert table.resident_bytes(0) == 0 and table.resident_bytes(0, exclude_untracked=False) == 1500

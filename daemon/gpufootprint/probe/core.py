@@ -825,15 +825,11 @@ class Probe:
             # NVML minus what CUPTI saw: everything CUPTI holds must be in, up to now.
             self._flush_and_drain()
         ts = self._clock_ns()
-        rows = []
-        for dev, nbytes in used.items():
-            # Queued like any record (the table and the daemon apply it at the same watermark).
-            rows += self.table.untracked_records(dev, max(0, nbytes - self.table.resident_bytes_now(dev)), ts,
-                                                 self.pid)
-        if rows:
-            arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
-            for i, r in enumerate(rows):
-                arr[i] = r
+        # Queued like any record (the table and the daemon apply it at the same watermark).
+        arr = np.concatenate([self.table.untracked_records(dev, max(0, nbytes - self.table.resident_bytes_now(dev)),
+                                                           ts, self.pid) for dev, nbytes in used.items()]
+                             or [np.zeros(0, dtype=MEMORY_DTYPE)])
+        if len(arr):
             if self._emit(framing.encode_batch(RecordKind.MEMORY, arr)):
                 self.counters["records_sent"] += len(arr)
 

@@ -186,15 +186,15 @@ class LiveTable:
                 return True
         return False
 
-    def untracked_records(self, dev: int, nbytes: int, ts: int, pid: int) -> list[Row]:
+    def untracked_records(self, dev: int, nbytes: int, ts: int, pid: int) -> np.ndarray:
         """Records that make the synthetic UNTRACKED entry of ``dev`` hold ``nbytes`` from ``ts`` on
         (a release of the one declared before, an allocation of the new one), queued like any record:
-        the table and the daemon apply them at the same watermark. [] when nothing changes."""
+        the table and the daemon apply them at the same watermark. Empty when nothing changes."""
         addr = untracked_address(dev)
         old = self._untracked.get(dev)
-        if old is not None and old[BYTES] == nbytes:
-            return []
         rows: list[Row] = []
+        if old is not None and old[BYTES] == nbytes:
+            return np.zeros(0, dtype=MEMORY_DTYPE)
         if old is not None:
             rows.append((ts, *old[1:OP], _RELEASE, *old[OP + 1:]))
         if nbytes > 0:
@@ -203,26 +203,17 @@ class LiveTable:
             rows.append(self._untracked[dev])
         else:
             self._untracked.pop(dev, None)
-        if rows:
-            arr = np.zeros(len(rows), dtype=MEMORY_DTYPE)
-            for i, r in enumerate(rows):
-                arr[i] = r
-            self.add(arr)
-        return rows
+        arr = np.array(rows, dtype=MEMORY_DTYPE)
+        self.add(arr)
+        return arr
 
     def resident_bytes_now(self, dev: int) -> int:
         """``resident_bytes`` with every queued record applied (what the GPU holds now, as far as seen)."""
         total = self.resident_bytes(dev)
-        resident = np.zeros(256, dtype=bool)
-        resident[[int(k) for k in DEVICE_RESIDENT_KINDS if k != MemoryKind.UNTRACKED]] = True
         for recs in self.pending:
-            mine = (recs["dev"] == dev) & resident[recs["mk"]]
-            sign = np.where(recs["op"][mine] == _ALLOC, 1, np.where(recs["op"][mine] == _RELEASE, -1, 0))
-            total += int((sign * recs["bytes"][mine].astype(np.int64)).sum())
+            total += _resident_change(recs["dev"], recs["mk"], recs["op"], recs["bytes"], dev)
         for structs in self.pending_raw:
-            mine = (structs["dev"] == dev) & resident[structs["mk"] & 0xFF]
-            sign = np.where(structs["op"][mine] == _ALLOC, 1, np.where(structs["op"][mine] == _RELEASE, -1, 0))
-            total += int((sign * structs["bytes"][mine].astype(np.int64)).sum())
+            total += _resident_change(structs["dev"], structs["mk"] & 0xFF, structs["op"], structs["bytes"], dev)
         return total
 
     def resident_bytes(self, dev: int, *, exclude_untracked: bool = True) -> int:
@@ -286,6 +277,18 @@ class LiveTable:
                 self.rows[addr] = row  # a CUPTI record of it came in after re-arming
             else:
                 self.ranges[addr] = row
+
+
+#: Memory kinds that hold GPU memory and that CUPTI reports (the synthetic UNTRACKED one aside).
+_SEEN_RESIDENT = np.zeros(256, dtype=bool)
+_SEEN_RESIDENT[[int(k) for k in DEVICE_RESIDENT_KINDS if k != MemoryKind.UNTRACKED]] = True
+
+
+def _resident_change(devs: np.ndarray, kinds: np.ndarray, ops: np.ndarray, sizes: np.ndarray, dev: int) -> int:
+    """Bytes by which records (columns of either layout) change ``dev``'s resident memory."""
+    mine = (devs == dev) & _SEEN_RESIDENT[kinds]
+    sign = np.where(ops[mine] == _ALLOC, 1, np.where(ops[mine] == _RELEASE, -1, 0))
+    return int((sign * sizes[mine].astype(np.int64)).sum())
 
 
 def untracked_address(dev: int) -> int:
