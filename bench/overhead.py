@@ -76,6 +76,8 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # Without the API records of the allocation calls that catch OOMs (docs/oom.md; on by default
     # since 2026-12-03): "probe" against this one is what those records cost.
     "probe_no_oom_records": {"oom_records": False},
+    # The stream-ordered allocation calls' API records too (opt-in: a record per cudaMallocAsync).
+    "probe_oom_async": {"oom_records_async": True},
     "probe_b": {},  # a second worker with the defaults (see REPLICAS)
     # CUPTI's buffers read in the workload's process (the default until 2026-12-03): the daemon gets
     # BATCH frames; the default now forwards buffers of memory records unread.

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UM, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
+RUNTIME = 5  # CUpti_ActivityAPI, written per call of a runtime function switched on by cuptiActivityEnableRuntimeApi
 DRIVER = 4  # CUpti_ActivityAPI: written per call of a driver function switched on by cuptiActivityEnableDriverApi
 
 
@@ -71,10 +72,10 @@ def kernel_record(name: str, *, graph: int = 0, node: int = 0) -> Any:
                            is_device_launched=0)
 
 
-def api_record(cbid: int, ret: int, *, end: int | None = None, tid: int = 1) -> Any:
-    """A CUpti_ActivityAPI record (cupti-python's ActivityAPI attribute names)."""
+def api_record(cbid: int, ret: int, *, end: int | None = None, tid: int = 1, kind: int = DRIVER) -> Any:
+    """A CUpti_ActivityAPI record (cupti-python's ActivityAPI attribute names), DRIVER or RUNTIME."""
     t = end or time.time_ns()
-    return SimpleNamespace(kind=DRIVER, cbid=cbid, start=t - 5000, end=t, process_id=0, thread_id=tid,
+    return SimpleNamespace(kind=kind, cbid=cbid, start=t - 5000, end=t, process_id=0, thread_id=tid,
                            correlation_id=9, return_value=ret)
 
 
@@ -104,6 +105,7 @@ class FakeCupti:
         self.other_subscriber = False  # another tool (a profiler) holds that one place
         self.driver_api_switch = False  # cuptiActivityEnableDriverApi(cuMemMap/cuMemUnmap)
         self.api_cbids: set[int] = set()  # cuptiActivityEnableDriverApi for the allocation calls
+        self.runtime_api_cbids: set[int] = set()  # cuptiActivityEnableRuntimeApi for the runtime's
         self.api_switch_refused = False  # scenario: this CUPTI refuses the per-API switch
 
     # --- Backend protocol ---
@@ -118,20 +120,33 @@ class FakeCupti:
         self.driver_api_switch = on
         return True
 
-    def oom_api_records(self, on: bool) -> bool:
-        """cuptiActivityEnableDriverApi for the allocation entry points (the probe's OOM records)."""
-        from gpufootprint.probe.oom import ALLOCATION_CBIDS
+    def oom_api_records(self, on: bool, stream_ordered: bool = False) -> bool:
+        """The per-API switches for the allocation entry points (the probe's OOM records)."""
+        from gpufootprint.probe.oom import switched_cbids
 
         if self.api_switch_refused:
             return False
-        self.api_cbids = set(ALLOCATION_CBIDS) if on else set()
+        driver, runtime = switched_cbids(stream_ordered)
+        self.api_cbids = set(driver) if on else set()
+        self.runtime_api_cbids = set(runtime) if on else set()
         return True
 
     def api_call(self, cbid: int, ret: int, **kw: Any) -> None:
-        """A driver call returned ``ret``: CUPTI writes its API record only while its switch is on."""
+        """The program called a driver function itself and it returned ``ret``: CUPTI writes its
+        DRIVER record only while that function's switch is on."""
         if cbid in self.api_cbids:
             with self.lock:
                 self.pending.append(api_record(cbid, ret, **kw))
+        else:
+            self.lost_while_disabled += 1
+
+    def runtime_call(self, cbid: int, ret: int, **kw: Any) -> None:
+        """A runtime allocation (cudaMalloc: CuPy, PyTorch's caching allocator) returned ``ret``. As
+        on the H200, the driver call inside it writes no DRIVER record whatever the driver switches
+        say; only the runtime function's own switch gives a (RUNTIME) record."""
+        if cbid in self.runtime_api_cbids:
+            with self.lock:
+                self.pending.append(api_record(cbid, ret, kind=RUNTIME, **kw))
         else:
             self.lost_while_disabled += 1
 
@@ -197,7 +212,8 @@ class FakeCupti:
 
 # cupti-python's struct for each kind: what CUPTI 13 writes into its buffers.
 _STRUCTS = {MEMORY2: "memory4", MEMORY_POOL: "memory_pool3", MEMCPY: "memcpy6", MEMCPY2: "memcpy_pto_p4",
-            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3", DRIVER: "api"}
+            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3", DRIVER: "api",
+            RUNTIME: "api"}
 
 
 def _struct_dtype(kind: int) -> Any:

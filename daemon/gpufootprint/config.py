@@ -228,9 +228,12 @@ class ProbeConfig:
     raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
                              doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                  "drops and counts records")
-    oom_records: bool = _spec(False, doc="CUPTI API records of the allocation calls: a call that fails with "
-                                         "CUDA_ERROR_OUT_OF_MEMORY is an OOM event; off: on the H200 no record of a "
-                                         "failed call arrived (docs/oom.md)")
+    oom_records: bool = _spec(True, doc="CUPTI API records of the driver's and the runtime's allocation calls: a "
+                                        "call that fails with out-of-memory is an OOM event, whatever the framework "
+                                        "(docs/oom.md)")
+    oom_records_async: bool = _spec(False, doc="the same for the stream-ordered allocation calls (cudaMallocAsync, "
+                                               "cuMemAllocFromPoolAsync): a record per allocation under a "
+                                               "stream-ordered allocator, so off by default (docs/oom.md)")
     oom_torch_observer: bool = _spec(True, doc="PyTorch's out-of-memory observer: requested bytes and the "
                                                "allocator's figures at each PyTorch OOM (docs/oom.md)")
 # --- decision engines (issue 5) ------------------------------------------------

@@ -124,6 +124,9 @@ def main() -> int:
         elif op == "apicall":
             cbid, ret = arg.split(":")
             fake.api_call(int(cbid), int(ret))
+        elif op == "rtcall":  # a runtime call (cudaMalloc) that returned ret
+            cbid, ret = arg.split(":")
+            fake.runtime_call(int(cbid), int(ret))
         elif op == "faketorch":
             sys.modules["torch"] = probe_fakes.fake_torch()
         elif op == "torchoom":

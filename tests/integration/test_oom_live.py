@@ -57,8 +57,7 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     proc, port, sock = daemon
     # GIVEN a process holding 3 MiB that then fails cuMemAlloc_v2 twice (a framework's retry)
     child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "alloc:0x400000:1048576",
-                              "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5",
-                              GPUFOOTPRINT_PROBE_OOM_RECORDS="1")  # off by default (docs/oom.md)
+                              "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5")
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["started"]
@@ -97,6 +96,23 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     snap = pickle.loads(out.read_bytes())
     assert sum(s["total_size"] for s in snap["segments"]) == 3 * MiB
     assert [e["action"] for e in snap["device_traces"][0]][-1] == "oom"
+
+
+def test_a_runtime_oom_is_seen_with_the_defaults_while_buffers_are_forwarded(daemon: Any, tmp_path: Path) -> None:
+    """CuPy's way to an OOM: cudaMalloc fails; only the runtime's API record says so (the driver
+    call inside writes none). Buffers holding those RUNTIME records go to the daemon unread, and
+    the daemon must step over them without losing the memory records beside them."""
+    proc, port, sock = daemon
+    child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "sleep:0.2",
+                              "rtcall:20:0", "alloc:0x400000:1048576", "rtcall:20:2", "sleep:1.5")
+    status = finish_probe_child(child)
+    pid = child.pid
+    assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 1
+    (event,) = _wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("capture")], timeout=30)
+    # the footprint at the failure holds both allocations: the records beside the RUNTIME ones were read
+    assert event["footprint_bytes"] == 3 * MiB and event["seen_by"] == ["cupti"] and event["failed_calls"] == 1
+    drift = _scrape(port).get("gpufootprint_footprint_drift_mismatches_total", [])
+    assert not [v for labels, v in drift if labels.get("pid") == str(pid) and v]
 
 
 def test_pytorchs_oom_observer_adds_the_requested_size(daemon: Any, tmp_path: Path) -> None:

@@ -17,7 +17,14 @@ import pytest
 
 from gpufootprint.probe import rawrecords
 from gpufootprint.probe.core import Probe
-from gpufootprint.probe.oom import ALLOCATION_CBIDS, API_DTYPE, CUDA_ERROR_OUT_OF_MEMORY, OomWatch
+from gpufootprint.probe.oom import (
+    ALLOCATION_CBIDS,
+    API_DTYPE,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    RUNTIME_ALLOCATION_CBIDS,
+    OomWatch,
+    switched_cbids,
+)
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
@@ -27,17 +34,30 @@ from tests import probe_fakes as fk
 CU_MEM_ALLOC_V2 = 243
 CU_MEM_CREATE = 549
 CU_MEM_MAP = 558  # not an allocation entry point: its failures are not OOM events here
+CUDA_MALLOC = 20  # cudaMalloc_v3020: CuPy's and PyTorch's caching allocators
+CUDA_MALLOC_ASYNC = 373
+CUDA_LAUNCH_KERNEL = 211  # a runtime function that is no allocation
 
 
 def test_allocation_cbids_are_cuptis_own_numbers() -> None:
     from cupti import cupti
 
-    for cbid, name in ALLOCATION_CBIDS.items():
+    driver, runtime = switched_cbids(stream_ordered=True)
+    for cbid, name in driver.items():
         assert int(getattr(cupti.driver_api_trace_cbid, name)) == cbid, name
-    # every allocation entry point the issue names is switched on
-    for name in ("cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemCreate", "cuMemAllocAsync", "cuMemAllocFromPoolAsync",
-                 "cuMemAllocManaged", "cuMemHostAlloc", "cuMemAllocHost_v2"):
+    for cbid, name in runtime.items():
+        assert int(getattr(cupti.runtime_api_trace_cbid, name)) == cbid, name
+    # every allocation entry point the issue names is switched on; the stream-ordered ones on request
+    for name in ("cuMemAlloc_v2", "cuMemAllocPitch_v2", "cuMemCreate", "cuMemAllocManaged", "cuMemHostAlloc",
+                 "cuMemAllocHost_v2"):
         assert name in ALLOCATION_CBIDS.values()
+    for name in ("cudaMalloc_v3020", "cudaMallocManaged_v6000", "cudaMallocHost_v3020", "cudaHostAlloc_v3020",
+                 "cudaMallocPitch_v3020"):
+        assert name in RUNTIME_ALLOCATION_CBIDS.values()
+    for name in ("cuMemAllocAsync", "cuMemAllocFromPoolAsync"):
+        assert name in driver.values() and name not in ALLOCATION_CBIDS.values()
+    for name in ("cudaMallocAsync_v11020", "cudaMallocFromPoolAsync_v11020"):
+        assert name in runtime.values() and name not in RUNTIME_ALLOCATION_CBIDS.values()
 
 
 def test_api_record_layout_matches_cupti_python() -> None:
@@ -50,12 +70,12 @@ def test_api_record_layout_matches_cupti_python() -> None:
         assert API_DTYPE.fields[ours][1] == theirs.fields[name][1], name
 
 
-def _raw(rows: list[tuple[int, int, int]]) -> tuple[np.ndarray, list[int]]:
+def _raw(rows: list[tuple[int, int, int]], kind: int = rawrecords.DRIVER) -> tuple[np.ndarray, list[int]]:
     from cupti import cupti
 
     arr = np.zeros(len(rows), cupti.activity_api_dtype)
     for i, (cbid, ret, end) in enumerate(rows):
-        arr[i]["kind"], arr[i]["cbid"], arr[i]["end"], arr[i]["return_value"] = rawrecords.DRIVER, cbid, end, ret
+        arr[i]["kind"], arr[i]["cbid"], arr[i]["end"], arr[i]["return_value"] = kind, cbid, end, ret
     u8 = np.frombuffer(arr.tobytes(), np.uint8)
     return u8, [i * arr.dtype.itemsize for i in range(len(rows))]
 
@@ -75,6 +95,22 @@ def test_only_out_of_memory_returns_of_allocation_calls_are_events() -> None:
     assert m["oom"]["failed_calls"] == 2 and m["oom"]["api"] == "cuMemCreate" and m["oom"]["dev_known"] is False
     assert m["expect_live_bytes"] is None  # the probe's table is past the failure by now
     assert watch.marks(pid=7, default_dev=3) == []
+
+
+def test_runtime_records_are_read_with_the_runtimes_own_numbers() -> None:
+    """cbid 20 is cudaMalloc in the runtime's numbering and something else in the driver's: a
+    RUNTIME record must be looked up as a runtime call (CuPy's and PyTorch's OOMs come this way)."""
+    watch = OomWatch()
+    u8, offs = _raw([(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 10), (CUDA_LAUNCH_KERNEL, CUDA_ERROR_OUT_OF_MEMORY, 20),
+                     (CUDA_MALLOC_ASYNC, 0, 30)], kind=rawrecords.RUNTIME)
+    watch.api_rows(u8, offs, rawrecords.RUNTIME)
+    assert (watch.failed_calls, watch.other_failures) == (1, 0)
+    (m,) = watch.marks(pid=1, default_dev=0)
+    assert m["oom"]["api"] == "cudaMalloc_v3020" and m["ts"] == 10
+    watch.api_objects([fk.api_record(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY, end=40, kind=rawrecords.RUNTIME),
+                       fk.api_record(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, end=50)])  # driver cbid 20: no allocation
+    (m,) = watch.marks(pid=1, default_dev=0)
+    assert m["oom"]["api"] == "cudaMallocAsync_v11020" and watch.failed_calls == 2
 
 
 def test_a_process_failing_in_a_loop_sends_a_bounded_number_of_marks() -> None:
@@ -103,8 +139,6 @@ def test_torch_observer_attaches_only_once_cuda_is_initialised(monkeypatch: pyte
 
 def _run(tmp_path: Path, fake: Any, steps: Any, **settings: Any) -> list[dict[str, Any]]:
     path = tmp_path / "t.gfp"
-    # oom_records is off by default (no API record of a failed call arrived on the H200); on here.
-    settings = {"oom_records": True, **settings}
     probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, **settings), fake, discover_devices=False)
     assert probe.start()
     try:
@@ -130,6 +164,37 @@ def test_probe_sends_one_oom_mark_after_the_records_before_it(tmp_path: Path, cl
     ooms = [m for m in marks if m["label"] == "oom"]
     assert len(ooms) == 1
     assert ooms[0]["oom"]["failed_calls"] == 2 and ooms[0]["dev"] == 2  # the device last allocated on
+
+
+@pytest.mark.parametrize("cls", [fk.FakeRawCupti, fk.FakeCupti], ids=["raw", "objects"])
+def test_a_runtime_allocations_oom_is_seen_with_the_default_settings(tmp_path: Path, cls: type) -> None:
+    """CuPy's OOM on the H200: cudaMalloc fails, and the driver call inside it writes no DRIVER
+    record (the fake does the same). The default probe must still send one OOM mark."""
+    assert ProbeSettings().oom_records is True
+    fake = cls()
+
+    def steps(f: Any) -> None:
+        f.alloc(0x1000, 1 << 30, dev=1)
+        f.runtime_call(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY)
+        f.runtime_call(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY)  # CuPy frees its pool's cache and retries
+
+    marks = _run(tmp_path, fake, steps)
+    ooms = [m for m in marks if m["label"] == "oom"]
+    assert len(ooms) == 1 and fake.lost_while_disabled == 0
+    assert ooms[0]["oom"]["api"] == "cudaMalloc_v3020" and ooms[0]["oom"]["failed_calls"] == 2
+    assert ooms[0]["dev"] == 1
+    assert fake.runtime_api_cbids == set()  # switched off again at stop
+
+
+def test_stream_ordered_allocations_are_recorded_only_on_request(tmp_path: Path) -> None:
+    fake = fk.FakeRawCupti()
+    marks = _run(tmp_path, fake, lambda f: f.runtime_call(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY))
+    assert fake.lost_while_disabled == 1 and not [m for m in marks if m["label"] == "oom"]
+    fake = fk.FakeRawCupti()
+    marks = _run(tmp_path, fake, lambda f: f.runtime_call(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY),
+                 oom_records_async=True)
+    (m,) = [m for m in marks if m["label"] == "oom"]
+    assert m["oom"]["api"] == "cudaMallocAsync_v11020"
 
 
 def test_oom_records_can_be_switched_off(tmp_path: Path) -> None:

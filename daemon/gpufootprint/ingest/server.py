@@ -737,7 +737,7 @@ class IngestServer:
             # does not know the op counts it and goes on; an older daemon never asks, so never meets
             # either frame.
             conn.verify_asked = True
-            self.send_control(conn.pid, {"op": "verify", "cupti_buffers": 1})
+            self.send_control(conn.pid, {"op": "verify", "cupti_buffers": 2})
         elif ftype is FrameType.BATCH or ftype is FrameType.CUPTI_BUFFER:
             n = _own_records(frame, conn.pid, conn.session.ns_pid)
             counts = self.received.setdefault(conn.pid, [0, 0])

@@ -206,18 +206,22 @@ class CuptiBackend:
             ok = self._call(f"activity_enable_driver_api({int(cbid)})", switch, int(cbid), 1 if on else 0) and ok
         return ok
 
-    def oom_api_records(self, on: bool) -> bool:
-        """CUPTI's per-API activity switch for the allocation entry points (probe/oom.py says why):
-        a DRIVER record per call, with its return value, so a failed allocation is seen."""
-        from gpufootprint.probe.oom import ALLOCATION_CBIDS
+    def oom_api_records(self, on: bool, stream_ordered: bool = False) -> bool:
+        """CUPTI's per-API activity switches for the driver's and the runtime's allocation entry
+        points (probe/oom.py says why both, and why the stream-ordered ones only on request): an
+        API record per call, with its return value, so a failed allocation is seen."""
+        from gpufootprint.probe.oom import switched_cbids
 
-        switch = getattr(self._c, "activity_enable_driver_api", None)
-        if switch is None:
-            self._note("oom records: this cupti-python has no activity_enable_driver_api")
-            return False
         ok = True
-        for cbid in ALLOCATION_CBIDS:
-            ok = self._call(f"activity_enable_driver_api({cbid})", switch, cbid, 1 if on else 0) and ok
+        driver, runtime = switched_cbids(stream_ordered)
+        for name, cbids in (("activity_enable_driver_api", driver), ("activity_enable_runtime_api", runtime)):
+            switch = getattr(self._c, name, None)
+            if switch is None:
+                self._note(f"oom records: this cupti-python has no {name}")
+                ok = False
+                continue
+            for cbid in cbids:
+                ok = self._call(f"{name}({cbid})", switch, cbid, 1 if on else 0) and ok
         return ok
 
     def _hooks_api(self) -> tuple[Any, int, list[int]] | None:

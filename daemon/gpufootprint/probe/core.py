@@ -121,6 +121,7 @@ class Probe:
         # The daemon reads CUPTI buffers itself (it said so): buffers of memory and pool records go to
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
         self._forward = False
+        self._forwardable = _FORWARDABLE_V1  # the kinds this daemon steps over (it says which)
         self._hooks_missing = False  # the driver-API hooks were refused; retried every heartbeat
         self._kernels_always = False
         # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
@@ -198,7 +199,7 @@ class Probe:
 
     def _oom_records(self, on: bool) -> None:
         switch = getattr(self._backend, "oom_api_records", None)
-        if switch is not None and self.settings.oom_records and not switch(on) and on:
+        if switch is not None and self.settings.oom_records and not switch(on, self.settings.oom_records_async) and on:
             self.counters["oom_records_unavailable"] += 1
 
     def _hooks(self, on: bool) -> None:
@@ -278,7 +279,7 @@ class Probe:
                         offsets = reference
             if offsets is None:
                 self.counters["raw_buffers_unreadable"] += 1
-            elif self._forward and offsets.keys() <= _FORWARDABLE and self.link is not None \
+            elif self._forward and offsets.keys() <= self._forwardable and self.link is not None \
                     and self.link.connected:
                 self._forward_buffer(buf, valid, offsets)
             else:
@@ -299,9 +300,10 @@ class Probe:
         if offsets is None:
             offsets = {rawrecords.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
-        api = offsets.get(rawrecords.DRIVER)
-        if api:  # failed allocations are found here, before the buffer leaves (probe/oom.py)
-            self.oom.api_rows(u8, api)
+        for kind in rawrecords.API_KINDS:  # failed allocations are found here, before the buffer leaves
+            api = offsets.get(kind)
+            if api:
+                self.oom.api_rows(u8, api, kind)
         mem = offsets.get(rawrecords.MEMORY2)
         if mem:
             structs = rawrecords.gather(u8, rawrecords.MEMORY2, mem)
@@ -768,8 +770,10 @@ class Probe:
                 self.counters["resyncs_requested"] += 1
             elif op == "verify":
                 self._verify = True
-                if body.get("cupti_buffers") == 1:  # type: ignore[union-attr]
+                level = body.get("cupti_buffers")  # type: ignore[union-attr]
+                if level in (1, 2):
                     self._forward = self.settings.forward_buffers
+                    self._forwardable = _FORWARDABLE if level == 2 else _FORWARDABLE_V1
             elif op == "torch_empty_cache":
                 torch = sys.modules.get("torch")
                 if torch is not None and torch.cuda.is_initialized():
@@ -918,10 +922,12 @@ class Probe:
                 self.tee.close()
 
 
-#: CUPTI record kinds a forwarded buffer may hold (memory, pool, and the driver-API records the
-#: mapping hooks produce, which the daemon skips): anything else (kernels, whose names are pointers
-#: into this process; copies) is read here as before.
-_FORWARDABLE = frozenset({rawrecords.MEMORY2, rawrecords.MEMORY_POOL, rawrecords.DRIVER})
+#: CUPTI record kinds a forwarded buffer may hold (memory, pool, and the per-API records of the
+#: mapping hooks and the allocation calls, which the daemon skips): anything else (kernels, whose
+#: names are pointers into this process; copies) is read here as before. A daemon that says
+#: ``cupti_buffers: 1`` steps over DRIVER records only; ``2`` over RUNTIME records too.
+_FORWARDABLE_V1 = frozenset({rawrecords.MEMORY2, rawrecords.MEMORY_POOL, rawrecords.DRIVER})
+_FORWARDABLE = _FORWARDABLE_V1 | {rawrecords.RUNTIME}
 
 
 def skip_c_teardown() -> bool:

@@ -1,14 +1,18 @@
 """Failed allocations, whatever the framework: the probe's side of out-of-memory capture.
 
-CUPTI's per-API activity switch (``cuptiActivityEnableDriverApi``, the one the probe
-already uses for cuMemMap) makes CUPTI write a ``CUpti_ActivityAPI`` record for every
-call of the chosen driver functions, with the call's return value. Switched on for the
-allocation entry points below, a record whose return value is
-``CUDA_ERROR_OUT_OF_MEMORY`` is an out-of-memory event, from PyTorch, CuPy, JAX, Numba
-or raw driver calls alike. The record carries no arguments and no device: the requested
-size is unknown on this path, and the device is the one the process last allocated on
-(``dev_known`` says so). With PyTorch, its own out-of-memory observer adds the
-requested size and the allocator's figures.
+CUPTI's per-API activity switches (``cuptiActivityEnableDriverApi`` and
+``cuptiActivityEnableRuntimeApi``) make CUPTI write a ``CUpti_ActivityAPI`` record for
+every call of the chosen functions, with the call's return value. Both are needed: on
+the H200 (CUDA 13.0, driver 580; tests/gpu/cupti_modes_diag.py, 2026-12-03) a DRIVER
+record is written only for a driver function the program calls itself (cuda-bindings,
+JAX, Numba, PyTorch's expandable segments); the driver call inside ``cudaMalloc``
+(CuPy, PyTorch's caching allocator) writes none, while its RUNTIME record carries
+``cudaErrorMemoryAllocation``. A record of an allocation entry point below whose return
+value is out-of-memory (2 in both APIs) is an out-of-memory event, whatever the
+framework. The record carries no arguments and no device: the requested size is unknown
+on this path, and the device is the one the process last allocated on (``dev_known``
+says so). With PyTorch, its own out-of-memory observer adds the requested size and the
+allocator's figures.
 
 Nothing here runs on CUPTI's thread or the workload's, except the PyTorch observer
 (called by PyTorch on the failing thread after it released its allocator lock), which
@@ -29,17 +33,52 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-#: CUDA_ERROR_OUT_OF_MEMORY
+#: CUDA_ERROR_OUT_OF_MEMORY (driver) and cudaErrorMemoryAllocation (runtime) share the number
 CUDA_ERROR_OUT_OF_MEMORY: Final = 2
+
+#: CUpti_ActivityKind of the per-API records
+DRIVER_RECORD: Final = 4
+RUNTIME_RECORD: Final = 5
 
 #: CUpti_driver_api_trace_cbid of the allocation entry points (stable values of CUPTI's
 #: generated header; tests/unit/test_probe_oom.py checks them against cupti-python's enum).
+#: The stream-ordered entry points are switched on only with ``oom_records_async``: a stream-ordered
+#: allocator calls them for every tensor (about 425 calls a training step under PyTorch's
+#: cudaMallocAsync backend), and their records, written between the MEMORY2 records of the same
+#: calls, turn a buffer of one kind (walked in one vectorised check) into one walked record by record.
 ALLOCATION_CBIDS: Final[dict[int, str]] = {
     29: "cuMemAlloc", 243: "cuMemAlloc_v2", 31: "cuMemAllocPitch", 244: "cuMemAllocPitch_v2",
-    598: "cuMemAllocAsync", 599: "cuMemAllocAsync_ptsz", 611: "cuMemAllocFromPoolAsync",
-    612: "cuMemAllocFromPoolAsync_ptsz", 371: "cuMemAllocManaged", 549: "cuMemCreate",
+    371: "cuMemAllocManaged", 549: "cuMemCreate",
     37: "cuMemAllocHost", 294: "cuMemAllocHost_v2", 39: "cuMemHostAlloc", 271: "cuMemHostAlloc_v2",
 }
+STREAM_ORDERED_CBIDS: Final[dict[int, str]] = {
+    598: "cuMemAllocAsync", 599: "cuMemAllocAsync_ptsz", 611: "cuMemAllocFromPoolAsync",
+    612: "cuMemAllocFromPoolAsync_ptsz",
+}
+
+#: CUpti_runtime_api_trace_cbid of the runtime's allocation entry points (checked the same way).
+RUNTIME_ALLOCATION_CBIDS: Final[dict[int, str]] = {
+    20: "cudaMalloc_v3020", 21: "cudaMallocPitch_v3020", 140: "cudaMalloc3D_v3020", 23: "cudaMallocArray_v3020",
+    141: "cudaMalloc3DArray_v3020", 192: "cudaMallocMipmappedArray_v5000", 206: "cudaMallocManaged_v6000",
+    25: "cudaMallocHost_v3020", 27: "cudaHostAlloc_v3020",
+}
+RUNTIME_STREAM_ORDERED_CBIDS: Final[dict[int, str]] = {
+    373: "cudaMallocAsync_v11020", 374: "cudaMallocAsync_ptsz_v11020", 391: "cudaMallocFromPoolAsync_v11020",
+    392: "cudaMallocFromPoolAsync_ptsz_v11020",
+}
+
+#: What a record of each kind may be (whichever of them were switched on).
+_CBIDS: Final[dict[int, dict[int, str]]] = {
+    DRIVER_RECORD: {**ALLOCATION_CBIDS, **STREAM_ORDERED_CBIDS},
+    RUNTIME_RECORD: {**RUNTIME_ALLOCATION_CBIDS, **RUNTIME_STREAM_ORDERED_CBIDS},
+}
+
+
+def switched_cbids(stream_ordered: bool) -> tuple[dict[int, str], dict[int, str]]:
+    """The driver's and the runtime's entry points to switch on (``oom_records_async``: stream-ordered too)."""
+    if stream_ordered:
+        return _CBIDS[DRIVER_RECORD], _CBIDS[RUNTIME_RECORD]
+    return ALLOCATION_CBIDS, RUNTIME_ALLOCATION_CBIDS
 
 #: CUpti_ActivityAPI (40 bytes): the fields read here.
 API_DTYPE: Final = np.dtype({"names": ["cbid", "start", "end", "tid", "ret"],
@@ -70,32 +109,34 @@ class OomWatch:
 
     # --- CUPTI's API records -------------------------------------------------------------
 
-    def api_rows(self, u8: np.ndarray, offsets: Sequence[int]) -> None:
-        """DRIVER records of one raw buffer, at ``offsets`` in its bytes."""
+    def api_rows(self, u8: np.ndarray, offsets: Sequence[int], kind: int = DRIVER_RECORD) -> None:
+        """API records of one kind (DRIVER or RUNTIME) in one raw buffer, at ``offsets`` in its bytes."""
+        names = _CBIDS.get(kind)
+        if names is None or not len(offsets):
+            return
         idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
         rows = u8[idx].view(API_DTYPE).reshape(len(offsets))
-        alloc = np.isin(rows["cbid"], np.fromiter(ALLOCATION_CBIDS, np.uint32))
-        failed = alloc & (rows["ret"] != 0)
+        failed = (rows["ret"] != 0) & np.isin(rows["cbid"], np.fromiter(names, np.uint32))
         if not failed.any():
             return
         for r in rows[failed]:
-            self._api_call(int(r["cbid"]), int(r["end"]), int(r["ret"]), int(r["tid"]))
+            self._api_call(names[int(r["cbid"])], int(r["end"]), int(r["ret"]), int(r["tid"]))
 
     def api_objects(self, records: list[Any]) -> None:
-        """cupti-python's ActivityAPI objects (the objects delivery path)."""
+        """cupti-python's ActivityAPI objects (the objects delivery path), DRIVER or RUNTIME."""
         for rec in records:
+            names = _CBIDS.get(int(getattr(rec, "kind", DRIVER_RECORD)), {})
             cbid = int(getattr(rec, "cbid", -1))
             ret = int(getattr(rec, "return_value", 0))
-            if cbid in ALLOCATION_CBIDS and ret != 0:
-                self._api_call(cbid, int(getattr(rec, "end", 0)), ret, int(getattr(rec, "thread_id", 0)))
+            if cbid in names and ret != 0:
+                self._api_call(names[cbid], int(getattr(rec, "end", 0)), ret, int(getattr(rec, "thread_id", 0)))
 
-    def _api_call(self, cbid: int, end_ns: int, ret: int, tid: int) -> None:
+    def _api_call(self, api: str, end_ns: int, ret: int, tid: int) -> None:
         if ret != CUDA_ERROR_OUT_OF_MEMORY:
             self.other_failures += 1
             return
         self.failed_calls += 1
-        self._put({"source": "cupti", "api": ALLOCATION_CBIDS[cbid], "ts": end_ns, "thread_id": tid,
-                   "requested_bytes": None})
+        self._put({"source": "cupti", "api": api, "ts": end_ns, "thread_id": tid, "requested_bytes": None})
 
     # --- PyTorch ---------------------------------------------------------------------------
 

@@ -68,10 +68,10 @@ class Packer:
         self.new_names: list[tuple[int, str]] = []
         self.records_packed = 0
         self.unknown_kinds = 0
-        self.api_records = 0  # DRIVER records (driver_hooks_via="activity"): counted, not sent
-        # DRIVER records are also handed here (raw bytes, or cupti-python's objects): failed
-        # allocations, probe/oom.py.
-        self.on_api_rows: Callable[[np.ndarray, Sequence[int]], None] | None = None
+        self.api_records = 0  # DRIVER and RUNTIME API records: counted, not sent
+        # API records are also handed here (raw bytes with their kind, or cupti-python's objects):
+        # failed allocations, probe/oom.py.
+        self.on_api_rows: Callable[[np.ndarray, Sequence[int], int], None] | None = None
         self.on_api_objects: Callable[[list[Any]], None] | None = None
         self.bad_records = 0
         self.arrays_allocated = 0
@@ -164,7 +164,7 @@ class Packer:
         return done
 
     def _skip(self, kind: int, n: int, rec: Any = None) -> None:
-        if kind == rawrecords.DRIVER:
+        if kind in rawrecords.API_KINDS:
             self.api_records += n
             if rec is not None and self.on_api_objects is not None:
                 self.on_api_objects([rec])
@@ -190,9 +190,9 @@ class Packer:
             for k, offs in offsets.items():
                 if k not in rawrecords.RECORD_KIND:
                     self._skip(k, len(offs))
-                    if k == rawrecords.DRIVER and self.on_api_rows is not None:
+                    if k in rawrecords.API_KINDS and self.on_api_rows is not None:
                         try:
-                            self.on_api_rows(u8, offs)
+                            self.on_api_rows(u8, offs, k)
                         except Exception:  # noqa: BLE001 - a malformed record must not stop the buffer
                             self.bad_records += len(offs)
                     continue

@@ -29,7 +29,8 @@ from gpufootprint.records import DTYPES, RecordKind
 MEMCPY: Final = 1
 MEMSET: Final = 2
 KERNEL: Final = 3
-DRIVER: Final = 4  # CUpti_ActivityAPI: written for cuMemMap/cuMemUnmap when driver_hooks_via="activity"
+DRIVER: Final = 4  # CUpti_ActivityAPI: cuMemMap/cuMemUnmap (driver_hooks_via="activity"), allocation calls
+RUNTIME: Final = 5  # CUpti_ActivityAPI: the runtime's allocation calls (probe/oom.py)
 CONCURRENT_KERNEL: Final = 10
 MEMCPY2: Final = 22
 UNIFIED_MEMORY_COUNTER: Final = 25
@@ -85,7 +86,8 @@ RECORD_KIND: Final[dict[int, RecordKind]] = {
 
 # Kinds walked over but not converted (CUpti_ActivityAPI is 40 bytes; a unit test checks it
 # against cupti-python's activity_api_dtype).
-SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: 40}
+SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: 40, RUNTIME: 40}
+API_KINDS: Final = frozenset({DRIVER, RUNTIME})
 _SIZES: Final[dict[int, int]] = {**{k: dt.itemsize for k, dt in RAW_DTYPES.items()}, **SKIPPED_SIZES}
 _KIND = struct.Struct("<i")
 

@@ -89,12 +89,14 @@ class ProbeSettings:
     # daemon says it reads them (it does since it sends the "cupti_buffers" control); the probe keeps
     # only the MEMORY2 structs it needs for its own table. Off: every buffer is converted here.
     forward_buffers: bool = True
-    # CUPTI's per-API activity records for the allocation entry points (cuMemAlloc*, cuMemCreate,
-    # cuMemAllocAsync/FromPool, cuMemAllocManaged, cuMemHostAlloc): a call that returns
-    # CUDA_ERROR_OUT_OF_MEMORY becomes an OOM MARK for the daemon's capture (probe/oom.py).
-    # Off by default: on the H200 (CUPTI 13.0, driver 580, 2026-12-03) no record of a failed call
-    # arrived, for PyTorch's or CuPy's out-of-memory errors alike (docs/oom.md).
-    oom_records: bool = False
+    # CUPTI's per-API activity records for the driver's and the runtime's allocation entry points
+    # (cuMemAlloc*, cuMemCreate, cudaMalloc*, cudaMallocAsync/FromPool, managed and host
+    # allocations): a call that returns out-of-memory becomes an OOM MARK for the daemon's
+    # capture (probe/oom.py), whatever the framework (docs/oom.md).
+    oom_records: bool = True
+    # The stream-ordered entry points too (cudaMallocAsync, cuMemAllocFromPoolAsync and their
+    # variants): a record per allocation under a stream-ordered allocator (probe/oom.py), so opt-in.
+    oom_records_async: bool = False
     # PyTorch's out-of-memory observer (once torch has initialised CUDA): requested bytes and the
     # allocator's figures; on the H200 it reported every PyTorch OOM.
     oom_torch_observer: bool = True
