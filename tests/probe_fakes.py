@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 MEMCPY, MEMSET, CONCURRENT_KERNEL, MEMCPY2, UM, MEMORY2, MEMORY_POOL = 1, 2, 10, 22, 25, 49, 50
+KERNEL = 3  # the serial kernel kind (CUpti_ActivityKernel, the same struct as CONCURRENT_KERNEL)
 RUNTIME = 5  # CUpti_ActivityAPI, written per call of a runtime function switched on by cuptiActivityEnableRuntimeApi
 DRIVER = 4  # CUpti_ActivityAPI: written per call of a driver function switched on by cuptiActivityEnableDriverApi
 
@@ -64,9 +65,9 @@ def memset_record(nbytes: int) -> Any:
                            memory_kind=3)
 
 
-def kernel_record(name: str, *, graph: int = 0, node: int = 0) -> Any:
+def kernel_record(name: str, *, graph: int = 0, node: int = 0, kind: int | None = None) -> Any:
     t = time.time_ns()
-    return SimpleNamespace(kind=CONCURRENT_KERNEL, name=name, start=t, end=t + 2000, completed=0, queued=0,
+    return SimpleNamespace(kind=CONCURRENT_KERNEL if kind is None else kind, name=name, start=t, end=t + 2000, completed=0, queued=0,
                            submitted=0, device_id=0, context_id=1, stream_id=7, correlation_id=6, grid_id=1,
                            graph_id=graph, graph_node_id=node, channel_id=0, channel_type=1, launch_type=0,
                            is_device_launched=0)
@@ -92,6 +93,7 @@ class FakeCupti:
         self.requested: Any = None
         self.completed: Any = None
         self.enabled: set[int] = set()
+        self.enabled_ever: set[int] = set()
         self.pending: list[Any] = []
         self.buffer_records = buffer_records
         self.shuffle = shuffle
@@ -163,6 +165,7 @@ class FakeCupti:
 
     def enable(self, kind: int) -> bool:
         self.enabled.add(kind)
+        self.enabled_ever.add(kind)
         return True
 
     def disable(self, kind: int) -> bool:
@@ -203,6 +206,11 @@ class FakeCupti:
         else:
             self.lost_while_disabled += 1
 
+    def launch(self, name: str) -> None:
+        """A kernel ran: CUPTI writes its record in whichever kernel kind is on (the serial KERNEL
+        kind has the same struct), none when neither is."""
+        self.emit(kernel_record(name, kind=KERNEL if KERNEL in self.enabled else CONCURRENT_KERNEL))
+
     def alloc(self, addr: int, size: int, **kw: Any) -> None:
         self.emit(memory_record(1, addr, size, **kw))
 
@@ -212,7 +220,7 @@ class FakeCupti:
 
 # cupti-python's struct for each kind: what CUPTI 13 writes into its buffers.
 _STRUCTS = {MEMORY2: "memory4", MEMORY_POOL: "memory_pool3", MEMCPY: "memcpy6", MEMCPY2: "memcpy_pto_p4",
-            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3", DRIVER: "api",
+            MEMSET: "memset4", CONCURRENT_KERNEL: "kernel10", UM: "unified_memory_counter3", DRIVER: "api", KERNEL: "kernel10",
             RUNTIME: "api"}
 
 

@@ -106,7 +106,7 @@ def main() -> int:
         elif op == "copy":
             fake.emit(probe_fakes.memcpy_record(int(arg)))
         elif op == "kernel":
-            fake.emit(probe_fakes.kernel_record(arg))
+            fake.launch(arg)
         elif op == "burst":
             for i in range(int(arg)):
                 fake.alloc(0x7000_0000 + i * 4096, 4096)
@@ -154,7 +154,7 @@ def main() -> int:
         workload_s += time.perf_counter() - t
     probe.stop()
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
-                      "lost_while_disabled": fake.lost_while_disabled,
+                      "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes")
                                if hasattr(fake, k)}}), flush=True)
     return 0

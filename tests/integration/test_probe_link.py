@@ -133,13 +133,15 @@ def test_without_a_daemon_the_workload_runs_normally_and_drops_are_counted(tmp_p
     assert res["workload_s"] < 5.0  # nothing waited on a socket
 
 
-def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_ops_are_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["concurrent", "serial"])
+def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_ops_are_counted(
+        tmp_path: Path, kind: str) -> None:
     sock = str(tmp_path / "p.sock")
     d = Daemon(sock)
     try:
         p = child(sock, tmp_path, "kernel:before_window", "mark:ready", "wait:go", "sleep:0.05",
                   "kernel:gemm", "kernel:gemm", "kernel:softmax", "mark:in_window", "sleep:0.6",
-                  "kernel:after_window", "mark:done")
+                  "kernel:after_window", "mark:done", GPUFOOTPRINT_PROBE_KERNEL_WINDOW_KIND=kind)
         ready = d.wait_mark("ready")
         pid = ready["pid"]
         for body in ({"op": "flush_interval", "ms": 5}, {"op": "kernel_window", "ms": 300, "id": 7},
@@ -157,6 +159,8 @@ def test_control_messages_open_a_kernel_window_change_the_cadence_and_unknown_op
     assert fp.kernel_count == 3  # only the kernels inside the window were recorded
     assert st["kernel_windows"] == 1 and st["control_unknown"] == 2
     assert res["lost_while_disabled"] == 2  # before and after the window CUPTI had the kind off
+    # the window switched on the kind asked for, and only that kernel kind
+    assert {3, 10} & set(res["enabled_ever"]) == ({3} if kind == "serial" else {10})
 
 
 def test_record_writes_one_file_for_several_probed_processes(tmp_path: Path) -> None:

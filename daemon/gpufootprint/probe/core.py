@@ -34,7 +34,7 @@ from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
-from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER
+from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
@@ -106,6 +106,7 @@ class Probe:
         self.hello: dict[str, Any] = {}
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
+        self._window_kind = KERNEL if settings.kernel_window_kind == "serial" else CONCURRENT_KERNEL
         self._want_resync = False
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
@@ -355,7 +356,7 @@ class Probe:
     def _quiesce(self) -> None:
         """Our kinds off and CUPTI's periodic delivery back to its default (sender thread)."""
         assert self._backend is not None
-        for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, UNIFIED_MEMORY_COUNTER):
+        for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER):
             self._backend.disable(kind)
         self._hooks(False)
         self._oom_records(False)
@@ -451,9 +452,10 @@ class Probe:
             self._arm()
             if self._um_configured:
                 self._backend.configure_unified_memory()
-            if self._kernel_window is not None or self._kernels_always:
-                assert self._backend is not None
+            if self._kernels_always:
                 self._backend.enable(CONCURRENT_KERNEL)
+            elif self._kernel_window is not None:
+                self._backend.enable(self._window_kind)
             self.counters["rearms"] += 1
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"re-arm: {exc}")
@@ -793,7 +795,7 @@ class Probe:
     def _open_kernel_window(self, ms: int, wid: int) -> None:
         ms = max(1, min(ms, 60_000))
         if self._kernel_window is None:
-            if self.in_gap or self._backend is None or not self._backend.enable(CONCURRENT_KERNEL):
+            if self.in_gap or self._backend is None or not self._backend.enable(self._window_kind):
                 self.counters["kernel_windows_refused"] += 1
                 return
             self._kernel_window = {"id": wid, "start_ns": self._clock_ns()}
@@ -808,7 +810,7 @@ class Probe:
         if window is None:
             return
         if not self.in_gap and self._backend is not None and not self._kernels_always:
-            self._backend.disable(CONCURRENT_KERNEL)
+            self._backend.disable(self._window_kind)
         self._flush_and_drain()
         window["end_ns"] = self._clock_ns()
         body = self._heartbeat()

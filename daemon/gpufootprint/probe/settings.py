@@ -23,9 +23,12 @@ COPY_MODES = ("off", "always")
 PER_THREAD_BUFFER = ("cupti", "on", "off")
 HOOKS_VIA = ("subscriber", "activity")  # how ``driver_hooks`` keeps CUPTI recording mappings
 DELIVERIES = ("raw", "objects")
+# Which CUPTI kind a kernel window enables: CONCURRENT_KERNEL (CUPTI instruments the kernels' code
+# to time them) or the serial KERNEL kind (kernels run one at a time while it is on, uninstrumented).
+KERNEL_WINDOW_KINDS = ("concurrent", "serial")
 # Settings that must be one of a few names (``copies`` also takes booleans: checked on its own).
 CHOICES = {"flush_mode": FLUSH_MODES, "delivery": DELIVERIES, "per_thread_buffer": PER_THREAD_BUFFER,
-           "driver_hooks_via": HOOKS_VIA}
+           "driver_hooks_via": HOOKS_VIA, "kernel_window_kind": KERNEL_WINDOW_KINDS}
 # Smallest values that work (the daemon's config refuses less, with the same bounds):
 # a socket buffer under one full packing array's frame (4096 x 80 bytes) would drop every batch.
 MINIMUMS = {"buffer_bytes": 1 << 20, "cupti_buffer_bytes": 1 << 12, "raw_buffers": 4}
@@ -48,6 +51,7 @@ class ProbeSettings:
     device_buffer_bytes: int = 4 << 20  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_SIZE (0: CUPTI's defaults, untouched)
     device_buffer_pool_limit: int = 2  # CUPTI_ACTIVITY_ATTR_DEVICE_BUFFER_POOL_LIMIT
     kernels: bool = False  # CONCURRENT_KERNEL always on (recording traces); else only in sampled windows
+    kernel_window_kind: str = "concurrent"  # KERNEL_WINDOW_KINDS: what a sampled window switches on
     unified_memory: bool = True  # configure UNIFIED_MEMORY_COUNTER at the first managed allocation (core.py says why)
     torch_hook: bool = True  # watch torch.profiler taking CUPTI away
     # After a torch.profiler session under the probe, end the process with its exit status as
