@@ -301,10 +301,10 @@ class Probe:
         if offsets is None:
             offsets = {rawrecords.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
-        for kind in rawrecords.API_KINDS:  # failed allocations are found here, before the buffer leaves
-            api = offsets.get(kind)
+        for api_kind in rawrecords.API_KINDS:  # failed allocations are found here, before the buffer leaves
+            api = offsets.get(api_kind)
             if api:
-                self.oom.api_rows(u8, api, kind)
+                self.oom.api_rows(u8, api, api_kind)
         mem = offsets.get(rawrecords.MEMORY2)
         if mem:
             structs = rawrecords.gather(u8, rawrecords.MEMORY2, mem)
