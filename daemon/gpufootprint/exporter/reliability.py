@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gpufootprint.ingest.server import ServerStats, TickHealth
+from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.snapshot import PipelineSnapshot
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")

@@ -35,6 +35,7 @@ from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState, PipelineSnapshot
 from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.probe import rawrecords
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer, encode_json
 
@@ -74,37 +75,6 @@ class Connection:
     unsent: bytes = b""  # tail of a CONTROL frame the socket did not take at once (at most one frame)
     resync_records: int = 0
     verify_asked: bool = False  # the probe was asked for TOTALS with its watermarks
-
-
-@dataclass(frozen=True)
-class ServerStats:
-    """The ingest server's own counters, copied at each tick for the exporter (issue 7)."""
-
-    connections_total: int = 0
-    disconnects: tuple[tuple[str, int], ...] = ()
-    refused: tuple[tuple[str, int], ...] = ()
-    accept_errors: int = 0
-    buffered_bytes: int = 0
-    # (pid, records, resync_records) per probe pid seen on a connection, alive or closed
-    received: tuple[tuple[int, int, int], ...] = ()
-    config_reloads: tuple[tuple[str, int], ...] = ()
-    config_last_reload_ok: float = 1.0
-    resync_requests: int = 0  # resyncs asked of probes (late records, drift)
-    quarantined: tuple[tuple[int, str], ...] = ()  # (pid, reason) of processes whose state was dropped
-    quarantines: int = 0
-
-
-@dataclass(frozen=True)
-class TickHealth:
-    """Read at scrape time, not from the snapshot: a stuck loop cannot freeze what it says."""
-
-    last_ok_wall: float  # time.time() of the last tick that published a snapshot (0: none yet)
-    last_ok_age_s: float  # seconds since then, on the monotonic clock
-    tick_errors: int
-    last_failed: bool  # the latest tick raised
-
-    def healthy(self, stall_s: float) -> bool:
-        return self.last_ok_wall > 0 and not self.last_failed and self.last_ok_age_s <= stall_s
 
 
 class _BatchMerger:
