@@ -346,6 +346,7 @@ def main() -> int:
             hub = FeatureHub(cfg.features, dataclasses.replace(cfg.sampler, **DAEMON_SAMPLER.get(c, {})))
             servers[c] = IngestServer(cfg, Pipeline(cfg.footprint, hub=hub),
                                       socket_path=os.path.join(tmp, f"{c}.sock"))
+            hub.control = servers[c].send_control  # as App wires it
             servers[c].open()
             threading.Thread(target=servers[c].run, daemon=True).start()
 

@@ -131,6 +131,9 @@ class App:
         self.pipeline.hub.taps.append(self.oom.on_records)
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,
                                    extra_daemon_values=self._daemon_values, nvml=self.nvml, on_mark=self.oom.on_mark)
+        # The sampler's control path: its CONTROL frames (flush interval, kernel windows) go out
+        # through the probes' connections, which the ingest loop holds.
+        self.pipeline.hub.control = self.ingest.send_control
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = FootprintCollector(lambda: self.ingest.snapshot,
                                             postprocess=_postprocess(config, self.attributor, self._live_probe_pids),

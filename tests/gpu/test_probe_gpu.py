@@ -41,6 +41,7 @@ class Daemon:
         self.pipeline = Pipeline(self.config.footprint)
         self.marks: list[dict[str, Any]] = []
         self.server = IngestServer(self.config, self.pipeline, socket_path=path, on_mark=self._on_mark)
+        self.pipeline.hub.control = self.server.send_control  # as App wires it
         self.server.open()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from gpufootprint.errors import ConfigError
-from gpufootprint.ingest.server import bind_probe_socket
+from gpufootprint.ingest.transport import bind_probe_socket
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
 from gpufootprint.wire.sources import TraceFile

@@ -36,6 +36,7 @@ class LiveServer:
         cfg = load_config(env={}, overrides=overrides)
         self.pipeline = Pipeline(cfg.footprint)
         self.server = IngestServer(cfg, self.pipeline, socket_path=path)
+        self.pipeline.hub.control = self.server.send_control  # as App wires it
         self.server.open()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -182,6 +182,7 @@ def test_records_held_back_past_the_pending_bound_are_applied_not_hoarded(tmp_pa
     srv = LiveServer.__new__(LiveServer)
     srv.pipeline = Pipeline(cfg.footprint)
     srv.server = IngestServer(cfg, srv.pipeline, socket_path=str(tmp_path / "p.sock"))
+    srv.pipeline.hub.control = srv.server.send_control  # as App wires it
     srv.server.open()
     srv.thread = threading.Thread(target=srv.server.run, daemon=True)
     srv.thread.start()

@@ -33,6 +33,7 @@ class Daemon:
         self.pipeline = Pipeline(cfg.footprint)
         self.marks: list[dict[str, Any]] = []
         self.server = IngestServer(cfg, self.pipeline, socket_path=path, on_mark=self.marks.append)
+        self.pipeline.hub.control = self.server.send_control  # as App wires it
         self.server.open()
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

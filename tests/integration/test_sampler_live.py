@@ -64,6 +64,7 @@ def test_probe_child_gets_flush_interval_controls_and_its_spike_becomes_a_window
     pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
     sock = str(tmp_path / "probe.sock")
     server = IngestServer(config, pipeline, socket_path=sock)
+    pipeline.hub.control = server.send_control  # as App wires it
     server.open()
     t = threading.Thread(target=server.run, daemon=True)
     t.start()

@@ -1,0 +1,130 @@
+"""The daemon's tick: what moves the pipeline on when no record does.
+
+Each tick advances the watermarks of probes that have gone quiet by the daemon's clock, keeps the
+number of processes bounded, and builds the snapshot, dropping (quarantining) a process whose own
+state breaks it rather than failing everyone's tick. ``TickRecord`` remembers how the ticks went,
+for /readyz and the snapshot's age at scrape time. The ingest loop (``server.py``) calls these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.serverstats import TickHealth
+from gpufootprint.snapshot import GpuState, NvmlSnapshot, PipelineSnapshot
+
+#: A probe that sends watermarks is advanced by the daemon's clock only after this long without one
+#: (at least; five of its declared watermark periods when longer): it has hung or stopped flushing.
+SILENT_PROBE_S = 10.0
+
+Quarantine = Callable[[int, BaseException], None]
+
+
+def _declared_watermark_ms(hello: dict[str, Any]) -> float | None:
+    declared = hello.get("watermark_ms")
+    if isinstance(declared, (int, float)) and not isinstance(declared, bool) and 0 < declared <= 60_000:
+        return declared
+    return None
+
+
+def clock_lag_ns(hello: dict[str, Any], reorder_window_ms: int) -> int:
+    """How far behind the daemon's clock a live probe's records are applied without its word.
+
+    A probe's WATERMARK frames move its watermark as soon as it sends them. The clock is the
+    fallback for a probe that has gone quiet; it must not overtake records still on their
+    way, so it waits for the reorder window or, for a probe whose HELLO says it sends a
+    watermark only every ``watermark_ms``, for two and a half of those.
+    """
+    lag = reorder_window_ms
+    declared = _declared_watermark_ms(hello)
+    if declared is not None:
+        lag = max(lag, int(2.5 * declared))
+    return lag * 1_000_000
+
+
+def silent_after_s(hello: dict[str, Any]) -> float:
+    """How long a probe that sends watermarks may go without one before the clock advances it."""
+    declared = _declared_watermark_ms(hello)
+    if declared is not None:
+        return max(SILENT_PROBE_S, 5 * declared / 1000)
+    return SILENT_PROBE_S
+
+
+def advance_by_clock(pipeline: Pipeline, now_ns: int, mono: float, reorder_window_ms: int,
+                     quarantine: Quarantine) -> None:
+    """Advance each live probe's watermark by the clock, unless its own watermarks are recent."""
+    for pid, proc in list(pipeline.processes.items()):
+        if proc.source == "probe" and proc.exited_at is None:
+            if proc.watermarked and mono - proc.watermark_at < silent_after_s(proc.info):
+                continue  # its watermarks say when records are complete; the clock cannot know
+            try:
+                pipeline.advance(pid, now_ns - clock_lag_ns(proc.info, reorder_window_ms))
+            except Exception as exc:  # noqa: BLE001 - one process's state must not stop everyone's tick
+                quarantine(pid, exc)
+
+
+def bound_processes(pipeline: Pipeline, max_processes: int) -> None:
+    """Past daemon.max_processes, forget the processes that exited longest ago first."""
+    procs = pipeline.processes
+    excess = len(procs) - max_processes
+    if excess <= 0:
+        return
+    exited = sorted((p.exited_at, pid) for pid, p in procs.items() if p.exited_at is not None)
+    for _, pid in exited[:excess]:
+        del procs[pid]
+        pipeline.hub.forget(pid)
+    pipeline.errors.add("process_limit", f"more than daemon.max_processes={max_processes} processes: "
+                        f"{min(excess, len(exited))} exited ones forgotten early", min(excess, len(exited)))
+
+
+def pipeline_snapshot(pipeline: Pipeline, wall: float, quarantine: Quarantine) -> PipelineSnapshot:
+    """The pipeline's snapshot; if building it fails, the processes whose own state fails are
+    quarantined and it is built again without them (a failure that remains fails the tick)."""
+    try:
+        return pipeline.snapshot(wall)
+    except Exception:  # noqa: BLE001 - find the process at fault
+        found = False
+        for pid, proc in list(pipeline.processes.items()):
+            try:
+                for dev, fp in list(proc.devices.items()):
+                    pipeline.device_state(pid, dev)
+                    pipeline.hub.device_features(pid, dev, proc.applied_to, fp.pool_reserved_bytes,
+                                                 fp.async_device_bytes)
+            except Exception as exc:  # noqa: BLE001
+                quarantine(pid, exc)
+                found = True
+        if not found:
+            raise
+        return pipeline.snapshot(wall)
+
+
+def gpu_states(nvml: NvmlSnapshot) -> tuple[GpuState, ...]:
+    """The engines' view of each GPU (model for prices, size, utilisation for advice)."""
+    return tuple(GpuState(index=g.index, model=g.model, uuid=g.uuid, total_bytes=g.memory_total_bytes,
+                          utilization_ratio=g.utilization_ratio) for g in nvml.gpus)
+
+
+class TickRecord:
+    """How the ticks went: failures counted, the time of the last one that published."""
+
+    def __init__(self) -> None:
+        self.errors = 0
+        self.last_failed = False
+        self._last_ok_wall = 0.0
+        self._last_ok_mono = 0.0
+
+    def failed(self) -> None:
+        self.errors += 1
+        self.last_failed = True
+
+    def succeeded(self) -> None:
+        self.last_failed = False
+        self._last_ok_wall = time.time()
+        self._last_ok_mono = time.monotonic()
+
+    def health(self) -> TickHealth:
+        age = time.monotonic() - self._last_ok_mono if self._last_ok_mono else float("inf")
+        return TickHealth(self._last_ok_wall, age, self.errors, self.last_failed)
