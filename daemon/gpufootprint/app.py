@@ -22,7 +22,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import Config, parse_listen
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
-from gpufootprint.exporter.collector import FootprintCollector, Postprocess, engine_families
+from gpufootprint.exporter.collector import FootprintCollector, Postprocess
+from gpufootprint.exporter.decisions import engine_families
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families

@@ -332,7 +332,7 @@ def test_heartbeat_counter_names_and_hello_fields_are_bounded_before_they_reach_
 def test_label_values_are_cut_with_a_hash_and_cleaned_at_scrape_time() -> None:
     from prometheus_client.core import GaugeMetricFamily
 
-    from gpufootprint.exporter.reliability import safe_label_value, sanitize_label_values
+    from gpufootprint.exporter.cardinality import safe_label_value, sanitize_label_values
 
     a, b = "x" * 300 + "a", "x" * 300 + "b"
     assert len(safe_label_value(a, 64)) == 64 and safe_label_value(a, 64) != safe_label_value(b, 64)

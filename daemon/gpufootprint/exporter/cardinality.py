@@ -15,6 +15,8 @@ of series folded at each rendering of the body. Memory is bounded too: at most
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
 from collections.abc import Callable, Iterable
 
@@ -31,6 +33,40 @@ _SeriesKey = tuple[tuple[str, str], ...]
 
 def _key(labels: dict[str, str]) -> _SeriesKey:
     return tuple(sorted(labels.items()))
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def safe_label_value(value: str, max_len: int) -> str:
+    """Control characters become '?'; a value over ``max_len`` is cut and ends in '~' and 8 hex
+    digits of its hash, so two long values that share a prefix stay two series."""
+    if _CONTROL.search(value):
+        value = _CONTROL.sub("?", value)
+    if len(value) > max_len:
+        digest = hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()[:8]
+        value = value[: max_len - 9] + "~" + digest
+    return value
+
+
+def sanitize_label_values(families: Iterable[Metric], max_len: int) -> list[Metric]:
+    """Whatever a probe managed to put into a label value (a HELLO field, a counter name) comes out
+    bounded in length and without control characters."""
+    out = []
+    for fam in families:
+        samples = fam.samples
+        for i, s in enumerate(samples):
+            values = s.labels.values()
+            joined = "".join(values)
+            if len(joined) <= max_len and joined.isprintable():
+                continue  # every value short and clean, found with two C calls: the common case
+            for v in values:
+                # str.isprintable is one C loop: the common clean value costs next to nothing
+                if len(v) > max_len or not v.isprintable():
+                    samples[i] = s._replace(labels={k: safe_label_value(v, max_len) for k, v in s.labels.items()})
+                    break
+        out.append(fam)
+    return out
 
 
 def attach_pod_labels(families: Iterable[Metric], labels_for: Callable[[str], dict[str, str]]) -> list[Metric]:
@@ -136,8 +172,8 @@ class SeriesCap:
 def build_postprocess(attributor: Attributor | None, max_series: int,
                       max_label_len: int | None = None,
                       preferred: Callable[[], set[str]] | None = None) -> Callable[[list[Metric]], list[Metric]]:
-    """The collector's hook: pod labels (when Kubernetes attribution is on), then the cap;
-    issue 7: label values cut to ``max_label_len`` and cleaned of control characters first."""
+    """The collector's hook: pod labels (when Kubernetes attribution is on), label values cut to
+    ``max_label_len`` and cleaned of control characters (a probe chooses some of them), then the cap."""
     cap = SeriesCap(max_series, preferred)
 
     def labels_for(pid: str) -> dict[str, str]:
@@ -151,8 +187,6 @@ def build_postprocess(attributor: Attributor | None, max_series: int,
         if attributor is not None:
             families = attach_pod_labels(families, labels_for)
         if max_label_len is not None:
-            from gpufootprint.exporter.reliability import sanitize_label_values
-
             families = sanitize_label_values(families, max_label_len)
         return cap.apply(families)
 

@@ -6,7 +6,7 @@ import numpy as np
 from engine_support import GIB, dev, proc, snap
 from gpufootprint.config import BudgetsConfig, Config, CostConfig
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, Engines
-from gpufootprint.exporter.collector import EngineCollector
+from gpufootprint.exporter.decisions import EngineCollector
 from gpufootprint.records import KERNEL_DTYPE
 from gpufootprint.snapshot import GpuState
 from prometheus_client import generate_latest
