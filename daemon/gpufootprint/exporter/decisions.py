@@ -7,11 +7,9 @@ stop.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector
 
 from gpufootprint.engines.budgets import BudgetStatus
 from gpufootprint.engines.cost import GpuCost, ProcessCost
@@ -20,8 +18,6 @@ from gpufootprint.engines.graph import GraphDecision
 from gpufootprint.engines.leaks import LeakStatus
 from gpufootprint.engines.runner import EngineOutputs
 from gpufootprint.exporter.table import Row, build, counter, each, gauge, one
-
-log = logging.getLogger("gpufootprint.exporter.collector")
 
 _PROC = ("pid", "gpu", "source")
 _BUDGET = ("scope", "name")
@@ -97,22 +93,3 @@ def engine_families(out: EngineOutputs) -> Iterator[Metric]:
     yield from build(GPU_COST_FAMILIES, (((str(g.gpu),), g) for g in out.cost.gpus if g.dollars_per_hour is not None))
     yield from build(PROCESS_COST_FAMILIES, (((str(p.pid), str(p.dev), p.source), p) for p in out.cost.processes))
 
-
-class EngineCollector(Collector):
-    """A separate collector over the engines' latest outputs."""
-
-    def __init__(self, outputs: Callable[[], EngineOutputs]) -> None:
-        self._outputs = outputs
-        self.collect_errors = 0
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            families = list(engine_families(self._outputs()))
-        except Exception:  # noqa: BLE001 - a scrape must always answer
-            self.collect_errors += 1
-            log.exception("building engine metrics failed")
-            families = []
-        yield from families

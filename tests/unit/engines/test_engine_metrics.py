@@ -6,9 +6,10 @@ import numpy as np
 from engine_support import GIB, dev, proc, snap
 from gpufootprint.config import BudgetsConfig, Config, CostConfig
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, Engines
-from gpufootprint.exporter.decisions import EngineCollector
+from gpufootprint.exporter.collector import FootprintCollector
+from gpufootprint.exporter.decisions import engine_families
 from gpufootprint.records import KERNEL_DTYPE
-from gpufootprint.snapshot import GpuState
+from gpufootprint.snapshot import EMPTY_SNAPSHOT, GpuState
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
@@ -24,7 +25,8 @@ def kernels(pid: int) -> np.ndarray:
 
 def scrape(outputs) -> dict[str, list]:  # type: ignore[no-untyped-def]
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(EngineCollector(lambda: outputs))
+    # As the daemon serves them: the engines' families are the footprint collector's extra.
+    reg.register(FootprintCollector(lambda: EMPTY_SNAPSHOT, extra=lambda: engine_families(outputs)))
     text = generate_latest(reg).decode()
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
@@ -65,7 +67,7 @@ def test_empty_outputs_scrape_cleanly_and_a_broken_source_does_not_raise() -> No
         raise RuntimeError("boom")
 
     reg = CollectorRegistry(auto_describe=False)
-    col = EngineCollector(broken)
+    col = FootprintCollector(lambda: EMPTY_SNAPSHOT, extra=lambda: engine_families(broken()))
     reg.register(col)
     generate_latest(reg)
     assert col.collect_errors == 1
