@@ -273,10 +273,6 @@ class Pipeline:
         proc.applied_to = ts
         self.hub.on_watermark(pid, ts, proc.source)
 
-    def advance_all(self, ts: int) -> None:
-        for pid in list(self.processes):
-            self.advance(pid, ts)
-
     def finish(self, pid: int) -> None:
         """End of a stream: nothing more will come, apply everything."""
         proc = self.processes.get(pid)
