@@ -36,6 +36,7 @@ class TickHealth:
     last_ok_age_s: float  # seconds since then, on the monotonic clock
     tick_errors: int
     last_failed: bool  # the latest tick raised
+    loop_errors: int = 0  # iterations of the ingest loop that raised outside a tick (the loop went on)
 
     def healthy(self, stall_s: float) -> bool:
         return self.last_ok_wall > 0 and not self.last_failed and self.last_ok_age_s <= stall_s

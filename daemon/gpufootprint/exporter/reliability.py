@@ -9,6 +9,7 @@ and how its ticks went. Label values a probe could have chosen are made safe in
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
@@ -23,6 +24,9 @@ HEALTH_FAMILIES: tuple[Row[TickHealth], ...] = (
     counter("gpufootprint_daemon_tick_errors",
             "Ticks (watermarks, expiry, snapshot) that raised; /readyz fails until one succeeds again.", (),
             one(lambda h: h.tick_errors)),
+    counter("gpufootprint_daemon_loop_errors",
+            "Iterations of the ingest loop that raised outside a tick (reading sockets, accepting, injected frames); "
+            "the loop goes on.", (), one(lambda h: h.loop_errors)),
 )
 
 _Stats = tuple[ServerStats, Mapping[int, str]]  # the counters, and the source of each pid the pipeline knows
@@ -65,6 +69,27 @@ STATS_FAMILIES: tuple[Row[_Stats], ...] = (
           "1 when the last configuration reload was applied (or none was tried), 0 when refused.", (),
           one(lambda s: s[0].config_last_reload_ok)),
 )
+
+
+class AppCounters(NamedTuple):
+    """Failures the daemon's wiring counts outside the ingest loop."""
+
+    engine_errors: int  # snapshots the decision engines raised on
+    auth_failures: int | None  # HTTP requests refused for their credentials (None: no HTTP server)
+
+
+APP_FAMILIES: tuple[Row[AppCounters], ...] = (
+    counter("gpufootprint_engine_errors",
+            "Snapshots the decision engines failed on; the outputs of the last step that succeeded stay exported.",
+            (), one(lambda c: c.engine_errors)),
+    counter("gpufootprint_exporter_auth_failures",
+            "HTTP requests answered 401: basic-auth credentials missing or wrong (exporter.web_config_file).", (),
+            one(lambda c: c.auth_failures)),
+)
+
+
+def app_families(counters: AppCounters) -> list[Metric]:
+    return build(APP_FAMILIES, (((), counters),))
 
 
 def daemon_families(stats: ServerStats, snap: PipelineSnapshot, health: TickHealth | None = None) -> Iterator[Metric]:

@@ -152,7 +152,7 @@ class IngestServer:
                  sum(p.pending_records for p in self.pipeline.processes.values()))
 
     def health(self) -> TickHealth:
-        return self._ticks.health()
+        return self._ticks.health(self.loop_errors)
 
     def ready(self) -> bool:
         """/readyz: a snapshot was published, the last tick succeeded, and not too long ago."""

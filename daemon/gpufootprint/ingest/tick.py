@@ -125,6 +125,6 @@ class TickRecord:
         self._last_ok_wall = time.time()
         self._last_ok_mono = time.monotonic()
 
-    def health(self) -> TickHealth:
+    def health(self, loop_errors: int = 0) -> TickHealth:
         age = time.monotonic() - self._last_ok_mono if self._last_ok_mono else float("inf")
-        return TickHealth(self._last_ok_wall, age, self.errors, self.last_failed)
+        return TickHealth(self._last_ok_wall, age, self.errors, self.last_failed, loop_errors)
