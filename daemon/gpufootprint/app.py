@@ -39,7 +39,8 @@ from gpufootprint.snapshot import PipelineSnapshot
 
 log = logging.getLogger(__name__)
 
-# issue 7: configuration keys a SIGHUP applies without a restart (the rest are reported as needing one).
+# Configuration keys a SIGHUP applies without a restart: each is read where it is used, per event or per
+# tick, so a new value takes effect at once. The rest are reported as needing one.
 LIVE_PREFIXES = ("logging.",)
 LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
                        "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
@@ -91,7 +92,8 @@ def detect_gpu() -> tuple[bool, str]:
 
 def _postprocess(config: Config, attributor: Attributor | None,
                  preferred: Callable[[], set[str]] | None = None) -> Postprocess:
-    """Issue 6: pod labels (kubernetes.mode) and the per-metric series cap."""
+    """Pod labels (kubernetes.mode) and the per-metric series cap, so that the per-process series of a
+    busy node stay bounded and say which pod they belong to."""
     from gpufootprint.exporter.cardinality import build_postprocess
 
     return build_postprocess(attributor, config.exporter.series_cap, config.exporter.max_label_value_length,
@@ -157,7 +159,7 @@ class App:
         self._switch_interval = sys.getswitchinterval()
         self._wire_engines(config)
 
-    # --- decision engines (issue 5) --------------------------------------------------
+    # --- decision engines ------------------------------------------------------------
 
     def _wire_engines(self, config: Config) -> None:
         self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
@@ -243,7 +245,7 @@ class App:
         return out
 
     def start(self) -> None:
-        # Issue 7: a scrape is a few short steps between socket calls, each waiting for the GIL
+        # A scrape is a few short steps between socket calls, each waiting for the GIL
         # behind the ingest and render threads; at 1 ms instead of 5 the wait is bounded five times
         # lower (bench/load.py, 32,000 records/s: /metrics p99 9-13 ms against 20-39 ms).
         self._switch_interval = sys.getswitchinterval()
@@ -305,7 +307,7 @@ class App:
         if worker is not None and worker.is_alive():
             log.warning("a configuration reload is still running at shutdown: abandoned")
 
-    # --- SIGHUP (issue 7) ------------------------------------------------------------
+    # --- SIGHUP ----------------------------------------------------------------------
 
     def reload(self, load: Callable[[], Config] | None) -> bool:
         """Re-read the configuration; apply what can change live, keep the rest, refuse a bad one."""

@@ -1,4 +1,4 @@
-"""Issue 7: /metrics bodies rendered ahead of the scrape, so a scrape costs almost nothing.
+"""/metrics bodies rendered ahead of the scrape, so a scrape costs almost nothing.
 
 Building and formatting the exposition costs tens of milliseconds of CPU for a busy node
 (1,500 series: 35 ms on the bench machine), and on the request thread it also waits for the GIL

@@ -1,7 +1,7 @@
 """A lean writer of the Prometheus text format 0.0.4: the bytes prometheus_client's
 ``generate_latest`` writes for the same families, in about a third of the time.
 
-Issue 7: formatting was 60 % of a scrape's CPU (35 ms for 1,500 series on the bench machine).
+Why: formatting was 60 % of a scrape's CPU (35 ms for 1,500 series on the bench machine).
 Most of it is per sample: sorting and escaping each label set, checking each name against
 the legacy character set, ``floatToGoString``. Per-process families repeat the same label sets
 (``pid``, ``gpu``, ``source``) in a dozen families, and most values are small integers, so this

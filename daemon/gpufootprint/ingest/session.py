@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 MarkCallback = Callable[[dict[str, Any]], None]
 
-# issue 7: what a live probe may store about itself. HELLO values reach reports, engine
-# scopes (pod, namespace) and label values, so they are bounded in size and characters.
+# What a live probe may store about itself: any local process can connect and say anything. HELLO
+# values reach reports, engine scopes (pod, namespace) and label values, so they are bounded in size and characters.
 _MAX_COUNTERS = 64
 _COUNTER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _MAX_INFO_KEYS = 64
@@ -80,7 +80,7 @@ class Session:
         self.records = 0
         self._resync: list[np.ndarray] | None = None
         self._resync_ts = 0
-        # issue 7: for live probes, the latest credible timestamp (daemon clock + max_future_seconds);
+        # For live probes, the latest credible timestamp (daemon clock + max_future_seconds);
         # later ones are clamped to it and counted, so one stepped clock cannot stall the reorder buffer.
         self.future_limit_ns: Callable[[], int] | None = None
         # Field ranges for every source; for live probes (``guard``) also what a process may hold.
@@ -360,7 +360,7 @@ class Session:
         if not isinstance(counters, dict):
             return
         clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
-        if self.peer_pid is not None:  # issue 7: keys become label values (connections_*, disconnects_*)
+        if self.peer_pid is not None:  # a live peer chooses them, and keys become label values (connections_*, ...)
             clean = {k: v for k, v in list(clean.items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
         for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).probe_counters.update(clean)
