@@ -20,6 +20,10 @@ Only complete requests reach the worker threads, which run the ordinary
 write the response with a deadline for the whole write. No library fitted: waitress
 reads requests the same way but has no TLS, and cheroot reads headers in its worker
 threads (docs/reliability.md).
+
+One module of about 470 lines on purpose: it is one I/O thread's state machine (accept, read,
+evict, expire, hand off, take back), and every step reads and writes the same connection table
+and deadlines; split in two, each half would reach into the other's state.
 """
 
 from __future__ import annotations
