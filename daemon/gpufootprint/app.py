@@ -26,7 +26,7 @@ from gpufootprint.exporter.collector import FootprintCollector, Postprocess
 from gpufootprint.exporter.decisions import engine_families
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.http import MetricsServer
-from gpufootprint.exporter.reliability import AppCounters, app_families, daemon_families
+from gpufootprint.exporter.reliability import daemon_families, engine_error_families, http_families
 from gpufootprint.exporter.webconfig import load_web_config
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
@@ -199,8 +199,9 @@ class App:
     def _extra_families(self) -> Iterator[Metric]:
         yield from engine_families(self.engine_outputs)
         yield from daemon_families(self.ingest.stats, self.ingest.snapshot, self.ingest.health())
-        yield from app_families(AppCounters(self.engine_errors,
-                                            self.http.auth_failures if self.http is not None else None))
+        yield from engine_error_families(self.engine_errors)
+        if self.http is not None:
+            yield from http_families(self.http.counters())
         yield from oom_families(self.oom)
 
     def _live_probe_pids(self) -> set[str]:

@@ -86,6 +86,11 @@ def test_refused_credentials_are_counted_in_metrics(tmp_path: Path) -> None:
             with pytest.raises(urllib.error.HTTPError) as exc:
                 _scrape(port, auth)
             assert exc.value.code == 401
-        _until(lambda: _scrape(port, "prometheus:s3cret").get("gpufootprint_exporter_auth_failures_total") == 3)
+        m = _until(lambda: (lambda m: m if m.get("gpufootprint_exporter_auth_failures_total") == 3 else None)(
+            _scrape(port, "prometheus:s3cret")))
+        assert m["gpufootprint_exporter_renders_total"] >= 1
+        assert m["gpufootprint_exporter_render_errors_total"] == 0
+        assert m["gpufootprint_exporter_http_accept_errors_total"] == 0
+        assert m["gpufootprint_exporter_tls_handshake_failures_total"] == 0
     finally:
         app.stop()

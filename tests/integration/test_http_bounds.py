@@ -5,6 +5,7 @@ bench/http_flood.py (figures in docs/reliability.md), here only what must hold: 
 from __future__ import annotations
 
 import http.client
+import re
 import resource
 import socket
 import threading
@@ -114,6 +115,16 @@ def test_a_request_dribbled_a_byte_at_a_time_is_cut_off_at_the_whole_request_dea
         s.close()
         assert app.http.httpd.timed_out >= 1
         assert _scrape(app.http.port)[0] == 200
+        # and /metrics says so (its body is rendered ahead: within a render interval)
+        def timed_out() -> float:
+            found = re.search(rb'gpufootprint_exporter_http_connections_closed_total\{reason="timed_out"\} (\S+)',
+                              _scrape(app.http.port)[1])
+            return float(found.group(1)) if found else 0.0
+
+        deadline = time.monotonic() + 10
+        while timed_out() < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert timed_out() >= 1
     finally:
         app.stop()
 

@@ -197,3 +197,37 @@ def test_the_image_healthcheck_speaks_tls_when_the_web_config_does(mode: str, pk
     finally:
         server.stop()
     assert check(f"127.0.0.1:{server.port}", str(tmp_path / "web.yml")) is not None  # stopped
+
+
+def test_failed_handshakes_are_counted_in_the_daemons_metrics(pki: Path, tmp_path: Path) -> None:
+    from gpufootprint.app import App
+    from gpufootprint.config import load_config
+
+    (tmp_path / "server.crt").write_bytes((pki / "server.crt").read_bytes())
+    (tmp_path / "server.key").write_bytes((pki / "server.key").read_bytes())
+    (tmp_path / "web.yml").write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
+    app = App(load_config(env={}, overrides={"exporter.web_config_file": str(tmp_path / "web.yml"),
+                                             "exporter.render_interval_ms": 100}),
+              socket_path=None, listen="127.0.0.1:0")
+    app.start()
+    try:
+        assert app.http is not None
+        with socket.create_connection(("127.0.0.1", app.http.port), timeout=10) as s:  # plain HTTP: no handshake
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            with contextlib.suppress(OSError):
+                s.recv(100)
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        wanted = "gpufootprint_exporter_tls_handshake_failures_total 1.0"
+        body = ""
+        deadline = time.monotonic() + 10
+        while wanted not in body and time.monotonic() < deadline:
+            conn = http.client.HTTPSConnection("127.0.0.1", app.http.port, context=ctx, timeout=10)
+            try:
+                conn.request("GET", "/metrics")
+                body = conn.getresponse().read().decode()
+            finally:
+                conn.close()
+            time.sleep(0.1)
+        assert wanted in body
+    finally:
+        app.stop()

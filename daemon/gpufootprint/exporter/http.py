@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -31,6 +32,18 @@ JsonRoute = Callable[[], Any]
 
 #: Paths served without basic auth (liveness and readiness probes carry no secrets and say nothing).
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+@dataclass(frozen=True)
+class HttpCounters:
+    """What the HTTP side counted, copied at scrape time for the metrics."""
+
+    auth_failures: int  # requests answered 401
+    accept_errors: int  # failed accept() calls on the listener
+    closed: tuple[tuple[str, int], ...]  # connections the server closed on its own, by reason
+    tls_handshake_failures: int  # since the web config was last (re)loaded
+    renders: int | None  # bodies rendered ahead (None: every scrape renders its own)
+    render_errors: int | None  # renderings ahead that raised
 
 
 class MetricsServer:
@@ -80,6 +93,13 @@ class MetricsServer:
     def web_config(self) -> WebConfig:
         web: WebConfig = self.httpd.web_config
         return web
+
+    def counters(self) -> HttpCounters:
+        httpd, cache = self.httpd, self.exposition
+        return HttpCounters(self.auth_failures, httpd.accept_errors,
+                            (("evicted", httpd.evicted), ("refused", httpd.refused), ("timed_out", httpd.timed_out)),
+                            self.web_config.handshake_failures, cache.renders if cache is not None else None,
+                            cache.render_errors if cache is not None else None)
 
     def set_web_config(self, web_config: WebConfig) -> None:
         """SIGHUP: new TLS files and users apply from the next connection on."""

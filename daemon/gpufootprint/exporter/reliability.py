@@ -9,10 +9,10 @@ and how its ticks went. Label values a probe could have chosen are made safe in
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
+from gpufootprint.exporter.http import HttpCounters
 from gpufootprint.exporter.table import Row, build, counter, each, gauge, one
 from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.snapshot import PipelineSnapshot
@@ -71,25 +71,41 @@ STATS_FAMILIES: tuple[Row[_Stats], ...] = (
 )
 
 
-class AppCounters(NamedTuple):
-    """Failures the daemon's wiring counts outside the ingest loop."""
-
-    engine_errors: int  # snapshots the decision engines raised on
-    auth_failures: int | None  # HTTP requests refused for their credentials (None: no HTTP server)
-
-
-APP_FAMILIES: tuple[Row[AppCounters], ...] = (
+ENGINE_FAMILIES: tuple[Row[int], ...] = (
     counter("gpufootprint_engine_errors",
             "Snapshots the decision engines failed on; the outputs of the last step that succeeded stay exported.",
-            (), one(lambda c: c.engine_errors)),
-    counter("gpufootprint_exporter_auth_failures",
-            "HTTP requests answered 401: basic-auth credentials missing or wrong (exporter.web_config_file).", (),
-            one(lambda c: c.auth_failures)),
+            (), one(lambda n: n)),
 )
 
 
-def app_families(counters: AppCounters) -> list[Metric]:
-    return build(APP_FAMILIES, (((), counters),))
+def engine_error_families(errors: int) -> list[Metric]:
+    return build(ENGINE_FAMILIES, (((), errors),))
+
+
+HTTP_FAMILIES: tuple[Row[HttpCounters], ...] = (
+    counter("gpufootprint_exporter_auth_failures",
+            "HTTP requests answered 401: basic-auth credentials missing or wrong (exporter.web_config_file).", (),
+            one(lambda c: c.auth_failures)),
+    counter("gpufootprint_exporter_http_accept_errors",
+            "Failed accept() calls on the HTTP listener (out of descriptors: it pauses for 0.5 s).", (),
+            one(lambda c: c.accept_errors)),
+    counter("gpufootprint_exporter_http_connections_closed",
+            "HTTP connections the server closed on its own, by reason (evicted: to make room under the connection "
+            "cap; refused: the cap was reached by busy or new ones; timed_out: a request, reply or idle deadline).",
+            ("reason",), each(lambda c: dict(c.closed))),
+    counter("gpufootprint_exporter_tls_handshake_failures",
+            "TLS handshakes that failed (since the web config was last loaded).", (),
+            one(lambda c: c.tls_handshake_failures)),
+    counter("gpufootprint_exporter_renders", "/metrics bodies rendered ahead of the scrapes or by a scrape.", (),
+            one(lambda c: c.renders)),
+    counter("gpufootprint_exporter_render_errors",
+            "Renderings of the /metrics body ahead of the scrapes that raised (scrapes render their own meanwhile).",
+            (), one(lambda c: c.render_errors)),
+)
+
+
+def http_families(counters: HttpCounters) -> list[Metric]:
+    return build(HTTP_FAMILIES, (((), counters),))
 
 
 def daemon_families(stats: ServerStats, snap: PipelineSnapshot, health: TickHealth | None = None) -> Iterator[Metric]:
