@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import cli_env
 
 HERE = Path(__file__).resolve().parent
@@ -33,12 +35,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["concurrent", "serial"])
+def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path,
+                                                                                     kind: str) -> None:
     # The source tree on PYTHONPATH (the lent machine has no installed package), nothing configured.
     env = {k: v for k, v in cli_env().items() if not k.startswith("GPUFOOTPRINT_")}
     # Kernel windows are off by default since 2026-12-03 (their lasting cost on launch-bound loops,
-    # docs/performance.md): this is the one setting a user turns on for Graph advice.
+    # docs/performance.md): this is the one setting a user turns on for Graph advice. ``kind``: the
+    # CUPTI kind a window switches on (the probe's kernel_window_kind).
     env["GPUFOOTPRINT_SAMPLER__KERNEL_WINDOW_MS"] = "50"
+    env["GPUFOOTPRINT_PROBE_KERNEL_WINDOW_KIND"] = kind
     sock, port = str(tmp_path / "probe.sock"), _free_port()
     daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock,
                                "--listen", f"127.0.0.1:{port}"], env=env, cwd=tmp_path,
@@ -71,7 +77,7 @@ def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_mi
         print(json.dumps(summary, indent=1))
         out = os.environ.get("GPUFOOTPRINT_GPU_OUT")
         if out:
-            Path(out, "graph_live_default.json").write_text(json.dumps(summary, indent=1))
+            Path(out, f"graph_live_{kind}.json").write_text(json.dumps(summary, indent=1))
         assert found, f"no verdict other than insufficient_data in 75 s: {last}"
         assert waited is not None and waited <= 60, waited
         # 100 add_ launches of microseconds each and a small MLP: the main stream's step repeats
