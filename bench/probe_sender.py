@@ -6,7 +6,7 @@ times each stage of the sender thread on buffers laid out as CUPTI 13 writes the
 MEMORY2 structs of 128 bytes, alloc/free pairs at reused addresses, as a stream-ordered
 allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run:
 
-  walk       find each record's offset and kind in the buffer (rawrecords.walk)
+  walk       find each record's offset and kind in the buffer (cupti_layout.walk)
   pack       gather and convert to the wire dtype (Packer.pack_raw)
   table      queue into the probe's live table and apply at a watermark (LiveTable)
   encode     frame the batch (framing.encode_batch: header, CRC)
@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
-from gpufootprint.probe import rawrecords  # noqa: E402
+from gpufootprint.wire import cupti_layout  # noqa: E402
 from gpufootprint.probe.livetable import LiveTable  # noqa: E402
 from gpufootprint.probe.packing import Packer  # noqa: E402
 from gpufootprint.records import RecordKind  # noqa: E402
@@ -43,8 +43,8 @@ BUFFER = 64 << 10
 
 def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
     """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses."""
-    dt = rawrecords.RAW_DTYPES[rawrecords.MEMORY2]
-    pool_dt = rawrecords.RAW_DTYPES[rawrecords.MEMORY_POOL]
+    dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
+    pool_dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY_POOL]
     out = []
     i = 0
     t = 1_700_000_000_000_000_000
@@ -56,7 +56,7 @@ def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, i
             if pool_record_every and i % pool_record_every == 0 and off + pool_dt.itemsize <= BUFFER:
                 rec = np.zeros(1, pool_dt)
                 u8[off:off + pool_dt.itemsize] = rec.view(np.uint8)
-                u8[off:off + 4].view("<i4")[0] = rawrecords.MEMORY_POOL
+                u8[off:off + 4].view("<i4")[0] = cupti_layout.MEMORY_POOL
                 off += pool_dt.itemsize
             rec = np.zeros(1, dt)
             rec["op"] = 1 + i % 2
@@ -66,7 +66,7 @@ def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, i
             rec["timestamp"] = t + i * 1000
             rec["is_async"] = 1
             u8[off:off + dt.itemsize] = rec.view(np.uint8)
-            u8[off:off + 4].view("<i4")[0] = rawrecords.MEMORY2
+            u8[off:off + 4].view("<i4")[0] = cupti_layout.MEMORY2
             off += dt.itemsize
             i += 1
         out.append((raw, off))
@@ -80,7 +80,7 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
     walks = []
     t0 = time.perf_counter()
     for raw, valid in bufs:
-        walks.append(rawrecords.walk(memoryview(raw).cast("B"), valid))
+        walks.append(cupti_layout.walk(memoryview(raw).cast("B"), valid))
     t1 = time.perf_counter()
     for (raw, valid), offs in zip(bufs, walks):
         assert offs is not None
@@ -102,10 +102,10 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
     t5 = time.perf_counter()
     for raw, valid in bufs:
         view = memoryview(raw).cast("B")
-        offs = rawrecords.walk(view, valid)
+        offs = cupti_layout.walk(view, valid)
         assert offs is not None
         u8 = np.frombuffer(view, dtype=np.uint8, count=valid)
-        fwd.add_raw(rawrecords.gather(u8, rawrecords.MEMORY2, offs[rawrecords.MEMORY2]), 1)
+        fwd.add_raw(cupti_layout.gather(u8, cupti_layout.MEMORY2, offs[cupti_layout.MEMORY2]), 1)
         framing.encode_cupti_buffer(1, view[:valid])
     fwd.advance(1 << 63)
     t6 = time.perf_counter()

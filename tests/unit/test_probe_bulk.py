@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.probe import packing, rawrecords
+from gpufootprint.probe import packing
+from gpufootprint.wire import cupti_layout
 from gpufootprint.records import DTYPES, RecordKind
 
 from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
@@ -97,19 +98,19 @@ def test_raw_offsets_agree_with_cupti_pythons_dtypes_for_every_kind() -> None:
     names = {"op": "memory_operation_type", "mk": "memory_kind", "corr": "correlation_id", "dev": "device_id",
              "ctx": "context_id", "stream": "stream_id", "ck": "copy_kind", "src": "src_kind", "dst": "dst_kind",
              "graph": "graph_id", "src_dev": "src_device_id", "dst_dev": "dst_device_id", "node": "graph_node_id"}
-    per_kind = {rawrecords.MEMORY_POOL: {"ptype": "memory_pool_type", "op": "memory_pool_operation_type",
+    per_kind = {cupti_layout.MEMORY_POOL: {"ptype": "memory_pool_type", "op": "memory_pool_operation_type",
                                          "keep": "min_bytes_to_keep", "size": "size_", "thresh": "release_threshold",
                                          "used": "utilized_size"},
-                rawrecords.UNIFIED_MEMORY_COUNTER: {"ck": "counter_kind", "src": "src_id", "dst": "dst_id"}}
+                cupti_layout.UNIFIED_MEMORY_COUNTER: {"ck": "counter_kind", "src": "src_id", "dst": "dst_id"}}
     pool = {"pool_type": "memory_pool_type", "pool_addr": "address", "pool_thresh": "release_threshold",
             "pool_size": "pool", "pool_used": "utilized_size"}
-    assert set(rawrecords.CUPTI_PYTHON_NAMES) | {rawrecords.KERNEL} == set(rawrecords.RAW_DTYPES)
-    for k, struct_name in rawrecords.CUPTI_PYTHON_NAMES.items():
-        ours = rawrecords.RAW_DTYPES[k]
+    assert set(cupti_layout.CUPTI_PYTHON_NAMES) | {cupti_layout.KERNEL} == set(cupti_layout.RAW_DTYPES)
+    for k, struct_name in cupti_layout.CUPTI_PYTHON_NAMES.items():
+        ours = cupti_layout.RAW_DTYPES[k]
         dt = getattr(cupti, f"activity_{struct_name}_dtype")
         assert ours.itemsize == dt.itemsize, struct_name
         for name, (fmt, off) in ours.fields.items():
-            if k == rawrecords.MEMORY2 and name in pool:
+            if k == cupti_layout.MEMORY2 and name in pool:
                 base = dt.fields["memory_pool_config"][1]
                 sub = dt.fields["memory_pool_config"][0]
                 assert off == base + sub.fields[pool[name]][1], name
@@ -130,19 +131,19 @@ def test_driver_api_records_are_walked_over_counted_and_not_sent() -> None:
     # driver_hooks_via="activity": CUPTI writes a CUpti_ActivityAPI record per cuMemMap/cuMemUnmap
     # into the same buffers; the walk must step over it exactly and the packer must skip it.
     api = cupti.activity_api_dtype
-    assert rawrecords.SKIPPED_SIZES[rawrecords.DRIVER] == api.itemsize
+    assert cupti_layout.SKIPPED_SIZES[cupti_layout.DRIVER] == api.itemsize
     mem = np.zeros(2, dtype=cupti.activity_memory4_dtype)
-    mem["kind"] = rawrecords.MEMORY2
+    mem["kind"] = cupti_layout.MEMORY2
     mem["memory_operation_type"] = 1
     mem["address"] = [0x7000_0000, 0x7020_0000]
     mem["bytes"] = 2 << 20
     call = np.zeros(1, dtype=api)
-    call["kind"] = rawrecords.DRIVER
+    call["kind"] = cupti_layout.DRIVER
     call["cbid"] = int(cupti.driver_api_trace_cbid.cuMemMap)
     buf = mem[:1].tobytes() + call.tobytes() + mem[1:].tobytes()
-    offsets = rawrecords.walk(buf, len(buf))
+    offsets = cupti_layout.walk(buf, len(buf))
     m = mem.dtype.itemsize
-    assert offsets == {rawrecords.MEMORY2: [0, m + api.itemsize], rawrecords.DRIVER: [m]}
+    assert offsets == {cupti_layout.MEMORY2: [0, m + api.itemsize], cupti_layout.DRIVER: [m]}
     out: dict[RecordKind, list[np.ndarray]] = {}
     p = packing.Packer(7, lambda ch: out.setdefault(ch[0], []).append(ch[1].copy()), capacity=16, bulk=True)
     assert p.pack_raw(memoryview(bytearray(buf)), len(buf), offsets) == 2

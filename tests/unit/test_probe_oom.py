@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.probe import rawrecords
+from gpufootprint.wire import cupti_layout
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.oom import (
     ALLOCATION_CBIDS,
@@ -64,13 +64,13 @@ def test_api_record_layout_matches_cupti_python() -> None:
     from cupti import cupti
 
     theirs = cupti.activity_api_dtype
-    assert API_DTYPE.itemsize == theirs.itemsize == rawrecords.SKIPPED_SIZES[rawrecords.DRIVER]
+    assert API_DTYPE.itemsize == theirs.itemsize == cupti_layout.SKIPPED_SIZES[cupti_layout.DRIVER]
     for name, ours in (("cbid", "cbid"), ("start", "start"), ("end", "end"), ("thread_id", "tid"),
                        ("return_value", "ret")):
         assert API_DTYPE.fields[ours][1] == theirs.fields[name][1], name
 
 
-def _raw(rows: list[tuple[int, int, int]], kind: int = rawrecords.DRIVER) -> tuple[np.ndarray, list[int]]:
+def _raw(rows: list[tuple[int, int, int]], kind: int = cupti_layout.DRIVER) -> tuple[np.ndarray, list[int]]:
     from cupti import cupti
 
     arr = np.zeros(len(rows), cupti.activity_api_dtype)
@@ -102,12 +102,12 @@ def test_runtime_records_are_read_with_the_runtimes_own_numbers() -> None:
     RUNTIME record must be looked up as a runtime call (CuPy's and PyTorch's OOMs come this way)."""
     watch = OomWatch()
     u8, offs = _raw([(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 10), (CUDA_LAUNCH_KERNEL, CUDA_ERROR_OUT_OF_MEMORY, 20),
-                     (CUDA_MALLOC_ASYNC, 0, 30)], kind=rawrecords.RUNTIME)
-    watch.api_rows(u8, offs, rawrecords.RUNTIME)
+                     (CUDA_MALLOC_ASYNC, 0, 30)], kind=cupti_layout.RUNTIME)
+    watch.api_rows(u8, offs, cupti_layout.RUNTIME)
     assert (watch.failed_calls, watch.other_failures) == (1, 0)
     (m,) = watch.marks(pid=1, default_dev=0)
     assert m["oom"]["api"] == "cudaMalloc_v3020" and m["ts"] == 10
-    watch.api_objects([fk.api_record(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY, end=40, kind=rawrecords.RUNTIME),
+    watch.api_objects([fk.api_record(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY, end=40, kind=cupti_layout.RUNTIME),
                        fk.api_record(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, end=50)])  # driver cbid 20: no allocation
     (m,) = watch.marks(pid=1, default_dev=0)
     assert m["oom"]["api"] == "cudaMallocAsync_v11020" and watch.failed_calls == 2

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.probe import rawrecords
+from gpufootprint.wire import cupti_layout
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.rawdelivery import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
@@ -110,15 +110,15 @@ def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_noth
     probe = Probe(ProbeSettings(socket="", flush_ms=10, copies="always"), fake, discover_devices=False)
     assert probe.start()
     try:
-        saved = dict(rawrecords._SIZES)
-        rawrecords._SIZES.pop(rawrecords.MEMSET)  # as if CUPTI wrote a kind we cannot size
+        saved = dict(cupti_layout._SIZES)
+        cupti_layout._SIZES.pop(cupti_layout.MEMSET)  # as if CUPTI wrote a kind we cannot size
         try:
             fake.alloc(0x1000, 512)
             fake.emit(fk.memset_record(64))
             fake.alloc(0x2000, 1024)
             probe.mark("m")
         finally:
-            rawrecords._SIZES.update(saved)
+            cupti_layout._SIZES.update(saved)
     finally:
         probe.stop()
     st = probe.status()
@@ -127,16 +127,16 @@ def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_noth
 
 
 def test_walk_refuses_unknown_kinds_and_records_past_the_end() -> None:
-    rec = np.zeros(1, dtype=rawrecords.RAW_DTYPES[rawrecords.MEMSET])
+    rec = np.zeros(1, dtype=cupti_layout.RAW_DTYPES[cupti_layout.MEMSET])
     body = bytearray(rec.tobytes())
-    body[0:4] = rawrecords.MEMSET.to_bytes(4, "little")
+    body[0:4] = cupti_layout.MEMSET.to_bytes(4, "little")
     two = bytes(body) * 2
-    assert rawrecords.walk(two, len(two)) == {rawrecords.MEMSET: [0, 88]}
-    assert rawrecords.walk(two, len(two) - 8) is None  # the second record runs past the valid bytes
+    assert cupti_layout.walk(two, len(two)) == {cupti_layout.MEMSET: [0, 88]}
+    assert cupti_layout.walk(two, len(two) - 8) is None  # the second record runs past the valid bytes
     bad = bytearray(two)
     bad[88:92] = (999).to_bytes(4, "little")
-    assert rawrecords.walk(bytes(bad), len(bad)) is None
-    assert rawrecords.walk(b"", 0) == {}
+    assert cupti_layout.walk(bytes(bad), len(bad)) is None
+    assert cupti_layout.walk(b"", 0) == {}
 
 
 def test_the_buffer_pool_is_bounded_and_cupti_counts_what_did_not_fit(tmp_path: Path) -> None:
@@ -252,16 +252,16 @@ def test_walk_and_gather_agree_with_a_record_by_record_reading_on_mixed_and_unif
     import numpy as np
 
     rng = random.Random(5)
-    sizes = {k: rawrecords.RAW_DTYPES[k].itemsize for k in (rawrecords.MEMORY2, rawrecords.MEMORY_POOL,
-                                                            rawrecords.MEMSET)}
+    sizes = {k: cupti_layout.RAW_DTYPES[k].itemsize for k in (cupti_layout.MEMORY2, cupti_layout.MEMORY_POOL,
+                                                            cupti_layout.MEMSET)}
     for trial in range(60):
         layout: list[int] = []
         while sum(sizes[k] for k in layout) < 40_000:
             if trial % 3 == 0:
-                layout.append(rawrecords.MEMORY2)  # uniform
+                layout.append(cupti_layout.MEMORY2)  # uniform
             else:
-                k = rng.choice([rawrecords.MEMORY_POOL, rawrecords.MEMSET])
-                layout.extend([rawrecords.MEMORY2] * rng.choice([1, 3, 9, 40, 200]) + [k] * rng.choice([1, 2, 12]))
+                k = rng.choice([cupti_layout.MEMORY_POOL, cupti_layout.MEMSET])
+                layout.extend([cupti_layout.MEMORY2] * rng.choice([1, 3, 9, 40, 200]) + [k] * rng.choice([1, 2, 12]))
         buf = bytearray(sum(sizes[k] for k in layout))
         expect: dict[int, list[int]] = {}
         off = 0
@@ -270,12 +270,12 @@ def test_walk_and_gather_agree_with_a_record_by_record_reading_on_mixed_and_unif
             buf[off + 16:off + 24] = (i + 1).to_bytes(8, "little")  # something to tell records apart
             expect.setdefault(k, []).append(off)
             off += sizes[k]
-        got = rawrecords.walk(memoryview(buf), len(buf))
+        got = cupti_layout.walk(memoryview(buf), len(buf))
         assert got == expect, trial
         u8 = np.frombuffer(bytes(buf), dtype=np.uint8)
         for k, offs in expect.items():
-            fancy = u8[np.asarray(offs)[:, None] + np.arange(sizes[k])].view(rawrecords.RAW_DTYPES[k]).reshape(-1)
-            got_rows = rawrecords.gather(u8, k, offs)
+            fancy = u8[np.asarray(offs)[:, None] + np.arange(sizes[k])].view(cupti_layout.RAW_DTYPES[k]).reshape(-1)
+            got_rows = cupti_layout.gather(u8, k, offs)
             assert len(got_rows) == len(offs)
             for name in fancy.dtype.names or ():
                 assert np.array_equal(got_rows[name], fancy[name]), (trial, k, name)

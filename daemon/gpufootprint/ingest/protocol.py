@@ -16,8 +16,8 @@ from typing import Any
 from gpufootprint.errors import FrameError
 from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
-from gpufootprint.probe import rawrecords
 from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.wire import cupti_layout as rawrecords
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer
 
 #: At most one resync request per process this often (a late record or a drift asked for it).

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 # The CUPTI_ActivityKind numbers are kept in one place.
-from gpufootprint.probe.rawrecords import (
+from gpufootprint.wire.cupti_layout import (
     CONCURRENT_KERNEL,
     MEMCPY,
     MEMCPY2,

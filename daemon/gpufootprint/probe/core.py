@@ -27,17 +27,17 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import hostinfo, rawrecords
+from gpufootprint.probe import hostinfo
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, copy_kinds
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
-from gpufootprint.probe.rawrecords import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, MemoryKind, RecordKind
-from gpufootprint.wire import framing
+from gpufootprint.wire import cupti_layout, framing
+from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
@@ -261,12 +261,12 @@ class Probe:
         try:
             buf = view(address, valid)
             if self._forward and not self.settings.raw_verify_walk and self.link is not None and self.link.connected \
-                    and rawrecords.uniform_kind(buf, valid) == rawrecords.MEMORY2:
+                    and cupti_layout.uniform_kind(buf, valid) == cupti_layout.MEMORY2:
                 # Allocation churn fills whole buffers with MEMORY2 records: no walk needed.
                 self._forward_buffer(buf, valid, None)
                 self.counters["raw_buffers"] += 1
                 return
-            offsets = rawrecords.walk(buf, valid)
+            offsets = cupti_layout.walk(buf, valid)
             if self.settings.raw_verify_walk or offsets is None:
                 walk_raw = getattr(self._backend, "walk_raw", None)
                 reference = walk_raw(address, valid) if walk_raw is not None else None
@@ -297,25 +297,25 @@ class Probe:
 
         ``offsets`` None: the buffer holds MEMORY2 records only, back to back."""
         u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
-        size = rawrecords.RAW_DTYPES[rawrecords.MEMORY2].itemsize
+        size = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
         if offsets is None:
-            offsets = {rawrecords.MEMORY2: range(0, valid, size)}
-        n = sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND)
-        for api_kind in rawrecords.API_KINDS:  # failed allocations are found here, before the buffer leaves
+            offsets = {cupti_layout.MEMORY2: range(0, valid, size)}
+        n = sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND)
+        for api_kind in cupti_layout.API_KINDS:  # failed allocations are found here, before the buffer leaves
             api = offsets.get(api_kind)
             if api:
                 self.oom.api_rows(u8, api, api_kind)
-        mem = offsets.get(rawrecords.MEMORY2)
+        mem = offsets.get(cupti_layout.MEMORY2)
         if mem:
-            structs = rawrecords.gather(u8, rawrecords.MEMORY2, mem)
+            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
             self.table.add_raw(structs, self.pid)
             if self._um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
                 self._configure_unified_memory()
         if self.tee is not None:  # recordings keep the plain BATCH frames every reader knows
             for ck, offs in offsets.items():
-                kind = rawrecords.RECORD_KIND.get(ck)
+                kind = cupti_layout.RECORD_KIND.get(ck)
                 if kind is not None:
-                    recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs), self.pid)
+                    recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs), self.pid)
                     try:
                         self.tee.write(framing.encode_batch(kind, recs))
                     except OSError:
@@ -928,8 +928,8 @@ class Probe:
 #: mapping hooks and the allocation calls, which the daemon skips): anything else (kernels, whose
 #: names are pointers into this process; copies) is read here as before. A daemon that says
 #: ``cupti_buffers: 1`` steps over DRIVER records only; ``2`` over RUNTIME records too.
-_FORWARDABLE_V1 = frozenset({rawrecords.MEMORY2, rawrecords.MEMORY_POOL, rawrecords.DRIVER})
-_FORWARDABLE = _FORWARDABLE_V1 | {rawrecords.RUNTIME}
+_FORWARDABLE_V1 = frozenset({cupti_layout.MEMORY2, cupti_layout.MEMORY_POOL, cupti_layout.DRIVER})
+_FORWARDABLE = _FORWARDABLE_V1 | {cupti_layout.RUNTIME}
 
 
 def skip_c_teardown() -> bool:

@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from gpufootprint.probe import rawrecords
+from gpufootprint.wire import cupti_layout
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
 
 Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
@@ -34,7 +34,7 @@ class LiveTable:
     rows: dict[int, Row] = field(default_factory=dict)  # addr -> MEMORY row (op = allocation)
     ranges: dict[int, Row] = field(default_factory=dict)  # synthetic entries (torch segments) by start addr
     pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
-    # MEMORY2 records as CUPTI wrote them (rawrecords.RAW_DTYPES[MEMORY2]), from buffers forwarded
+    # MEMORY2 records as CUPTI wrote them (cupti_layout.RAW_DTYPES[MEMORY2]), from buffers forwarded
     # to the daemon unread: converted here only for the allocations that stay live.
     pending_raw: list[np.ndarray] = field(default_factory=list)
     raw_pid: int = 0
@@ -55,7 +55,7 @@ class LiveTable:
 
     def _raw_as_records(self) -> None:
         for structs in self.pending_raw:
-            self.pending.append(rawrecords.convert(rawrecords.MEMORY2, structs, self.raw_pid))
+            self.pending.append(cupti_layout.convert(cupti_layout.MEMORY2, structs, self.raw_pid))
         self.pending_raw = []
 
     def _advance_raw(self, ts: int) -> None:
@@ -64,13 +64,13 @@ class LiveTable:
         self.pending_raw = [raw[~due]] if not bool(due.all()) else []
         ready = raw[due]
         if len(ready) < _BULK_MIN or self.ranges:
-            recs = rawrecords.convert(rawrecords.MEMORY2, ready, self.raw_pid)
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
             self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
             return
         addrs = ready["address"]
         stay = self._apply_by_address(addrs, ready["op"], np.lexsort((ready["timestamp"], addrs)))
         if len(stay):
-            recs = rawrecords.convert(rawrecords.MEMORY2, ready[stay], self.raw_pid)
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready[stay], self.raw_pid)
             self.rows.update(zip(recs["addr"].tolist(), recs.tolist()))
 
     def advance(self, ts: int) -> None:

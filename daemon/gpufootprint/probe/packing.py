@@ -20,21 +20,21 @@ import numpy as np
 
 from gpufootprint.records import DTYPES, RecordKind
 
-from gpufootprint.probe import rawrecords
-from gpufootprint.probe.rawrecords import RAW_DTYPES
+from gpufootprint.wire import cupti_layout
+from gpufootprint.wire.cupti_layout import RAW_DTYPES
 
 # CUPTI_ActivityKind numbers (stable C ABI values; see notes/cupti-api.md).
-CUPTI_MEMCPY: Final = rawrecords.MEMCPY
-CUPTI_MEMSET: Final = rawrecords.MEMSET
-CUPTI_KERNEL: Final = rawrecords.KERNEL
-CUPTI_CONCURRENT_KERNEL: Final = rawrecords.CONCURRENT_KERNEL
-CUPTI_MEMCPY2: Final = rawrecords.MEMCPY2
-CUPTI_UNIFIED_MEMORY_COUNTER: Final = rawrecords.UNIFIED_MEMORY_COUNTER
-CUPTI_MEMORY2: Final = rawrecords.MEMORY2
-CUPTI_MEMORY_POOL: Final = rawrecords.MEMORY_POOL
+CUPTI_MEMCPY: Final = cupti_layout.MEMCPY
+CUPTI_MEMSET: Final = cupti_layout.MEMSET
+CUPTI_KERNEL: Final = cupti_layout.KERNEL
+CUPTI_CONCURRENT_KERNEL: Final = cupti_layout.CONCURRENT_KERNEL
+CUPTI_MEMCPY2: Final = cupti_layout.MEMCPY2
+CUPTI_UNIFIED_MEMORY_COUNTER: Final = cupti_layout.UNIFIED_MEMORY_COUNTER
+CUPTI_MEMORY2: Final = cupti_layout.MEMORY2
+CUPTI_MEMORY_POOL: Final = cupti_layout.MEMORY_POOL
 
-_POOL_LOCAL: Final = rawrecords.POOL_LOCAL
-_UM_DTOH: Final = rawrecords.UM_DTOH
+_POOL_LOCAL: Final = cupti_layout.POOL_LOCAL
+_UM_DTOH: Final = cupti_layout.UM_DTOH
 _U32: Final = 0xFFFFFFFF
 
 #: (RecordKind, array) handed from the callback to the sender.
@@ -158,13 +158,13 @@ class Packer:
                     except Exception:  # noqa: BLE001
                         self.bad_records += 1
                 continue
-            self._put_rows(rawrecords.RECORD_KIND[k], rows)
+            self._put_rows(cupti_layout.RECORD_KIND[k], rows)
             done += len(rows)
             self.bulk_records += len(rows)
         return done
 
     def _skip(self, kind: int, n: int, rec: Any = None) -> None:
-        if kind in rawrecords.API_KINDS:
+        if kind in cupti_layout.API_KINDS:
             self.api_records += n
             if rec is not None and self.on_api_objects is not None:
                 self.on_api_objects([rec])
@@ -188,23 +188,23 @@ class Packer:
         done = 0
         with self._lock:
             for k, offs in offsets.items():
-                if k not in rawrecords.RECORD_KIND:
+                if k not in cupti_layout.RECORD_KIND:
                     self._skip(k, len(offs))
-                    if k in rawrecords.API_KINDS and self.on_api_rows is not None:
+                    if k in cupti_layout.API_KINDS and self.on_api_rows is not None:
                         try:
                             self.on_api_rows(u8, offs, k)
                         except Exception:  # noqa: BLE001 - a malformed record must not stop the buffer
                             self.bad_records += len(offs)
                     continue
                 try:
-                    src = rawrecords.gather(u8, k, offs)
+                    src = cupti_layout.gather(u8, k, offs)
                     names: dict[int, int] = {}  # name pointer -> id, this buffer only
-                    rows = rawrecords.convert(k, src, self.pid,
+                    rows = cupti_layout.convert(k, src, self.pid,
                                               (lambda p: self._name_id(names, p)) if k in _KERNEL_KINDS else None)
                 except Exception:  # noqa: BLE001 - a malformed buffer loses its records, counted
                     self.bad_records += len(offs)
                     continue
-                self._put_rows(rawrecords.RECORD_KIND[k], rows)
+                self._put_rows(cupti_layout.RECORD_KIND[k], rows)
                 done += len(rows)
             self.records_packed += done
         return done
@@ -212,7 +212,7 @@ class Packer:
     def _name_id(self, cache: dict[int, int], address: int) -> int:
         nid = cache.get(address)
         if nid is None:
-            cache[address] = nid = self._intern(rawrecords.c_string(address))
+            cache[address] = nid = self._intern(c_string(address))
         return nid
 
     def _intern(self, name: str) -> int:
@@ -238,7 +238,7 @@ class Packer:
                          for j, r in ((0, first), (-1, last)))
             if not ok:
                 raise ValueError("raw struct disagrees with the record's attributes")
-            return rawrecords.convert(k, src, self.pid)
+            return cupti_layout.convert(k, src, self.pid)
         except Exception:  # noqa: BLE001 - no ptr (fakes), another layout: attributes from now on
             self.bulk = False
             self.bulk_fallbacks += 1
@@ -334,3 +334,10 @@ class Packer:
 
 
 _KERNEL_KINDS: Final = frozenset((CUPTI_CONCURRENT_KERNEL, CUPTI_KERNEL))
+
+
+def c_string(address: int) -> str:
+    """A NUL-terminated C string CUPTI owns (a kernel's name); '' for NULL."""
+    if not address:
+        return ""
+    return ctypes.string_at(address).decode("utf-8", "replace")

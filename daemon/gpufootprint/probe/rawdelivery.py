@@ -14,7 +14,7 @@ that cupti-python mapped (the only one in the process; see docs/probe.md):
 * ``completed`` only queues ``(address, valid bytes)`` for the sender and
   returns: no parsing, no locks, no I/O, never raises.
 
-The sender reads the records with ``rawrecords.walk`` and gives the buffer back.
+The sender reads the records with ``cupti_layout.walk`` and gives the buffer back.
 """
 
 from __future__ import annotations

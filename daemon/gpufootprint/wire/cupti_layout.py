@@ -1,5 +1,10 @@
 """CUPTI's activity buffers read as bytes: walk the records, convert them in bulk.
 
+Part of the wire: a forwarded CUPTI buffer (``CUPTI_BUFFER`` frame) carries these structs as
+CUPTI wrote them, so the probe (which reads them in the workload's process) and the daemon
+(which reads forwarded buffers in ingest) share this one layout; it lives here so the
+daemon never imports the probe.
+
 A completed CUPTI buffer is a run of C structs, one after another, each starting
 with its ``CUpti_ActivityKind`` (``cuptiActivityGetNextRecord`` advances by the
 struct's size). For the kinds the probe enables, CUPTI 13 writes the structs
@@ -16,7 +21,6 @@ the end); the caller then falls back to another way of reading it.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -264,9 +268,3 @@ def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] 
             out["name_id"] = [name_id(int(p)) for p in src["name"]]
     return out
 
-
-def c_string(address: int) -> str:
-    """A NUL-terminated C string CUPTI owns (a kernel's name); '' for NULL."""
-    if not address:
-        return ""
-    return ctypes.string_at(address).decode("utf-8", "replace")
