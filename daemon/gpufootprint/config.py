@@ -46,7 +46,7 @@ class DaemonConfig:
     socket_group: str | None = _spec(None, doc="group that owns the socket (None: the daemon's)")
     tick_ms: int = _spec(100, lo=5, hi=10_000, doc="how often the snapshot is rebuilt")
     max_frame_bytes: int = _spec(16 * 1024 * 1024, lo=1024, hi=1 << 30, doc="larger frames are refused")
-    # issue 7: limits on what probes can make the daemon hold (docs/reliability.md)
+    # Limits on what probes can make the daemon hold: any local process may connect (docs/reliability.md)
     hello_timeout_seconds: float = _spec(10.0, lo=0, hi=3600,
                                          doc="a connection that has not sent its HELLO by then is cut off (0: never)")
     max_connections: int = _spec(1024, lo=1, hi=1_000_000,
@@ -90,12 +90,12 @@ class DaemonConfig:
 @dataclass(frozen=True)
 class ExporterConfig:
     listen: str = _spec("0.0.0.0:9878", doc="HOST:PORT of /metrics, /healthz, /readyz")
-    # issue 6: cardinality and pod labels
+    # Cardinality and pod labels: what bounds the series one scrape returns
     series_cap: int = _spec(2000, lo=2, hi=10_000_000,
                             doc="max series per metric; past it one pid=\"__overflow__\" series carries the sum")
     extra_pod_labels: str = _spec("", doc="comma-separated pod label keys exported as label_<key> "
                                           "(kubernetes.mode sidecar or daemonset)")
-    # issue 7: TLS and basic auth, in the Prometheus exporter-toolkit web config format
+    # TLS and basic auth, in the Prometheus exporter-toolkit web config format (one file operators already know)
     web_config_file: str | None = _spec(None, doc="YAML with tls_server_config and basic_auth_users "
                                                   "(exporter-toolkit format; None: plain HTTP, no auth)")
     max_label_value_length: int = _spec(256, lo=16, hi=65_536,
@@ -126,7 +126,7 @@ class DemoConfig:
     trace: str | None = _spec(None, doc="trace to loop (None: the bundled H200 traces)")
 
 
-# --- issue 4: feature frames, adaptive sampler, NVML --------------------------------
+# --- feature frames, adaptive sampler, NVML -----------------------------------
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,7 @@ class ProbeConfig:
                                                "stream-ordered allocator, so off by default (docs/oom.md)")
     oom_torch_observer: bool = _spec(True, doc="PyTorch's out-of-memory observer: requested bytes and the "
                                                "allocator's figures at each PyTorch OOM (docs/oom.md)")
-# --- decision engines (issue 5) ------------------------------------------------
+# --- decision engines ---------------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.
 
@@ -568,7 +568,7 @@ def _src(origin: dict[str, str], path: tuple[str, ...]) -> str:
     return f"{source}: " if source else ""
 
 
-# --- engine tables (issue 5) ---------------------------------------------------
+# --- engine tables ------------------------------------------------------------
 
 BUDGET_SCOPES = ("process", "pod", "namespace", "gpu")
 _RULE_KEYS = {"scope", "name", "bytes", "fraction", "soft_action", "hard_action", "soft_fraction"}

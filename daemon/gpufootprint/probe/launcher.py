@@ -115,7 +115,7 @@ class Relay:
         os.chmod(self.socket_path, 0o600)
         self._listener.listen(64)
         self._listener.setblocking(False)
-        # issue 7: a write that fails (disk full) loses the frame, counted; the relay keeps reading so
+        # A write that fails (disk full) loses the frame, counted; the relay keeps reading so
         # the probes never back up into the workload.
         self.frames_lost = 0
         self.records_lost = 0
