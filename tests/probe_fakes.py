@@ -109,8 +109,27 @@ class FakeCupti:
         self.api_cbids: set[int] = set()  # cuptiActivityEnableDriverApi for the allocation calls
         self.runtime_api_cbids: set[int] = set()  # cuptiActivityEnableRuntimeApi for the runtime's
         self.api_switch_refused = False  # scenario: this CUPTI refuses the per-API switch
+        self.errors: list[str] = []
+        self.flush_periods: list[int] = []  # cuptiActivityFlushPeriod calls, in ms
 
     # --- Backend protocol ---
+    def register_raw(self, delivery: Any) -> bool:
+        """cupti-python's objects only: no raw callbacks here (FakeRawCupti has them)."""
+        return False
+
+    def walk_raw(self, address: int, valid: int) -> dict[int, list[int]] | None:
+        return None
+
+    def flush_period(self, ms: int) -> bool:
+        self.flush_periods.append(ms)
+        return True
+
+    def per_thread_buffer(self, on: bool | None) -> int | None:
+        return None
+
+    def libcupti_paths(self) -> list[str]:
+        return []
+
     def driver_hooks(self, on: bool) -> bool:
         if on and self.other_subscriber:
             return False

@@ -97,7 +97,9 @@ def test_raw_delivery_that_cannot_register_falls_back_to_objects_with_one_warnin
     class TwoLibcupti(fk.FakeRawCupti):
         """As on a machine where PyTorch and cupti-python map different libcupti files."""
 
-        errors = ["raw delivery: not exactly one libcupti mapped"]
+        def __init__(self) -> None:
+            super().__init__()
+            self.errors.append("raw delivery: not exactly one libcupti mapped")
 
         def register_raw(self, delivery: Any) -> bool:
             return False

@@ -154,12 +154,9 @@ class Probe:
             self.own_device_bytes = self._backend.configure(self.settings.device_buffer_bytes,
                                                             self.settings.device_buffer_pool_limit)
             self.versions = self._backend.versions()
-            per_thread = getattr(self._backend, "per_thread_buffer", None)
-            if per_thread is not None:
-                want = {"on": True, "off": False}.get(self.settings.per_thread_buffer)
-                self.versions["cupti_per_thread_buffer"] = per_thread(want)
-            paths = getattr(self._backend, "libcupti_paths", None)
-            self.libcupti = paths() if paths is not None else []
+            want = {"on": True, "off": False}.get(self.settings.per_thread_buffer)
+            self.versions["cupti_per_thread_buffer"] = self._backend.per_thread_buffer(want)
+            self.libcupti = self._backend.libcupti_paths()
             self._arm()
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
                 self._kernels_always = True
@@ -199,16 +196,16 @@ class Probe:
             self._set_period(self.flush_s)
 
     def _oom_records(self, on: bool) -> None:
-        switch = getattr(self._backend, "oom_api_records", None)
-        if switch is not None and self.settings.oom_records and not switch(on, self.settings.oom_records_async) and on:
+        if self._backend is not None and self.settings.oom_records \
+                and not self._backend.oom_api_records(on, self.settings.oom_records_async) and on:
             self.counters["oom_records_unavailable"] += 1
 
     def _hooks(self, on: bool) -> None:
         """The driver-API hooks that keep CUPTI recording mappings on every thread (settings.py says how)."""
-        via = "driver_api_records" if self.settings.driver_hooks_via == "activity" else "driver_hooks"
-        hooks = getattr(self._backend, via, None)
-        if hooks is None or not self.settings.driver_hooks:
+        if self._backend is None or not self.settings.driver_hooks:
             return
+        hooks = (self._backend.driver_api_records if self.settings.driver_hooks_via == "activity"
+                 else self._backend.driver_hooks)
         if hooks(on):
             self.counters["driver_hooks"] = 1 if on else 0
             self._hooks_missing = False
@@ -226,20 +223,19 @@ class Probe:
 
     def _backend_reason(self) -> str:
         """The backend's latest error line, for a one-line warning."""
-        errors = getattr(self._backend, "errors", None)
+        errors = self._backend.errors if self._backend is not None else ()
         return str(errors[-1]) if errors else "no reason given"
 
     def _arm_raw(self) -> bool:
         """Register the raw callbacks; False (cupti-python's objects instead) where that cannot be done."""
-        register_raw = getattr(self._backend, "register_raw", None)
-        if self.settings.delivery != "raw" or register_raw is None:
+        if self.settings.delivery != "raw" or self._backend is None:
             return False
         if self.raw is None:
             if self._raw_tried:
                 return False
             self._raw_tried = True
             self.raw = RawDelivery(self.settings.cupti_buffer_bytes, self.settings.raw_buffers, self._raw_completed)
-        if register_raw(self.raw):
+        if self._backend.register_raw(self.raw):
             return True
         self.counters["raw_delivery_unavailable"] += 1
         if self.counters["raw_delivery_unavailable"] == 1:
@@ -266,10 +262,9 @@ class Probe:
                 self._forward_buffer(buf, valid, None)
                 self.counters["raw_buffers"] += 1
                 return
-            offsets = cupti_layout.walk(buf, valid)
+            offsets: Mapping[int, Sequence[int]] | None = cupti_layout.walk(buf, valid)
             if self.settings.raw_verify_walk or offsets is None:
-                walk_raw = getattr(self._backend, "walk_raw", None)
-                reference = walk_raw(address, valid) if walk_raw is not None else None
+                reference = self._backend.walk_raw(address, valid) if self._backend is not None else None
                 if offsets is None:
                     self.counters["raw_walk_fallbacks"] += 1
                     offsets = reference
@@ -349,8 +344,7 @@ class Probe:
             self.counters["unified_memory_unsupported"] += 1
 
     def _set_period(self, seconds: float) -> None:
-        fn = getattr(self._backend, "flush_period", None)
-        if fn is not None and not fn(int(round(seconds * 1000))):
+        if self._backend is not None and not self._backend.flush_period(int(round(seconds * 1000))):
             self.counters["flush_period_failures"] += 1
 
     def _quiesce(self) -> None:
