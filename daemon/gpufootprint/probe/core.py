@@ -27,13 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import hostinfo
+from gpufootprint.probe import hostinfo, resync
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, copy_kinds
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery, view
+from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import cupti_layout, framing
@@ -42,8 +43,6 @@ from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
 
-_RESYNC_CHUNK = 4096
-_DROP_RESYNC_EVERY_S = 2.0  # resyncs that repair records dropped while connected: at most this often
 
 
 class Probe:
@@ -107,17 +106,13 @@ class Probe:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._window_kind = KERNEL if settings.kernel_window_kind == "serial" else CONCURRENT_KERNEL
-        self._want_resync = False
+        self.resyncs = ResyncSchedule()
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
         # stamped just before a flush can still be on its way into CUPTI's buffer (an API call in
         # flight on another thread) when the flush runs; one whole flush period later it is in.
         self._flushed_ns = 0  # clock time taken just before the latest forced flush
         self._table_ts = 0  # the probe's table holds every record stamped at or before this
-        # Records dropped while connected (the daemon stopped reading): a resync repairs them once
-        # the table holds them (the watermark passes the drop) and the socket has room again.
-        self._resync_after_ns = 0
-        self._drop_resync_at = -_DROP_RESYNC_EVERY_S  # monotonic time of the last one
         self._verify = False  # the daemon asked for TOTALS with each watermark
         # The daemon reads CUPTI buffers itself (it said so): buffers of memory and pool records go to
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
@@ -177,7 +172,7 @@ class Probe:
             except OSError as exc:
                 self.errors.append(f"tee: {exc}")
             else:
-                self.tee.write(framing.encode_json(FrameType.HELLO, self.hello))
+                self.tee.put(framing.encode_json(FrameType.HELLO, self.hello))
         self.started = True
         self._thread = threading.Thread(target=self._run, name="gpufootprint-probe", daemon=True)
         self._thread.start()
@@ -312,7 +307,7 @@ class Probe:
                 if kind is not None:
                     recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs), self.pid)
                     try:
-                        self.tee.write(framing.encode_batch(kind, recs))
+                        self.tee.put(framing.encode_batch(kind, recs))
                     except OSError:
                         self.counters["tee_errors"] += 1
         self.counters["raw_records"] += n
@@ -328,9 +323,9 @@ class Probe:
             self.counters["records_dropped"] += n
             self.dropped_by_reason["buffer_full"] += n
             if mem:
-                self._resync_after_ns = max(self._resync_after_ns, int(structs["timestamp"].max()))
+                self.resyncs.dropped(int(structs["timestamp"].max()))
             elif n:
-                self._resync_after_ns = max(self._resync_after_ns, self._clock_ns())
+                self.resyncs.dropped(self._clock_ns())
 
     def _configure_unified_memory(self) -> None:
         """The first managed allocation was seen: unified-memory counters from now on (sender thread)."""
@@ -498,16 +493,12 @@ class Probe:
                     next_hb = now + s.heartbeat_ms / 1000
                 if self.table.range_splits:
                     self.table.range_splits = 0
-                    self._want_resync = True
-                if self._want_resync and self.link is not None and self.link.connected:
-                    self._want_resync = False
+                    self.resyncs.requested = True
+                connected = self.link is not None and self.link.connected
+                if self.resyncs.take_requested(connected):
                     self._resync("requested")
-                if self._resync_after_ns and self._table_ts >= self._resync_after_ns and self.link is not None \
-                        and self.link.connected and self.link.buffered < self.link.buffer_bytes // 2 \
-                        and now - self._drop_resync_at >= _DROP_RESYNC_EVERY_S:
-                    # At most one every few seconds: under a sustained overload a resync is more load.
-                    self._resync_after_ns = 0
-                    self._drop_resync_at = now
+                if self.link is not None and self.resyncs.take_dropped(
+                        now, self._table_ts, connected, room=self.link.buffered < self.link.buffer_bytes // 2):
                     self.counters["drop_resyncs"] += 1
                     self._resync("dropped")
                 if self.link is not None:
@@ -573,7 +564,7 @@ class Probe:
                                                       for d, kinds in self.table.totals().items()}}
         if self.tee is not None:
             try:
-                self.tee.write(framing.encode_json(FrameType.TOTALS, body))
+                self.tee.put(framing.encode_json(FrameType.TOTALS, body))
             except OSError:
                 self.counters["tee_errors"] += 1
         if self._verify and self.link is not None:
@@ -647,14 +638,14 @@ class Probe:
             self.dropped_by_reason["buffer_full" if connected else "daemon_away"] += n
             if connected and kind in (RecordKind.MEMORY, RecordKind.MEMORY_POOL):
                 # The daemon's table now misses these: a resync once the table holds them.
-                self._resync_after_ns = max(self._resync_after_ns, int(arr[TIME_FIELD[kind]].max()))
+                self.resyncs.dropped(int(arr[TIME_FIELD[kind]].max()))
         self.packer.give_back(kind, owned)
 
     def _emit(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
         """To the tee (always) and the socket (when connected). True if the socket took it."""
         if self.tee is not None:
             try:
-                self.tee.write(frame)
+                self.tee.put(frame)
             except OSError:
                 self.counters["tee_errors"] += 1
         if self.link is None:
@@ -686,8 +677,8 @@ class Probe:
         # then whatever CUPTI holds now (which goes to this connection only).
         pending = self.table.pending_array()
         self._resync("connect")
-        for i in range(0, len(pending), _RESYNC_CHUNK):
-            self._emit_link(framing.encode_batch(RecordKind.MEMORY, pending[i:i + _RESYNC_CHUNK]))
+        if self.link is not None:
+            resync.send_records(self.link, pending)
         self._flush_and_drain()
 
     def _emit_link(self, frame: bytes) -> None:
@@ -703,19 +694,12 @@ class Probe:
         ts = self._table_ts  # 0 before the first watermark: an empty table, nothing applied yet
         self._advance_table(ts)
         arr = self.table.to_array(ts)
-        self._emit_link(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
-                                                                      "entries": len(arr), "pid": self.pid}))
-        for i in range(0, len(arr), _RESYNC_CHUNK):
-            self._emit_link(framing.encode_batch(RecordKind.MEMORY, arr[i:i + _RESYNC_CHUNK]))
-        self._emit_link(framing.encode_json(FrameType.RESYNC_END, {"ts": ts, "pid": self.pid}))
+        if self.link is not None:
+            resync.send_table(self.link, arr, ts=ts, reason=reason, pid=self.pid)
         self.counters["resyncs"] += 1
         if self.tee is not None and reason != "connect":
             # A file has no reconnects, but a gap resync changes the table: record it too.
-            self.tee.write(framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": ts, "reason": reason,
-                                                                        "entries": len(arr), "pid": self.pid}))
-            for i in range(0, len(arr), _RESYNC_CHUNK):
-                self.tee.write(framing.encode_batch(RecordKind.MEMORY, arr[i:i + _RESYNC_CHUNK]))
-            self.tee.write(framing.encode_json(FrameType.RESYNC_END, {"ts": ts, "pid": self.pid}))
+            resync.send_table(self.tee, arr, ts=ts, reason=reason, pid=self.pid)
 
     def _gap_end(self, before: list[tuple[int, int, int]], after: list[tuple[int, int, int]]) -> None:
         if self._backend is not None:
@@ -762,7 +746,7 @@ class Probe:
             elif op == "kernel_window":
                 self._open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
             elif op == "resync":
-                self._want_resync = True
+                self.resyncs.requested = True
                 self.counters["resyncs_requested"] += 1
             elif op == "verify":
                 self._verify = True

@@ -1,7 +1,8 @@
 """Where the probe's frames go: the daemon's Unix socket, and optionally a file.
 
-Two twins with one interface (memray's SocketDestination/FileDestination): the
-same bytes, so a recorded file replays exactly like a live connection. The
+Two twins with one interface, ``Sink`` (memray's SocketDestination/FileDestination):
+the same bytes, so a recorded file replays exactly like a live connection, and
+whatever is written to both (a resync) is written by one function. The
 socket link never blocks: frames wait in a bounded byte buffer; a frame that does
 not fit is dropped and counted; when the daemon is away the link reconnects with
 exponential backoff and tells its owner, who then sends a full resync.
@@ -17,15 +18,22 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Protocol
 
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder
 
 log = logging.getLogger(__name__)
 
 
+class Sink(Protocol):
+    def put(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
+        """Queue or write one frame; False when it was dropped. ``must``: never dropped for want of
+        room; ``records``/``mark``: what the frame carries, counted as lost if it never leaves."""
+        ...
+
+
 class FileSink:
-    """Every frame, in order, to a file (``record`` and ``tee``). Never drops."""
+    """Every frame, in order, to a file (``record`` and ``tee``). Never drops; a failed write raises."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -38,6 +46,10 @@ class FileSink:
     def write(self, frame: bytes) -> None:
         self._fh.write(frame)
         self.bytes_written += len(frame)
+
+    def put(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
+        self.write(frame)
+        return True
 
     def close(self) -> None:
         try:
