@@ -106,7 +106,7 @@ def test_raw_delivery_that_cannot_register_falls_back_to_objects_with_one_warnin
 
     fake = TwoLibcupti()
     probe = Probe(ProbeSettings(socket="", flush_ms=10), fake, discover_devices=False)
-    with caplog.at_level("WARNING", logger="gpufootprint.probe.core"):
+    with caplog.at_level("WARNING", logger="gpufootprint.probe.arming"):
         assert probe.start()
         try:
             fake.alloc(0x1000, 4096)

@@ -55,7 +55,7 @@ def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pyt
     try:
         probe.takeover_begin()
         assert fake.other_tool_subscribes()  # and never lets go
-        with caplog.at_level(logging.WARNING, logger="gpufootprint.probe.core"):
+        with caplog.at_level(logging.WARNING, logger="gpufootprint.probe.arming"):
             probe.takeover_end([], list)
         fake.alloc(0x1000, 4096)
         probe.mark("after")

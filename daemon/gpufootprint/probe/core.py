@@ -15,10 +15,8 @@ Threads and their duties:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -27,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import hostinfo, resync
-from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, copy_kinds
+from gpufootprint.probe import arming, control, counters, hostinfo, resync, untracked
+from gpufootprint.probe.arming import CuptiArming
+from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
@@ -38,7 +37,7 @@ from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import cupti_layout, framing
-from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
+from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
 from gpufootprint.wire.framing import Frame, FrameType
 
 log = logging.getLogger(__name__)
@@ -81,21 +80,12 @@ class Probe:
         self.own_device_bytes = 0
         self.buffers_requested = 0
         self.buffers_completed = 0
-        # Raw delivery (settings.delivery == "raw" and the backend can register it):
-        # CUPTI's buffers reach the sender as bytes. None: cupti-python's objects.
-        self.raw: RawDelivery | None = None
-        self._raw_tried = False
+        # Callbacks, kinds, hooks: what the probe switches on in CUPTI (probe/arming.py).
+        self.cupti = CuptiArming(settings, self.counters, self._raw_completed)
         self.flush_s = settings.flush_ms / 1000
-        # "period": CUPTI's worker delivers full buffers every flush_s; forced flushes
-        # (which stall the workload while they run) only every watermark_s.
-        self.period = settings.flush_mode == "period"
+        self.period = self.cupti.period
         self.watermark_s = max(1, settings.watermark_ms) / 1000
         self.libcupti: list[str] = []
-        # Copies and memsets (settings.copies): off by default. Enabled, they cost 3-9% on
-        # launch-bound steps even when no copy happens, and enabling them only in short windows
-        # cost as much (H200, docs/performance.md runs 6-8).
-        self._copy_kinds = copy_kinds(settings.copy_kinds) if settings.copies == "always" else ()
-        self._kinds = FOOTPRINT_ONLY + self._copy_kinds
         self.in_gap = False
         self._gap_started_ns = 0
         self.gap_seconds = 0.0
@@ -118,18 +108,16 @@ class Probe:
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
         self._forward = False
         self._forwardable = _FORWARDABLE_V1  # the kinds this daemon steps over (it says which)
-        self._hooks_missing = False  # the driver-API hooks were refused; retried every heartbeat
-        self._kernels_always = False
-        # UNIFIED_MEMORY_COUNTER is configured when the process first allocates managed
-        # memory, not at start: without managed memory it has nothing to count, and it is one
-        # CUPTI state fewer in the many processes that never use any (docs/probe.md).
-        self._um_wanted = settings.unified_memory
-        self._um_configured = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = False
         self.errors: list[str] = []
+
+    @property
+    def raw(self) -> RawDelivery | None:
+        """Raw delivery, where it registered (None: cupti-python's record objects)."""
+        return self.cupti.raw
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -142,6 +130,7 @@ class Probe:
                 from gpufootprint.probe.backend import CuptiBackend
 
                 self._backend = CuptiBackend(self.settings.flush_nogil)
+            self.cupti.backend = self._backend
             if self._discover:
                 self.devices, self.cuda_before = hostinfo.cuda_devices()
             # configure() is the first CUPTI call (cupti-python maps its libcupti); the
@@ -152,9 +141,9 @@ class Probe:
             want = {"on": True, "off": False}.get(self.settings.per_thread_buffer)
             self.versions["cupti_per_thread_buffer"] = self._backend.per_thread_buffer(want)
             self.libcupti = self._backend.libcupti_paths()
-            self._arm()
+            self.cupti.arm(self._requested, self._completed, self.flush_s)
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
-                self._kernels_always = True
+                self.cupti.kernels_always = True
         except Exception as exc:  # noqa: BLE001 - no CUPTI, no driver: the workload runs unprobed
             self.errors.append(f"start: {exc}")
             log.warning("gpufootprint probe not started: %s", exc)
@@ -164,7 +153,7 @@ class Probe:
         # own clock must wait at least this long (docs/performance.md, late records).
         self.hello["flush_mode"] = self.settings.flush_mode
         self.hello["delivery"] = "raw" if self.raw is not None else "objects"
-        self.hello["copies"] = "always" if self._copy_kinds else "off"
+        self.hello["copies"] = "always" if self.cupti.copy_kinds else "off"
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:
@@ -177,68 +166,6 @@ class Probe:
         self._thread = threading.Thread(target=self._run, name="gpufootprint-probe", daemon=True)
         self._thread.start()
         return True
-
-    def _arm(self) -> None:
-        assert self._backend is not None
-        if not self._arm_raw():
-            self._backend.register(self._requested, self._completed)
-        for kind in self._kinds:
-            if not self._backend.enable(kind):
-                self.counters[f"kind_unavailable_{kind}"] += 1
-        self._hooks(True)
-        self._oom_records(True)
-        if self.period:
-            self._set_period(self.flush_s)
-
-    def _oom_records(self, on: bool) -> None:
-        if self._backend is not None and self.settings.oom_records \
-                and not self._backend.oom_api_records(on, self.settings.oom_records_async) and on:
-            self.counters["oom_records_unavailable"] += 1
-
-    def _hooks(self, on: bool) -> None:
-        """The driver-API hooks that keep CUPTI recording mappings on every thread (settings.py says how)."""
-        if self._backend is None or not self.settings.driver_hooks:
-            return
-        hooks = (self._backend.driver_api_records if self.settings.driver_hooks_via == "activity"
-                 else self._backend.driver_hooks)
-        if hooks(on):
-            self.counters["driver_hooks"] = 1 if on else 0
-            self._hooks_missing = False
-        elif on:
-            # Refused (subscriber: another tool or a profiler holds CUPTI's one place; activity:
-            # CUPTI refused the switch): asked again every heartbeat.
-            self.counters["driver_hooks"] = 0
-            if self._hooks_missing:
-                return
-            self._hooks_missing = True
-            self.counters["driver_hooks_unavailable"] += 1
-            if self.counters["driver_hooks_unavailable"] == 1:
-                log.warning("gpufootprint probe: no CUPTI driver-API hooks (%s); mappings made on threads "
-                            "other than the main one may be missed (docs/probe.md)", self._backend_reason())
-
-    def _backend_reason(self) -> str:
-        """The backend's latest error line, for a one-line warning."""
-        errors = self._backend.errors if self._backend is not None else ()
-        return str(errors[-1]) if errors else "no reason given"
-
-    def _arm_raw(self) -> bool:
-        """Register the raw callbacks; False (cupti-python's objects instead) where that cannot be done."""
-        if self.settings.delivery != "raw" or self._backend is None:
-            return False
-        if self.raw is None:
-            if self._raw_tried:
-                return False
-            self._raw_tried = True
-            self.raw = RawDelivery(self.settings.cupti_buffer_bytes, self.settings.raw_buffers, self._raw_completed)
-        if self._backend.register_raw(self.raw):
-            return True
-        self.counters["raw_delivery_unavailable"] += 1
-        if self.counters["raw_delivery_unavailable"] == 1:
-            log.warning("gpufootprint probe: raw delivery unavailable (%s); using cupti-python's record objects",
-                        self._backend_reason())
-        if self.counters["raw_buffers"] == 0:
-            self.raw = None  # never worked here: objects from now on
-        return False
 
     def _raw_completed(self, address: int, valid: int) -> None:
         # CUPTI's thread: queue the buffer for the sender, nothing else.
@@ -299,8 +226,8 @@ class Probe:
         if mem:
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
             self.table.add_raw(structs, self.pid)
-            if self._um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
-                self._configure_unified_memory()
+            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
+                self.cupti.configure_unified_memory(self.in_gap)
         if self.tee is not None:  # recordings keep the plain BATCH frames every reader knows
             for ck, offs in offsets.items():
                 kind = cupti_layout.RECORD_KIND.get(ck)
@@ -327,31 +254,6 @@ class Probe:
             elif n:
                 self.resyncs.dropped(self._clock_ns())
 
-    def _configure_unified_memory(self) -> None:
-        """The first managed allocation was seen: unified-memory counters from now on (sender thread)."""
-        if self.in_gap or self._backend is None:
-            return  # the profiler holds CUPTI; the hand-back configures them
-        self._um_wanted = False
-        if self._backend.configure_unified_memory():
-            self._um_configured = True
-            self.counters["unified_memory_configured"] += 1
-        else:
-            self.counters["unified_memory_unsupported"] += 1
-
-    def _set_period(self, seconds: float) -> None:
-        if self._backend is not None and not self._backend.flush_period(int(round(seconds * 1000))):
-            self.counters["flush_period_failures"] += 1
-
-    def _quiesce(self) -> None:
-        """Our kinds off and CUPTI's periodic delivery back to its default (sender thread)."""
-        assert self._backend is not None
-        for kind in (*ALWAYS_ON, CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER):
-            self._backend.disable(kind)
-        self._hooks(False)
-        self._oom_records(False)
-        if self.period:
-            self._set_period(0)
-
     def stop(self, timeout: float = 3.0) -> None:
         """Final flush, GOODBYE, close. Safe to call twice and from atexit."""
         if not self.started or self._stop.is_set():
@@ -365,7 +267,7 @@ class Probe:
         """``stop`` from the interpreter's atexit; after a profiler session, skip the C teardown too."""
         self.stop()
         if self.settings.skip_c_teardown_after_profiler and self.counters["profiler_gaps"] > 0:
-            if skip_c_teardown():
+            if arming.skip_c_teardown():
                 self.counters["c_teardown_skipped"] += 1
 
     # --- CUPTI callbacks (CUPTI's thread; never raise, never block) ---------------------
@@ -438,10 +340,10 @@ class Probe:
             # Hand every buffer still inside CUPTI to the callbacks registered now (the
             # profiler's): a buffer the profiler allocated must never reach ours.
             self._backend.flush(True)
-            self._arm()
-            if self._um_configured:
+            self.cupti.arm(self._requested, self._completed, self.flush_s)
+            if self.cupti.um_configured:
                 self._backend.configure_unified_memory()
-            if self._kernels_always:
+            if self.cupti.kernels_always:
                 self._backend.enable(CONCURRENT_KERNEL)
             elif self._kernel_window is not None:
                 self._backend.enable(self._window_kind)
@@ -485,8 +387,8 @@ class Probe:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
                 if now >= next_hb and not stopping:
-                    if self._hooks_missing and not self.in_gap:
-                        self._hooks(True)  # the tool that held CUPTI's subscriber place may have let go
+                    if self.cupti.hooks_missing and not self.in_gap:
+                        self.cupti.hooks(True)  # the tool that held CUPTI's subscriber place may have let go
                     if self.settings.oom_torch_observer and not self.oom.torch_attached:
                         self.oom.attach_torch()
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
@@ -594,7 +496,7 @@ class Probe:
                     # Stop producing records: buffers CUPTI fills after the profiler
                     # registers its callbacks belong to the profiler, not to us.
                     # Kinds off first, then the flush: no record of ours is left behind.
-                    self._quiesce()
+                    self.cupti.quiesce()
                     self._backend.flush(True)
                 self.packer.flush()
                 self.in_gap = True
@@ -621,8 +523,8 @@ class Probe:
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
             self._last_dev = int(arr["dev"][-1])
-            if self._um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
-                self._configure_unified_memory()
+            if self.cupti.um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
+                self.cupti.configure_unified_memory(self.in_gap)
         if kind is RecordKind.KERNEL:
             names = self.packer.take_new_names()
             if names:
@@ -728,49 +630,28 @@ class Probe:
                 rest.append(item)
         self._q.extendleft(reversed(rest))
 
-    # --- control ------------------------------------------------------------------------
+    # --- control (the daemon's CONTROL frames: probe/control.py; sender thread) -----------------
 
     def _control(self, frame: Frame) -> None:
-        try:
-            body = frame.json() if frame.type is FrameType.CONTROL else None
-        except Exception:  # noqa: BLE001
-            body = None
-        op = body.get("op") if body else None
-        try:
-            if op == "flush_interval":
-                ms = int(body["ms"])  # type: ignore[index]
-                self.flush_s = min(1000, max(1, ms)) / 1000
-                if self.period and not self.in_gap:
-                    self._set_period(self.flush_s)  # CUPTI's thread delivers sooner; no forced flushes
-                self.counters["control_flush_interval"] += 1
-            elif op == "kernel_window":
-                self._open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
-            elif op == "resync":
-                self.resyncs.requested = True
-                self.counters["resyncs_requested"] += 1
-            elif op == "verify":
-                self._verify = True
-                level = body.get("cupti_buffers")  # type: ignore[union-attr]
-                if level in (1, 2):
-                    self._forward = self.settings.forward_buffers
-                    self._forwardable = _FORWARDABLE if level == 2 else _FORWARDABLE_V1
-            elif op == "torch_empty_cache":
-                torch = sys.modules.get("torch")
-                if torch is not None and torch.cuda.is_initialized():
-                    torch.cuda.empty_cache()
-                self.counters["control_empty_cache"] += 1
-            elif op == "torch_memory_fraction":
-                torch = sys.modules.get("torch")
-                if torch is not None:
-                    torch.cuda.set_per_process_memory_fraction(float(body["fraction"]),  # type: ignore[index]
-                                                               int(body.get("device", 0)))  # type: ignore[union-attr]
-                self.counters["control_memory_fraction"] += 1
-            else:
-                self.counters["control_unknown"] += 1
-        except Exception:  # noqa: BLE001 - a bad control message is counted, never raised
-            self.counters["control_unknown"] += 1
+        control.apply_control(frame, self)
 
-    def _open_kernel_window(self, ms: int, wid: int) -> None:
+    def set_flush_interval(self, ms: int) -> None:
+        self.flush_s = min(1000, max(1, ms)) / 1000
+        if self.period and not self.in_gap:
+            self.cupti.set_period(self.flush_s)  # CUPTI's thread delivers sooner; no forced flushes
+
+    def request_resync(self) -> None:
+        self.resyncs.requested = True
+
+    def send_totals(self, cupti_buffers: int) -> None:
+        """TOTALS with each watermark from now on; with ``cupti_buffers`` 1 or 2, CUPTI's buffers forwarded
+        unread (1: the daemon steps over DRIVER records in them; 2: over RUNTIME records too)."""
+        self._verify = True
+        if cupti_buffers in (1, 2):
+            self._forward = self.settings.forward_buffers
+            self._forwardable = _FORWARDABLE if cupti_buffers == 2 else _FORWARDABLE_V1
+
+    def open_kernel_window(self, ms: int, wid: int) -> None:
         ms = max(1, min(ms, 60_000))
         if self._kernel_window is None:
             if self.in_gap or self._backend is None or not self._backend.enable(self._window_kind):
@@ -787,7 +668,7 @@ class Probe:
         window, self._kernel_window = self._kernel_window, None
         if window is None:
             return
-        if not self.in_gap and self._backend is not None and not self._kernels_always:
+        if not self.in_gap and self._backend is not None and not self.cupti.kernels_always:
             self._backend.disable(self._window_kind)
         self._flush_and_drain()
         window["end_ns"] = self._clock_ns()
@@ -799,20 +680,15 @@ class Probe:
 
     def _update_untracked(self) -> None:
         if self._nvml_used is None:
-            from gpufootprint.probe.untracked import nvml_used_bytes
-
-            self._nvml_used = nvml_used_bytes
+            self._nvml_used = untracked.nvml_used_bytes
         used = self._nvml_used(self.pid, self.devices)
         if used is None:
             return
         if self.period and not self.in_gap:
             # NVML minus what CUPTI saw: everything CUPTI holds must be in, up to now.
             self._flush_and_drain()
-        ts = self._clock_ns()
         # Queued like any record (the table and the daemon apply it at the same watermark).
-        arr = np.concatenate([self.table.untracked_records(dev, max(0, nbytes - self.table.resident_bytes_now(dev)),
-                                                           ts, self.pid) for dev, nbytes in used.items()]
-                             or [np.zeros(0, dtype=MEMORY_DTYPE)])
+        arr = untracked.untracked_records(self.table, used, self._clock_ns(), self.pid)
         if len(arr):
             if self._emit(framing.encode_batch(RecordKind.MEMORY, arr)):
                 self.counters["records_sent"] += len(arr)
@@ -820,48 +696,8 @@ class Probe:
     # --- heartbeats ---------------------------------------------------------------------------
 
     def _counter_values(self) -> dict[str, Any]:
-        c = self.counters
-        if self.raw is not None:
-            host = self.raw.allocated * self.raw.buffer_bytes + self.packer.host_bytes
-        else:
-            outstanding = max(0, self.buffers_requested - self.buffers_completed)
-            host = outstanding * self.settings.cupti_buffer_bytes + self.packer.host_bytes
-        if self.link is not None:
-            host += self.link.buffered
-        return {
-            "records_sent": c["records_sent"], "records_dropped": c["records_dropped"],
-            "batches_sent": c["batches_sent"], "reconnects": max(0, (self.link.connects if self.link else 0) - 1),
-            "callback_seconds": round(self.callback_seconds, 6), "own_device_bytes": self.own_device_bytes,
-            "own_host_bytes": host, "kernel_windows": c["kernel_windows"], "control_unknown": c["control_unknown"],
-            "cupti_gap_seconds": round(self.gap_seconds + (time.monotonic_ns() - self._gap_started_ns) / 1e9
-                                       if self.in_gap else self.gap_seconds, 6),
-            "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
-            "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
-            "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(self.table_seconds, 6),
-            "forward_seconds": round(self.forward_seconds, 6),
-            "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
-            "buffers_completed": self.buffers_completed + (self.raw.completed if self.raw else 0),
-            "bulk_records": self.packer.bulk_records, "raw_delivery": 1 if self.raw is not None else 0,
-            "raw_delivery_unavailable": c["raw_delivery_unavailable"],
-            "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
-            "raw_buffers_refused": self.raw.refused if self.raw else 0,
-            "raw_buffers_requested": self.raw.requested if self.raw else 0,
-            "raw_callback_errors": self.raw.errors if self.raw else 0,
-            "raw_queues": len(self.raw.queues) if self.raw else 0,
-            "driver_hooks": c["driver_hooks"], "driver_hooks_unavailable": c["driver_hooks_unavailable"],
-            "raw_foreign_buffers": self.raw.foreign if self.raw else 0,
-            "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
-            "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
-            "bulk_fallbacks": self.packer.bulk_fallbacks,
-            "packer_unknown_kinds": self.packer.unknown_kinds, "packer_bad_records": self.packer.bad_records,
-            "driver_api_records": self.packer.api_records,
-            "cupti_dropped_records": self._cupti_dropped(), "cupti_bad_timestamps": c["cupti_bad_timestamps"],
-            "unified_memory_configured": c["unified_memory_configured"],
-            "oom_records_unavailable": c["oom_records_unavailable"], **self.oom.counters(),
-            **{f"connections_{k}": v for k, v in (self.link.connections.items() if self.link else ())},
-            **{f"disconnects_{k}": v for k, v in (self.link.disconnects.items() if self.link else ())},
-            **{f"dropped_{k}": v for k, v in self.dropped_by_reason.items()},
-        }
+        gap = self.gap_seconds + (time.monotonic_ns() - self._gap_started_ns) / 1e9 if self.in_gap else self.gap_seconds
+        return counters.counter_values(self, gap_seconds=gap, cupti_dropped=self._cupti_dropped())
 
     def _cupti_dropped(self) -> int:
         if self._backend is None or self.in_gap:
@@ -876,7 +712,7 @@ class Probe:
 
     def _heartbeat(self) -> dict[str, Any]:
         body: dict[str, Any] = {"ts": self._clock_ns(), "pid": self.pid, "counters": self._counter_values()}
-        torch_numbers = _torch_numbers()
+        torch_numbers = counters.torch_numbers()
         if torch_numbers:
             body["torch"] = torch_numbers
         return body
@@ -887,7 +723,7 @@ class Probe:
                 # Nothing of ours may stay inside CUPTI after this: a buffer delivered
                 # while the interpreter shuts down would call into a dying Python.
                 hooks = self.counters["driver_hooks"]
-                self._quiesce()
+                self.cupti.quiesce()
                 self.counters["driver_hooks"] = hooks  # GOODBYE says how the process was recorded
             self._flush_and_drain()
             if self._kernel_window is not None:
@@ -909,37 +745,3 @@ class Probe:
 _FORWARDABLE_V1 = frozenset({cupti_layout.MEMORY2, cupti_layout.MEMORY_POOL, cupti_layout.DRIVER})
 _FORWARDABLE = _FORWARDABLE_V1 | {cupti_layout.RUNTIME}
 
-
-def skip_c_teardown() -> bool:
-    """From now on, C's exit() ends the process at once, with its status: nothing registered before runs.
-
-    glibc calls an ``on_exit`` handler as ``handler(status, arg)`` and runs handlers newest
-    first; registering libc's own ``_exit`` therefore ends the process with exit()'s status
-    before the static destructors and atexit handlers of the libraries loaded earlier (CUPTI,
-    Kineto, the CUDA runtime) run. Python has finalised by then (its buffers are flushed);
-    C stdio buffers are flushed here. False where there is no ``on_exit`` (not glibc).
-    """
-    try:
-        libc = ctypes.CDLL(None)
-        on_exit, fflush, exit_now = libc.on_exit, libc.fflush, libc._exit
-    except (OSError, AttributeError):
-        return False
-    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    on_exit.restype = ctypes.c_int
-    fflush.argtypes = [ctypes.c_void_p]
-    fflush(None)
-    return int(on_exit(ctypes.cast(exit_now, ctypes.c_void_p), None)) == 0
-
-
-def _torch_numbers() -> dict[str, Any]:
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return {}
-    try:
-        if not torch.cuda.is_initialized():
-            return {}
-        n = torch.cuda.device_count()
-        return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
-                "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
-    except Exception:  # noqa: BLE001
-        return {}

@@ -9,7 +9,13 @@ which is part of the same blind spot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
+
+from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.records import MEMORY_DTYPE
 
 _state: dict[str, Any] = {}
 
@@ -39,3 +45,10 @@ def nvml_used_bytes(pid: int, devices: list[dict[str, Any]]) -> dict[int, int] |
         return out
     except Exception:  # noqa: BLE001 - NVML missing or broken: no untracked figure
         return None
+
+
+def untracked_records(table: LiveTable, used: Mapping[int, int], ts: int, pid: int) -> np.ndarray:
+    """MEMORY records that set each device's untracked figure to NVML's ``used`` minus what the
+    table holds resident (never below zero), stamped ``ts``."""
+    return np.concatenate([table.untracked_records(dev, max(0, nbytes - table.resident_bytes_now(dev)), ts, pid)
+                           for dev, nbytes in used.items()] or [np.zeros(0, dtype=MEMORY_DTYPE)])

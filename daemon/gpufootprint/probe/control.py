@@ -1,0 +1,66 @@
+"""CONTROL frames from the daemon, applied in the probe (sender thread).
+
+The daemon may ask for: a flush interval (the adaptive sampler), a kernel window
+(the CUDA Graph advisor), a resync, TOTALS with each watermark (and, with
+``cupti_buffers`` 1 or 2, CUPTI's buffers forwarded unread), and two PyTorch
+allocator actions. An unknown or malformed message is counted (``control_unknown``), never
+raised: a daemon newer than the probe may ask for things it does not know.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any, Protocol
+
+from gpufootprint.wire.framing import Frame, FrameType
+
+
+class ControlTarget(Protocol):
+    """What a CONTROL frame can change in the probe."""
+
+    counters: Counter[str]
+
+    def set_flush_interval(self, ms: int) -> None: ...
+    def open_kernel_window(self, ms: int, wid: int) -> None: ...
+    def request_resync(self) -> None: ...
+    def send_totals(self, cupti_buffers: int) -> None: ...
+
+
+def apply_control(frame: Frame, target: ControlTarget) -> None:
+    try:
+        body = frame.json() if frame.type is FrameType.CONTROL else None
+    except Exception:  # noqa: BLE001
+        body = None
+    op = body.get("op") if body else None
+    counters = target.counters
+    try:
+        if op == "flush_interval":
+            target.set_flush_interval(int(body["ms"]))  # type: ignore[index]
+            counters["control_flush_interval"] += 1
+        elif op == "kernel_window":
+            target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
+        elif op == "resync":
+            target.request_resync()
+            counters["resyncs_requested"] += 1
+        elif op == "verify":
+            level = body.get("cupti_buffers")  # type: ignore[union-attr]
+            target.send_totals(int(level) if level in (1, 2) else 0)
+        elif op == "torch_empty_cache":
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+            counters["control_empty_cache"] += 1
+        elif op == "torch_memory_fraction":
+            _torch_memory_fraction(body)  # type: ignore[arg-type]
+            counters["control_memory_fraction"] += 1
+        else:
+            counters["control_unknown"] += 1
+    except Exception:  # noqa: BLE001 - a bad control message is counted, never raised
+        counters["control_unknown"] += 1
+
+
+def _torch_memory_fraction(body: dict[str, Any]) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.cuda.set_per_process_memory_fraction(float(body["fraction"]), int(body.get("device", 0)))

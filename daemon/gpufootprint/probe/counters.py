@@ -1,0 +1,99 @@
+"""The probe's counters as its HEARTBEAT and GOODBYE frames (and ``status()``) carry them.
+
+The daemon exports these as the probe's own cost and losses (docs/reliability.md):
+records sent and dropped by reason, CPU seconds in callbacks, flushes and the table,
+host and device bytes the probe holds, CUPTI's own drops, raw-delivery and hook states.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any, Protocol
+
+from gpufootprint.probe.link import SocketLink
+from gpufootprint.probe.oom import OomWatch
+from gpufootprint.probe.packing import Packer
+from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.settings import ProbeSettings
+
+
+class CounterSources(Protocol):
+    """The parts of the probe its counters are read from."""
+
+    settings: ProbeSettings
+    counters: Counter[str]
+    dropped_by_reason: Counter[str]
+    packer: Packer
+    oom: OomWatch
+    link: SocketLink | None
+    callback_seconds: float
+    table_seconds: float
+    forward_seconds: float
+    own_device_bytes: int
+    buffers_requested: int
+    buffers_completed: int
+
+    @property
+    def raw(self) -> RawDelivery | None: ...
+
+
+def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int) -> dict[str, Any]:
+    """Every counter, by the name the daemon knows it by."""
+    c = p.counters
+    raw, link, packer = p.raw, p.link, p.packer
+    if raw is not None:
+        host = raw.allocated * raw.buffer_bytes + packer.host_bytes
+    else:
+        outstanding = max(0, p.buffers_requested - p.buffers_completed)
+        host = outstanding * p.settings.cupti_buffer_bytes + packer.host_bytes
+    if link is not None:
+        host += link.buffered
+    return {
+        "records_sent": c["records_sent"], "records_dropped": c["records_dropped"],
+        "batches_sent": c["batches_sent"], "reconnects": max(0, (link.connects if link else 0) - 1),
+        "callback_seconds": round(p.callback_seconds, 6), "own_device_bytes": p.own_device_bytes,
+        "own_host_bytes": host, "kernel_windows": c["kernel_windows"], "control_unknown": c["control_unknown"],
+        "cupti_gap_seconds": round(gap_seconds, 6),
+        "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
+        "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
+        "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(p.table_seconds, 6),
+        "forward_seconds": round(p.forward_seconds, 6),
+        "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
+        "buffers_completed": p.buffers_completed + (raw.completed if raw else 0),
+        "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
+        "raw_delivery_unavailable": c["raw_delivery_unavailable"],
+        "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
+        "raw_buffers_refused": raw.refused if raw else 0,
+        "raw_buffers_requested": raw.requested if raw else 0,
+        "raw_callback_errors": raw.errors if raw else 0,
+        "raw_queues": len(raw.queues) if raw else 0,
+        "driver_hooks": c["driver_hooks"], "driver_hooks_unavailable": c["driver_hooks_unavailable"],
+        "raw_foreign_buffers": raw.foreign if raw else 0,
+        "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
+        "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
+        "bulk_fallbacks": packer.bulk_fallbacks,
+        "packer_unknown_kinds": packer.unknown_kinds, "packer_bad_records": packer.bad_records,
+        "driver_api_records": packer.api_records,
+        "cupti_dropped_records": cupti_dropped, "cupti_bad_timestamps": c["cupti_bad_timestamps"],
+        "unified_memory_configured": c["unified_memory_configured"],
+        "oom_records_unavailable": c["oom_records_unavailable"], **p.oom.counters(),
+        **{f"connections_{k}": v for k, v in (link.connections.items() if link else ())},
+        **{f"disconnects_{k}": v for k, v in (link.disconnects.items() if link else ())},
+        **{f"dropped_{k}": v for k, v in p.dropped_by_reason.items()},
+    }
+
+
+def torch_numbers() -> dict[str, Any]:
+    """PyTorch's allocator figures by device, where the workload has initialised CUDA through it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    try:
+        if not torch.cuda.is_initialized():
+            return {}
+        n = torch.cuda.device_count()
+        return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
+                "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
+    except Exception:  # noqa: BLE001
+        return {}
