@@ -26,9 +26,7 @@ import yaml
 
 from gpufootprint.errors import ConfigError
 from gpufootprint.probe.settings import COPY_MODES as PROBE_COPY_MODES
-from gpufootprint.probe.settings import DELIVERIES as PROBE_DELIVERIES
-from gpufootprint.probe.settings import HOOKS_VIA as PROBE_HOOKS_VIA
-from gpufootprint.probe.settings import MINIMUMS as PROBE_MINIMUMS
+from gpufootprint.probe.settings import ProbeOptions
 from gpufootprint.probe.settings import copy_mode as probe_copy_mode
 
 ENV_PREFIX = "GPUFOOTPRINT_"
@@ -186,56 +184,13 @@ class NvmlConfig:
 
 
 @dataclass(frozen=True)
-class ProbeConfig:
-    """Settings handed to probes started by ``gpufootprint run`` (as GPUFOOTPRINT_PROBE_* variables)."""
+class ProbeConfig(ProbeOptions):
+    """Settings handed to probes started by ``gpufootprint run`` (as GPUFOOTPRINT_PROBE_* variables).
 
-    flush_mode: str = _spec("period", choices=("period", "forced"),
-                            doc="period: CUPTI's own thread delivers buffers every flush_ms, forced flush only every "
-                                "watermark_ms; forced: a forced flush every flush_ms (docs/performance.md)")
-    flush_ms: int = _spec(100, lo=1, hi=1000, doc="flush cadence (the sampler may change it)")
-    watermark_ms: int = _spec(1000, lo=10, hi=60_000, doc="period mode: forced flush and WATERMARK cadence")
-    heartbeat_ms: int = _spec(1000, lo=10, hi=60_000, doc="probe counters to the daemon")
-    buffer_bytes: int = _spec(16 << 20, lo=PROBE_MINIMUMS["buffer_bytes"], hi=1 << 30,
-                              doc="frames waiting for the socket before records are dropped (at least 1 MiB: "
-                                  "one packing array's frame is up to 4096 x 80 bytes)")
-    cupti_buffer_bytes: int = _spec(64 << 10, lo=PROBE_MINIMUMS["cupti_buffer_bytes"], hi=1 << 28,
-                                    doc="host buffer per CUPTI request (small: buffers complete sooner)")
-    device_buffer_bytes: int = _spec(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
-    device_buffer_pool_limit: int = _spec(2, lo=1, hi=64, doc="CUPTI device buffers at most")
-    kernels: bool = _spec(False, doc="CONCURRENT_KERNEL always on (else only in sampled windows)")
-    unified_memory: bool = _spec(True, doc="configure UNIFIED_MEMORY_COUNTER at the first managed allocation")
-    torch_hook: bool = _spec(True, doc="give CUPTI to torch.profiler and take it back")
-    skip_c_teardown_after_profiler: bool = _spec(True, doc="after a torch.profiler session, end the process with its "
-                                                       "exit status before the C-level teardown (docs/probe.md)")
-    untracked_ms: int = _spec(2000, lo=100, hi=600_000, doc="NVML poll for the untracked kind")
-    reconnect_max_ms: int = _spec(5000, lo=10, hi=600_000, doc="reconnect backoff ceiling")
-    bulk_pack: bool = _spec(True, doc="read MEMORY2/MEMCPY/MEMSET as raw structs (checked; else attributes)")
-    copies: str = _spec("off", choices=PROBE_COPY_MODES,
-                        doc="MEMCPY, MEMCPY2 and MEMSET records, for the copy metrics and frames: off, or always "
-                            "(costs 3-9% on launch-bound steps, docs/performance.md)")
-    delivery: str = _spec("raw", choices=PROBE_DELIVERIES,
-                          doc="raw: CUPTI's buffers read as bytes on the probe's sender thread; objects: "
-                              "cupti-python's per-record objects on CUPTI's thread (docs/performance.md)")
-    driver_hooks: bool = _spec(True, doc="driver-API hooks on cuMemMap/cuMemUnmap: without them CUPTI lost the records "
-                                         "of mappings made on threads other than the main one (docs/probe.md, lost "
-                                         "records)")
-    driver_hooks_via: str = _spec("activity", choices=PROBE_HOOKS_VIA,
-                                  doc="activity: CUPTI's per-API activity switch (no subscriber; a profiler keeps "
-                                      "its place); subscriber: CUPTI's one callback subscription, with a C no-op")
-    forward_buffers: bool = _spec(True, doc="raw delivery: buffers of memory and pool records go to the daemon as "
-                                            "CUPTI wrote them, read there instead of in the workload's process "
-                                            "(docs/probe.md)")
-    raw_buffers: int = _spec(256, lo=PROBE_MINIMUMS["raw_buffers"], hi=4096,
-                             doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
-                                 "drops and counts records")
-    oom_records: bool = _spec(True, doc="CUPTI API records of the driver's and the runtime's allocation calls: a "
-                                        "call that fails with out-of-memory is an OOM event, whatever the framework "
-                                        "(docs/oom.md)")
-    oom_records_async: bool = _spec(False, doc="the same for the stream-ordered allocation calls (cudaMallocAsync, "
-                                               "cuMemAllocFromPoolAsync): a record per allocation under a "
-                                               "stream-ordered allocator, so off by default (docs/oom.md)")
-    oom_torch_observer: bool = _spec(True, doc="PyTorch's out-of-memory observer: requested bytes and the "
-                                               "allocator's figures at each PyTorch OOM (docs/oom.md)")
+    The probe's own schema (probe/settings.py): names, defaults, bounds and docs are written once, there.
+    """
+
+
 # --- decision engines ---------------------------------------------------------
 # Lists and tables (budget rules, the price table) are checked by
 # ``validate_engine_config`` so an error still names its key path.

@@ -22,11 +22,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
+from gpufootprint.probe.settings import ProbeOptions
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder, FrameType
@@ -72,20 +73,12 @@ def _spawn(cmd: list[str], env: dict[str, str]) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def settings_env(probe_config: Any) -> dict[str, str]:
+def settings_env(probe_config: ProbeOptions | None) -> dict[str, str]:
     """GPUFOOTPRINT_PROBE_* variables from the daemon configuration's ``probe:`` section."""
-    if probe_config is None:
-        return {}
-    import dataclasses
-
-    out = {}
-    for f in dataclasses.fields(probe_config):
-        v = getattr(probe_config, f.name)
-        out["GPUFOOTPRINT_PROBE_" + f.name.upper()] = ("1" if v else "0") if isinstance(v, bool) else str(v)
-    return out
+    return probe_config.to_env() if probe_config is not None else {}
 
 
-def run(cmd: list[str], socket_path: str, probe_config: Any = None) -> int:
+def run(cmd: list[str], socket_path: str, probe_config: ProbeOptions | None = None) -> int:
     """Run ``cmd`` probed, reporting to the daemon at ``socket_path``; returns its exit status."""
     if not Path(socket_path).exists():
         log.warning("no daemon socket at %s yet: the probes will keep retrying, dropping and counting", socket_path)
@@ -286,7 +279,7 @@ class _WholeWrites:
         return self._raw.closed
 
 
-def record(cmd: list[str], output: str, probe_config: Any = None) -> int:
+def record(cmd: list[str], output: str, probe_config: ProbeOptions | None = None) -> int:
     """Run ``cmd`` probed, writing every probe's frames to ``output`` (.gz compresses)."""
     try:
         relay = Relay(output)
