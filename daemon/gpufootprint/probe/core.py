@@ -11,6 +11,15 @@ Threads and their duties:
   reconnects with backoff and resyncs after every connect.
 * The workload's threads only call ``mark`` (optional) and, through the
   torch.profiler hook, hand CUPTI over and take it back.
+
+Jobs kept elsewhere: arming.py (what is switched on in CUPTI, and off again),
+control.py (the daemon's CONTROL frames), counters.py (HEARTBEAT counters),
+untracked.py (memory CUDA held before the probe), resync.py (the table sent
+whole, to either sink). Why this module is still about 700 lines: what is left
+is the sender thread's record path (queue drain, raw buffers, batches, marks,
+watermarks, connects, the profiler gap), and every part of it reads and moves
+the same few things (the queue, the table's watermark, the gap state, the
+sinks); split further, each part would take all of them as arguments.
 """
 
 from __future__ import annotations
