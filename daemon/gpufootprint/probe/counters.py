@@ -11,48 +11,49 @@ import sys
 from collections import Counter
 from typing import Any, Protocol
 
+from gpufootprint.probe.backend import Backend
+from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawdelivery import RawDelivery
-from gpufootprint.probe.settings import ProbeSettings
 
 
 class CounterSources(Protocol):
     """The parts of the probe its counters are read from."""
 
-    settings: ProbeSettings
     counters: Counter[str]
     dropped_by_reason: Counter[str]
-    packer: Packer
+    intake: Intake
     oom: OomWatch
     link: SocketLink | None
-    callback_seconds: float
     table_seconds: float
-    forward_seconds: float
     own_device_bytes: int
-    buffers_requested: int
-    buffers_completed: int
 
     @property
     def raw(self) -> RawDelivery | None: ...
 
+    @property
+    def forward_seconds(self) -> float: ...
 
-def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int) -> dict[str, Any]:
-    """Every counter, by the name the daemon knows it by."""
+
+def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int | None) -> dict[str, Any]:
+    """Every counter, by the name the daemon knows it by (``cupti_dropped`` None: not read this time)."""
     c = p.counters
-    raw, link, packer = p.raw, p.link, p.packer
+    if cupti_dropped is None:
+        cupti_dropped = int(c["cupti_dropped_records"])
+    raw, link, intake = p.raw, p.link, p.intake
+    packer = intake.packer
     if raw is not None:
         host = raw.allocated * raw.buffer_bytes + packer.host_bytes
     else:
-        outstanding = max(0, p.buffers_requested - p.buffers_completed)
-        host = outstanding * p.settings.cupti_buffer_bytes + packer.host_bytes
+        outstanding = max(0, intake.buffers_requested - intake.buffers_completed)
+        host = outstanding * intake.settings.cupti_buffer_bytes + packer.host_bytes
     if link is not None:
         host += link.buffered
     return {
         "records_sent": c["records_sent"], "records_dropped": c["records_dropped"],
         "batches_sent": c["batches_sent"], "reconnects": max(0, (link.connects if link else 0) - 1),
-        "callback_seconds": round(p.callback_seconds, 6), "own_device_bytes": p.own_device_bytes,
+        "callback_seconds": round(intake.callback_seconds, 6), "own_device_bytes": p.own_device_bytes,
         "own_host_bytes": host, "kernel_windows": c["kernel_windows"], "control_unknown": c["control_unknown"],
         "cupti_gap_seconds": round(gap_seconds, 6),
         "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
@@ -60,7 +61,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int)
         "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(p.table_seconds, 6),
         "forward_seconds": round(p.forward_seconds, 6),
         "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
-        "buffers_completed": p.buffers_completed + (raw.completed if raw else 0),
+        "buffers_completed": intake.buffers_completed + (raw.completed if raw else 0),
         "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
@@ -82,6 +83,22 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int)
         **{f"disconnects_{k}": v for k, v in (link.disconnects.items() if link else ())},
         **{f"dropped_{k}": v for k, v in p.dropped_by_reason.items()},
     }
+
+
+def cupti_dropped(backend: Backend | None, raw: RawDelivery | None, counters: Counter[str]) -> int:
+    """Records CUPTI dropped for want of buffer space, all queues, since the probe started.
+
+    CUPTI resets its count at each read, so the reads are added up in ``counters``. Not to be
+    called while the profiler holds CUPTI (its drops are not ours)."""
+    if backend is None:
+        return int(counters["cupti_dropped_records"])
+    queues = {(0, 0)} | (raw.queues if raw is not None else set())  # the global one, and each seen
+    try:
+        for ctx, stream in queues:
+            counters["cupti_dropped_records"] += int(backend.dropped_records(ctx, stream))
+    except Exception:  # noqa: BLE001
+        pass
+    return int(counters["cupti_dropped_records"])
 
 
 def torch_numbers() -> dict[str, Any]:

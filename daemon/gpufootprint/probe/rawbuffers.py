@@ -1,0 +1,141 @@
+"""One CUPTI buffer, as raw delivery hands it to the sender: walked, then packed here or forwarded.
+
+A buffer is walked by ``cupti_layout.walk`` (by CUPTI's own walk where ours cannot, or
+to check ours: ``raw_verify_walk``). Its records are packed into our record batches,
+unless the daemon said it reads CUPTI's buffers itself: then a buffer of memory and
+pool records goes to it as CUPTI wrote it (one copy into the frame, no conversion in
+the workload's process), and the probe keeps only the MEMORY2 structs its own table
+needs. Sender thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from gpufootprint.probe.arming import CuptiArming
+from gpufootprint.probe.link import FileSink, SocketLink
+from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.oom import OomWatch
+from gpufootprint.probe.packing import Packer
+from gpufootprint.probe.rawdelivery import view
+from gpufootprint.probe.resync import ResyncSchedule
+from gpufootprint.records import MemoryKind
+from gpufootprint.wire import cupti_layout, framing
+
+#: CUPTI record kinds a forwarded buffer may hold (memory, pool, and the per-API records of the
+#: mapping hooks and the allocation calls, which the daemon skips): anything else (kernels, whose
+#: names are pointers into this process; copies) is read here as before. A daemon that says
+#: ``cupti_buffers: 1`` steps over DRIVER records only; ``2`` over RUNTIME records too.
+FORWARDABLE_V1 = frozenset({cupti_layout.MEMORY2, cupti_layout.MEMORY_POOL, cupti_layout.DRIVER})
+FORWARDABLE = FORWARDABLE_V1 | {cupti_layout.RUNTIME}
+
+
+class RawBufferReader:
+    def __init__(self, *, pid: int, verify_walk: bool, packer: Packer, table: LiveTable, oom: OomWatch,
+                 cupti: CuptiArming, resyncs: ResyncSchedule, counters: Counter[str],
+                 dropped_by_reason: Counter[str], clock_ns: Callable[[], int]) -> None:
+        self.pid = pid
+        self.verify_walk = verify_walk
+        self.packer = packer
+        self.table = table
+        self.oom = oom
+        self.cupti = cupti
+        self.resyncs = resyncs
+        self.counters = counters
+        self.dropped_by_reason = dropped_by_reason
+        self._clock_ns = clock_ns
+        self.forward_seconds = 0.0  # CPU time framing forwarded buffers (part of callback_seconds)
+
+    def read(self, address: int, valid: int, *, forward_to: SocketLink | None, forwardable: frozenset[int],
+             tee: FileSink | None, in_gap: bool) -> None:
+        """Read one CUPTI buffer's records into batches (or forward it) and give the buffer back.
+
+        ``forward_to``: the connected link, when the daemon reads CUPTI's buffers itself;
+        ``forwardable``: the kinds it reads or steps over in them."""
+        raw = self.cupti.raw
+        assert raw is not None
+        try:
+            buf = view(address, valid)
+            if forward_to is not None and not self.verify_walk \
+                    and cupti_layout.uniform_kind(buf, valid) == cupti_layout.MEMORY2:
+                # Allocation churn fills whole buffers with MEMORY2 records: no walk needed.
+                self._forward(forward_to, tee, in_gap, buf, valid, None)
+                self.counters["raw_buffers"] += 1
+                return
+            offsets = self._walk(buf, address, valid)
+            if offsets is None:
+                self.counters["raw_buffers_unreadable"] += 1
+            elif forward_to is not None and offsets.keys() <= forwardable:
+                self._forward(forward_to, tee, in_gap, buf, valid, offsets)
+            else:
+                n = self.packer.pack_raw(buf, valid, offsets)
+                self.counters["raw_records"] += n
+                self.packer.flush()
+            self.counters["raw_buffers"] += 1
+        finally:
+            raw.give_back(address)
+
+    def _walk(self, buf: memoryview, address: int, valid: int) -> Mapping[int, Sequence[int]] | None:
+        """Each kind's record offsets: our walk, CUPTI's where ours cannot (or to check ours)."""
+        offsets: Mapping[int, Sequence[int]] | None = cupti_layout.walk(buf, valid)
+        if self.verify_walk or offsets is None:
+            backend = self.cupti.backend
+            reference = backend.walk_raw(address, valid) if backend is not None else None
+            if offsets is None:
+                self.counters["raw_walk_fallbacks"] += 1
+                offsets = reference
+            elif reference is not None:
+                self.counters["raw_walks_verified"] += 1
+                if reference != {k: list(v) for k, v in offsets.items()}:
+                    self.counters["raw_walk_mismatches"] += 1
+                    offsets = reference
+        return offsets
+
+    def _forward(self, link: SocketLink, tee: FileSink | None, in_gap: bool, buf: memoryview, valid: int,
+                 offsets: Mapping[int, Sequence[int]] | None) -> None:
+        """One CUPTI buffer to the daemon as it is: no conversion in the workload's process.
+
+        ``offsets`` None: the buffer holds MEMORY2 records only, back to back."""
+        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+        size = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
+        if offsets is None:
+            offsets = {cupti_layout.MEMORY2: range(0, valid, size)}
+        n = sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND)
+        for api_kind in cupti_layout.API_KINDS:  # failed allocations are found here, before the buffer leaves
+            api = offsets.get(api_kind)
+            if api:
+                self.oom.api_rows(u8, api, api_kind)
+        mem = offsets.get(cupti_layout.MEMORY2)
+        if mem:
+            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
+            self.table.add_raw(structs, self.pid)
+            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
+                self.cupti.configure_unified_memory(in_gap)
+        if tee is not None:  # recordings keep the plain BATCH frames every reader knows
+            for ck, offs in offsets.items():
+                kind = cupti_layout.RECORD_KIND.get(ck)
+                if kind is not None:
+                    recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs), self.pid)
+                    try:
+                        tee.put(framing.encode_batch(kind, recs))
+                    except OSError:
+                        self.counters["tee_errors"] += 1
+        self.counters["raw_records"] += n
+        self.counters["forwarded_buffers"] += 1
+        t0 = time.thread_time()
+        frame = framing.encode_cupti_buffer(self.pid, buf[:valid])
+        self.forward_seconds += time.thread_time() - t0
+        if link.put(frame, records=n):
+            self.counters["records_sent"] += n
+            self.counters["batches_sent"] += 1
+        else:
+            self.counters["records_dropped"] += n
+            self.dropped_by_reason["buffer_full"] += n
+            if mem:
+                self.resyncs.dropped(int(structs["timestamp"].max()))
+            elif n:
+                self.resyncs.dropped(self._clock_ns())
