@@ -32,11 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
-from gpufootprint.wire import cupti_layout  # noqa: E402
 from gpufootprint.probe.livetable import LiveTable  # noqa: E402
 from gpufootprint.probe.packing import Packer  # noqa: E402
 from gpufootprint.records import RecordKind  # noqa: E402
-from gpufootprint.wire import framing  # noqa: E402
+from gpufootprint.wire import cupti_layout, framing  # noqa: E402
 
 BUFFER = 64 << 10
 

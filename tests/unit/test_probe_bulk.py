@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from gpufootprint.probe import packing
-from gpufootprint.wire import cupti_layout
 from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.wire import cupti_layout
 
 from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
 

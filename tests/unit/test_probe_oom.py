@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.wire import cupti_layout
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.oom import (
     ALLOCATION_CBIDS,
@@ -26,6 +25,7 @@ from gpufootprint.probe.oom import (
     switched_cbids,
 )
 from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
 

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.wire import cupti_layout
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.rawdelivery import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import RecordKind
+from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
 
