@@ -121,8 +121,8 @@ def write_jsonl_gz(native: Path, path: Path) -> None:
 class FootprintOnlyHub(FeatureHub):
     """Frames and sampler switched off: only to show, side by side, what they cost."""
 
-    def peaks_for(self, pid: int, dev: int, frame_ns: int, keep_ns: int) -> FramePeaks:
-        return FramePeaks(frame_ns, keep_ns)
+    def open_device(self, pid: int, dev: int, peaks: FramePeaks) -> None:
+        pass  # no frame builder and no sampler: the hub passes everything by
 
 
 def time_replay(path: Path, rounds: int, footprint_only: bool = False) -> tuple[float, int, list[float]]:

@@ -203,7 +203,7 @@ def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() 
         eb, ee = IngestErrors(), IngestErrors()
         for lo in range(0, len(rows), 64):
             batch = mem_batch(rows[lo : lo + 64])
-            if not bulk._apply_memory_bulk(batch, eb):  # the numpy path, whatever the batch size
+            if bulk._apply_memory_bulk(batch, eb) is None:  # the numpy path, whatever the batch size
                 bulk._apply_memory_each(batch, eb)
             each._apply_memory_each(batch, ee)
         assert _state(bulk) == _state(each), trial

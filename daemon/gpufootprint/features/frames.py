@@ -2,10 +2,10 @@
 
 Every record is counted in the frame its own timestamp falls in (10 ms frames,
 the footprint's ``frame_ms``), never in the poll that happened to see it. The
-per-frame peak is not recomputed here: ``ObservedFramePeaks`` *is* the
-footprint's ``FramePeaks`` (same class, same frames) and only passes each
-applied batch of level changes on to a listener (the sampler), so the peak
-logic exists once.
+per-frame peak is not recomputed here: a builder reads the footprint's own
+``FramePeaks`` (same frames), and the level changes the footprint applied reach
+it through ``on_levels``, handed down by the pipeline, so the peak logic exists
+once.
 
 Work is per batch with numpy (``reduceat`` over runs of one frame), except the
 allocation-reuse ratio (``features.reuse``), which needs a set lookup per allocation.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -24,8 +23,6 @@ import numpy as np
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.features.reuse import ReuseTracker
 from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
-
-LevelListener = Callable[[np.ndarray, np.ndarray], None]
 
 
 class UmCounterKind(enum.IntEnum):
@@ -53,19 +50,6 @@ UM_FAULT_SIDES: Final[dict[int, str]] = {
 }
 #: Host<->device copies count as migrations in the migration frequency.
 HOST_DEVICE_COPIES: Final[frozenset[int]] = frozenset({CopyKind.HTOD, CopyKind.DTOH})
-
-
-class ObservedFramePeaks(FramePeaks):
-    """The footprint's ``FramePeaks``, telling a listener about each batch it applies."""
-
-    def __init__(self, frame_ns: int, keep_ns: int, listener: LevelListener | None = None) -> None:
-        super().__init__(frame_ns, keep_ns)
-        self.listener = listener
-
-    def add(self, ts: np.ndarray, deltas: np.ndarray) -> None:
-        super().add(ts, deltas)
-        if self.listener is not None and len(ts):
-            self.listener(ts, deltas)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,14 +8,27 @@ frame (10 ms by default) that saw an event, the highest level reached in it
 trailing window" as the max over the frames in it and the current level. A
 spike of any duration is never missed; only the window's boundary is rounded
 to a frame.
+
+Every change it applies comes back as ``LevelChanges``: the footprint returns
+them to the pipeline, which hands them on to the feature frames and the sampler,
+so nothing downstream has to watch the tracker.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
+
+
+class LevelChanges(NamedTuple):
+    """GPU-resident level changes just applied, in time order, and the level after the last."""
+
+    ts: np.ndarray  # event times (ns)
+    deltas: np.ndarray  # signed bytes, one per event (0 for an event that moved no resident byte)
+    level_after: int
 
 
 class FramePeaks:
@@ -28,10 +41,10 @@ class FramePeaks:
         self.level = 0  # bytes held after the last applied event
         self.late_frames = 0  # events merged into a frame older than the open one
 
-    def add(self, ts: np.ndarray, deltas: np.ndarray) -> None:
+    def add(self, ts: np.ndarray, deltas: np.ndarray) -> LevelChanges:
         """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
         if len(ts) == 0:
-            return
+            return LevelChanges(ts, deltas, self.level)
         levels = self.level + np.cumsum(deltas, dtype=np.int64)
         idx = ts.astype(np.int64) // self.frame_ns
         starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
@@ -51,6 +64,7 @@ class FramePeaks:
                 self._merge_closed(fid, peak)
         self.level = int(levels[-1])
         self._prune(self._open_idx)
+        return LevelChanges(ts, deltas, self.level)
 
     def _merge_closed(self, fid: int, peak: int) -> None:
         """An event older than the open frame (a late record): into its frame, keeping frames in order.
@@ -68,12 +82,12 @@ class FramePeaks:
             frames.insert(i, (fid, peak))
         self.late_frames += 1
 
-    def add_one(self, ts: int, delta: int) -> None:
-        self.add(np.array([ts], dtype=np.int64), np.array([delta], dtype=np.int64))
+    def add_one(self, ts: int, delta: int) -> LevelChanges:
+        return self.add(np.array([ts], dtype=np.int64), np.array([delta], dtype=np.int64))
 
-    def reset(self, ts: int, level: int) -> None:
+    def reset(self, ts: int, level: int) -> LevelChanges:
         """Set the level (a resync or a process restart) as an event at ``ts``."""
-        self.add_one(ts, level - self.level)
+        return self.add_one(ts, level - self.level)
 
     def window_peak(self, now_ns: int, window_ns: int) -> int:
         """Highest level over ``[now - window, now]``, boundary rounded to a frame."""

@@ -4,6 +4,10 @@ Records arrive here already in time order (the reorder buffer in ingest sees to
 that). Every allocation enters the live table keyed by address; every release
 leaves it. Live bytes by memory kind, the stream-ordered pool sizes and the
 per-frame peaks all follow from that table, so the numbers are exact to the byte.
+
+The methods that move the GPU-resident level (``apply_memory``, ``replace_live``,
+``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
+them down to the feature frames and the sampler.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, PoolOp, um_counter_values
 
 log = logging.getLogger(__name__)
@@ -77,7 +81,7 @@ class DeviceFootprint:
 
     # --- memory -------------------------------------------------------------
 
-    def apply_memory(self, recs: np.ndarray, errors: IngestErrors) -> None:
+    def apply_memory(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges:
         """Apply MEMORY records of this (pid, dev), sorted by timestamp.
 
         The batch is applied with numpy when it is well-formed (per address,
@@ -85,10 +89,12 @@ class DeviceFootprint:
         otherwise record by record, which counts each anomaly. Both give the
         same state; a test holds them to that.
         """
-        if len(recs) < _BULK_MIN or not self._apply_memory_bulk(recs, errors):
-            self._apply_memory_each(recs, errors)
+        levels = self._apply_memory_bulk(recs, errors) if len(recs) >= _BULK_MIN else None
+        if levels is None:
+            levels = self._apply_memory_each(recs, errors)
         if self.async_device_bytes > self.pool_floor:
             self.pool_floor = self.async_device_bytes
+        return levels
 
     def live_counts(self) -> dict[int, int]:
         """Live allocations by memory kind."""
@@ -97,11 +103,12 @@ class DeviceFootprint:
             counts[entry.kind] = counts.get(entry.kind, 0) + 1
         return counts
 
-    def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> bool:
+    def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges | None:
+        """The numpy path; None (nothing changed) when the batch needs the per-record loop."""
         ops = recs["op"]
         kinds = recs["mk"]
         if int(kinds.max()) >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
-            return False
+            return None
         n = len(recs)
         order = np.argsort(recs["addr"], kind="stable")  # by address, then time
         a = recs["addr"][order]
@@ -109,7 +116,7 @@ class DeviceFootprint:
         first = np.ones(n, dtype=bool)
         first[1:] = a[1:] != a[:-1]
         if bool(((o[1:] == o[:-1]) & ~first[1:]).any()):
-            return False  # two allocations or two releases in a row at one address
+            return None  # two allocations or two releases in a row at one address
         fpos = np.flatnonzero(first)
         lpos = np.empty_like(fpos)
         lpos[:-1] = fpos[1:] - 1
@@ -118,11 +125,11 @@ class DeviceFootprint:
         f_addr = a[fpos]
         live = self.live
         if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
-            return False  # an allocation at an address that is already live
+            return None  # an allocation at an address that is already live
         rel_first = fpos[f_op == 2]
         matched = [live.get(x) for x in a[rel_first].tolist()]
         if None in matched:
-            return False  # a release of an address that is not live
+            return None  # a release of an address that is not live
         # Effective (bytes, kind, async) of each record: a release takes its allocation's.
         size = recs["bytes"][order].astype(np.int64)
         kind = kinds[order].astype(np.int64)
@@ -178,11 +185,11 @@ class DeviceFootprint:
             del live[addr]
         deltas = np.empty(n, dtype=np.int64)
         deltas[order] = np.where(_RESIDENT[kind], signed, 0)
-        self.peaks.add(recs["ts"], deltas)
+        levels = self.peaks.add(recs["ts"], deltas)
         self.last_ts = max(self.last_ts, int(recs["ts"][-1]))
-        return True
+        return levels
 
-    def _apply_memory_each(self, recs: np.ndarray, errors: IngestErrors) -> None:
+    def _apply_memory_each(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges:
         live = self.live
         by_kind = self.live_by_kind
         ts_list = recs["ts"].tolist()
@@ -236,11 +243,12 @@ class DeviceFootprint:
                     deltas[i] -= entry.bytes
             else:
                 errors.add("unknown_memory_op", f"pid={self.pid} memory operation {op}")
-        self.peaks.add(recs["ts"], np.asarray(deltas, dtype=np.int64))
+        levels = self.peaks.add(recs["ts"], np.asarray(deltas, dtype=np.int64))
         if ts_list:
             self.last_ts = max(self.last_ts, ts_list[-1])
+        return levels
 
-    def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> None:
+    def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> LevelChanges:
         """A resync: the probe's whole live table replaces ours as of ``ts``."""
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
@@ -258,21 +266,21 @@ class DeviceFootprint:
             self.live_by_kind[kind] += size
             if is_async:
                 self.async_device_bytes += size
-        self.peaks.reset(ts, self.device_bytes)
+        return self.peaks.reset(ts, self.device_bytes)
 
     @property
     def device_bytes(self) -> int:
         """Bytes resident on the GPU: the quantity whose window peak is tracked."""
         return sum(b for k, b in enumerate(self.live_by_kind) if _RESIDENT[k])
 
-    def release_all(self, ts: int) -> None:
+    def release_all(self, ts: int) -> LevelChanges:
         """The process exited: the driver freed everything it held."""
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0
         self.pools.clear()
         self.pool_floor = 0
-        self.peaks.reset(ts, 0)
+        return self.peaks.reset(ts, 0)
 
     # --- pools, copies, sets, kernels, unified memory ---------------------------
 

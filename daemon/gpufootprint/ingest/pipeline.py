@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FootprintConfig
+from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
 from gpufootprint.sampler.hub import FeatureHub
@@ -286,7 +287,8 @@ class Pipeline:
         self.advance(pid, ts)
         for dev in set(proc.devices) | set(np.unique(recs["dev"]).tolist()):
             proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
-            self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
+            levels = self._device(proc, dev).replace_live(recs[recs["dev"] == dev], ts, self.errors)
+            self.hub.on_levels(pid, dev, levels)
         # The state is now the probe's as of ``ts``. Records stamped after it that were applied
         # already (a stream that ended, the clock's fallback) are part of it no longer: the probe
         # sends those again after a reconnect, so they must apply again, not count as late.
@@ -301,7 +303,7 @@ class Pipeline:
         end = ts if ts is not None else max(proc.max_ts, proc.applied_to)
         for dev, fp in proc.devices.items():
             proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
-            fp.release_all(end)
+            self.hub.on_levels(pid, dev, fp.release_all(end))
         self.hub.on_finish(pid, max(end, proc.applied_to), proc.source)
         proc.exited_at = self._monotonic()
 
@@ -326,9 +328,9 @@ class Pipeline:
     def _device(self, proc: ProcessState, dev: int) -> DeviceFootprint:
         fp = proc.devices.get(dev)
         if fp is None:
-            fp = DeviceFootprint(pid=proc.pid, dev=dev,
-                                 peaks=self.hub.peaks_for(proc.pid, dev, self._frame_ns, self._window_ns))
+            fp = DeviceFootprint(pid=proc.pid, dev=dev, peaks=FramePeaks(self._frame_ns, self._window_ns))
             proc.devices[dev] = fp
+            self.hub.open_device(proc.pid, dev, fp.peaks)
         return fp
 
     def _apply(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
@@ -341,8 +343,9 @@ class Pipeline:
             fp = self._device(proc, dev)
             if kind is RecordKind.MEMORY:
                 proc.live_versions[dev] = proc.live_versions.get(dev, 0) + 1
-                fp.apply_memory(sub, self.errors)
+                levels = fp.apply_memory(sub, self.errors)
                 fp.note_pool_config(sub)
+                self.hub.on_levels(proc.pid, dev, levels)
             elif kind is RecordKind.MEMORY_POOL:
                 fp.apply_pool(sub, self.errors)
             elif kind is RecordKind.MEMCPY:

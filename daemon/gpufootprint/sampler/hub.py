@@ -1,10 +1,12 @@
 """Where the pipeline hands applied records to the feature frames and the samplers.
 
-The pipeline calls four hooks, always after records were applied in time order:
-``peaks_for`` (a new (pid, device): its ``FramePeaks`` reports level changes
-here), ``on_records`` (a batch of one kind for one device), ``on_watermark`` (a
-process's records are complete up to a time) and ``on_finish``. Everything here
-works per batch; nothing touches a record one at a time except the reuse set.
+The pipeline calls these hooks, always after records were applied to the
+footprint in time order: ``open_device`` (a new (pid, device): its frames read
+the footprint's ``FramePeaks``), ``on_levels`` (the level changes the footprint
+returned), ``on_records`` (a batch of one kind for one device), ``on_watermark``
+(a process's records are complete up to a time) and ``on_finish``. Nothing here
+calls back into the footprint or the pipeline. Everything works per batch;
+nothing touches a record one at a time except the reuse set.
 
 The hub also turns sampler decisions into CONTROL messages for probes
 (``flush_interval`` when the interval changes, ``kernel_window`` periodically
@@ -22,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FeaturesConfig, SamplerConfig
-from gpufootprint.features.frames import FrameBuilder, ObservedFramePeaks
-from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.features.frames import FrameBuilder
+from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import TIME_FIELD, RecordKind
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.snapshot import AnomalyWindow, DeviceFeatures, SamplerState
@@ -60,23 +62,24 @@ class FeatureHub:
             s = self.samplers[pid] = ProcessSampler(pid, self.config)
         return s
 
-    def peaks_for(self, pid: int, dev: int, frame_ns: int, keep_ns: int) -> FramePeaks:
+    def open_device(self, pid: int, dev: int, peaks: FramePeaks) -> None:
+        """A new (pid, device) in the footprint: its frames read the footprint's ``peaks``."""
         fc = self.features_config
-        peaks = ObservedFramePeaks(frame_ns, keep_ns)
         builder = FrameBuilder(pid, dev, peaks, keep_ns=int(fc.keep_seconds * 1e9),
                                migration_ns=fc.migration_window_ms * _MS, reuse_capacity=fc.reuse_tracked_addresses)
         self.builders[(pid, dev)] = builder
-        sampler = self.sampler(pid)
+        self.sampler(pid)
         torch = self._torch.get(pid, {}).get(dev)
         if torch is not None:
             builder.on_torch(*torch)
 
-        def listener(ts: np.ndarray, deltas: np.ndarray) -> None:
-            builder.on_levels(ts, deltas, peaks.level)
-            sampler.add_levels(ts, deltas, dev)
-
-        peaks.listener = listener
-        return peaks
+    def on_levels(self, pid: int, dev: int, levels: LevelChanges) -> None:
+        """GPU-resident level changes the footprint just applied (memory records, a resync, an exit)."""
+        builder = self.builders.get((pid, dev))
+        if builder is None or len(levels.ts) == 0:
+            return
+        builder.on_levels(levels.ts, levels.deltas, levels.level_after)
+        self.sampler(pid).add_levels(levels.ts, levels.deltas, dev)
 
     def on_records(self, pid: int, dev: int, kind: RecordKind, recs: np.ndarray) -> None:
         for tap in self.taps:  # others that want the applied records (the OOM capture's recent records)
@@ -85,7 +88,7 @@ class FeatureHub:
         if builder is None:
             return
         if kind is RecordKind.MEMORY:
-            builder.on_memory(recs)  # its level changes reach the sampler through the peaks listener
+            builder.on_memory(recs)  # its level changes came through on_levels
             return
         if kind is RecordKind.MEMCPY:
             builder.on_memcpy(recs)
