@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from gpufootprint.config import Config, FootprintConfig
 from gpufootprint.engines.runner import Engines
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from synth_traces import kernel_stream
 

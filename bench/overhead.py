@@ -335,7 +335,7 @@ def main() -> int:
     worker_env = {**os.environ, **ALLOCATORS[args.alloc]}
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
     from gpufootprint.config import load_config
-    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
     from gpufootprint.sampler.hub import FeatureHub
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from gpufootprint.config import FootprintConfig  # noqa: E402
 from gpufootprint.footprint.peaks import FramePeaks  # noqa: E402
-from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
+from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
 from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, RecordKind  # noqa: E402
 from gpufootprint.replay import load_frames, shift_frame  # noqa: E402

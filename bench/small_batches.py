@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from gpufootprint.config import Config  # noqa: E402
-from gpufootprint.ingest.pipeline import Pipeline  # noqa: E402
+from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.ingest.session import Session  # noqa: E402
 from gpufootprint.records import MEMORY_DTYPE, RecordKind  # noqa: E402
 from gpufootprint.sampler.hub import FeatureHub  # noqa: E402

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "daemon"))
 
 from gpufootprint.config import FootprintConfig, SamplerConfig
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.replay import replay_file
 from gpufootprint.sampler.hub import FeatureHub

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 from gpufootprint.config import FootprintConfig
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.snapshot import DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
 from gpufootprint.wire.framing import FrameDecoder, FrameType

@@ -21,7 +21,7 @@ from gpufootprint import config as config_mod
 from gpufootprint.config import Config, GraphAdvisorConfig
 from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
 from gpufootprint.errors import ConfigError, GpuFootprintError
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from gpufootprint.sampler.hub import FeatureHub
 

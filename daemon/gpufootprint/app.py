@@ -28,12 +28,12 @@ from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families, engine_error_families, http_families
 from gpufootprint.exporter.webconfig import load_web_config
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.k8s.attribution import Attributor
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
 

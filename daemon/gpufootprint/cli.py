@@ -396,7 +396,7 @@ def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.replay import replay_file
 
     config = _config(args)

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import TIME_FIELD, RecordKind
 from gpufootprint.wire.framing import (HEADER_SIZE, Frame, FrameDecoder, FrameType, encode_batch, encode_json,
                                        encode_watermark)

@@ -24,7 +24,7 @@ import pytest
 
 from gpufootprint.app import App
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.probe.launcher import probe_env
 from gpufootprint.replay import replay_file
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.probe.launcher import probe_env
 from gpufootprint.records import MemoryKind, RecordKind

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_batch, encode_json, encode_watermark

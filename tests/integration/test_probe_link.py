@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameType

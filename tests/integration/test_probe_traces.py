@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
 from gpufootprint.replay import replay_file
 from gpufootprint.wire.framing import FrameType, iter_frames

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpufootprint.config import FootprintConfig
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from tests.conftest import DATA, SHARED_TRACES, cli_env
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.sampler.hub import FeatureHub
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpufootprint.config import Config
 from gpufootprint.export import memory_viz, perfetto
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.recording import load
 from gpufootprint.replay import load_frames, replay_file
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode

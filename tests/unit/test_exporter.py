@@ -11,7 +11,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import FootprintConfig
 from gpufootprint.exporter.collector import FootprintCollector
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from gpufootprint.snapshot import PipelineSnapshot
 from tests.conftest import DATA, SHARED_TRACES

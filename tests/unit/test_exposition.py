@@ -27,7 +27,7 @@ from gpufootprint.exporter.cardinality import build_postprocess
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.exporter.exposition import ExpositionCache, _Families
 from gpufootprint.exporter.text import render_text
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from tests.conftest import DATA, SHARED_TRACES
 

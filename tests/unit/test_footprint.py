@@ -8,7 +8,7 @@ import numpy as np
 
 from gpufootprint.config import FootprintConfig
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import POOL_DTYPE, MemoryKind, PoolOp, RecordKind
 from tests.conftest import ALLOC, FREE, mem, mem_batch
 

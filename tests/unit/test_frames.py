@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from gpufootprint.config import FeaturesConfig, FootprintConfig
 from gpufootprint.features.frames import MigrationWindow, align_pcie
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from gpufootprint.sampler.hub import FeatureHub
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpufootprint.config import Config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.records import RecordKind
 from tests.conftest import ALLOC, mem, mem_batch

@@ -12,7 +12,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpufootprint.config import FootprintConfig
 from gpufootprint.exporter.collector import FootprintCollector
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMCPY_DTYPE, CopyKind, RecordKind
 from tests.conftest import ALLOC, FREE, mem, mem_batch
 

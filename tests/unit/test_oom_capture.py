@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gpufootprint.config import Config, OomConfig
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.oom.capture import Entry, roll_back
 from gpufootprint.oom.manager import CAPTURE_FILE, META_FILE, REPORT_FILE, OomManager, oom_families

@@ -8,7 +8,7 @@ import numpy as np
 
 from gpufootprint.config import FootprintConfig, load_config
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import MemoryKind, RecordKind
 from gpufootprint.replay import replay_file

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from gpufootprint.config import load_config
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire import framing

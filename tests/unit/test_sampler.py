@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gpufootprint.config import FootprintConfig, SamplerConfig
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler

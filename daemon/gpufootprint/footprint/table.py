@@ -1,6 +1,6 @@
 """The exact footprint of one process on one device.
 
-Records arrive here already in time order (the reorder buffer in ingest sees to
+Records arrive here already in time order (the pipeline's reorder buffer sees to
 that). Every allocation enters the live table keyed by address; every release
 leaves it. Live bytes by memory kind, the stream-ordered pool sizes and the
 per-frame peaks all follow from that table, so the numbers are exact to the byte.

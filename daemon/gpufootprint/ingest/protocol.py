@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufootprint.errors import FrameError
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout as rawrecords
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer

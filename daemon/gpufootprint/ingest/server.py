@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
 from gpufootprint.ingest import tick as ticks
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.protocol import (ORDER_TEXT, SESSION_REASONS, BatchMerger, Connection, ResyncRequests,
                                           count_received, decoder_reason, order_violation, wants_verify)
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, WakePipe, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json

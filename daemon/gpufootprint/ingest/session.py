@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.errors import FrameError
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.ingest.validate import Guard, Limits, bounded_metadata, check_fields
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import cupti_layout as rawrecords
 from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer

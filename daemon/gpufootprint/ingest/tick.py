@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpufootprint.ingest.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import TickHealth
 from gpufootprint.snapshot import GpuState, NvmlSnapshot, PipelineSnapshot
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufootprint.config import DaemonConfig
-from gpufootprint.ingest.pipeline import ProcessState
+from gpufootprint.pipeline import ProcessState
 from gpufootprint.records import UM_CPU_PAGE_FAULT_COUNT, MemoryOp, RecordKind
 
 #: Longest kernel, copy or set the daemon believes (end - start): a sum of a batch of them

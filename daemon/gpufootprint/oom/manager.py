@@ -39,9 +39,9 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gpufootprint.config import OomConfig
-from gpufootprint.ingest.pipeline import Pipeline
 from gpufootprint.oom.capture import Entry, Table, device_bytes, encode_capture, live_by_kind, roll_back, write_capture
 from gpufootprint.oom.recent import RecentRecords
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
 
 log = logging.getLogger(__name__)

@@ -111,7 +111,7 @@ def test_allocator_slack_from_the_probe_heartbeat_is_priced_as_unused_memory() -
     # 2 GiB of which 1.2 GiB is allocated (800 MiB of slack)
     import numpy as np
     from gpufootprint.config import FootprintConfig
-    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.records import MEMORY_DTYPE, RecordKind
 
     pipeline = Pipeline(FootprintConfig())

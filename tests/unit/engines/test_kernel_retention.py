@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gpufootprint.config import FootprintConfig
-from gpufootprint.ingest.pipeline import KernelRetention, Pipeline
+from gpufootprint.pipeline import KernelRetention, Pipeline
 from gpufootprint.records import KERNEL_DTYPE, RecordKind
 
 

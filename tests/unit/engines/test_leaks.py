@@ -5,7 +5,7 @@ from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
 from gpufootprint.config import LeaksConfig
 import pytest
 from gpufootprint.engines.leaks import LeakStatus, LeakTracker
-from gpufootprint.ingest.pipeline import LIVE_TABLE_DTYPE
+from gpufootprint.footprint.device_snapshot import LIVE_TABLE_DTYPE
 from gpufootprint.records import MemoryKind
 
 S = 1_000_000_000
@@ -92,7 +92,7 @@ def run_scenario(events: list[tuple[float, int, int]], minutes: float, *, tick_s
                  cfg: LeaksConfig | None = None) -> list[tuple[float, LeakStatus]]:
     """``events``: (second, +bytes to allocate / -bytes to free, address). Returns each tick's verdict."""
     from gpufootprint.config import FootprintConfig
-    from gpufootprint.ingest.pipeline import Pipeline
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.records import MEMORY_DTYPE, RecordKind
 
     pipeline = Pipeline(FootprintConfig())

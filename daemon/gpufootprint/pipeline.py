@@ -1,5 +1,14 @@
 """The pipeline every source feeds: live probes, recorded files, the demo.
 
+It sits at the top of the package, not in a stage's folder, because it is the
+spine that joins the stages rather than one of them: the ingest server, replay,
+the demo and abtest feed it records; it owns every process's state and applies
+records to the footprint (``footprint/``), hands what was applied, the level
+changes included, down to the feature hub and sampler (``sampler/hub.py``), and
+builds the immutable snapshot the engines and the exporter read. It imports the
+stages after it (footprint, sampler hub, snapshot) and none of them imports it;
+the sources before it (``ingest/``, replay) import it to feed it.
+
 Records arrive in delivery order, which is not timestamp order. Each process has
 a reorder buffer: records wait until the process's watermark passes them, then
 are applied to the footprint in timestamp order. The watermark moves when
@@ -34,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FootprintConfig
+from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
@@ -116,7 +126,8 @@ class Pipeline:
     def __init__(self, config: FootprintConfig, monotonic: Callable[[], float] = time.monotonic,
                  *, hub: FeatureHub | None = None, kernel_retention: int = 0) -> None:
         self.config = config
-        # Feature frames and adaptive sampler (issue 4): fed after records are applied in time order.
+        # Feature frames and adaptive sampler: fed what was applied, after it was applied in time order,
+        # so they see the records in the footprint's order, not the wire's.
         self.hub = hub if hub is not None else FeatureHub()
         self.kernel_retention = kernel_retention  # KERNEL records kept per process (0: none)
         self.snapshot_live_tables = False  # leak suspicion reads allocation ages from snapshots
@@ -368,12 +379,12 @@ class Pipeline:
         proc = self.processes.get(pid)
         if proc is None or dev not in proc.devices:
             return None
-        return _device_snapshot(proc.devices[dev], proc.applied_to, self._window_ns)
+        return device_snapshot(proc.devices[dev], proc.applied_to, self._window_ns)
 
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
         for proc in self.processes.values():
-            devices = tuple(_device_snapshot(fp, proc.applied_to, self._window_ns,
+            devices = tuple(device_snapshot(fp, proc.applied_to, self._window_ns,
                                              _cached_live_table(proc, fp) if self.snapshot_live_tables else None)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
@@ -398,7 +409,7 @@ class Pipeline:
         )
 
     def _feature_fields(self) -> dict[str, Any]:
-        """Issue 4's additions to the snapshot: features per (pid, gpu), sampler, anomaly windows."""
+        """What the feature hub adds to the snapshot: features per (pid, gpu), sampler, anomaly windows."""
         features = []
         for proc in self.processes.values():
             for dev, fp in sorted(proc.devices.items()):
@@ -425,58 +436,13 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
     return recs[np.argsort(times, kind="stable")]
 
 
-LIVE_TABLE_DTYPE = np.dtype([("ts", "<u8"), ("bytes", "<u8"), ("mk", "u1")])
-
-
-def _live_table(fp: DeviceFootprint) -> np.ndarray:
-    n = len(fp.live)
-    table = np.empty(n, LIVE_TABLE_DTYPE)
-    if n:
-        entries = fp.live.values()
-        table["ts"] = np.fromiter((a.ts for a in entries), np.uint64, n)
-        table["bytes"] = np.fromiter((a.bytes for a in entries), np.uint64, n)
-        table["mk"] = np.fromiter((a.kind for a in entries), np.uint8, n)
-    table.flags.writeable = False
-    return table
-
-
 def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:
     version = proc.live_versions.get(fp.dev, 0)
     cached = proc.live_tables.get(fp.dev)
     if cached is None or cached[0] != version:
-        cached = (version, _live_table(fp))
+        cached = (version, live_table(fp))
         proc.live_tables[fp.dev] = cached
     return cached[1]
-
-
-def _device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
-                     live_table: np.ndarray | None = None) -> DeviceSnapshot:
-    live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
-    return DeviceSnapshot(
-        dev=fp.dev,
-        live_bytes=live,
-        device_bytes=fp.device_bytes,
-        async_device_bytes=fp.async_device_bytes,
-        pool_reserved_bytes=fp.pool_reserved_bytes,
-        pool_used_bytes=fp.async_device_bytes,
-        window_peak_bytes=fp.peaks.window_peak(as_of, window_ns),
-        live_allocations=len(fp.live),
-        allocations={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocations) if n},
-        releases={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.releases) if n},
-        allocated_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocated_bytes) if n},
-        released_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.released_bytes) if n},
-        memcpy_count=dict(fp.memcpy_count),
-        memcpy_bytes=dict(fp.memcpy_bytes),
-        memcpy_seconds={k: v / 1e9 for k, v in fp.memcpy_ns.items()},
-        peer_copy_bytes=dict(fp.peer_copy_bytes),
-        memset_count=fp.memset_count,
-        memset_bytes=fp.memset_bytes,
-        kernel_count=fp.kernel_count,
-        kernel_seconds=fp.kernel_ns / 1e9,
-        um_count=dict(fp.um_count),
-        um_value=dict(fp.um_value),
-        live_table=live_table,
-    )
 
 
 __all__ = ["Pipeline", "ProcessState"]

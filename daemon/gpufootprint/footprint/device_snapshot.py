@@ -1,0 +1,59 @@
+"""How one device's footprint reads in a snapshot: ``DeviceSnapshot`` and its live table.
+
+The footprint owns these conversions (the pipeline only decides when to take a
+snapshot), so the snapshot's picture of a device is written next to the table
+it copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpufootprint.footprint.table import DeviceFootprint
+from gpufootprint.records import MEMORY_KIND_NAMES
+from gpufootprint.snapshot import DeviceSnapshot
+
+LIVE_TABLE_DTYPE = np.dtype([("ts", "<u8"), ("bytes", "<u8"), ("mk", "u1")])
+
+
+def live_table(fp: DeviceFootprint) -> np.ndarray:
+    """The live allocations as an array (``DeviceSnapshot.live_table``: leak suspicion reads their ages)."""
+    n = len(fp.live)
+    table = np.empty(n, LIVE_TABLE_DTYPE)
+    if n:
+        entries = fp.live.values()
+        table["ts"] = np.fromiter((a.ts for a in entries), np.uint64, n)
+        table["bytes"] = np.fromiter((a.bytes for a in entries), np.uint64, n)
+        table["mk"] = np.fromiter((a.kind for a in entries), np.uint8, n)
+    table.flags.writeable = False
+    return table
+
+
+def device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
+                     live_table: np.ndarray | None = None) -> DeviceSnapshot:
+    live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
+    return DeviceSnapshot(
+        dev=fp.dev,
+        live_bytes=live,
+        device_bytes=fp.device_bytes,
+        async_device_bytes=fp.async_device_bytes,
+        pool_reserved_bytes=fp.pool_reserved_bytes,
+        pool_used_bytes=fp.async_device_bytes,
+        window_peak_bytes=fp.peaks.window_peak(as_of, window_ns),
+        live_allocations=len(fp.live),
+        allocations={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocations) if n},
+        releases={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.releases) if n},
+        allocated_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.allocated_bytes) if n},
+        released_bytes={MEMORY_KIND_NAMES.get(k, str(k)): n for k, n in enumerate(fp.released_bytes) if n},
+        memcpy_count=dict(fp.memcpy_count),
+        memcpy_bytes=dict(fp.memcpy_bytes),
+        memcpy_seconds={k: v / 1e9 for k, v in fp.memcpy_ns.items()},
+        peer_copy_bytes=dict(fp.peer_copy_bytes),
+        memset_count=fp.memset_count,
+        memset_bytes=fp.memset_bytes,
+        kernel_count=fp.kernel_count,
+        kernel_seconds=fp.kernel_ns / 1e9,
+        um_count=dict(fp.um_count),
+        um_value=dict(fp.um_value),
+        live_table=live_table,
+    )
