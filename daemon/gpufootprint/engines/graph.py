@@ -23,7 +23,7 @@ import numpy as np
 
 from gpufootprint.config import GraphAdvisorConfig
 from gpufootprint.engines import inputs
-from gpufootprint.features.kernels import StreamKernelStats, stream_stats
+from gpufootprint.engines.kernels import StreamKernelStats, stream_stats
 from gpufootprint.snapshot import PipelineSnapshot
 
 CAPTURE, KEEP, ALREADY, INSUFFICIENT = "capture", "keep", "already_captured", "insufficient_data"

@@ -21,8 +21,8 @@ from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTrack
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
 from gpufootprint.engines.graph import GraphDecision, GraphPolicy, advise, compute_stats, reuse_since
+from gpufootprint.engines.kernels import StreamKernelStats
 from gpufootprint.engines.leaks import LeakStatus, LeakTracker
-from gpufootprint.features.kernels import StreamKernelStats
 from gpufootprint.snapshot import PipelineSnapshot
 
 

@@ -8,12 +8,10 @@ import sys
 from pathlib import Path
 
 import gpufootprint.engines
-import gpufootprint.features
 
 FORBIDDEN = {"pynvml", "cupti", "prometheus_client", "cuda", "torch", "socket", "subprocess", "threading",
              "time", "http", "urllib", "selectors", "os"}
-PURE_FILES = sorted(Path(gpufootprint.engines.__file__).parent.glob("*.py")) + [
-    Path(gpufootprint.features.__file__).parent / "kernels.py"]
+PURE_FILES = sorted(Path(gpufootprint.engines.__file__).parent.glob("*.py"))
 
 
 def _imports(path: Path) -> set[str]:
@@ -43,7 +41,7 @@ def test_engine_modules_import_only_pure_parts_of_the_package() -> None:
 
 
 def test_importing_the_engines_loads_no_gpu_or_exporter_library() -> None:
-    code = ("import sys, gpufootprint.engines.runner, gpufootprint.features.kernels\n"
+    code = ("import sys, gpufootprint.engines.runner, gpufootprint.engines.kernels\n"
             "print(sorted(m for m in ('pynvml','cupti','prometheus_client','torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

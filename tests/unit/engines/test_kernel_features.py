@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import numpy as np
-from gpufootprint.features.kernels import detect_period, detect_recent_period, stream_stats
+from gpufootprint.engines.kernels import detect_period, detect_recent_period, stream_stats
 from gpufootprint.records import KERNEL_DTYPE
 
 
