@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -456,7 +456,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from gpufootprint.wire.framing import Frame, FrameDecoder
     from gpufootprint.wire.jsonl import write_jsonl
     from gpufootprint.wire.sources import TraceFile
 
@@ -469,17 +468,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     problems = trace.problems
     compress = out.suffix == ".gz"
     if to_jsonl:
-        decoder = FrameDecoder()
-
-        def frames() -> Iterator[Frame]:
-            for chunk in trace.chunks():
-                yield from decoder.feed(chunk)
-                if decoder.error is not None:
-                    problems.append(f"{args.input}: {decoder.error}")
-                    return
-
+        # Without the end check: convert has always written the whole frames of a file cut
+        # inside its last one and said nothing of the cut.
         with _open_output("-o", args.output, "wt" if compress else "w") as text_out:
-            n = write_jsonl(frames(), text_out)
+            n = write_jsonl(trace.frames(check_end=False), text_out)
         what = f"{n} lines"
     else:
         n = 0

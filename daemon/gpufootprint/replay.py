@@ -14,8 +14,7 @@ import numpy as np
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import TIME_FIELD, RecordKind
-from gpufootprint.wire.framing import (HEADER_SIZE, Frame, FrameDecoder, FrameType, encode_batch, encode_json,
-                                       encode_watermark)
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_json, encode_watermark
 from gpufootprint.wire.sources import TraceFile
 
 
@@ -126,32 +125,21 @@ def replay_file(
             on_mark(result)
 
     session = Session(pipeline, source="trace", name=str(path), on_mark=mark)
-    decoder = FrameDecoder(max_frame_bytes) if max_frame_bytes else FrameDecoder()
     pacer = Pacer(speed, stop) if speed else None
     started = time.perf_counter()
-    for chunk in trace.chunks():
-        for whole in decoder.feed(chunk):
-            for frame in (paced(whole, pacer) if pacer is not None else (whole,)):
-                if stop is not None and stop.is_set():
-                    break
-                if on_frame is not None:
-                    on_frame(frame)
-                if guard is None:
-                    session.handle(frame)
-                else:
-                    with guard:  # the daemon's ingest thread publishes snapshots meanwhile
-                        session.handle(frame)
+    for whole in trace.frames(max_frame_bytes):
+        for frame in (paced(whole, pacer) if pacer is not None else (whole,)):
             if stop is not None and stop.is_set():
                 break
-        if decoder.error is not None or (stop is not None and stop.is_set()):
-            break
-    if decoder.error is not None:
-        trace.problems.append(f"{path}: {decoder.error}")
-    elif not (stop is not None and stop.is_set()):
-        try:
-            decoder.close()
-        except Exception as exc:  # noqa: BLE001 - FrameError: a truncated last frame
-            trace.problems.append(f"{path}: {exc}")
+            if on_frame is not None:
+                on_frame(frame)
+            if guard is None:
+                session.handle(frame)
+            else:
+                with guard:  # the daemon's ingest thread publishes snapshots meanwhile
+                    session.handle(frame)
+        if stop is not None and stop.is_set():
+            break  # before the next frame is read: a stopped replay skips the end-of-file check
     if guard is None:
         session.close()
     else:
@@ -201,16 +189,5 @@ def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
 def load_frames(path: str | Path) -> tuple[list[Frame], list[str]]:
     """Every frame of a (small) trace in memory, and the problems met reading it."""
     trace = TraceFile(path)
-    decoder = FrameDecoder()
-    frames: list[Frame] = []
-    for chunk in trace.chunks():
-        frames.extend(decoder.feed(chunk))
-        if decoder.error is not None:
-            trace.problems.append(f"{path}: {decoder.error}")
-            break
-    else:
-        try:
-            decoder.close()  # a file cut inside its last frame
-        except Exception as exc:  # noqa: BLE001 - FrameError: a truncated last frame
-            trace.problems.append(f"{path}: {exc}")
+    frames = list(trace.frames())
     return frames, trace.problems

@@ -1,7 +1,8 @@
 """Open a trace file of either format (native or CUPTI-JSONL, gzip or plain).
 
-``TraceFile.chunks()`` always yields native stream bytes, so callers feed one
-``FrameDecoder``. Problems are collected, each one line naming the file and the
+``TraceFile.chunks()`` always yields native stream bytes; ``TraceFile.frames()``
+decodes them, and is the one loop that reads a trace's frames (replay, the demo,
+convert). Problems are collected, each one line naming the file and the
 place. Gzip is decompressed incrementally, so a file cut short still yields
 every byte before the cut, and the cut is reported as a problem.
 """
@@ -12,8 +13,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from gpufootprint.errors import TraceError
-from gpufootprint.wire.framing import PREAMBLE
+from gpufootprint.errors import FrameError, TraceError
+from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder
 from gpufootprint.wire.jsonl import JsonlToFrames
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -58,6 +59,29 @@ class TraceFile:
                         return
             except _Truncated as exc:
                 self.problems.append(f"{self.path}: byte {native.offset}: {exc}")
+
+    def frames(self, max_frame_bytes: int | None = None, *, check_end: bool = True) -> Iterator[Frame]:
+        """Every frame of the file, decoded as it is read.
+
+        Damage ends the frames: those before it are yielded and the damage is added to
+        ``problems`` before them, so a reader that stops early still has it. A reader that
+        stops early also skips the end check. ``check_end``: a file cut inside its last frame
+        (or before the preamble) is a problem too. ``max_frame_bytes``: the largest payload
+        accepted (None or 0: the wire's default).
+        """
+        decoder = FrameDecoder(max_frame_bytes) if max_frame_bytes else FrameDecoder()
+        for chunk in self.chunks():
+            frames = decoder.feed(chunk)
+            if decoder.error is not None:
+                self.problems.append(f"{self.path}: {decoder.error}")
+            yield from frames
+            if decoder.error is not None:
+                return
+        if check_end:
+            try:
+                decoder.close()
+            except FrameError as exc:
+                self.problems.append(f"{self.path}: {exc}")
 
 
 def _raw_chunks(fh) -> Iterator[bytes]:  # type: ignore[no-untyped-def]
