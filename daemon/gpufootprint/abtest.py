@@ -17,8 +17,7 @@ from typing import Any
 
 import yaml
 
-from gpufootprint import config as config_mod
-from gpufootprint.config import Config, GraphAdvisorConfig
+from gpufootprint.config import Config, build_config
 from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
 from gpufootprint.errors import ConfigError, GpuFootprintError
 from gpufootprint.pipeline import Pipeline
@@ -48,9 +47,7 @@ def load_policy(path: str) -> NamedPolicy:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a policy must be a mapping, got {type(data).__name__}")
     tree = data if "graph_advisor" in data else {"graph_advisor": data}
-    origin = {leaf: str(path) for leaf in config_mod._leaf_paths(tree, ())}
-    cfg = config_mod._build(Config, tree, (), origin)
-    assert isinstance(cfg.graph_advisor, GraphAdvisorConfig)
+    cfg = build_config(tree, str(path))
     return NamedPolicy(p.stem, str(path), GraphPolicy.from_config(cfg.graph_advisor))
 
 

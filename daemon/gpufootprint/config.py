@@ -379,6 +379,17 @@ def load_config(
     return config
 
 
+def build_config(tree: Mapping[str, Any], source: str) -> Config:
+    """A configuration from one mapping, every key of which came from ``source`` (named in errors).
+
+    Only the schema is checked (unknown keys, types, ranges); ``load_config`` also checks the
+    engine tables (``validate_engine_config``), which a caller that needs them runs itself.
+    """
+    origin = {leaf: source for leaf in _leaf_paths(tree, ())}
+    config: Config = _build(Config, tree, (), origin)
+    return config
+
+
 def parse_set_option(text: str) -> tuple[str, Any]:
     """``--set a.b=value`` -> ("a.b", parsed value)."""
     key, sep, raw = text.partition("=")
