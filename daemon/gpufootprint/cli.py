@@ -443,7 +443,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                   "format": formats, "records": records, "elapsed_s": elapsed, "marks": marks,
                   "problems": problems, "ingest_errors": dict(pipeline.errors.counts),
                   "late_records": pipeline.late_records}
-        report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals (issue 4)
+        report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals: the sampler's view of the run
         _write_json(args.report_json, report)
     mismatched = [m["label"] for m in marks if m.get("matches") is False]
     print(f"replayed {records} records ({formats}) in {elapsed:.3f} s; "

@@ -285,7 +285,7 @@ class CostConfig:
 
 @dataclass(frozen=True)
 class KubernetesConfig:
-    """Issue 6: pod, namespace and container labels on per-process series (docs/kubernetes.md)."""
+    """Pod, namespace and container labels on per-process series (docs/kubernetes.md)."""
 
     mode: str = _spec("off", choices=("off", "sidecar", "daemonset"),
                       doc="off: no pod labels; sidecar: from the Downward API env; daemonset: cgroup + API")
