@@ -360,6 +360,14 @@ def scenario_kernels_graph() -> None:
 
 def main() -> int:
     name = sys.argv[1]
+    dump_after = os.environ.get("WORKLOAD_DUMP_AFTER")
+    if dump_after:
+        # Diagnostic: every thread's stack once the workload has run this long (a stall's where).
+        import faulthandler
+
+        out = os.environ.get("GPUFOOTPRINT_GPU_OUT") or "/tmp"
+        faulthandler.dump_traceback_later(float(dump_after), exit=False,
+                                          file=open(os.path.join(out, f"workload_stacks_{name}.txt"), "w"))
     fn = globals()[f"scenario_{name}"]
     if name == "restart":
         fn(sys.argv[2])
