@@ -86,8 +86,8 @@ def test_only_out_of_memory_returns_of_allocation_calls_are_events() -> None:
                      (CU_MEM_MAP, CUDA_ERROR_OUT_OF_MEMORY, 30), (CU_MEM_CREATE, 1, 40),
                      (CU_MEM_CREATE, CUDA_ERROR_OUT_OF_MEMORY, 50)])
     watch.api_rows(u8, offs)
-    assert (watch.failed_calls, watch.other_failures) == (2, 1)
     marks = watch.marks(pid=7, default_dev=3)
+    assert (watch.failed_calls, watch.other_failures) == (2, 1)
     # one mark for the batch, at the last failure's time, counting both
     assert len(marks) == 1
     m = marks[0]
@@ -101,16 +101,56 @@ def test_runtime_records_are_read_with_the_runtimes_own_numbers() -> None:
     """cbid 20 is cudaMalloc in the runtime's numbering and something else in the driver's: a
     RUNTIME record must be looked up as a runtime call (CuPy's and PyTorch's OOMs come this way)."""
     watch = OomWatch()
-    u8, offs = _raw([(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 10), (CUDA_LAUNCH_KERNEL, CUDA_ERROR_OUT_OF_MEMORY, 20),
-                     (CUDA_MALLOC_ASYNC, 0, 30)], kind=cupti_layout.RUNTIME)
+    u8, offs = _raw([(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 10), (CUDA_LAUNCH_KERNEL, CUDA_ERROR_OUT_OF_MEMORY, 20)],
+                    kind=cupti_layout.RUNTIME)
     watch.api_rows(u8, offs, cupti_layout.RUNTIME)
-    assert (watch.failed_calls, watch.other_failures) == (1, 0)
     (m,) = watch.marks(pid=1, default_dev=0)
+    assert (watch.failed_calls, watch.other_failures) == (1, 0)
     assert m["oom"]["api"] == "cudaMalloc_v3020" and m["ts"] == 10
     watch.api_objects([fk.api_record(CUDA_MALLOC_ASYNC, CUDA_ERROR_OUT_OF_MEMORY, end=40, kind=cupti_layout.RUNTIME),
                        fk.api_record(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, end=50)])  # driver cbid 20: no allocation
     (m,) = watch.marks(pid=1, default_dev=0)
     assert m["oom"]["api"] == "cudaMallocAsync_v11020" and watch.failed_calls == 2
+
+
+def _api(cbid: int, ret: int, t: int, tid: int = 1, kind: int = cupti_layout.RUNTIME) -> Any:
+    return fk.api_record(cbid, ret, end=t, tid=tid, kind=kind)
+
+
+def test_a_failure_the_framework_recovers_from_is_no_oom() -> None:
+    """PyTorch's and CuPy's allocators answer a failed cudaMalloc by freeing their caches and calling
+    again; when that call succeeds the program never sees an error, so there must be no event."""
+    ms = 1_000_000
+    watch = OomWatch()
+    t = 10_000 * ms
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, t), _api(CUDA_MALLOC, 0, t + 300 * ms)])
+    assert watch.marks(pid=1, default_dev=0, settled_ns=t + 5000 * ms) == []
+    assert (watch.failed_calls, watch.recovered_calls) == (0, 1) and not watch.pending()
+
+
+def test_a_failure_is_judged_only_once_its_recovery_window_has_arrived() -> None:
+    ms = 1_000_000
+    watch = OomWatch()
+    t = 10_000 * ms
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, t)])
+    # the records up to t + 0.5 s are in: a retry may still come
+    assert watch.marks(pid=1, default_dev=0, settled_ns=t + 500 * ms) == [] and watch.pending()
+    # a success on another thread, or of the other API's numbering, is no retry of this call
+    watch.api_objects([_api(CUDA_MALLOC, 0, t + 600 * ms, tid=2),
+                       _api(CU_MEM_ALLOC_V2, 0, t + 700 * ms, kind=cupti_layout.DRIVER)])
+    # a success after the window is a later allocation, not the retry
+    watch.api_objects([_api(CUDA_MALLOC, 0, t + 2000 * ms)])
+    (m,) = watch.marks(pid=1, default_dev=0, settled_ns=t + 2500 * ms)
+    assert m["oom"]["failed_calls"] == 1 and m["ts"] == t
+    assert (watch.failed_calls, watch.recovered_calls) == (1, 0)
+
+
+def test_at_stop_every_waiting_failure_is_judged() -> None:
+    watch = OomWatch()
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 5)])
+    assert watch.marks(pid=1, default_dev=0, settled_ns=6) == []
+    (m,) = watch.marks(pid=1, default_dev=0, settled_ns=None)  # the process is stopping
+    assert m["oom"]["failed_calls"] == 1
 
 
 def test_a_process_failing_in_a_loop_sends_a_bounded_number_of_marks() -> None:
@@ -184,6 +224,21 @@ def test_a_runtime_allocations_oom_is_seen_with_the_default_settings(tmp_path: P
     assert ooms[0]["oom"]["api"] == "cudaMalloc_v3020" and ooms[0]["oom"]["failed_calls"] == 2
     assert ooms[0]["dev"] == 1
     assert fake.runtime_api_cbids == set()  # switched off again at stop
+
+
+@pytest.mark.parametrize("cls", [fk.FakeRawCupti, fk.FakeCupti], ids=["raw", "objects"])
+def test_a_retry_that_succeeds_sends_no_oom_mark(tmp_path: Path, cls: type) -> None:
+    fake = cls()
+
+    def steps(f: Any) -> None:
+        f.alloc(0x1000, 1 << 30)
+        f.runtime_call(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY)
+        f.free(0x1000, 1 << 30)  # the allocator frees its cache ...
+        f.runtime_call(CUDA_MALLOC, 0)  # ... and the same call succeeds
+        f.alloc(0x2000, 1 << 29)
+
+    marks = _run(tmp_path, fake, steps)
+    assert not [m for m in marks if m["label"] == "oom"]
 
 
 def test_stream_ordered_allocations_are_recorded_only_on_request(tmp_path: Path) -> None:

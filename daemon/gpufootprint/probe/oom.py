@@ -88,6 +88,13 @@ API_DTYPE: Final = np.dtype({"names": ["cbid", "start", "end", "tid", "ret"],
 #: A process that fails allocations in a loop sends at most this many OOM marks (the rest are counted).
 MAX_MARKS: Final = 100
 
+#: A failed allocation call followed, on the same thread, within this long by a successful one is a
+#: failure the framework recovered from, not an out-of-memory error: PyTorch's caching allocator and
+#: CuPy's pool answer a failed cudaMalloc by freeing their caches and calling again, and only when
+#: that fails too does the program see an error. Releasing a large cache (a cudaFree per block) can
+#: take a good part of a second, hence one second.
+RECOVERY_NS: Final = 1_000_000_000
+
 
 class OomWatch:
     """Collects failed allocation calls and PyTorch OOM notices until the sender takes them.
@@ -100,7 +107,11 @@ class OomWatch:
         self._clock_ns = clock_ns
         self._events: deque[dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
-        self.failed_calls = 0  # allocation calls that returned OUT_OF_MEMORY
+        self.failed_calls = 0  # allocation calls that returned OUT_OF_MEMORY (and were not recovered from)
+        self.recovered_calls = 0  # ... followed on their thread by a successful call within RECOVERY_NS
+        # Failed calls not yet judged: (end_ns, thread id, api, API kind); judged once every record
+        # stamped up to end + RECOVERY_NS has arrived (the sender's watermark says when), or at stop.
+        self._waiting: list[tuple[int, int, str, int]] = []
         self.other_failures = 0  # allocation calls that failed otherwise (not an OOM)
         self.torch_events = 0
         self.marks_sent = 0
@@ -116,27 +127,51 @@ class OomWatch:
             return
         idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
         rows = u8[idx].view(API_DTYPE).reshape(len(offsets))
-        failed = (rows["ret"] != 0) & np.isin(rows["cbid"], np.fromiter(names, np.uint32))
-        if not failed.any():
-            return
-        for r in rows[failed]:
-            self._api_call(names[int(r["cbid"])], int(r["end"]), int(r["ret"]), int(r["tid"]))
+        alloc = np.isin(rows["cbid"], np.fromiter(names, np.uint32))
+        # Successes matter only while a failure waits to be judged; the calls are few either way
+        # (the stream-ordered ones, a call per tensor, are off unless asked for).
+        failed = alloc & (rows["ret"] != 0)
+        wanted = alloc if self._waiting or failed.any() else failed
+        for r in rows[wanted]:
+            self._api_call(names[int(r["cbid"])], int(r["start"]), int(r["end"]), int(r["ret"]), int(r["tid"]), kind)
 
     def api_objects(self, records: list[Any]) -> None:
         """cupti-python's ActivityAPI objects (the objects delivery path), DRIVER or RUNTIME."""
         for rec in records:
-            names = _CBIDS.get(int(getattr(rec, "kind", DRIVER_RECORD)), {})
+            kind = int(getattr(rec, "kind", DRIVER_RECORD))
+            names = _CBIDS.get(kind, {})
             cbid = int(getattr(rec, "cbid", -1))
-            ret = int(getattr(rec, "return_value", 0))
-            if cbid in names and ret != 0:
-                self._api_call(names[cbid], int(getattr(rec, "end", 0)), ret, int(getattr(rec, "thread_id", 0)))
+            if cbid in names:
+                self._api_call(names[cbid], int(getattr(rec, "start", 0)), int(getattr(rec, "end", 0)),
+                               int(getattr(rec, "return_value", 0)), int(getattr(rec, "thread_id", 0)), kind)
 
-    def _api_call(self, api: str, end_ns: int, ret: int, tid: int) -> None:
-        if ret != CUDA_ERROR_OUT_OF_MEMORY:
-            self.other_failures += 1
-            return
-        self.failed_calls += 1
-        self._put({"source": "cupti", "api": api, "ts": end_ns, "thread_id": tid, "requested_bytes": None})
+    def _api_call(self, api: str, start_ns: int, end_ns: int, ret: int, tid: int, kind: int) -> None:
+        with self._lock:
+            if ret == 0:  # a success: does it settle a failure of this thread just before it?
+                kept = [w for w in self._waiting
+                        if not (w[1] == tid and w[3] == kind and w[0] <= start_ns <= w[0] + RECOVERY_NS)]
+                self.recovered_calls += len(self._waiting) - len(kept)
+                self._waiting = kept
+            elif ret != CUDA_ERROR_OUT_OF_MEMORY:
+                self.other_failures += 1
+            else:
+                self._waiting.append((end_ns, tid, api, kind))
+
+    def settle(self, settled_ns: int | None) -> None:
+        """Judge the failures whose recovery window every record has arrived for (``settled_ns``, the
+        probe's watermark; None: all of them, the process is stopping): not recovered, they are
+        out-of-memory errors the program saw."""
+        with self._lock:
+            if not self._waiting:
+                return
+            done = [w for w in self._waiting if settled_ns is None or w[0] + RECOVERY_NS <= settled_ns]
+            if not done:
+                return
+            self._waiting = [w for w in self._waiting if w not in done]
+            for end_ns, tid, api, _kind in done:
+                self.failed_calls += 1
+                self._events.append({"source": "cupti", "api": api, "ts": end_ns, "thread_id": tid,
+                                     "requested_bytes": None})
 
     # --- PyTorch ---------------------------------------------------------------------------
 
@@ -181,7 +216,7 @@ class OomWatch:
             self._events.append(event)
 
     def pending(self) -> bool:
-        return bool(self._events)
+        return bool(self._events or self._waiting)
 
     def take(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -189,9 +224,11 @@ class OomWatch:
             self._events.clear()
         return out
 
-    def marks(self, pid: int, default_dev: int) -> list[dict[str, Any]]:
-        """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed driver
-        calls of this batch (at the last one's time, counting them all); at most MAX_MARKS in all."""
+    def marks(self, pid: int, default_dev: int, settled_ns: int | None = None) -> list[dict[str, Any]]:
+        """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed
+        allocation calls judged now (``settle``; at the last one's time, counting them all); at most
+        MAX_MARKS in all."""
+        self.settle(settled_ns)
         events = self.take()
         if not events:
             return []
@@ -215,5 +252,6 @@ class OomWatch:
 
     def counters(self) -> dict[str, int]:
         # Few keys: the daemon keeps at most 64 heartbeat counters per probe (docs/reliability.md).
-        return {"oom_failed_calls": self.failed_calls, "oom_torch_events": self.torch_events,
+        return {"oom_failed_calls": self.failed_calls, "oom_recovered_calls": self.recovered_calls,
+                "oom_torch_events": self.torch_events,
                 "oom_marks_suppressed": self.marks_suppressed, "oom_torch_observer": int(self.torch_attached)}

@@ -236,7 +236,10 @@ class Sender:
                 self._gap_end(*item[1])
                 item[2].set()
         if self.oom.pending():  # each OOM goes out as a MARK after a flush, like a workload's mark
-            for body in self.oom.marks(self.pid, self._last_dev):
+            # A failed call is judged once every record up to its recovery window is in (the table's
+            # watermark), or at stop; probe/oom.py says why it waits.
+            settled = None if self._stop.is_set() else self._table_ts
+            for body in self.oom.marks(self.pid, self._last_dev, settled):
                 q.append(("mark", body, threading.Event()))
             self._drain()
 
