@@ -6,6 +6,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
+
 from gpufootprint.probe import takeover
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
@@ -128,3 +130,42 @@ def test_post_import_hook_wraps_the_profiler_class_when_torch_imports_it(tmp_pat
                        check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("kind", ["concurrent", "serial"])
+def test_a_kernel_window_beside_always_on_kernels_switches_nothing_on_or_off(tmp_path: Path, kind: str) -> None:
+    """With kernels always on, a window must leave CUPTI's kinds as they were: a serial KERNEL kind
+    left on beside CONCURRENT_KERNEL would serialise every kernel for the rest of the process."""
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, kernels=True,
+                            kernel_window_kind=kind), fake, discover_devices=False)
+    assert p.start()
+    try:
+        before = set(fake.enabled)
+        assert fk.CONCURRENT_KERNEL in before and fk.KERNEL not in before
+        p.open_kernel_window(50, 1)  # what a CONTROL kernel_window does
+        assert fk.KERNEL not in fake.enabled
+        deadline = time.monotonic() + 5
+        while p._kernel_window is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert p._kernel_window is None and fake.enabled == before
+        assert p.counters["kernel_windows"] == 1
+    finally:
+        p.stop()
+
+
+def test_a_serial_window_switches_on_and_off_only_its_own_kind(tmp_path: Path) -> None:
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, kernel_window_kind="serial"),
+              fake, discover_devices=False)
+    assert p.start()
+    try:
+        before = set(fake.enabled)
+        p.open_kernel_window(50, 1)
+        assert fake.enabled == before | {fk.KERNEL}
+        deadline = time.monotonic() + 5
+        while p._kernel_window is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.enabled == before
+    finally:
+        p.stop()

@@ -161,8 +161,8 @@ class Probe(Sender):
                 self._backend.configure_unified_memory()
             if self.cupti.kernels_always:
                 self._backend.enable(CONCURRENT_KERNEL)
-            elif self._kernel_window is not None:
-                self._backend.enable(self._window_kind)
+            if self._kernel_window is not None and self.window_enabled is not None:
+                self._backend.enable(self.window_enabled)  # the window still open gets its kind back
             self.counters["rearms"] += 1
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"re-arm: {exc}")

@@ -85,6 +85,7 @@ class Sender:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._window_kind = KERNEL if settings.kernel_window_kind == "serial" else CONCURRENT_KERNEL
+        self.window_enabled: int | None = None  # the kind the open kernel window switched on, if any
         self.resyncs = ResyncSchedule()
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
@@ -427,9 +428,13 @@ class Sender:
     def open_kernel_window(self, ms: int, wid: int) -> None:
         ms = max(1, min(ms, 60_000))
         if self._kernel_window is None:
-            if self.in_gap or self._backend is None or not self._backend.enable(self._window_kind):
+            # With kernels always on the records already flow: the window enables nothing more (a
+            # serial KERNEL beside CONCURRENT_KERNEL would serialise every kernel from then on).
+            kind = None if self.cupti.kernels_always else self._window_kind
+            if self.in_gap or self._backend is None or (kind is not None and not self._backend.enable(kind)):
                 self.counters["kernel_windows_refused"] += 1
                 return
+            self.window_enabled = kind
             self._kernel_window = {"id": wid, "start_ns": self._clock_ns()}
             self.counters["kernel_windows"] += 1
         else:
@@ -441,8 +446,9 @@ class Sender:
         window, self._kernel_window = self._kernel_window, None
         if window is None:
             return
-        if not self.in_gap and self._backend is not None and not self.cupti.kernels_always:
-            self._backend.disable(self._window_kind)
+        kind, self.window_enabled = self.window_enabled, None
+        if not self.in_gap and self._backend is not None and kind is not None:
+            self._backend.disable(kind)  # exactly what the window switched on
         self._flush_and_drain()
         window["end_ns"] = self._clock_ns()
         body = self._heartbeat()
