@@ -42,6 +42,9 @@ class Connection:
     unsent: bytes = b""  # tail of a CONTROL frame the socket did not take at once (at most one frame)
     resync_records: int = 0
     verify_asked: bool = False  # the probe was asked for TOTALS with its watermarks
+    # The forwarded-buffer level the probe said it reads in its HELLO (1 when it says nothing: a
+    # probe from before RUNTIME records forwards only at exactly 1).
+    cupti_buffers: int = 1
 
 
 #: Why each order violation cuts a peer off, for the log line.
@@ -71,6 +74,7 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
         if ftype is not FrameType.HELLO:
             return "frame_before_hello"
         conn.hello = True
+        conn.cupti_buffers = _cupti_buffers(frame)
         return None
     if ftype is FrameType.HELLO:
         return "duplicate_hello"
@@ -87,6 +91,27 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
     elif ftype is FrameType.GOODBYE:
         conn.goodbye = True
     return None
+
+
+#: The highest forwarded-buffer level this daemon reads: 2, it steps over DRIVER and RUNTIME records.
+CUPTI_BUFFERS_LEVEL = 2
+
+
+def _cupti_buffers(hello: Frame) -> int:
+    """The level a HELLO says its probe reads (1 if it says nothing or the body is not an object;
+    the session reports a malformed HELLO itself)."""
+    try:
+        body = hello.json()
+    except FrameError:
+        return 1
+    level = body.get("cupti_buffers") if isinstance(body, dict) else None
+    return level if isinstance(level, int) and not isinstance(level, bool) and level > 1 else 1
+
+
+def verify_request(conn: Connection) -> dict[str, object]:
+    """The CONTROL that asks a probe for TOTALS and tells it which forwarded buffers this daemon reads:
+    the lower of the probe's level and this daemon's."""
+    return {"op": "verify", "cupti_buffers": min(conn.cupti_buffers, CUPTI_BUFFERS_LEVEL)}
 
 
 def wants_verify(conn: Connection, frame: Frame) -> bool:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from gpufootprint.config import Config
 from gpufootprint.ingest import tick as ticks
 from gpufootprint.ingest.protocol import (ORDER_TEXT, SESSION_REASONS, BatchMerger, Connection, ResyncRequests,
-                                          count_received, decoder_reason, order_violation, wants_verify)
+                                          count_received, decoder_reason, order_violation, verify_request,
+                                          wants_verify)
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, WakePipe, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
@@ -331,7 +332,7 @@ class IngestServer:
         reason = order_violation(conn, frame)
         if reason is None:
             if wants_verify(conn, frame):
-                self.send_control(conn.pid, {"op": "verify", "cupti_buffers": 2})
+                self.send_control(conn.pid, verify_request(conn))
             count_received(conn, frame, self.received)
         return reason
 

@@ -45,7 +45,8 @@ def apply_control(frame: Frame, target: ControlTarget) -> None:
             counters["resyncs_requested"] += 1
         elif op == "verify":
             level = body.get("cupti_buffers")  # type: ignore[union-attr]
-            target.send_totals(int(level) if level in (1, 2) else 0)
+            # Levels are cumulative: a later daemon's higher level still means "at least 2".
+            target.send_totals(level if isinstance(level, int) and not isinstance(level, bool) and level > 0 else 0)
         elif op == "torch_empty_cache":
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():

@@ -421,9 +421,9 @@ class Sender:
         """TOTALS with each watermark from now on; with ``cupti_buffers`` 1 or 2, CUPTI's buffers forwarded
         unread (1: the daemon steps over DRIVER records in them; 2: over RUNTIME records too)."""
         self._verify = True
-        if cupti_buffers in (1, 2):
+        if cupti_buffers >= 1:
             self._forward = self.settings.forward_buffers
-            self._forwardable = FORWARDABLE if cupti_buffers == 2 else FORWARDABLE_V1
+            self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
 
     def open_kernel_window(self, ms: int, wid: int) -> None:
         ms = max(1, min(ms, 60_000))

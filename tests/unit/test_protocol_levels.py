@@ -1,0 +1,75 @@
+"""Which forwarded CUPTI buffers a daemon asks a probe for: the lower of the probe's level (its HELLO)
+and the daemon's. A probe from before RUNTIME API records names no level and forwards only when
+told exactly 1; telling it 2 would quietly turn its forwarding off."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpufootprint.ingest.protocol import CUPTI_BUFFERS_LEVEL, Connection, order_violation, verify_request
+from gpufootprint.probe import control
+from gpufootprint.wire import framing
+from gpufootprint.wire.framing import Frame, FrameType, iter_frames
+
+
+def _frame(ftype: FrameType, body: dict[str, Any]) -> Frame:
+    (frame,) = iter_frames([framing.PREAMBLE + framing.encode_json(ftype, body)])
+    return frame
+
+
+def _connection() -> Connection:
+    return Connection(sock=socket.socket(socket.AF_UNIX), decoder=None, session=None,  # type: ignore[arg-type]
+                      pid=1, uid=0)
+
+
+@pytest.mark.parametrize("hello,asked", [
+    ({"pid": 1}, 1),  # an older probe: says nothing
+    ({"pid": 1, "cupti_buffers": 2}, 2),
+    ({"pid": 1, "cupti_buffers": 7}, CUPTI_BUFFERS_LEVEL),  # a newer probe: this daemon's level
+    ({"pid": 1, "cupti_buffers": "2"}, 1),
+    ({"pid": 1, "cupti_buffers": True}, 1),
+])
+def test_the_daemon_asks_for_the_lower_of_the_two_levels(hello: dict[str, Any], asked: int) -> None:
+    conn = _connection()
+    try:
+        assert order_violation(conn, _frame(FrameType.HELLO, hello)) is None
+        assert verify_request(conn) == {"op": "verify", "cupti_buffers": asked}
+    finally:
+        conn.sock.close()
+
+
+class _Target:
+    def __init__(self) -> None:
+        self.levels: list[int] = []
+        self.counters: Counter[str] = Counter()
+
+    def send_totals(self, cupti_buffers: int) -> None:
+        self.levels.append(cupti_buffers)
+
+
+@pytest.mark.parametrize("level,seen", [(1, 1), (2, 2), (3, 3), (0, 0), ("2", 0), (None, 0)])
+def test_the_probe_reads_any_level_from_1_up(level: Any, seen: int) -> None:
+    target = _Target()
+    body = {"op": "verify"} if level is None else {"op": "verify", "cupti_buffers": level}
+    control.apply_control(_frame(FrameType.CONTROL, body), target)  # type: ignore[arg-type]
+    assert target.levels == [seen]
+
+
+def test_the_probes_hello_says_its_level(tmp_path: Path) -> None:
+    from gpufootprint.probe.core import Probe
+    from gpufootprint.probe.settings import ProbeSettings
+    from gpufootprint.wire.sources import TraceFile
+
+    from tests import probe_fakes as fk
+
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10), fk.FakeRawCupti(), discover_devices=False)
+    assert probe.start()
+    probe.stop()
+    (hello,) = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HELLO]
+    assert hello["cupti_buffers"] == CUPTI_BUFFERS_LEVEL == 2
