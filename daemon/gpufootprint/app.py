@@ -29,8 +29,8 @@ from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families, engine_error_families, http_families
 from gpufootprint.exporter.webconfig import load_web_config
 from gpufootprint.ingest.server import IngestServer
-from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.k8s.attribution import Attributor
+from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.pipeline import Pipeline
@@ -85,7 +85,7 @@ def detect_gpu() -> tuple[bool, str]:
     finally:
         try:
             pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - the check's answer is already known; a failed shutdown changes nothing
             pass
     return count > 0, f"{count} GPU(s), driver {driver}"
 
@@ -175,11 +175,11 @@ class App:
         """Run the engines on the new snapshot (ingest thread): send actions, log events."""
         try:
             self.oom.tick()
-        except Exception:  # noqa: BLE001 - a capture bug must not stop ingest
+        except Exception:  # a capture bug must not stop ingest
             log.exception("oom capture failed")
         try:
             out = self.engines.step(snap)
-        except Exception:  # noqa: BLE001 - keep ingesting; the last outputs stay exported
+        except Exception:  # keep ingesting; the last outputs stay exported
             self.engine_errors += 1
             if self.engine_errors == 1 or self.engine_errors % 1000 == 0:
                 log.exception("engines failed on a snapshot (%d times so far)", self.engine_errors)

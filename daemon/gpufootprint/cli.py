@@ -302,7 +302,7 @@ def _open_output(option: str, path: str, mode: str) -> IO[Any]:
     try:
         if path.endswith(".gz"):
             return gzip.open(path, mode)  # type: ignore[return-value]
-        return open(path, mode)  # noqa: SIM115 - the caller closes it
+        return open(path, mode)  # the caller closes it
     except OSError as exc:
         raise ConfigError(f"command line {option} {path}: cannot write ({exc.strerror})") from None
 

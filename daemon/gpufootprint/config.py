@@ -556,7 +556,7 @@ def validate_engine_config(config: Config, origin: dict[str, str] | None = None)
             raise ConfigError(f"{where}: expected a mapping, got {rule!r}")
         unknown = set(rule) - _RULE_KEYS
         if unknown:
-            raise ConfigError(f"{where}.{sorted(unknown)[0]}: unknown key (known: {', '.join(sorted(_RULE_KEYS))})")
+            raise ConfigError(f"{where}.{min(unknown)}: unknown key (known: {', '.join(sorted(_RULE_KEYS))})")
         if rule.get("scope") not in BUDGET_SCOPES:
             raise ConfigError(f"{where}.scope: {rule.get('scope')!r} is not one of {', '.join(BUDGET_SCOPES)}")
         if not isinstance(rule.get("name"), (str, int)) or isinstance(rule.get("name"), bool):

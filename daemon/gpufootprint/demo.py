@@ -137,11 +137,11 @@ def demo_app(config: Config, listen: str) -> App:
 def render(snap: PipelineSnapshot, url: str, started: float) -> str:
     mib = 1024 * 1024
     lines = [f"gpufootprint demo: real H200 traces replayed in a loop    metrics: {url}",
-             f"uptime {time.monotonic() - started:5.0f} s    records ingested "
-             f"{sum(snap.records_ingested.values()):,}    ingest errors {sum(snap.ingest_errors.values())}",
+             (f"uptime {time.monotonic() - started:5.0f} s    records ingested "
+              f"{sum(snap.records_ingested.values()):,}    ingest errors {sum(snap.ingest_errors.values())}"),
              "",
-             f"{'pid':>6} {'gpu':>3} {'device MiB':>11} {'static MiB':>10} {'pinned MiB':>10} "
-             f"{'peak MiB':>9} {'pool MiB':>8} {'HtoD MiB':>9} {'DtoH MiB':>9}  source"]
+             (f"{'pid':>6} {'gpu':>3} {'device MiB':>11} {'static MiB':>10} {'pinned MiB':>10} "
+              f"{'peak MiB':>9} {'pool MiB':>8} {'HtoD MiB':>9} {'DtoH MiB':>9}  source")]
     htod = next(k for k, v in COPY_KIND_NAMES.items() if v == "htod")
     dtoh = next(k for k, v in COPY_KIND_NAMES.items() if v == "dtoh")
     for proc in snap.processes:

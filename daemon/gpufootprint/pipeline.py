@@ -192,8 +192,7 @@ class Pipeline:
             oldest = int(times.min())
         proc.pending.setdefault(kind, []).append((oldest, newest, recs))
         proc.pending_records += len(recs)
-        if newest > proc.max_ts:
-            proc.max_ts = newest
+        proc.max_ts = max(proc.max_ts, newest)
         if proc.watermarked:
             if proc.pending_records > self.max_pending_records:
                 self.pending_overflows += 1
@@ -303,8 +302,7 @@ class Pipeline:
         # The state is now the probe's as of ``ts``. Records stamped after it that were applied
         # already (a stream that ended, the clock's fallback) are part of it no longer: the probe
         # sends those again after a reconnect, so they must apply again, not count as late.
-        if proc.applied_to > ts:
-            proc.applied_to = ts
+        proc.applied_to = min(proc.applied_to, ts)
 
     def process_exited(self, pid: int, ts: int | None = None) -> None:
         proc = self.processes.get(pid)

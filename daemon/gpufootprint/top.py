@@ -51,14 +51,13 @@ def size(n: int | None) -> str:
 def fetch(url: str, timeout: float = 5.0, user: str | None = None) -> dict[str, Any]:
     """GET ``url``/api/processes; a one-line error that names the URL otherwise."""
     target = url.rstrip("/")
-    if target.endswith("/metrics"):
-        target = target[: -len("/metrics")]
+    target = target.removesuffix("/metrics")
     target += "/api/processes"
     req = urllib.request.Request(target)
     if user:
         req.add_header("Authorization", "Basic " + base64.b64encode(user.encode()).decode())
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - the user's own daemon URL
+        with urllib.request.urlopen(req, timeout=timeout) as resp:  # the user's own daemon URL
             doc = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raise GpuFootprintError(f"{target}: HTTP {exc.code} {exc.reason}") from None

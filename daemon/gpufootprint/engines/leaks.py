@@ -26,6 +26,7 @@ never suspects.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,7 +158,7 @@ def _rising_floors(trend: Trend, window: float, segments: int) -> tuple[int, int
         if f is None or v < f[1]:
             floors[j] = (start + j * width, v)
     seen = [f for f in floors if f is not None]
-    ups = [b[1] > a[1] for a, b in zip(seen, seen[1:])]
+    ups = [b[1] > a[1] for a, b in itertools.pairwise(seen)]
     onset = None
     for i, up in enumerate(ups):
         if up:

@@ -393,7 +393,7 @@ class BoundedHTTPServer:
             handler = _one_request(self.handler)(conn.sock, conn.addr, self, data)
             keep = not handler.close_connection
             conn.buf += handler.leftover
-        except Exception:  # noqa: BLE001 - a request must never take the server down
+        except Exception:  # a request must never take the server down
             log.debug("http request from %s failed", conn.addr, exc_info=True)
         if keep:
             try:

@@ -47,20 +47,20 @@ class FootprintCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         try:
             families = list(self._families(self._snapshot()))
-        except Exception:  # noqa: BLE001 - a scrape must always answer
+        except Exception:  # a scrape must always answer
             self.collect_errors += 1
             log.exception("building metrics failed; serving self-metrics only")
             families = []
         if self._extra is not None:
             try:
                 families.extend(self._extra())
-            except Exception:  # noqa: BLE001
+            except Exception:  # counted and logged; the other families still answer
                 self.collect_errors += 1
                 log.exception("building engine metrics failed")
         if self._postprocess is not None:
             try:
                 families = self._postprocess(families)
-            except Exception:  # noqa: BLE001 - never fall back to uncapped per-process series
+            except Exception:  # never fall back to uncapped per-process series
                 self.collect_errors += 1
                 log.exception("post-processing metrics failed; serving families without per-process series")
                 families = [f for f in families if not any("pid" in s.labels for s in f.samples)]

@@ -204,7 +204,7 @@ class ExpositionCache:
             t0 = self._clock()
             try:
                 self.render()
-            except Exception:  # noqa: BLE001 - the thread must outlive any one bug; scrapes render then
+            except Exception:  # the thread must outlive any one bug; scrapes render then
                 self.render_errors += 1
                 if self.render_errors == 1 or self.render_errors % 100 == 0:
                     log.exception("rendering /metrics failed (%d times so far)", self.render_errors)

@@ -158,11 +158,11 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
         timeout = WRITE_DEADLINE_S  # the request was read whole before this runs: this bounds the reply
         head = False
 
-        def do_HEAD(self) -> None:  # noqa: N802 - what GET would answer, without the body
+        def do_HEAD(self) -> None:  # what GET would answer, without the body
             self.head = True
             self.do_GET()
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:  # http.server's naming
             path = self.path.split("?", 1)[0]
             web = server.web_config
             if path not in OPEN_PATHS and not web.check_authorization(self.headers.get("Authorization")):
@@ -196,7 +196,7 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
                     self._send(404, b"not found\n", "text/plain; charset=utf-8")
             except BrokenPipeError:
                 pass
-            except Exception:  # noqa: BLE001 - one bad request must not stop the server
+            except Exception:  # one bad request must not stop the server
                 log.exception("request %s failed", path)
                 self._send(500, b"internal error\n", "text/plain; charset=utf-8")
 
@@ -217,7 +217,7 @@ def _make_handler(server: MetricsServer) -> type[BaseHTTPRequestHandler]:
             if not self.head:
                 self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature from the base
+        def log_message(self, format: str, *args: Any) -> None:  # signature from the base
             log.debug("http %s", format % args)
 
     return Handler

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from gpufootprint.errors import ConfigError
 from gpufootprint.yamlsafe import read_yaml_file
 
@@ -169,7 +168,7 @@ def load_web_config(path: str | None) -> WebConfig:
         raise ConfigError(f"{where}: the top level must be a mapping")
     unknown = set(data) - {"tls_server_config", "http_server_config", "basic_auth_users"}
     if unknown:
-        raise ConfigError(f"{where}: {sorted(unknown)[0]}: unknown key "
+        raise ConfigError(f"{where}: {min(unknown)}: unknown key "
                           "(known: basic_auth_users, http_server_config, tls_server_config)")
     base = Path(path).resolve().parent
     cfg = WebConfig(path=path)

@@ -20,8 +20,8 @@ from typing import Final
 
 import numpy as np
 
-from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
 
 

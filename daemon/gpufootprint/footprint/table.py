@@ -92,8 +92,7 @@ class DeviceFootprint:
         levels = self._apply_memory_bulk(recs, errors) if len(recs) >= _BULK_MIN else None
         if levels is None:
             levels = self._apply_memory_each(recs, errors)
-        if self.async_device_bytes > self.pool_floor:
-            self.pool_floor = self.async_device_bytes
+        self.pool_floor = max(self.pool_floor, self.async_device_bytes)
         return levels
 
     def live_counts(self) -> dict[int, int]:

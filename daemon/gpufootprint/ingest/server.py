@@ -23,9 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
 from gpufootprint.ingest import tick as ticks
-from gpufootprint.ingest.protocol import (ORDER_TEXT, SESSION_REASONS, BatchMerger, Connection, ResyncRequests,
-                                          count_received, decoder_reason, order_violation, verify_request,
-                                          wants_verify)
+from gpufootprint.ingest.protocol import (
+    ORDER_TEXT,
+    SESSION_REASONS,
+    BatchMerger,
+    Connection,
+    ResyncRequests,
+    count_received,
+    decoder_reason,
+    order_violation,
+    verify_request,
+    wants_verify,
+)
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, WakePipe, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
@@ -170,7 +179,7 @@ class IngestServer:
         try:
             with self.lock:
                 self._tick()
-        except Exception:
+        except Exception:  # noqa: BLE001 - counted and logged (exc_info) by _rlog; the last snapshot stays served
             self._ticks.failed()
             self._rlog("tick_error", logging.ERROR, "tick failed (%d so far); the last good snapshot stays, "
                        "/readyz fails", self._ticks.errors, exc_info=True)
@@ -207,7 +216,7 @@ class IngestServer:
         if self.on_snapshot is not None:
             try:
                 self.on_snapshot(self.snapshot)
-            except Exception:  # noqa: BLE001 - an engine bug must not stop ingest
+            except Exception:  # an engine bug must not stop ingest
                 log.exception("snapshot consumer failed")
 
     def quarantine(self, pid: int, exc: BaseException) -> None:
@@ -314,7 +323,7 @@ class IngestServer:
                     return
                 merger.add(frame)
             merger.flush()
-        except Exception as exc:  # noqa: BLE001 - a probe must never be able to crash the daemon
+        except Exception as exc:  # a probe must never be able to crash the daemon
             log.exception("probe pid=%d: frame handling failed", conn.pid)
             self._cut(conn, "internal_error", f"frame handling failed ({type(exc).__name__})")
             return
@@ -398,7 +407,7 @@ class IngestServer:
         conn.sock.close()
         try:
             conn.session.close()
-        except Exception:  # noqa: BLE001 - closing one stream must not stop the loop
+        except Exception:  # closing one stream must not stop the loop
             log.exception("probe pid=%d: closing its session failed", conn.pid)
         # Without a goodbye the process may still run (the probe will reconnect
         # and resync); if it is gone, the driver freed its memory.

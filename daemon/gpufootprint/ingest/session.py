@@ -48,7 +48,8 @@ def clean_info(hello: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(value, str):
             out[key] = _UNSAFE.sub("?", value[:_MAX_INFO_STR])
-        elif value is None or isinstance(value, (bool, int, float)):
+        # Two branches on purpose: scalars pass as they are, containers only when small.
+        elif value is None or isinstance(value, (bool, int, float)):  # noqa: SIM114
             out[key] = value
         elif isinstance(value, (dict, list)) and len(json.dumps(value, default=str)) <= _MAX_INFO_BYTES:
             out[key] = value

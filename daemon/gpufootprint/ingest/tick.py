@@ -85,7 +85,7 @@ def pipeline_snapshot(pipeline: Pipeline, wall: float, quarantine: Quarantine) -
     quarantined and it is built again without them (a failure that remains fails the tick)."""
     try:
         return pipeline.snapshot(wall)
-    except Exception:  # noqa: BLE001 - find the process at fault
+    except Exception:  # find the process at fault
         found = False
         for pid, proc in list(pipeline.processes.items()):
             try:

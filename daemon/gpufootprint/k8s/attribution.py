@@ -148,7 +148,7 @@ class DaemonSetAttributor:
     def identify(self, pid: int) -> PodIdentity:
         try:
             return self._identify(pid)
-        except Exception:  # noqa: BLE001 - attribution must never cost a scrape
+        except Exception:  # attribution must never cost a scrape
             log.exception("attribution of pid=%d failed", pid)
             return unresolved(self.extra_labels)
 

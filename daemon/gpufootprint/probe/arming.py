@@ -133,7 +133,9 @@ class CuptiArming:
             self.counters["unified_memory_unsupported"] += 1
 
     def set_period(self, seconds: float) -> None:
-        if self.backend is not None and not self.backend.flush_period(int(round(seconds * 1000))):
+        # int() stays: before NumPy 2, round() of a numpy float is a float.
+        if self.backend is not None and not self.backend.flush_period(
+                int(round(seconds * 1000))):  # noqa: RUF046
             self.counters["flush_period_failures"] += 1
 
 

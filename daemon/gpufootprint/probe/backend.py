@@ -13,9 +13,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.settings import copy_kind_names
+
 # The CUPTI_ActivityKind numbers are kept in one place.
 from gpufootprint.wire.cupti_layout import (
-    CONCURRENT_KERNEL,
     MEMCPY,
     MEMCPY2,
     MEMORY2,
@@ -23,8 +25,6 @@ from gpufootprint.wire.cupti_layout import (
     MEMSET,
     UNIFIED_MEMORY_COUNTER,
 )
-from gpufootprint.probe.rawdelivery import RawDelivery
-from gpufootprint.probe.settings import copy_kind_names
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +335,7 @@ class CuptiBackend:
             from importlib.metadata import version
 
             out["cupti_python"] = version("cupti-python")
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - a version is optional: the hello goes without it
             pass
         get_version = getattr(self._c, "get_version", None)
         try:
@@ -358,7 +358,7 @@ class CuptiBackend:
             err, v = driver.cuDriverGetVersion()
             if int(err) == 0:
                 out["driver"] = int(v)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - a version is optional: the hello goes without it
             pass
         return out
 

@@ -96,7 +96,7 @@ def cupti_dropped(backend: Backend | None, raw: RawDelivery | None, counters: Co
     try:
         for ctx, stream in queues:
             counters["cupti_dropped_records"] += int(backend.dropped_records(ctx, stream))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001, S110 - a heartbeat goes out with the drops counted so far
         pass
     return int(counters["cupti_dropped_records"])
 

@@ -15,8 +15,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from gpufootprint.wire import cupti_layout
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
+from gpufootprint.wire import cupti_layout
 
 Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
 _ALLOC: Final = int(MemoryOp.ALLOCATION)

@@ -206,7 +206,7 @@ class OomWatch:
                 event["torch_reserved_bytes"] = int(torch.cuda.memory_reserved(device))
                 event["torch_allocated_bytes"] = int(torch.cuda.memory_allocated(device))
             self._put(event)
-        except Exception:  # noqa: BLE001 - never into PyTorch's error path
+        except Exception:  # noqa: BLE001, S110 - never into PyTorch's error path
             pass
 
     # --- the sender --------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from typing import Any, Final
 import numpy as np
 
 from gpufootprint.records import DTYPES, RecordKind
-
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.cupti_layout import RAW_DTYPES
 
@@ -199,8 +198,9 @@ class Packer:
                 try:
                     src = cupti_layout.gather(u8, k, offs)
                     names: dict[int, int] = {}  # name pointer -> id, this buffer only
-                    rows = cupti_layout.convert(k, src, self.pid,
-                                              (lambda p: self._name_id(names, p)) if k in _KERNEL_KINDS else None)
+                    # The lambda sees this iteration's ``names``: convert() calls it before the loop moves on.
+                    name_id = (lambda p: self._name_id(names, p)) if k in _KERNEL_KINDS else None  # noqa: B023
+                    rows = cupti_layout.convert(k, src, self.pid, name_id)
                 except Exception:  # noqa: BLE001 - a malformed buffer loses its records, counted
                     self.bad_records += len(offs)
                     continue

@@ -10,7 +10,7 @@ import sys
 
 try:
     from gpufootprint.probe import _autostart  # noqa: F401 - starts the probe when GPUFOOTPRINT_PROBE=1
-except Exception:  # noqa: BLE001
+except Exception:  # noqa: BLE001, S110 - the user's program must start even if the probe cannot
     pass
 
 
@@ -26,7 +26,7 @@ def _chain() -> None:
                 module = importlib.util.module_from_spec(spec)
                 try:
                     spec.loader.exec_module(module)
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001, S110 - as if no sitecustomize were there: the user's code runs on
                     pass
             return
 
