@@ -1,0 +1,100 @@
+"""The long-running commands: ``start``, ``daemon`` and ``demo``; and ``check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+from gpufootprint.cli.common import check_socket_dir, config_from_args, open_app, reason, setup, start_app
+from gpufootprint.config import config_to_dict
+from gpufootprint.errors import ConfigError, TraceError
+
+log = logging.getLogger("gpufootprint.cli")  # one logger for every command, as before the split
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.print_config:
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+    else:
+        print(f"ok: {args.config or 'built-in defaults'}")
+    return 0
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from gpufootprint.app import App, detect_gpu
+
+    stop, hup = threading.Event(), threading.Event()
+    App.install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
+    flags = {"exporter.listen": args.listen, "daemon.socket": args.socket,
+             "exporter.web_config_file": getattr(args, "web_config_file", None)}
+    config = config_from_args(args, flags)
+    setup(config, args.verbose)
+    check_socket_dir(config.daemon.socket, args.create_socket_dir)
+    present, detail = detect_gpu()
+    nvml_client = None
+    if present and config.nvml.enabled:
+        from gpufootprint.nvml.pynvml_client import PynvmlClient
+
+        nvml_client = PynvmlClient()
+    app = open_app(config, socket_path=config.daemon.socket, listen=config.exporter.listen,
+                    nvml_client=nvml_client)
+    app.gpu_present = 1.0 if present else 0.0
+    if present:
+        log.info("gpu found: %s", detail)
+    else:
+        log.warning("no GPU: %s; serving probe data and metrics anyway", detail)
+    start_app(app, config.daemon.socket)
+    log.info("serving metrics url=%s", app.http.url if app.http else "-")
+    try:
+        # SIGHUP re-reads file, env, flags
+        app.wait_for_signal(stop, reload=lambda: config_from_args(args, flags), hup=hup)
+    finally:
+        app.stop()
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from gpufootprint.app import detect_gpu
+
+    present, detail = detect_gpu()
+    if present:
+        return cmd_daemon(args)
+    notice = (f"gpufootprint: no GPU here ({detail}); starting the demo: real H200 traces replayed "
+              "into the daemon. On a GPU node this command runs the daemon.")
+    print(notice, file=sys.stderr)
+    args.speed, args.trace = None, None
+    return cmd_demo(args, notice=notice)
+
+
+def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
+    from gpufootprint.demo import bundled_traces, demo_config, demo_gpu, run_demo
+    from gpufootprint.replay import load_frames
+
+    config = config_from_args(args, {"demo.speed": args.speed})
+    setup(config, args.verbose)
+    listen = args.listen or "127.0.0.1:9878"
+    traces = [Path(t) for t in args.trace] if args.trace else (
+        [Path(config.demo.trace)] if config.demo.trace else bundled_traces())
+    for t in traces:
+        if not t.is_file():
+            raise ConfigError(f"demo.trace: {t} is not a file")
+        frames, problems = load_frames(t)  # a damaged trace fails here, not silently in a feeder thread
+        if problems:
+            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            raise TraceError(problems[0] + more)
+        if not frames:
+            raise TraceError(f"{t}: no frames (an empty trace)")
+    nvml, attach = demo_gpu()  # a simulated H200 in NVML's place, reading the demo's own snapshot
+    app = open_app(demo_config(config), socket_path=None, listen=listen, nvml_client=nvml)
+    attach(app)
+    try:
+        return run_demo(app, speed=config.demo.speed, duration=args.duration, traces=traces, notice=notice)
+    except OSError as exc:
+        raise ConfigError(f"exporter.listen {listen}: cannot serve ({reason(exc)})") from None
+
