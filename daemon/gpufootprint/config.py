@@ -10,7 +10,7 @@ between levels, e.g. ``GPUFOOTPRINT_EXPORTER__LISTEN=0.0.0.0:9878``. Values are
 parsed as YAML scalars, so ``60`` is a number and ``true`` a boolean. Other ``GPUFOOTPRINT_*``
 names (no ``__``: the variables Kubernetes makes for a Service named gpufootprint) are ignored.
 
-Why one module of about 570 lines: it is the whole schema, one section per stage, so a
+Why one module of about 590 lines: it is the whole schema, one section per stage, so a
 key, its bounds and its doc are found in one place; the probe's section is the probe's
 own schema (``probe/settings.py``), imported rather than written twice.
 """
