@@ -5,7 +5,7 @@
 Runs the daemon's App in this process, lets N simulated probes (bench/load.py's) report for
 4 s at 500 records/s each, stops ingest, then times with thread CPU time, side by side:
 
-* ``generate_latest`` on the daemon's registry: what a scrape cost before issue 7's cache
+* ``generate_latest`` on the daemon's registry: what a scrape cost before the render cache
   (collect the families and format them with prometheus_client on the request thread);
 * collecting the families alone, and formatting the same families with prometheus_client and
   with the lean writer (exporter/text.py; the two bodies are checked to be equal);

@@ -72,7 +72,7 @@ class GpuState:
     utilization_ratio: float | None = None  # 0..1, the latest NVML sample
 
 
-# --- issue 4: features, sampler, NVML (all optional: absent means "not computed") ---------
+# --- features, sampler, NVML (all optional: absent means "not computed") -------------------
 
 
 @dataclass(frozen=True, slots=True)

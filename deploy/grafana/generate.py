@@ -120,7 +120,7 @@ def build() -> dict:  # type: ignore[type-arg]
     d = d.with_variable(variable("pod", "pod", f'label_values(gpufootprint_device_bytes{{{NODE_SEL}, '
                                                'namespace=~"$namespace"}, pod)'))
     d = d.with_variable(variable("gpu", "gpu", f"label_values(gpufootprint_device_bytes{{{NODE_SEL}}}, gpu)"))
-    # Anomaly windows (issue 4) as annotations: a mark where windows closed. The counter is
+    # Anomaly windows (the sampler's) as annotations: a mark where windows closed. The counter is
     # per daemon (label reason only, no pid/pod), so only the node variables can select it.
     d = d.annotation(db.AnnotationQuery().name("anomaly windows").datasource(DS).enable(True).icon_color("red")
                      .expr(f"sum by (reason) (increase(gpufootprint_anomaly_windows_total{{{NODE_SEL}}}[1m])) > 0"))

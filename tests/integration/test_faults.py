@@ -1,4 +1,4 @@
-"""Issue 7: faults, as a user meets them. A real daemon process, real signals, real child probes.
+"""Faults, as a user meets them. A real daemon process, real signals, real child probes.
 
 Daemon restart with live probes is proven in tests/integration/test_probe_link.py
 (test_daemon_restart_mid_run_resyncs_the_footprint_and_counts_what_was_lost); NVML errors in

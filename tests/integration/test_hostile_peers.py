@@ -1,4 +1,4 @@
-"""Issue 7: bad input on the probe socket. Real Unix sockets, the real IngestServer, a real good peer.
+"""Bad input on the probe socket. Real Unix sockets, the real IngestServer, a real good peer.
 
 Each test connects a good peer (a child process speaking the protocol, as a probe would)
 and then misbehaves on other connections. What must hold every time: the bad peer is

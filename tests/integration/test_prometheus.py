@@ -57,7 +57,7 @@ LAST_PID = 672  # the last trace's process: in /metrics once the replay is over
 SPEED = 200.0  # synth_leak's 1200 s of trace time in 6 s
 
 # The only exemption from "returns data": NVML's series exist only where the daemon finds
-# an NVIDIA driver and a GPU (docs/metrics.md, issue 4); a replay has neither. Their
+# an NVIDIA driver and a GPU (docs/metrics.md, NVML's section); a replay has neither. Their
 # queries must still evaluate without error; test_demo_prometheus.py checks them with data
 # against the demo's simulated H200.
 NO_DATA_WITHOUT_GPU = {

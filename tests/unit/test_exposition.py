@@ -1,4 +1,4 @@
-"""Issue 7: /metrics bodies rendered ahead of the scrape (exporter/exposition.py) and the lean
+"""/metrics bodies rendered ahead of the scrape (exporter/exposition.py) and the lean
 text writer (exporter/text.py), which must write exactly what prometheus_client writes."""
 
 from __future__ import annotations

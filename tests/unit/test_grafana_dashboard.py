@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GEN = ROOT / "deploy" / "grafana" / "generate.py"
 OUT = ROOT / "deploy" / "grafana" / "gpufootprint.json"
 
-# The contract's names (notes/contract.md -> docs/metrics.md), plus this issue's own and Prometheus' `up`.
+# The contract's names (notes/contract.md -> docs/metrics.md), plus the dashboard's own and Prometheus' `up`.
 CONTRACT = {
     "gpufootprint_live_bytes", "gpufootprint_device_bytes", "gpufootprint_window_peak_bytes",
     "gpufootprint_allocations_total", "gpufootprint_memcpy_bytes_total", "gpufootprint_records_ingested_total",

@@ -1,5 +1,5 @@
 """Several GPUs: per-device footprints in one process and across processes, and peer copies
-attributed to both ends (synthetic records; the 2-GPU run itself is issue 8's GPU part)."""
+attributed to both ends (synthetic records; the 2-GPU run itself is a GPU test)."""
 
 from __future__ import annotations
 
