@@ -416,7 +416,8 @@ class Pipeline:
                 if f is not None:
                     features.append(f)
         return {"features": tuple(features), "sampler": self.hub.sampler_states(),
-                "anomaly_windows": tuple(self.hub.windows), "anomaly_counts": dict(self.hub.window_counts)}
+                "anomaly_windows": tuple(self.hub.windows), "anomaly_counts": dict(self.hub.window_counts),
+                "sampler_controls": dict(self.hub.controls_sent)}
 
     def note_torch(self, pid: int, torch: Any) -> None:
         """A probe heartbeat's "torch" field (allocator statistics): feeds allocator slack."""

@@ -160,6 +160,7 @@ class PipelineSnapshot:
     sampler: tuple[SamplerState, ...] = ()
     anomaly_windows: tuple[AnomalyWindow, ...] = ()  # recent ones, oldest first
     anomaly_counts: dict[str, int] = field(default_factory=dict)  # all since start, by reason
+    sampler_controls: dict[tuple[str, str], int] = field(default_factory=dict)  # CONTROL messages, (op, sent|failed)
     nvml: NvmlSnapshot | None = None
     gpus: tuple[GpuState, ...] = ()  # engines' view of the GPUs (empty: unknown)
 

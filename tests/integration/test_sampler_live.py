@@ -82,6 +82,33 @@ def test_probe_child_gets_flush_interval_controls_and_its_spike_becomes_a_window
     assert len(windows) == 1 and windows[0].reason == "footprint_change"
 
 
+def test_the_sampler_controls_it_sent_are_counted_in_metrics(tmp_path: Path) -> None:
+    from gpufootprint.app import App
+
+    config = load_config(env={}, overrides={"daemon.tick_ms": 20, "sampler.kernel_window_ms": 40,
+                                            "exporter.listen": "127.0.0.1:0"})
+    sock = str(tmp_path / "probe.sock")
+    app = App(config, socket_path=sock, listen="127.0.0.1:0")
+    app.start()
+    try:
+        out = subprocess.run([sys.executable, "-c", CHILD, sock], capture_output=True, text=True, timeout=30, check=False)
+        app.ingest.tick()
+        app.http.exposition.render()  # type: ignore[union-attr]  # the render thread's work, now
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{app.http.port}/metrics",  # type: ignore[union-attr]
+                                         timeout=5).read().decode()
+    finally:
+        app.stop()
+    assert out.returncode == 0, out.stderr
+    controls = json.loads(out.stdout)
+    sent = {op: sum(1 for c in controls if c["op"] == op) for op in ("flush_interval", "kernel_window")}
+    assert sent["flush_interval"] >= 1 and sent["kernel_window"] >= 1, controls
+    for op, n in sent.items():
+        line = next(ln for ln in metrics.splitlines()
+                    if ln.startswith(f'gpufootprint_sampler_controls_total{{op="{op}",result="sent"}} '))
+        # every CONTROL frame the child read was counted; one sent as it stopped reading may be too
+        assert float(line.rsplit(" ", 1)[1]) >= n, (line, n)
+
+
 def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) -> None:
     from gpufootprint.app import App
     from gpufootprint.replay import replay_file

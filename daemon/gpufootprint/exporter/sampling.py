@@ -23,6 +23,8 @@ SAMPLER_FAMILIES: tuple[Row[SamplerState], ...] = (
 ANOMALY_FAMILIES: tuple[Row[PipelineSnapshot], ...] = (
     counter("gpufootprint_anomaly_windows", "Anomaly windows closed, by reason.", ("reason",),
             each(lambda s: s.anomaly_counts, sort=True)),
+    counter("gpufootprint_sampler_controls", "CONTROL messages the sampler sent to probes, by op and result.",
+            ("op", "result"), lambda s: [(key, n) for key, n in sorted(s.sampler_controls.items())]),
 )
 
 FEATURE_FAMILIES: tuple[Row[DeviceFeatures], ...] = (

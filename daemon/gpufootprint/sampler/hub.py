@@ -10,8 +10,9 @@ nothing touches a record one at a time except the reuse set.
 
 The hub also turns sampler decisions into CONTROL messages for probes
 (``flush_interval`` when the interval changes, ``kernel_window`` periodically
-and when a burst starts) through ``control``, a callback the ingest server
-provides.
+and when a burst starts) through ``control``, a callback ``App`` wires to the ingest
+server's ``send_control``; what was sent and what failed is counted (``controls_sent``,
+exported as ``gpufootprint_sampler_controls_total``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class FeatureHub:
         self.windows: deque[AnomalyWindow] = deque(maxlen=self.config.max_windows)
         self.window_counts: Counter[str] = Counter()
         self.control: ControlSend | None = None
-        self.controls_sent: Counter[str] = Counter()
+        self.controls_sent: Counter[tuple[str, str]] = Counter()  # (op, "sent" | "failed")
         self._sent_interval: dict[int, int] = {}
         self._bursts_seen: dict[int, int] = {}
         self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
@@ -187,7 +188,7 @@ class FeatureHub:
         except Exception:
             log.exception("control send failed pid=%d op=%s", pid, body.get("op"))
             ok = False
-        self.controls_sent[f"{body['op']}:{'sent' if ok else 'failed'}"] += 1
+        self.controls_sent[str(body["op"]), "sent" if ok else "failed"] += 1
         return ok
 
     def fastest_interval_s(self, pids: Iterable[int] | None = None) -> float | None:
