@@ -145,6 +145,16 @@ def test_a_failure_is_judged_only_once_its_recovery_window_has_arrived() -> None
     assert (watch.failed_calls, watch.recovered_calls) == (1, 0)
 
 
+def test_a_tight_loop_of_failures_is_judged_without_waiting_past_the_bound() -> None:
+    from gpufootprint.probe.oom import MAX_WAITING
+
+    watch = OomWatch()
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 10 + i) for i in range(MAX_WAITING + 5)])
+    assert watch.marks(pid=1, default_dev=0, settled_ns=0)[0]["oom"]["failed_calls"] == 5  # past the bound, at once
+    (m,) = watch.marks(pid=1, default_dev=0, settled_ns=None)
+    assert m["oom"]["failed_calls"] == MAX_WAITING
+
+
 def test_at_stop_every_waiting_failure_is_judged() -> None:
     watch = OomWatch()
     watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 5)])

@@ -94,6 +94,9 @@ MAX_MARKS: Final = 100
 #: that fails too does the program see an error. Releasing a large cache (a cudaFree per block) can
 #: take a good part of a second, hence one second.
 RECOVERY_NS: Final = 1_000_000_000
+#: Failed calls waiting to be judged at most (a process failing allocations in a tight loop): past it
+#: a failure is judged at once, as not recovered from.
+MAX_WAITING: Final = 10_000
 
 
 class OomWatch:
@@ -112,6 +115,8 @@ class OomWatch:
         # Failed calls not yet judged: (end_ns, thread id, api, API kind); judged once every record
         # stamped up to end + RECOVERY_NS has arrived (the sender's watermark says when), or at stop.
         self._waiting: list[tuple[int, int, str, int]] = []
+        self._judged_calls = 0  # failed calls judged not recovered from, since the last mark
+        self._judged_last: dict[str, Any] | None = None  # the latest of them
         self.other_failures = 0  # allocation calls that failed otherwise (not an OOM)
         self.torch_events = 0
         self.marks_sent = 0
@@ -154,8 +159,10 @@ class OomWatch:
                 self._waiting = kept
             elif ret != CUDA_ERROR_OUT_OF_MEMORY:
                 self.other_failures += 1
-            else:
+            elif len(self._waiting) < MAX_WAITING:
                 self._waiting.append((end_ns, tid, api, kind))
+            else:
+                self._judged(end_ns, tid, api)
 
     def settle(self, settled_ns: int | None) -> None:
         """Judge the failures whose recovery window every record has arrived for (``settled_ns``, the
@@ -164,14 +171,22 @@ class OomWatch:
         with self._lock:
             if not self._waiting:
                 return
-            done = [w for w in self._waiting if settled_ns is None or w[0] + RECOVERY_NS <= settled_ns]
-            if not done:
-                return
-            self._waiting = [w for w in self._waiting if w not in done]
-            for end_ns, tid, api, _kind in done:
-                self.failed_calls += 1
-                self._events.append({"source": "cupti", "api": api, "ts": end_ns, "thread_id": tid,
-                                     "requested_bytes": None})
+            waiting: list[tuple[int, int, str, int]] = []
+            for w in self._waiting:
+                if settled_ns is None or w[0] + RECOVERY_NS <= settled_ns:
+                    self._judged(w[0], w[1], w[2])
+                else:
+                    waiting.append(w)
+            self._waiting = waiting
+
+    def _judged(self, end_ns: int, tid: int, api: str) -> None:
+        """A failed call not recovered from: part of the next OOM mark, which counts them all and
+        names the latest (under the lock; a count, so a tight loop of failures costs no memory)."""
+        self.failed_calls += 1
+        self._judged_calls += 1
+        if self._judged_last is None or end_ns >= self._judged_last["ts"]:
+            self._judged_last = {"source": "cupti", "api": api, "ts": end_ns, "thread_id": tid,
+                                 "requested_bytes": None}
 
     # --- PyTorch ---------------------------------------------------------------------------
 
@@ -216,28 +231,27 @@ class OomWatch:
             self._events.append(event)
 
     def pending(self) -> bool:
-        return bool(self._events or self._waiting)
+        return bool(self._events or self._waiting or self._judged_calls)
 
-    def take(self) -> list[dict[str, Any]]:
+    def take(self) -> tuple[list[dict[str, Any]], int, dict[str, Any] | None]:
+        """PyTorch's notices, and the count and latest of the failed calls judged, since the last take."""
         with self._lock:
             out = list(self._events)
             self._events.clear()
-        return out
+            calls, last = self._judged_calls, self._judged_last
+            self._judged_calls, self._judged_last = 0, None
+        return out, calls, last
 
     def marks(self, pid: int, default_dev: int, settled_ns: int | None = None) -> list[dict[str, Any]]:
         """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed
         allocation calls judged now (``settle``; at the last one's time, counting them all); at most
         MAX_MARKS in all."""
         self.settle(settled_ns)
-        events = self.take()
-        if not events:
-            return []
+        events, calls, last = self.take()
         out: list[dict[str, Any]] = []
-        calls = [e for e in events if e["source"] == "cupti"]
-        if calls:
-            last = max(calls, key=lambda e: e["ts"])
+        if last is not None:
             out.append({"label": "oom", "ts": last["ts"], "pid": pid, "dev": default_dev, "expect_live_bytes": None,
-                        "oom": {"source": "cupti", "api": last["api"], "failed_calls": len(calls),
+                        "oom": {"source": "cupti", "api": last["api"], "failed_calls": calls,
                                 "requested_bytes": None, "dev_known": False, "thread_id": last["thread_id"]}})
         for e in events:
             if e["source"] == "torch":
