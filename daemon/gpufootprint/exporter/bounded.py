@@ -44,6 +44,8 @@ from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
+from gpufootprint.wakepipe import WakePipe
+
 log = logging.getLogger(__name__)
 
 #: Connections open at once (reading, waiting for a worker, or idle between requests).
@@ -111,9 +113,7 @@ class BoundedHTTPServer:
         self._conns: collections.OrderedDict[_Conn, None] = collections.OrderedDict()  # oldest waiting first
         self._busy = 0  # connections handed to workers
         self._back: collections.deque[_Conn] = collections.deque()  # keep-alive connections back from workers
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wake_pipe = WakePipe()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpufootprint-http")
         self._stop = threading.Event()
         self._serving = False
@@ -126,14 +126,14 @@ class BoundedHTTPServer:
     def serve_forever(self, poll_interval: float = 0.5) -> None:
         self._serving = True
         self._sel.register(self.socket, selectors.EVENT_READ, None)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._sel.register(self._wake_pipe.reader, selectors.EVENT_READ, "wake")
         try:
             while not self._stop.is_set():
                 for key, _ in self._sel.select(min(poll_interval, 0.25)):
                     if key.data is None:
                         self._accept()
                     elif key.data == "wake":
-                        self._drain_wake()
+                        self._wake_pipe.drain()
                     elif key.data.out:
                         self._flush(key.data)
                     else:
@@ -369,18 +369,8 @@ class BoundedHTTPServer:
         except OSError:
             pass
 
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-
     def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        self._wake_pipe.wake()
 
     # --- worker threads ------------------------------------------------------------------------
 
@@ -427,8 +417,7 @@ class BoundedHTTPServer:
         except (OSError, RuntimeError):
             pass
         self.socket.close()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wake_pipe.close()
 
     @property
     def open_connections(self) -> int:

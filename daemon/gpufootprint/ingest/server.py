@@ -36,11 +36,12 @@ from gpufootprint.ingest.protocol import (
     wants_verify,
 )
 from gpufootprint.ingest.session import MarkCallback, Session
-from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, WakePipe, pid_alive, send_whole
+from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
+from gpufootprint.wakepipe import WakePipe
 from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The probe socket as a transport: one daemon per path, the socket's mode, accept with limits,
-best-effort sends, and the self-wake pipe of the ingest loop.
+best-effort sends (the loop's self-wake pipe is gpufootprint.wakepipe, shared with the HTTP server).
 
 Nothing here knows frames or the pipeline: a change to socket hardening stays in this module.
 The ingest loop (``server.py``) decides what an accepted peer becomes.
@@ -152,28 +152,6 @@ def send_whole(sock: socket.socket, payload: bytes) -> bytes | None:
     except (BlockingIOError, OSError):
         return None
     return payload[n:]
-
-
-class WakePipe:
-    """A socket pair the loop selects on, so another thread can end its wait at once."""
-
-    def __init__(self) -> None:
-        self.reader, self._writer = socket.socketpair()
-        self.reader.setblocking(False)
-        self._writer.setblocking(False)
-
-    def wake(self) -> None:
-        try:
-            self._writer.send(b"x")
-        except OSError:
-            pass  # the pipe is full (BlockingIOError): the loop is awake anyway
-
-    def drain(self) -> None:
-        try:
-            while self.reader.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
 
 
 class ProbeListener:
