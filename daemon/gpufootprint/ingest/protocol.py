@@ -18,7 +18,7 @@ from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout as rawrecords
-from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer
+from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer, cupti_buffers_level
 
 #: At most one resync request per process this often (a late record or a drift asked for it).
 RESYNC_REQUEST_EVERY_S = 5.0
@@ -98,14 +98,13 @@ CUPTI_BUFFERS_LEVEL = 2
 
 
 def _cupti_buffers(hello: Frame) -> int:
-    """The level a HELLO says its probe reads (1 if it says nothing or the body is not an object;
+    """The level a HELLO says its probe reads (1 if it names none or its body is not a JSON object;
     the session reports a malformed HELLO itself)."""
     try:
         body = hello.json()
     except FrameError:
         return 1
-    level = body.get("cupti_buffers") if isinstance(body, dict) else None
-    return level if isinstance(level, int) and not isinstance(level, bool) and level > 1 else 1
+    return max(1, cupti_buffers_level(body))
 
 
 def verify_request(conn: Connection) -> dict[str, object]:

@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 from typing import Any, Protocol
 
+from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
 
 
@@ -44,9 +45,8 @@ def apply_control(frame: Frame, target: ControlTarget) -> None:
             target.request_resync()
             counters["resyncs_requested"] += 1
         elif op == "verify":
-            level = body.get("cupti_buffers")  # type: ignore[union-attr]
             # Levels are cumulative: a later daemon's higher level still means "at least 2".
-            target.send_totals(level if isinstance(level, int) and not isinstance(level, bool) and level > 0 else 0)
+            target.send_totals(framing.cupti_buffers_level(body))  # type: ignore[arg-type]
         elif op == "torch_empty_cache":
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():

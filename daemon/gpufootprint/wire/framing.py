@@ -125,6 +125,14 @@ def cupti_buffer(frame: Frame) -> tuple[int, memoryview]:
     return pid, memoryview(frame.payload)[_RAW_HEAD.size:]
 
 
+def cupti_buffers_level(body: dict[str, Any]) -> int:
+    """The forwarded-buffer level a HELLO or a verify CONTROL names (``"cupti_buffers"``): which API
+    records a CUPTI_BUFFER frame may hold (1: DRIVER; 2: DRIVER and RUNTIME). 0 when it names none
+    or not a positive integer; levels are cumulative, so a higher one includes the lower."""
+    level = body.get("cupti_buffers")
+    return level if isinstance(level, int) and not isinstance(level, bool) and level > 0 else 0
+
+
 def encode_watermark(ts_ns: int) -> bytes:
     return encode(FrameType.WATERMARK, int(ts_ns).to_bytes(8, "little"))
 
