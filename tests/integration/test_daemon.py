@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,8 +23,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+def _scrape(port: int, *, timeout: float = 5.0, opener: Any = None,
+            scheme: str = "http") -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of the daemon's /metrics, by name: [(labels, value), ...]."""
+    url = f"{scheme}://127.0.0.1:{port}/metrics"
+    with (opener.open(url, timeout=timeout) if opener else urllib.request.urlopen(url, timeout=timeout)) as resp:
         text = resp.read().decode()
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for fam in text_string_to_metric_families(text):

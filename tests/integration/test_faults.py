@@ -29,28 +29,15 @@ from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.transport import bind_probe_socket
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
+from tests.integration.test_daemon import _free_port, _scrape
 from gpufootprint.wire.sources import TraceFile
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ALLOC, DATA, ROOT, cli_env, mem, mem_batch
 from tests.probe_process import CHILD, finish_probe_child, start_probe_child
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _metrics(port: int, opener: Any = None, scheme: str = "http") -> dict[str, list[tuple[dict[str, str], float]]]:
-    url = f"{scheme}://127.0.0.1:{port}/metrics"
-    with (opener.open(url, timeout=5) if opener else urllib.request.urlopen(url, timeout=5)) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
+    return _scrape(port, opener=opener, scheme=scheme)
 
 
 def _value(m: dict[str, Any], name: str, **labels: str) -> float | None:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
 from tests.conftest import ALLOC, cli_env, mem, mem_batch
+from tests.integration.test_daemon import _free_port, _scrape
 from tests.integration.test_hostile_peers import GoodPeer, LiveServer, _connect, _good_still_reports, live  # noqa: F401
 
 ME = os.getpid()
@@ -223,20 +223,8 @@ def test_metadata_a_process_keeps_is_bounded(live) -> None:
 # --- 2. liveness that cannot lie, through a real daemon process -----------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _metrics(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
+    return _scrape(port, timeout=10)  # a longer wait: the daemon is under attack here
 
 
 def _status(port: int, path: str) -> int:
