@@ -19,6 +19,9 @@
 
     python tests/gpu/cupti_modes_diag.py OUT.json oom MODE
     python tests/gpu/cupti_modes_diag.py OUT.json windows MODE
+
+Run on the H200 on 2026-12-03 at 06:53 UTC (bench/results/h200_2026-12-03T0653Z_cupti_modes_*.json);
+the window's switching was folded into one function afterwards, not run since.
 """
 
 from __future__ import annotations
@@ -149,22 +152,20 @@ def windows(mode: str) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return times
 
+    def switch(on: bool) -> None:
+        """What a window of this mode switches on (``on``) and off again; "none" switches nothing."""
+        kind = {"concurrent": cupti.ActivityKind.CONCURRENT_KERNEL, "hw_trace": cupti.ActivityKind.CONCURRENT_KERNEL,
+                "kernel": cupti.ActivityKind.KERNEL}.get(mode)
+        if kind is not None:
+            (cupti.activity_enable if on else cupti.activity_disable)(kind)
+        elif mode == "runtime_launch":
+            for c in launch:
+                cupti.activity_enable_runtime_api(c, int(on))
+
     def window(ms: float) -> None:
-        if mode in ("concurrent", "hw_trace"):
-            cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
-        elif mode == "kernel":
-            cupti.activity_enable(cupti.ActivityKind.KERNEL)
-        elif mode == "runtime_launch":
-            for c in launch:
-                cupti.activity_enable_runtime_api(c, 1)
+        switch(True)
         timed(ms / 1000)
-        if mode in ("concurrent", "hw_trace"):
-            cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
-        elif mode == "kernel":
-            cupti.activity_disable(cupti.ActivityKind.KERNEL)
-        elif mode == "runtime_launch":
-            for c in launch:
-                cupti.activity_enable_runtime_api(c, 0)
+        switch(False)
         cupti.activity_flush_all(1)
 
     timed(2.0)  # warm-up
