@@ -73,6 +73,9 @@ _CBIDS: Final[dict[int, dict[int, str]]] = {
     RUNTIME_RECORD: {**RUNTIME_ALLOCATION_CBIDS, **RUNTIME_STREAM_ORDERED_CBIDS},
 }
 
+#: The same numbers as arrays, for the vectorised look at a buffer's records.
+_CBID_ARRAYS: Final[dict[int, np.ndarray]] = {k: np.fromiter(v, np.uint32) for k, v in _CBIDS.items()}
+
 
 def switched_cbids(stream_ordered: bool) -> tuple[dict[int, str], dict[int, str]]:
     """The driver's and the runtime's entry points to switch on (``oom_records_async``: stream-ordered too)."""
@@ -132,7 +135,7 @@ class OomWatch:
             return
         idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
         rows = u8[idx].view(API_DTYPE).reshape(len(offsets))
-        alloc = np.isin(rows["cbid"], np.fromiter(names, np.uint32))
+        alloc = np.isin(rows["cbid"], _CBID_ARRAYS[kind])
         # Successes matter only while a failure waits to be judged; the calls are few either way
         # (the stream-ordered ones, a call per tensor, are off unless asked for).
         failed = alloc & (rows["ret"] != 0)
