@@ -9,18 +9,15 @@ Without Prometheus the test skips on a developer's machine and FAILS under CI=tr
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.integration.test_prometheus import (
     NO_DATA_WITHOUT_GPU,
-    RULES,
     Prom,
     _assert_ok,
     _free_port,
@@ -31,6 +28,8 @@ from tests.integration.test_prometheus import (
     _substitute,
     _tool,
     _wait,
+    start_prometheus,
+    stop_processes,
 )
 
 pytestmark = pytest.mark.integration
@@ -40,14 +39,7 @@ DEADLINE_S = 60.0
 def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> None:
     prometheus = _tool("prometheus")
     dport, pport = _free_port(), _free_port()
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
-              "scrape_configs": [{"job_name": "gpufootprint", "static_configs": [
-                  {"targets": [f"127.0.0.1:{dport}"], "labels": {"cluster": "demo", "node": "local"}}]}]}
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    server = subprocess.Popen(
-        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{pport}"], stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "prometheus.log", "w"))
+    server = start_prometheus(prometheus, tmp_path, pport, dport, cluster="demo")
     demo: subprocess.Popen[bytes] | None = None
     try:
         prom = Prom(f"http://127.0.0.1:{pport}")
@@ -88,14 +80,4 @@ def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> Non
         firing = _assert_ok(prom.instant('ALERTS{alertstate="firing"}'), "alerts")
         assert firing == [], firing
     finally:
-        for proc in (demo, server):
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in (demo, server):
-            if proc is None:
-                continue
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(demo, server)

@@ -178,19 +178,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prom, str]
     traces = [str(DATA / name) if name else str(um) for name in TRACES]
     dport, pport = _free_port(), _free_port()
     env = {**os.environ, "POD_NAME": "trainer-0", "POD_NAMESPACE": "ml-team", "CONTAINER_NAME": "trainer"}
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "gpufootprint", "static_configs": [
-            {"targets": [f"127.0.0.1:{dport}"], "labels": {"cluster": "ci", "node": "local"}}]}],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     # Prometheus first, so that it scrapes from the daemon's start: counters that rise
     # during the replay (anomaly windows) then have an increase() to show.
-    server = subprocess.Popen(
-        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{pport}"], stdout=subprocess.DEVNULL,
-        stderr=open(tmp / "prometheus.log", "w"))
+    server = start_prometheus(prometheus, tmp, pport, dport, cluster="ci")
     daemon: subprocess.Popen[bytes] | None = None
     try:
         prom = Prom(f"http://127.0.0.1:{pport}")
@@ -210,18 +200,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prom, str]
         _wait(f"{after} scraped samples", lambda: _samples(prom) >= after, 90, procs)
         yield prom, metrics_url
     finally:
-        for proc in (server, daemon):
-            if proc is None:
-                continue
+        stop_processes(server, daemon)
+
+
+def start_prometheus(prometheus: str, tmp: Path, port: int, target_port: int, *, cluster: str) -> subprocess.Popen[bytes]:
+    """A real Prometheus on ``port``, scraping gpufootprint on ``target_port`` every second with
+    the shipped rules, its log in ``tmp/prometheus.log``."""
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "gpufootprint", "static_configs": [
+            {"targets": [f"127.0.0.1:{target_port}"], "labels": {"cluster": cluster, "node": "local"}}]}],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    return subprocess.Popen(
+        [prometheus, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "prometheus.log", "w"))
+
+
+def stop_processes(*procs: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM to each, then up to 15 s each to exit before it is killed."""
+    for proc in procs:
+        if proc is not None:
             proc.send_signal(signal.SIGTERM)
-        for proc in (server, daemon):
-            if proc is None:
-                continue
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    for proc in procs:
+        if proc is None:
+            continue
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _samples(prom: Prom) -> int:
