@@ -25,7 +25,7 @@ import pytest
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
 from tests.conftest import ALLOC, cli_env, mem, mem_batch
-from tests.integration.test_daemon import _free_port, _scrape
+from tests.integration.test_daemon import _free_port, _scrape, _wait
 from tests.integration.test_hostile_peers import GoodPeer, LiveServer, _connect, _good_still_reports, live  # noqa: F401
 
 ME = os.getpid()
@@ -236,17 +236,7 @@ def _status(port: int, path: str) -> int:
 
 
 def _until(pred, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        try:
-            last = pred()
-            if last:
-                return last
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"not reached in {timeout} s (last: {last!r})")
+    return _wait(pred, timeout)  # longer than its default: the daemon is under attack here
 
 
 def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_moving_metrics(tmp_path: Path) -> None:
