@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from gpufootprint.ingest.protocol import CUPTI_BUFFERS_LEVEL, Connection, order_violation, verify_request
+from gpufootprint.ingest.protocol import Connection, order_violation, verify_request
 from gpufootprint.probe import control
 from gpufootprint.wire import framing
-from gpufootprint.wire.framing import Frame, FrameType, iter_frames
+from gpufootprint.wire.framing import CUPTI_BUFFERS_LEVEL, Frame, FrameType, iter_frames
 
 
 def _frame(ftype: FrameType, body: dict[str, Any]) -> Frame:

@@ -18,7 +18,14 @@ from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout as rawrecords
-from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, cupti_buffer, cupti_buffers_level
+from gpufootprint.wire.framing import (
+    CUPTI_BUFFERS_LEVEL,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    cupti_buffer,
+    cupti_buffers_level,
+)
 
 #: At most one resync request per process this often (a late record or a drift asked for it).
 RESYNC_REQUEST_EVERY_S = 5.0
@@ -91,10 +98,6 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
     elif ftype is FrameType.GOODBYE:
         conn.goodbye = True
     return None
-
-
-#: The highest forwarded-buffer level this daemon reads: 2, it steps over DRIVER and RUNTIME records.
-CUPTI_BUFFERS_LEVEL = 2
 
 
 def _cupti_buffers(hello: Frame) -> int:

@@ -84,7 +84,7 @@ class Probe(Sender):
         self.hello["copies"] = "always" if self.cupti.copy_kinds else "off"
         # The highest forwarded-buffer level this probe reads (a daemon answers with at most this):
         # 2 = buffers may hold RUNTIME API records. A probe that says nothing is read as 1.
-        self.hello["cupti_buffers"] = 2
+        self.hello["cupti_buffers"] = framing.CUPTI_BUFFERS_LEVEL
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:

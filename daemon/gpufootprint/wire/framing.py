@@ -125,6 +125,11 @@ def cupti_buffer(frame: Frame) -> tuple[int, memoryview]:
     return pid, memoryview(frame.payload)[_RAW_HEAD.size:]
 
 
+#: The forwarded-buffer level this code reads and writes: 2, CUPTI_BUFFER frames may hold DRIVER and
+#: RUNTIME API records (1: DRIVER only, what probes and daemons before RUNTIME records know).
+CUPTI_BUFFERS_LEVEL: Final = 2
+
+
 def cupti_buffers_level(body: dict[str, Any]) -> int:
     """The forwarded-buffer level a HELLO or a verify CONTROL names (``"cupti_buffers"``): which API
     records a CUPTI_BUFFER frame may hold (1: DRIVER; 2: DRIVER and RUNTIME). 0 when it names none
