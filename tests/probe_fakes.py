@@ -73,11 +73,12 @@ def kernel_record(name: str, *, graph: int = 0, node: int = 0, kind: int | None 
                            is_device_launched=0)
 
 
-def api_record(cbid: int, ret: int, *, end: int | None = None, tid: int = 1, kind: int = DRIVER) -> Any:
+def api_record(cbid: int, ret: int, *, end: int | None = None, tid: int = 1, kind: int = DRIVER,
+               start: int | None = None) -> Any:
     """A CUpti_ActivityAPI record (cupti-python's ActivityAPI attribute names), DRIVER or RUNTIME."""
     t = end or time.time_ns()
-    return SimpleNamespace(kind=kind, cbid=cbid, start=t - 5000, end=t, process_id=0, thread_id=tid,
-                           correlation_id=9, return_value=ret)
+    return SimpleNamespace(kind=kind, cbid=cbid, start=t - 5000 if start is None else start, end=t, process_id=0,
+                           thread_id=tid, correlation_id=9, return_value=ret)
 
 
 def um_record(ck: int, value: int, addr: int) -> Any:
@@ -109,6 +110,8 @@ class FakeCupti:
         self.api_cbids: set[int] = set()  # cuptiActivityEnableDriverApi for the allocation calls
         self.runtime_api_cbids: set[int] = set()  # cuptiActivityEnableRuntimeApi for the runtime's
         self.api_switch_refused = False  # scenario: this CUPTI refuses the per-API switch
+        self.launch_switch: list[bool] = []  # launch_api_records calls (a launch window's per-API switches)
+        self.launch_cbids: dict[int, set[int]] = {DRIVER: set(), RUNTIME: set()}
         self.errors: list[str] = []
         self.flush_periods: list[int] = []  # cuptiActivityFlushPeriod calls, in ms
 
@@ -151,6 +154,27 @@ class FakeCupti:
         self.api_cbids = set(driver) if on else set()
         self.runtime_api_cbids = set(runtime) if on else set()
         return True
+
+    def launch_api_records(self, on: bool) -> bool:
+        """The per-API switches of a launch window (probe/launches.py)."""
+        from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
+
+        if self.api_switch_refused:
+            return False
+        self.launch_switch.append(on)
+        self.launch_cbids = {DRIVER: set(DRIVER_CBIDS) if on else set(), RUNTIME: set(RUNTIME_CBIDS) if on else set()}
+        return True
+
+    def host_call(self, cbid: int, *, kind: int = RUNTIME, start: int | None = None, end: int | None = None,
+                  tid: int = 1) -> bool:
+        """A launch or synchronisation call on the host: CUPTI writes its API record only while that
+        function's per-API switch is on (a launch window)."""
+        if cbid in self.launch_cbids[kind]:
+            with self.lock:
+                self.pending.append(api_record(cbid, 0, kind=kind, start=start, end=end, tid=tid))
+            return True
+        self.lost_while_disabled += 1
+        return False
 
     def api_call(self, cbid: int, ret: int, **kw: Any) -> None:
         """The program called a driver function itself and it returned ``ret``: CUPTI writes its

@@ -71,13 +71,14 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
             if key not in cache:
                 cache[key] = {p.pid: compute_stats(p.recent_kernels, np_.policy) for p in snap.processes
                               if p.recent_kernels is not None}
-            per_policy.append((np_, advise(snap, np_.policy, stats=cache[key])))
+            per_policy.append((np_, advise(snap, np_.policy, stats=cache[key])))  # launch stats: computed inside
         index: dict[tuple[int, int | None, int | None], dict[str, Any]] = {}
         for np_, decisions in per_policy:
             for d in decisions:
                 row = index.get((d.pid, d.dev, d.stream))
                 if row is None:
-                    row = {"trace": trace, "pid": d.pid, "dev": d.dev, "stream": d.stream, "kernels": d.kernels,
+                    row = {"trace": trace, "pid": d.pid, "dev": d.dev, "stream": d.stream, "evidence": d.evidence,
+                           "kernels": d.kernels,
                            "graph_kernels": d.graph_kernels, "op_count": d.op_count, "steps": d.steps,
                            "mean_kernel_ms": None if d.mean_kernel_seconds is None else d.mean_kernel_seconds * 1e3,
                            "reuse_ratio": d.reuse_ratio, "gap_share": d.gap_share,

@@ -80,9 +80,9 @@ class DaemonConfig:
                                     doc="JSON bytes of HELLO/META fields one process may keep; a META past it is "
                                         "dropped")
     max_retained_kernels: int = _spec(500_000, lo=0, hi=100_000_000,
-                                      doc="KERNEL records the graph advisor keeps for all processes together "
-                                          "(graph_advisor.kernel_retention each); past it a process's kernel "
-                                          "records are dropped (kernel_limit)")
+                                      doc="KERNEL and launch records the graph advisor keeps for all processes "
+                                          "together (graph_advisor.kernel_retention of each each); past it a "
+                                          "process's records of that kind are dropped (kernel_limit)")
     max_processes: int = _spec(1024, lo=1, hi=1_000_000,
                                doc="processes held in all; past it the longest-exited are forgotten early")
     tick_stall_seconds: float = _spec(10.0, lo=0.1, hi=3600,
@@ -164,9 +164,14 @@ class SamplerConfig:
     history: int = _spec(4096, lo=1, hi=10_000_000, doc="interval-history entries kept per process")
     max_windows: int = _spec(1000, lo=1, hi=10_000_000, doc="recent anomaly windows kept (all processes)")
     control: bool = _spec(True, doc="send flush_interval to probes when the interval changes")
-    kernel_window_ms: int = _spec(0, lo=0, hi=60_000,
-                                  doc="open the probe's kernel activity this long, periodically and at a burst "
-                                      "(0: never; the CUDA Graph advisor reads these windows)")
+    kernel_window_ms: int = _spec(50, lo=0, hi=60_000,
+                                  doc="open a window of the probe's launch (or kernel) records this long, "
+                                      "periodically and at a burst (0: never; the CUDA Graph advisor reads them)")
+    kernel_window_records: str = _spec("launches", choices=("launches", "kernels"),
+                                       doc="what a window records: launches (the launch and wait calls on the "
+                                           "host; no lasting cost measured) or kernels (CUPTI's kernel records: "
+                                           "exact kernel durations, but a lasting slowdown of about 10 % on "
+                                           "launch-bound loops on the H200, docs/performance.md)")
     kernel_window_every_seconds: float = _spec(30.0, lo=0, hi=86_400,
                                                doc="a kernel window this often per process (0: only at bursts)")
     kernel_window_first_seconds: float = _spec(5.0, lo=0, hi=86_400,
@@ -220,7 +225,8 @@ class GraphAdvisorConfig:
     max_period: int = _spec(4096, lo=1, hi=1_000_000, doc="longest step (in kernels) looked for")
     analysis_kernels: int = _spec(16384, lo=16, hi=10_000_000, doc="newest kernels per stream analysed")
     kernel_retention: int = _spec(65536, lo=0, hi=10_000_000,
-                                  doc="KERNEL records kept per process for the advisor (0: none)")
+                                  doc="KERNEL records, and as many host-side launch records, kept per process "
+                                      "for the advisor (0: none)")
     host_gap_ms: float = _spec(1.0, lo=0, hi=60_000,
                                doc="gaps longer than this are host work a graph does not remove")
     graph_gap_us: float = _spec(2.0, lo=0, hi=1_000_000, doc="gap between kernels of a replayed graph")

@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 _NO_KERNELS = np.zeros(0, DTYPES[RecordKind.KERNEL])
 _NO_KERNELS.flags.writeable = False
+_NO_LAUNCHES = np.zeros(0, DTYPES[RecordKind.API])
+_NO_LAUNCHES.flags.writeable = False
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ProcessState:
     drift_mismatches: int = 0
     probe_counters: dict[str, float] = field(default_factory=dict)
     kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
+    launches: KernelRetention | None = None  # the newest host-side API records (launches, syncs), likewise
     # Per device: how many times its live table changed, and the snapshot array built
     # at some version, so an unchanged table is not rebuilt every tick.
     live_versions: dict[int, int] = field(default_factory=dict)
@@ -85,14 +88,15 @@ class ProcessState:
 
 
 class KernelRetention:
-    """The newest ``limit`` KERNEL records of one process, in the order applied.
+    """The newest ``limit`` KERNEL (or API) records of one process, in the order applied.
 
     Chunks are kept as they come and joined only when a snapshot asks, and only
     when something changed, so a tick without kernels costs nothing.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, kind: RecordKind = RecordKind.KERNEL) -> None:
         self.limit = max(1, limit)
+        self.kind = kind
         self._chunks: list[np.ndarray] = []
         self._n = 0
         self._joined: np.ndarray | None = None
@@ -112,7 +116,7 @@ class KernelRetention:
     def array(self) -> np.ndarray:
         if self._joined is None:
             if not self._chunks:
-                joined = np.zeros(0, DTYPES[RecordKind.KERNEL])
+                joined = np.zeros(0, DTYPES[self.kind])
             else:
                 joined = np.concatenate(self._chunks)[-self.limit:]
             joined.flags.writeable = False
@@ -343,6 +347,14 @@ class Pipeline:
         return fp
 
     def _apply(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
+        if kind is RecordKind.API:
+            # Host-side calls: no memory moved, no device footprint, nothing for the feature frames or the
+            # sampler; kept for the graph advisor only.
+            if self.kernel_retention > 0:
+                if proc.launches is None:
+                    proc.launches = KernelRetention(self.kernel_retention, RecordKind.API)
+                proc.launches.add(recs)
+            return
         devs = recs["dev"]
         if devs[0] == devs[-1] and bool((devs == devs[0]).all()):
             groups = [(int(devs[0]), recs)]
@@ -391,6 +403,8 @@ class Pipeline:
                 as_of_ns=proc.applied_to, probe_counters=dict(proc.probe_counters),
                 recent_kernels=proc.kernels.array() if proc.kernels is not None else (
                     _NO_KERNELS if self.kernel_retention > 0 else None),
+                recent_launches=proc.launches.array() if proc.launches is not None else (
+                    _NO_LAUNCHES if self.kernel_retention > 0 else None),
                 drift_bytes=proc.drift_bytes, drift_checks=proc.drift_checks,
                 drift_mismatches=proc.drift_mismatches, late_records=proc.late_records,
             ))

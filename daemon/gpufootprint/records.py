@@ -24,6 +24,18 @@ class RecordKind(enum.IntEnum):
     MEMSET = 4
     KERNEL = 5  # CONCURRENT_KERNEL
     UNIFIED_MEMORY = 6  # UNIFIED_MEMORY_COUNTER
+    API = 7  # a kernel launch or a synchronisation call, on the host (CUPTI's per-API DRIVER/RUNTIME records)
+
+
+class ApiRole(enum.IntEnum):
+    """What a host-side API record (``RecordKind.API``) was: the CUDA Graph advisor's launch evidence."""
+
+    LAUNCH = 1  # a kernel launch (cudaLaunchKernel, cuLaunchKernel, ...)
+    SYNC = 2  # the host waited for the GPU (cudaStreamSynchronize, cudaDeviceSynchronize, cudaMemcpy, ...)
+    GRAPH_LAUNCH = 3  # a captured CUDA graph replayed (cudaGraphLaunch, cuGraphLaunch)
+
+
+API_ROLE_NAMES: Final[dict[int, str]] = {r.value: r.name.lower() for r in ApiRole}
 
 
 #: CUPTI's unified-memory counter kind whose ``value`` is not a count: for CPU page faults
@@ -194,6 +206,22 @@ UNIFIED_MEMORY_DTYPE: Final = np.dtype(
     ]
 )
 
+#: CUPTI's API record names no device: the probe stamps the device its process last allocated on.
+API_DTYPE: Final = np.dtype(
+    [
+        ("start", _LE + "u8"),  # host time the call began
+        ("end", _LE + "u8"),  # and returned
+        ("pid", _LE + "u4"),
+        ("dev", _LE + "u4"),
+        ("tid", _LE + "u4"),  # the calling thread (CUPTI's threadId)
+        ("corr", _LE + "u4"),
+        ("cbid", _LE + "u4"),  # in the numbering of ``domain``
+        ("domain", "u1"),  # 4: driver API, 5: runtime API (CUPTI's activity kind of the record)
+        ("role", "u1"),  # ApiRole
+        ("_pad", "u1", (2,)),
+    ]
+)
+
 DTYPES: Final[dict[RecordKind, np.dtype]] = {
     RecordKind.MEMORY: MEMORY_DTYPE,
     RecordKind.MEMORY_POOL: POOL_DTYPE,
@@ -201,6 +229,7 @@ DTYPES: Final[dict[RecordKind, np.dtype]] = {
     RecordKind.MEMSET: MEMSET_DTYPE,
     RecordKind.KERNEL: KERNEL_DTYPE,
     RecordKind.UNIFIED_MEMORY: UNIFIED_MEMORY_DTYPE,
+    RecordKind.API: API_DTYPE,
 }
 
 #: Timestamps are nanoseconds since 1970 in a signed 64-bit integer (until 2262): a record
@@ -215,6 +244,7 @@ TIME_FIELD: Final[dict[RecordKind, str]] = {
     RecordKind.MEMSET: "start",
     RecordKind.KERNEL: "start",
     RecordKind.UNIFIED_MEMORY: "start",
+    RecordKind.API: "start",
 }
 
 

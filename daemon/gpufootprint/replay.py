@@ -159,6 +159,7 @@ _SHIFT_FIELDS = {
     RecordKind.MEMSET: ("start", "end"),
     RecordKind.KERNEL: ("start", "end"),
     RecordKind.UNIFIED_MEMORY: ("start", "end"),
+    RecordKind.API: ("start", "end"),
 }
 
 

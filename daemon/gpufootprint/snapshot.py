@@ -54,6 +54,9 @@ class ProcessSnapshot:
     # The newest KERNEL records of this process (read-only, in the order applied), bounded by
     # graph_advisor.kernel_retention; None when the pipeline keeps none.
     recent_kernels: np.ndarray | None = None
+    # The newest host-side API records (kernel launches and synchronisations, RecordKind.API), kept
+    # the same way: the advisor's evidence when no kernel records were taken.
+    recent_launches: np.ndarray | None = None
     # Self-verification against the probe's own table at its watermarks (0 and 0 without a probe).
     drift_bytes: int = 0  # sum over GPUs and kinds of |daemon - probe| at the latest check
     drift_checks: int = 0

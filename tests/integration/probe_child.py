@@ -8,8 +8,9 @@ test can stop and restart the daemon at known points.
   python probe_child.py SYNC_DIR STEP [STEP ...]
   steps: alloc:ADDR:SIZE[:KIND]  free:ADDR:SIZE  copy:N  kernel:NAME  mark:LABEL
          wait:NAME  touch:NAME  sleep:SECONDS  burst:N (N allocations and frees)  connected
-         launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels, 1 ms apart;
-                              CUPTI keeps them only while the kernel activity is on)
+         launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels and a wait, 1 ms
+                              apart; CUPTI keeps the kernels only while the kernel activity is on,
+                              the launch and wait calls only in a launch window)
          apicall:CBID:RET (a driver call's API record)  faketorch (a stand-in torch module with
          CUDA initialised)  torchoom:SIZE (that module's OOM observer called, as PyTorch does)
 """
@@ -117,7 +118,11 @@ def main() -> int:
             end = time.monotonic() + float(arg)
             while time.monotonic() < end:
                 for i in range(10):
+                    t = time.time_ns()
                     fake.emit(probe_fakes.kernel_record(f"tiny_{i}"))
+                    fake.host_call(211, start=t, end=t + 4_000)  # cudaLaunchKernel, 4 us on the host
+                t = time.time_ns()
+                fake.host_call(131, start=t, end=t + 20_000)  # cudaStreamSynchronize: 20 us waiting for the GPU
                 time.sleep(0.001)
         elif op == "mark":
             probe.mark(arg)

@@ -18,7 +18,7 @@ from gpufootprint.wire.framing import (
 from tests.conftest import ALLOC, mem, mem_batch
 
 WIRE_SIZES = {RecordKind.MEMORY: 80, RecordKind.MEMORY_POOL: 64, RecordKind.MEMCPY: 60, RecordKind.MEMSET: 48,
-              RecordKind.KERNEL: 48, RecordKind.UNIFIED_MEMORY: 56}
+              RecordKind.KERNEL: 48, RecordKind.UNIFIED_MEMORY: 56, RecordKind.API: 40}
 
 
 def _stream() -> bytes:

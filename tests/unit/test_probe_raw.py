@@ -51,6 +51,12 @@ _UM_RECORDS = [fk.um_record(1, 4096, 0x7000), fk.um_record(2, 8192, 0x7000)]
 def _workload(fake: fk.FakeCupti, probe: Probe) -> None:
     for rec in _RECORDS:
         fake.emit(rec)
+    # a launch window: launches and waits of both APIs become API records (one call the window does not want)
+    probe.open_kernel_window(60_000, 1, "launches")
+    t = 1_000_000
+    for i, (cbid, kind) in enumerate([(211, fk.RUNTIME), (211, fk.RUNTIME), (307, fk.DRIVER), (165, fk.RUNTIME),
+                                      (652, fk.DRIVER), (131, fk.RUNTIME), (311, fk.RUNTIME), (17, fk.DRIVER)]):
+        assert fake.host_call(cbid, kind=kind, start=t + i * 100, end=t + i * 100 + 50, tid=7)
     probe.mark("managed")  # a flush: the probe has seen the managed allocation
     assert fake.um_configurations == 1
     for rec in _UM_RECORDS:
@@ -100,6 +106,9 @@ def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path:
         assert (sorted(zip((r.tobytes() for r in a), a_names, strict=True))
                 == sorted(zip((r.tobytes() for r in b), b_names, strict=True))), kind
     assert len(raw[RecordKind.MEMORY]) == 452
+    api = np.sort(np.array(raw[RecordKind.API]), order="start")  # the launch window's 8 calls, role and API each
+    assert api["role"].tolist() == [1, 1, 1, 2, 1, 2, 3, 2] and api["domain"].tolist() == [5, 5, 4, 5, 4, 5, 5, 4]
+    assert (api["tid"] == 7).all() and api["cbid"].tolist() == [211, 211, 307, 165, 652, 131, 311, 17]
     assert sorted(raw_names.values()) == sorted({"gemm", "softmax", "a" * 300})
     # every buffer went back to the pool
     assert probe.raw is not None and probe.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))

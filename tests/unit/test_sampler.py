@@ -221,11 +221,11 @@ def test_sampler_sends_flush_interval_and_kernel_window_to_probes_only() -> None
 
 
 def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() -> None:
-    # GIVEN a hub with kernel windows on (50 ms; off by default, docs/performance.md run 17) and a
-    # probe process whose watermarks come every 100 ms for 3 minutes
+    # GIVEN a hub with the default windows (50 ms of launch records) and a probe process whose
+    # watermarks come every 100 ms for 3 minutes
     sent: list[tuple[int, int, dict[str, Any]]] = []
-    assert SamplerConfig().kernel_window_ms == 0
-    hub = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50))
+    assert SamplerConfig().kernel_window_ms == 50 and SamplerConfig().kernel_window_records == "launches"
+    hub = FeatureHub(sampler=SamplerConfig())
     now = [0]
     hub.control = lambda pid, body: sent.append((now[0], pid, body)) or True
     pipeline = Pipeline(FootprintConfig(), hub=hub)
@@ -242,7 +242,7 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
     # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones: 5 s in, then
     # every 30 s, 50 ms each (a duty cycle of 1/600)
     opened = [(t - t0) / 1e9 for t, _, b in sent if b["op"] == "kernel_window"]
-    assert all(b["ms"] == 50 for _, _, b in sent if b["op"] == "kernel_window")
+    assert all(b["ms"] == 50 and b["records"] == "launches" for _, _, b in sent if b["op"] == "kernel_window")
     assert opened == pytest.approx([0.1, 5.1, 35.1, 65.1, 95.1, 125.1, 155.1], abs=0.11)
     # AND a burst opens one at once, but never two within a second
     hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50))
@@ -253,8 +253,14 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
         s.bursts = i  # a burst starts in every step
         hub2._after_step(s, "probe", t)
     assert len([b for b in got if b["op"] == "kernel_window"]) == 3  # at 0, 1 and 2 s
-    # AND with the defaults (windows off) none is ever opened
-    hub3 = FeatureHub()
+    # AND windows of kernel records say no "records" (what a probe from before launch windows reads)
+    hub4 = FeatureHub(sampler=SamplerConfig(kernel_window_records="kernels"))
+    kern: list[dict[str, Any]] = []
+    hub4.control = lambda pid, body: kern.append(body) or True
+    hub4._after_step(hub4.sampler(pid), "probe", t0)
+    assert kern and all("records" not in b for b in kern if b["op"] == "kernel_window")
+    # AND with windows off none is ever opened
+    hub3 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=0))
     off: list[dict[str, Any]] = []
     hub3.control = lambda pid, body: off.append(body) or True
     s = hub3.sampler(pid)

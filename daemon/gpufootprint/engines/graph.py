@@ -7,6 +7,12 @@ step the stream sat idle between kernels. The policy (op count, duration and
 reuse, each with a lower and an optional upper bound) decides; every decision
 lists each check with its value.
 
+A process with no kernel records is judged from its launch windows instead (host-side
+launch and wait calls, engines/launches.py: the default, since windows of kernel records
+leave a lasting slowdown): one decision for the process (``stream`` None,
+``evidence="launches"``), its op count the launches per step and its mean kernel
+duration known within bounds; a bound the interval straddles is unknown.
+
 Decisions: ``capture`` (every check passes), ``keep`` (a check fails),
 ``already_captured`` (the stream's kernels are replayed from a graph: graph id
 != 0), ``insufficient_data`` (no kernels, no repeating step, or an unknown
@@ -24,10 +30,12 @@ import numpy as np
 from gpufootprint.config import GraphAdvisorConfig
 from gpufootprint.engines import inputs
 from gpufootprint.engines.kernels import StreamKernelStats, stream_stats
+from gpufootprint.engines.launches import LaunchStats, launch_stats
 from gpufootprint.snapshot import PipelineSnapshot
 
 CAPTURE, KEEP, ALREADY, INSUFFICIENT = "capture", "keep", "already_captured", "insufficient_data"
 DECISIONS = (CAPTURE, KEEP, ALREADY, INSUFFICIENT)
+NO_RECORDS_YET = "no kernel or launch records seen yet (both are sampled in windows: sampler.kernel_window_ms)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +83,12 @@ class GraphDecision:
     gap_share: float | None = None
     launch_overhead_seconds: float | None = None  # per step, what capture would save
     exited: bool = False
+    # "kernels": from kernel records (a kernel window, or kernels always on); "launches": from a launch
+    # window's host-side calls (engines/launches.py), which bound the mean kernel duration instead
+    evidence: str = "kernels"
+    thread: int | None = None  # launches: the thread whose steps were read
+    mean_kernel_seconds_max: float | None = None  # launches: the mean kernel duration is at most this
+    mean_kernel_seconds_min: float | None = None  # ... and at least this
 
 
 def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int], StreamKernelStats]:
@@ -129,6 +143,69 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
 
 
+def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *, pid: int, source: str,
+                    exited: bool = False) -> GraphDecision:
+    """The policy's verdict from a launch window's calls (engines/launches.py): the op count is the
+    launches per step, the mean kernel duration is known to lie in an interval."""
+    base = GraphDecision(pid=pid, source=source, dev=st.dev, stream=None, decision=INSUFFICIENT, reasons=(),
+                         op_count=st.period, steps=st.steps, reuse_ratio=reuse, step_seconds=st.step_seconds,
+                         exited=exited, evidence="launches", thread=st.tid, mean_kernel_seconds_max=st.kernel_seconds_max,
+                         mean_kernel_seconds_min=st.kernel_seconds_min)
+
+    def verdict(decision: str, *reasons: str) -> GraphDecision:
+        return dataclasses.replace(base, decision=decision, reasons=reasons)
+
+    source_text = f"from launch calls on thread {st.tid} ({st.windows} launch window(s))"
+    if st.graph_launches and st.graph_share >= policy.captured_share:
+        return verdict(ALREADY, f"{st.graph_launches} of {st.launches + st.graph_launches} launch calls replayed a "
+                                f"captured CUDA graph (share {st.graph_share:.2f} >= {policy.captured_share}), "
+                                f"{source_text}")
+    if st.period is None or st.kernel_seconds_max is None or st.kernel_seconds_min is None:
+        return verdict(INSUFFICIENT, f"no step repeats at least {policy.min_steps} times between waits for the GPU "
+                                     f"with {policy.min_match:.0%} of steps alike ({st.launches} launches, "
+                                     f"{st.waits} waits) {source_text}; a kernel window "
+                                     f"(sampler.kernel_window_records: kernels) reads steps from kernel names")
+    reasons = [f"info: {source_text}"]
+    failed = unknown = False
+    ok, text = _bounded("op_count", st.period, "launches/step", "", "d", policy.min_op_count, policy.max_op_count)
+    reasons.append(("pass: " if ok else "fail: ") + text)
+    failed |= not ok
+    lo_ms, hi_ms = st.kernel_seconds_min * 1e3, st.kernel_seconds_max * 1e3
+    ok2, text = _interval("mean kernel duration", lo_ms, hi_ms, policy.min_mean_kernel_ms, policy.max_mean_kernel_ms)
+    reasons.append({True: "pass: ", False: "fail: ", None: "unknown: "}[ok2] + text)
+    failed |= ok2 is False
+    unknown |= ok2 is None
+    if reuse is None:
+        if policy.allow_unknown_reuse:
+            reasons.append("pass: allocation reuse ratio unknown (allowed by policy)")
+        else:
+            reasons.append("unknown: allocation reuse ratio not available")
+            unknown = True
+    else:
+        ok, text = _bounded("allocation reuse", reuse, "", "", ".2f", policy.min_reuse, policy.max_reuse)
+        reasons.append(("pass: " if ok else "fail: ") + text)
+        failed |= not ok
+    if st.step_seconds and st.launch_seconds is not None and st.wait_seconds is not None:
+        reasons.append(f"info: the host launched for {st.launch_seconds / st.step_seconds:.1%} and waited for the GPU "
+                       f"{st.wait_seconds / st.step_seconds:.1%} of a {st.step_seconds * 1e3:.3f} ms step "
+                       f"({st.steps} steps)")
+    return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
+
+
+def _interval(name: str, lo_v: float, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
+    """A check of a value known only to lie in [lo_v, hi_v]: True or False when the whole interval is
+    on one side of the policy's bounds, None when it straddles one."""
+    shown = f"{name} between {lo_v:.3f} and {hi_v:.3f} ms"
+    if hi_v < lo:
+        return False, f"{shown} < {lo} ms"
+    if hi is not None and lo_v > hi:
+        return False, f"{shown} > {hi} ms"
+    if lo_v >= lo and (hi is None or hi_v <= hi):
+        return True, f"{shown}, within [{lo}, {'inf' if hi is None else hi}] ms"
+    return None, (f"{shown} straddles the policy's [{lo}, {'inf' if hi is None else hi}] ms; a kernel window "
+                  f"(sampler.kernel_window_records: kernels) would time the kernels")
+
+
 def _bounded(name: str, value: float, unit: str, bound_unit: str, spec: str, lo: float,
              hi: float | None) -> tuple[bool, str]:
     """One check against a lower and an optional upper bound, with the text the decision lists."""
@@ -143,23 +220,33 @@ def _bounded(name: str, value: float, unit: str, bound_unit: str, spec: str, lo:
 
 
 def reuse_since(kernels: np.ndarray | None) -> int | None:
-    """Where the steady part starts for the reuse ratio: the median start of the retained kernels."""
+    """Where the steady part starts for the reuse ratio: the median start of the retained kernels (or
+    launch calls)."""
     if kernels is None or len(kernels) == 0:
         return None
     return int(np.median(kernels["start"]))
 
 
+def compute_launch_stats(api: object, policy: GraphPolicy) -> LaunchStats | None:
+    if api is None:
+        return None
+    assert isinstance(api, np.ndarray)
+    return launch_stats(api, min_match=policy.min_match, min_steps=policy.min_steps)
+
+
 def advise(snap: PipelineSnapshot, policy: GraphPolicy,
            reuse: Mapping[tuple[int, int], float] | None = None,
            stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None,
-           since: Mapping[int, int | None] | None = None) -> tuple[GraphDecision, ...]:
-    """Decisions for every process whose kernels the pipeline retains.
+           since: Mapping[int, int | None] | None = None,
+           launches: Mapping[int, LaunchStats | None] | None = None) -> tuple[GraphDecision, ...]:
+    """Decisions for every process whose kernels (or launch calls) the pipeline retains.
 
-    ``reuse`` overrides the reuse ratio per (pid, dev) (a test's what-if); otherwise
-    the sampler's feature is read over the steady part (``reuse_since``), the same
-    way live and in ``abtest``. ``stats`` lets a caller pass per-pid statistics it
-    cached (they depend only on the kernels), ``since`` the per-pid ``reuse_since``
-    likewise.
+    Kernel records decide where there are any; a process with none is judged from its launch
+    windows' calls (``decide_launches``). ``reuse`` overrides the reuse ratio per (pid, dev) (a
+    test's what-if); otherwise the sampler's feature is read over the steady part (``reuse_since``),
+    the same way live and in ``abtest``. ``stats`` lets a caller pass per-pid statistics it cached
+    (they depend only on the kernels), ``since`` the per-pid ``reuse_since`` likewise, ``launches``
+    the per-pid launch statistics.
     """
     out: list[GraphDecision] = []
     feats = inputs.features_of(snap)
@@ -169,9 +256,17 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
         per_stream = stats[proc.pid] if stats is not None and proc.pid in stats else compute_stats(
             proc.recent_kernels, policy)
         if not per_stream:
+            ls = launches[proc.pid] if launches is not None and proc.pid in launches else compute_launch_stats(
+                proc.recent_launches, policy)
+            if ls is not None:
+                r = reuse.get((proc.pid, ls.dev)) if reuse is not None else None
+                if r is None:
+                    r = inputs.reuse_ratio(feats.get((proc.pid, ls.dev)), reuse_since(proc.recent_launches))
+                out.append(decide_launches(ls, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited))
+                continue
             out.append(GraphDecision(pid=proc.pid, source=proc.source, dev=None, stream=None,
                                      decision=INSUFFICIENT, exited=proc.exited,
-                                     reasons=("no kernel records seen yet (kernel activity is sampled in windows)",)))
+                                     reasons=(NO_RECORDS_YET,)))
             continue
         start = since[proc.pid] if since is not None and proc.pid in since else reuse_since(proc.recent_kernels)
         for (dev, stream), st in sorted(per_stream.items()):

@@ -20,8 +20,16 @@ from gpufootprint.config import Config
 from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
-from gpufootprint.engines.graph import GraphDecision, GraphPolicy, advise, compute_stats, reuse_since
+from gpufootprint.engines.graph import (
+    GraphDecision,
+    GraphPolicy,
+    advise,
+    compute_launch_stats,
+    compute_stats,
+    reuse_since,
+)
 from gpufootprint.engines.kernels import StreamKernelStats
+from gpufootprint.engines.launches import LaunchStats
 from gpufootprint.engines.leaks import LeakStatus, LeakTracker
 from gpufootprint.snapshot import PipelineSnapshot
 
@@ -54,6 +62,7 @@ class Engines:
         self.cost = CostLedger(config.cost, started_at)
         # per pid: (its kernel array, their statistics, where the steady part starts for the reuse ratio)
         self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats], int | None]] = {}
+        self._launch_stats: dict[int, tuple[np.ndarray, LaunchStats | None]] = {}  # per pid, likewise
         self._suspects: set[tuple[int, int]] = set()
         self._advice: set[tuple[int, int, str]] = set()
 
@@ -74,7 +83,19 @@ class Engines:
                 stats[proc.pid], since[proc.pid] = cached[1], cached[2]
             for pid in set(self._stats) - set(stats):
                 del self._stats[pid]
-            graph = advise(snap, self.policy, stats=stats, since=since)
+            launches: dict[int, LaunchStats | None] = {}
+            for proc in snap.processes:
+                api = proc.recent_launches
+                if api is None or proc.pid not in stats or stats[proc.pid]:
+                    continue  # kernel records decide where there are any
+                held = self._launch_stats.get(proc.pid)
+                if held is None or held[0] is not api:
+                    held = (api, compute_launch_stats(api, self.policy))
+                    self._launch_stats[proc.pid] = held
+                launches[proc.pid] = held[1]
+            for pid in set(self._launch_stats) - set(launches):
+                del self._launch_stats[pid]
+            graph = advise(snap, self.policy, stats=stats, since=since, launches=launches)
         budgets: tuple[BudgetStatus, ...] = ()
         actions: tuple[BudgetAction, ...] = ()
         if cfg.budgets.enabled:

@@ -52,6 +52,9 @@ class Connection:
     # The forwarded-buffer level the probe said it reads in its HELLO (1 when it says nothing: a
     # probe from before RUNTIME records forwards only at exactly 1).
     cupti_buffers: int = 1
+    # The probe opens launch windows (HELLO ``launch_windows``); an older one would read such a request
+    # as a window of kernel records, whose lasting cost launch windows exist to avoid.
+    launch_windows: bool = False
 
 
 #: Why each order violation cuts a peer off, for the log line.
@@ -82,6 +85,7 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
             return "frame_before_hello"
         conn.hello = True
         conn.cupti_buffers = _cupti_buffers(frame)
+        conn.launch_windows = _hello_field(frame, "launch_windows") == 1
         return None
     if ftype is FrameType.HELLO:
         return "duplicate_hello"
@@ -108,6 +112,19 @@ def _cupti_buffers(hello: Frame) -> int:
     except FrameError:
         return 1
     return max(1, cupti_buffers_level(body))
+
+
+def _hello_field(hello: Frame, name: str) -> object:
+    try:
+        body = hello.json()
+    except FrameError:
+        return None
+    return body.get(name) if isinstance(body, dict) else None
+
+
+def control_allowed(conn: Connection, body: dict[str, object]) -> bool:
+    """Whether this probe may be sent this CONTROL: a launch window only to a probe that opens them."""
+    return not (body.get("op") == "kernel_window" and body.get("records") == "launches" and not conn.launch_windows)
 
 
 def verify_request(conn: Connection) -> dict[str, object]:

@@ -29,6 +29,7 @@ from gpufootprint.ingest.protocol import (
     BatchMerger,
     Connection,
     ResyncRequests,
+    control_allowed,
     count_received,
     decoder_reason,
     order_violation,
@@ -374,7 +375,11 @@ class IngestServer:
             self.nvml.maybe_poll()
 
     def send_control(self, pid: int, body: dict[str, Any]) -> bool:
-        """A CONTROL frame (contract: flush_interval, kernel_window, ...) to one probe."""
+        """A CONTROL frame (contract: flush_interval, kernel_window, ...) to one probe; False when its
+        probe cannot take it (a launch window to a probe that does not open them)."""
+        for conn in self._conns.values():
+            if conn.pid == pid and not control_allowed(conn, body):
+                return False
         return self.send(pid, encode_json(FrameType.CONTROL, body))
 
     def send(self, pid: int, payload: bytes) -> bool:

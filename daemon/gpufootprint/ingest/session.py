@@ -285,8 +285,8 @@ class Session:
                 pid = self.peer_pid
                 recs = self.guard.admit(proc, kind, recs, self._count,
                                         lambda: self.pipeline.advance(pid, max(proc.max_ts, proc.applied_to + 1)))
-                if kind is RecordKind.KERNEL:
-                    recs = self.guard.admit_kernels(proc, recs, self.pipeline.kernel_retention, self._count)
+                if kind is RecordKind.KERNEL or kind is RecordKind.API:
+                    recs = self.guard.admit_kernels(proc, kind, recs, self.pipeline.kernel_retention, self._count)
             if len(recs) == 0:
                 return
         self.records += len(recs)

@@ -24,7 +24,7 @@ import numpy as np
 
 from gpufootprint.config import DaemonConfig
 from gpufootprint.pipeline import ProcessState
-from gpufootprint.records import UM_CPU_PAGE_FAULT_COUNT, MemoryOp, RecordKind
+from gpufootprint.records import UM_CPU_PAGE_FAULT_COUNT, ApiRole, MemoryOp, RecordKind
 
 #: Longest kernel, copy or set the daemon believes (end - start): a sum of a batch of them
 #: stays far inside int64.
@@ -68,11 +68,15 @@ _BYTES: dict[RecordKind, tuple[str, ...]] = {
     RecordKind.MEMSET: ("bytes",),
     RecordKind.KERNEL: (),
     RecordKind.UNIFIED_MEMORY: ("value",),
+    RecordKind.API: (),
 }
 _DEVICES: dict[RecordKind, tuple[str, ...]] = {
     RecordKind.MEMCPY: ("dev", "src_dev", "dst_dev"),
 }
-_INTERVAL = frozenset({RecordKind.MEMCPY, RecordKind.MEMSET, RecordKind.KERNEL, RecordKind.UNIFIED_MEMORY})
+_API_ROLES = np.array([r.value for r in ApiRole], dtype=np.uint8)
+_API_DOMAINS = np.array([4, 5], dtype=np.uint8)  # CUPTI's DRIVER and RUNTIME activity kinds
+_INTERVAL = frozenset({RecordKind.MEMCPY, RecordKind.MEMSET, RecordKind.KERNEL, RecordKind.UNIFIED_MEMORY,
+                       RecordKind.API})
 
 
 def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Problem) -> np.ndarray:
@@ -97,6 +101,12 @@ def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Pr
                                   f"daemon.max_devices_per_process={limits.max_devices_per_process}",
                     int((over & ~bad).sum()))
             bad |= over
+    if kind is RecordKind.API:
+        unknown = ~np.isin(recs["role"], _API_ROLES) | ~np.isin(recs["domain"], _API_DOMAINS)
+        if unknown.any():
+            problem("bad_role", f"{int(unknown.sum())} API records with a role or domain the daemon does not know",
+                    int((unknown & ~bad).sum()))
+            bad |= unknown
     if kind in _INTERVAL:
         start, end = recs["start"], recs["end"]
         # end < start is clipped to a zero duration downstream; a huge one would overflow a sum
@@ -141,18 +151,21 @@ class Guard:
             live += sum(len(fp.live) for fp in proc.devices.values())
             pending += proc.pending_records
             kernels += len(proc.kernels.array()) if proc.kernels is not None else 0
+            kernels += len(proc.launches.array()) if proc.launches is not None else 0
         self.totals = Totals(live, pending, devices, kernels)
 
-    def admit_kernels(self, proc: ProcessState, recs: np.ndarray, retention: int, problem: Problem) -> np.ndarray:
-        """KERNEL records a process may add to what the graph advisor retains for all processes."""
+    def admit_kernels(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, retention: int,
+                      problem: Problem) -> np.ndarray:
+        """KERNEL (or API) records a process may add to what the graph advisor retains for all processes."""
         if retention <= 0 or len(recs) == 0:
             return recs
-        held = len(proc.kernels.array()) if proc.kernels is not None else 0
+        ring = proc.kernels if kind is RecordKind.KERNEL else proc.launches
+        held = len(ring.array()) if ring is not None else 0
         growth = min(retention, held + len(recs)) - held  # a full ring replaces, it does not grow
         room = self.limits.max_retained_kernels - self.totals.retained_kernels
         if growth > room:  # then the ring is not full even with ``room`` more: keep just those
             keep = max(0, room)
-            problem("kernel_limit", f"pid={proc.pid}: KERNEL records past daemon.max_retained_kernels="
+            problem("kernel_limit", f"pid={proc.pid}: {kind.name} records past daemon.max_retained_kernels="
                                     f"{self.limits.max_retained_kernels}: dropped", len(recs) - keep)
             recs = recs[:keep]
             growth = keep

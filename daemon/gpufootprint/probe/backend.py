@@ -63,6 +63,7 @@ class Backend(Protocol):
     def driver_hooks(self, on: bool) -> bool: ...
     def driver_api_records(self, on: bool) -> bool: ...
     def oom_api_records(self, on: bool, stream_ordered: bool = False) -> bool: ...
+    def launch_api_records(self, on: bool) -> bool: ...
     def per_thread_buffer(self, on: bool | None) -> int | None: ...
     def libcupti_paths(self) -> list[str]: ...
     def dropped_records(self, ctx: int = 0, stream: int = 0) -> int: ...
@@ -236,6 +237,21 @@ class CuptiBackend:
                 self._note(f"oom records: this cupti-python has no {name}")
                 ok = False
                 continue
+            for cbid in cbids:
+                ok = self._call(f"{name}({cbid})", switch, cbid, 1 if on else 0) and ok
+        return ok
+
+    def launch_api_records(self, on: bool) -> bool:
+        """CUPTI's per-API switches for the launch and synchronisation calls (a launch window,
+        probe/launches.py): an API record per call, host-side only."""
+        from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
+
+        ok = True
+        for name, cbids in (("activity_enable_driver_api", DRIVER_CBIDS), ("activity_enable_runtime_api", RUNTIME_CBIDS)):
+            switch = getattr(self._c, name, None)
+            if switch is None:
+                self._note(f"launch windows: this cupti-python has no {name}")
+                return False
             for cbid in cbids:
                 ok = self._call(f"{name}({cbid})", switch, cbid, 1 if on else 0) and ok
         return ok

@@ -23,7 +23,7 @@ class ControlTarget(Protocol):
     counters: Counter[str]
 
     def set_flush_interval(self, ms: int) -> None: ...
-    def open_kernel_window(self, ms: int, wid: int) -> None: ...
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None: ...
     def request_resync(self) -> None: ...
     def send_totals(self, cupti_buffers: int) -> None: ...
 
@@ -40,7 +40,9 @@ def apply_control(frame: Frame, target: ControlTarget) -> None:
             target.set_flush_interval(int(body["ms"]))  # type: ignore[index]
             counters["control_flush_interval"] += 1
         elif op == "kernel_window":
-            target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)))  # type: ignore[index,union-attr]
+            records = body.get("records", "kernels")  # type: ignore[union-attr]
+            target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)),  # type: ignore[index,union-attr]
+                                      "launches" if records == "launches" else "kernels")
         elif op == "resync":
             target.request_resync()
             counters["resyncs_requested"] += 1

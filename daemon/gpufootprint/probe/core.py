@@ -85,6 +85,9 @@ class Probe(Sender):
         # The highest forwarded-buffer level this probe reads (a daemon answers with at most this):
         # 2 = buffers may hold RUNTIME API records. A probe that says nothing is read as 1.
         self.hello["cupti_buffers"] = framing.CUPTI_BUFFERS_LEVEL
+        # This probe opens launch windows (probe/launches.py) when asked: a daemon sends them only to a
+        # probe that says so (an older one would read the request as a window of kernel records).
+        self.hello["launch_windows"] = 1
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:
@@ -166,7 +169,7 @@ class Probe(Sender):
             if self.cupti.kernels_always:
                 self._backend.enable(CONCURRENT_KERNEL)
             if self._kernel_window is not None and self.window_enabled is not None:
-                self._backend.enable(self.window_enabled)  # the window still open gets its kind back
+                self._switch_window(self.window_enabled, True)  # the window still open gets its kind back
             self.counters["rearms"] += 1
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"re-arm: {exc}")

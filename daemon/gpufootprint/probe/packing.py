@@ -18,6 +18,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from gpufootprint.probe import launches
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.cupti_layout import RAW_DTYPES
@@ -72,6 +73,10 @@ class Packer:
         # failed allocations, probe/oom.py.
         self.on_api_rows: Callable[[np.ndarray, Sequence[int], int], None] | None = None
         self.on_api_objects: Callable[[list[Any]], None] | None = None
+        # A launch window's calls (probe/launches.py) go on as RecordKind.API records, stamped with
+        # the device the process last allocated on (CUPTI's API record names none).
+        self.api_dev = 0
+        self.launch_records = 0
         self.bad_records = 0
         self.arrays_allocated = 0
         self._dispatch: dict[int, Callable[[Any], None]] = {
@@ -165,10 +170,23 @@ class Packer:
     def _skip(self, kind: int, n: int, rec: Any = None) -> None:
         if kind in cupti_layout.API_KINDS:
             self.api_records += n
-            if rec is not None and self.on_api_objects is not None:
-                self.on_api_objects([rec])
+            if rec is not None:
+                if self.on_api_objects is not None:
+                    self.on_api_objects([rec])
+                self._put_launches(launches.api_objects([rec], self.pid, self.api_dev))
         else:
             self.unknown_kinds += n
+
+    def put_launches(self, rows: np.ndarray) -> int:
+        """A launch window's calls from a buffer that is forwarded, not packed (sender thread)."""
+        with self._lock:
+            return self._put_launches(rows)
+
+    def _put_launches(self, rows: np.ndarray) -> int:
+        if len(rows):
+            self._put_rows(RecordKind.API, rows)
+            self.launch_records += len(rows)
+        return len(rows)
 
     def _put_rows(self, kind: RecordKind, rows: np.ndarray) -> None:
         i, n_rows = 0, len(rows)
@@ -189,9 +207,11 @@ class Packer:
             for k, offs in offsets.items():
                 if k not in cupti_layout.RECORD_KIND:
                     self._skip(k, len(offs))
-                    if k in cupti_layout.API_KINDS and self.on_api_rows is not None:
+                    if k in cupti_layout.API_KINDS:
                         try:
-                            self.on_api_rows(u8, offs, k)
+                            if self.on_api_rows is not None:
+                                self.on_api_rows(u8, offs, k)
+                            done += self._put_launches(launches.api_records(u8, offs, k, self.pid, self.api_dev))
                         except Exception:  # noqa: BLE001 - a malformed record must not stop the buffer
                             self.bad_records += len(offs)
                     continue

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from gpufootprint.probe import launches
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
@@ -109,6 +110,8 @@ class RawBufferReader:
             api = offsets.get(api_kind)
             if api:
                 self.oom.api_rows(u8, api, api_kind)
+                # a launch window's calls go on as records of their own (the daemon steps over these)
+                self.packer.put_launches(launches.api_records(u8, api, api_kind, self.pid, self.packer.api_dev))
         mem = offsets.get(cupti_layout.MEMORY2)
         if mem:
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)

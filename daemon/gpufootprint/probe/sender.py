@@ -39,6 +39,9 @@ from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
+
+#: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
+LAUNCH_WINDOW = "launches"
 from gpufootprint.wire.framing import Frame, FrameType
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
@@ -85,7 +88,9 @@ class Sender:
         self._kernel_window: dict[str, Any] | None = None
         self._kernel_window_end = 0.0
         self._window_kind = KERNEL if settings.kernel_window_kind == "serial" else CONCURRENT_KERNEL
-        self.window_enabled: int | None = None  # the kind the open kernel window switched on, if any
+        # What the open window switched on, if anything: a CUPTI kind, or LAUNCH_WINDOW (the per-API switches
+        # of probe/launches.py).
+        self.window_enabled: int | str | None = None
         self.resyncs = ResyncSchedule()
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
@@ -270,7 +275,7 @@ class Sender:
                 return
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
-            self._last_dev = int(arr["dev"][-1])
+            self._last_dev = self.packer.api_dev = int(arr["dev"][-1])
             if self.cupti.um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
                 self.cupti.configure_unified_memory(self.in_gap)
         if kind is RecordKind.KERNEL:
@@ -425,22 +430,35 @@ class Sender:
             self._forward = self.settings.forward_buffers
             self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
 
-    def open_kernel_window(self, ms: int, wid: int) -> None:
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None:
+        """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
+        ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py)."""
         ms = max(1, min(ms, 60_000))
         if self._kernel_window is None:
-            # With kernels always on the records already flow: the window enables nothing more (a
-            # serial KERNEL beside CONCURRENT_KERNEL would serialise every kernel from then on).
-            kind = None if self.cupti.kernels_always else self._window_kind
-            if self.in_gap or self._backend is None or (kind is not None and not self._backend.enable(kind)):
+            kind: int | str | None
+            if records == "launches":
+                kind = LAUNCH_WINDOW
+            else:
+                # With kernels always on the records already flow: the window enables nothing more (a
+                # serial KERNEL beside CONCURRENT_KERNEL would serialise every kernel from then on).
+                kind = None if self.cupti.kernels_always else self._window_kind
+            if self.in_gap or self._backend is None or (kind is not None and not self._switch_window(kind, True)):
                 self.counters["kernel_windows_refused"] += 1
                 return
             self.window_enabled = kind
-            self._kernel_window = {"id": wid, "start_ns": self._clock_ns()}
-            self.counters["kernel_windows"] += 1
+            self._kernel_window = {"id": wid, "start_ns": self._clock_ns(), "records": records}
+            self.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
         else:
             self._kernel_window["id"] = wid
         self._kernel_window_end = time.monotonic() + ms / 1000
         self._wake.set()
+
+    def _switch_window(self, kind: int | str, on: bool) -> bool:
+        assert self._backend is not None
+        if kind == LAUNCH_WINDOW:
+            return self._backend.launch_api_records(on)
+        assert isinstance(kind, int)
+        return self._backend.enable(kind) if on else self._backend.disable(kind)
 
     def _close_kernel_window(self) -> None:
         window, self._kernel_window = self._kernel_window, None
@@ -448,7 +466,7 @@ class Sender:
             return
         kind, self.window_enabled = self.window_enabled, None
         if not self.in_gap and self._backend is not None and kind is not None:
-            self._backend.disable(kind)  # exactly what the window switched on
+            self._switch_window(kind, False)  # exactly what the window switched on
         self._flush_and_drain()
         window["end_ns"] = self._clock_ns()
         body = self._heartbeat()

@@ -159,7 +159,7 @@ class FeatureHub:
             self._kernel_windows(s, now_ns)
 
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
-        """Open the probe's kernel activity for a short window: periodically (so every process with
+        """Open a short window of the probe's launch records (or kernel records): periodically (so every process with
         kernels gets a Graph verdict soon after it starts) and when a burst starts, never closer
         together than ``kernel_window_min_gap_seconds`` (the duty cycle stays low)."""
         cfg = self.config
@@ -176,7 +176,10 @@ class FeatureHub:
         if last is not None and now_ns - last < cfg.kernel_window_min_gap_seconds * 1e9:
             return
         self._kernel_window_id += 1
-        if self._send(s.pid, {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}):
+        body: dict[str, Any] = {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}
+        if cfg.kernel_window_records == "launches":
+            body["records"] = "launches"  # a probe that does not open them is not sent one (ingest)
+        if self._send(s.pid, body):
             self._window_last[s.pid] = now_ns
             if periodic:
                 self._window_due[s.pid] = now_ns + every_ns

@@ -31,6 +31,7 @@ JSONL_KINDS: Final[dict[str, RecordKind]] = {
     "set": RecordKind.MEMSET,
     "kern": RecordKind.KERNEL,
     "um": RecordKind.UNIFIED_MEMORY,
+    "api": RecordKind.API,
 }
 KIND_TAGS: Final[dict[RecordKind, str]] = {v: k for k, v in JSONL_KINDS.items()}
 
@@ -68,6 +69,11 @@ _FIELDS: Final[dict[RecordKind, tuple[tuple[str, str, bool], ...]]] = {
         ("start", "start", True), ("end", "end", True), ("value", "value", True), ("addr", "addr", False),
         ("pid", "pid", False), ("dev", "dev", False), ("src", "src", False), ("dst", "dst", False),
         ("ck", "ck", True),
+    ),
+    RecordKind.API: (
+        ("start", "start", True), ("end", "end", True), ("pid", "pid", False), ("dev", "dev", False),
+        ("tid", "tid", False), ("corr", "corr", False), ("cbid", "cbid", True), ("domain", "domain", True),
+        ("role", "role", True),
     ),
 }
 

@@ -1,14 +1,14 @@
-"""With kernel windows switched on (one setting), a launch-bound process gets a CUDA Graph verdict.
+"""A launch-bound process gets a CUDA Graph verdict from a default daemon within a minute.
 
-Kernel windows are off by default: on the H200 (2026-12-03) a loop of tiny launches ran about 9 %
-slower for the rest of the run once CUPTI's kernel activity had been on in the process
-(docs/performance.md). With `sampler.kernel_window_ms: 50` and nothing else changed:
-the real probe (over the fake CUPTI, which keeps kernel records only while the
-probe has the kernel activity on) runs a launch-bound loop in a child process
-connected over the real Unix socket; the daemon runs with the shipped defaults otherwise
-(only its socket and HTTP port chosen here). The sampler's periodic kernel windows
-must reach the probe, the kernels of a window must reach the advisor, and
-/api/engines must give a verdict other than insufficient_data within a minute.
+The daemon runs with the shipped defaults (only its socket and HTTP port chosen here): its sampler
+opens 50 ms *launch windows* (sampler.kernel_window_records: launches), the host-side launch and
+wait calls, since windows of kernel records left a loop of tiny launches about 10 % slower for the
+rest of the run on the H200 (docs/performance.md). The real probe (over the fake CUPTI, which keeps
+launch and wait calls only while a launch window has their per-API switches on, and kernel records
+only while a kernel kind is on) runs a launch-bound loop in a child process connected over the real
+Unix socket. The windows must reach the probe, the calls must reach the advisor, and /api/engines
+and /metrics must give a verdict other than insufficient_data within a minute. The same loop under
+windows of kernel records (one setting) is judged from the kernels themselves.
 """
 
 from __future__ import annotations
@@ -17,27 +17,27 @@ import json
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.config import Config, load_config
 
 from tests.probe_process import finish_probe_child, start_probe_child
 
 pytestmark = pytest.mark.integration
 
 
-def test_launch_bound_process_gets_a_graph_verdict_within_a_minute_with_kernel_windows_on(tmp_path: Path) -> None:
-    assert load_config(None, env={}).sampler.kernel_window_ms == 0  # off by default (the cost above)
-    config = load_config(None, env={"GPUFOOTPRINT_SAMPLER__KERNEL_WINDOW_MS": "50"})
-    assert config.sampler.kernel_window_ms == 50 and not config.probe.kernels  # windows, not always-on kernels
+def _first_verdict(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], float, dict[str, Any], str]:
     sock = tmp_path / "probe.sock"
     app = App(config, socket_path=str(sock), listen="127.0.0.1:0")
     app.start()
     child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "launch_loop:15",
                               GPUFOOTPRINT_PROBE_FLUSH_MS="100", GPUFOOTPRINT_PROBE_HEARTBEAT_MS="1000")
-    verdicts: list[dict[str, object]] = []
+    verdicts: list[dict[str, Any]] = []
     started = time.monotonic()
+    metrics = ""
     try:
         assert app.http is not None
         url = app.http.url.replace("/metrics", "/api/engines")
@@ -45,6 +45,13 @@ def test_launch_bound_process_gets_a_graph_verdict_within_a_minute_with_kernel_w
             graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
             verdicts = [d for d in graph if d["pid"] == child.pid]
             if any(d["decision"] != "insufficient_data" for d in verdicts):
+                # /metrics renders the engines' outputs of its own scrape's snapshot: the same or a later one
+                until = time.monotonic() + 5
+                while time.monotonic() < until:
+                    metrics = urllib.request.urlopen(app.http.url, timeout=10).read().decode()
+                    if 'decision="keep"' in metrics:
+                        break
+                    time.sleep(0.2)
                 break
             time.sleep(0.5)
         waited = time.monotonic() - started
@@ -53,11 +60,38 @@ def test_launch_bound_process_gets_a_graph_verdict_within_a_minute_with_kernel_w
         if child.poll() is None:
             child.kill()
         app.stop()
-    assert status["status"]["kernel_windows"] >= 1
+    return verdicts, waited, status["status"], metrics
+
+
+def test_a_default_daemon_gives_a_launch_bound_process_a_graph_verdict_from_launch_windows(tmp_path: Path) -> None:
+    config = load_config(None, env={})
+    assert config.sampler.kernel_window_ms == 50 and config.sampler.kernel_window_records == "launches"
+    assert not config.probe.kernels
+    verdicts, waited, status, metrics = _first_verdict(config, tmp_path)
+    assert status["launch_windows"] >= 1 and status["kernel_windows"] == 0
     decided = [d for d in verdicts if d["decision"] != "insufficient_data"]
     assert decided, verdicts
     assert waited < 60
     d = decided[0]
-    # 10 tiny kernels per step; the 64 MiB allocated before the loop and none since: a static footprint
-    assert d["op_count"] == 10 and d["reuse_ratio"] == 1.0, d
+    # 10 launches and a 20 us wait per step; 64 MiB allocated before the loop and none since
+    assert d["evidence"] == "launches" and d["stream"] is None and d["op_count"] == 10 and d["reuse_ratio"] == 1.0, d
+    # every kernel of a step ran between its first launch and the end of its wait (about 60 us): the
+    # mean is far below the default policy's 0.5 ms, so the verdict is "keep", not unknown
+    assert d["decision"] == "keep", d
+    assert d["mean_kernel_seconds_max"] < 0.5e-3 and d["mean_kernel_seconds_min"] <= d["mean_kernel_seconds_max"], d
+    assert any(r.startswith("fail: mean kernel duration between") for r in d["reasons"]), d
+    exported = {(s.labels["pid"], s.labels["stream"], s.labels["decision"]): s.value
+                for f in text_string_to_metric_families(metrics) if f.name == "gpufootprint_graph_advice"
+                for s in f.samples}
+    assert exported.get((str(d["pid"]), "", "keep")) == 1.0, exported
+
+
+def test_windows_of_kernel_records_judge_the_same_loop_from_its_kernels(tmp_path: Path) -> None:
+    config = load_config(None, env={"GPUFOOTPRINT_SAMPLER__KERNEL_WINDOW_RECORDS": "kernels"})
+    verdicts, waited, status, _ = _first_verdict(config, tmp_path)
+    assert status["kernel_windows"] >= 1 and status["launch_windows"] == 0
+    decided = [d for d in verdicts if d["decision"] != "insufficient_data"]
+    assert decided and waited < 60, verdicts
+    d = decided[0]
+    assert d["evidence"] == "kernels" and d["op_count"] == 10 and d["reuse_ratio"] == 1.0, d
     assert d["decision"] == "keep" and "fail: mean kernel duration 0.002 ms < 0.5 ms" in d["reasons"], d
