@@ -87,18 +87,23 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_kernel_windows": {},
     "probe_kernel_windows_serial": {"kernel_window_kind": "serial"},
     "probe_kernel_windows_dense": {},
+    "probe_launch_windows_dense": {},
 }
-# probe_kernel_windows*: the daemon's sampler.kernel_window_* per configuration. Every other probed
-# configuration runs the default daemon (no kernel windows since run 17). "probe_kernel_windows":
-# 50 ms of kernel activity every 30 s per process (the first 5 s in) and at bursts, CUPTI's
-# CONCURRENT_KERNEL; "_serial": the same windows with the serial KERNEL kind (the probe's
-# kernel_window_kind); "_dense": 50 ms every 1 s, 30 times that duty cycle; "_off": none, explicitly.
-_WINDOWS: dict[str, Any] = {"kernel_window_ms": 50}
+# probe_*_windows*: the daemon's sampler.kernel_window_* per configuration. Every other probed
+# configuration runs the default daemon: since 2026-12-03 launch windows, 50 ms of the host's launch
+# and wait calls every 30 s per process (the first 5 s in) and at bursts. "probe_kernel_windows_off":
+# no window at all (what the goal of 1 % compares the default with). "probe_kernel_windows": the same
+# schedule with windows of kernel records, CUPTI's CONCURRENT_KERNEL; "_serial": the serial KERNEL
+# kind (the probe's kernel_window_kind); "_dense": 50 ms every 1 s, 30 times the duty cycle, of kernel
+# or launch records.
+_KERNELS: dict[str, Any] = {"kernel_window_ms": 50, "kernel_window_records": "kernels"}
+_DENSE: dict[str, Any] = {"kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0}
 DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_off": {"kernel_window_ms": 0},
-    "probe_kernel_windows": _WINDOWS,
-    "probe_kernel_windows_serial": _WINDOWS,
-    "probe_kernel_windows_dense": {**_WINDOWS, "kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0},
+    "probe_kernel_windows": _KERNELS,
+    "probe_kernel_windows_serial": _KERNELS,
+    "probe_kernel_windows_dense": {**_KERNELS, **_DENSE},
+    "probe_launch_windows_dense": {"kernel_window_ms": 50, **_DENSE},
 }
 # Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a

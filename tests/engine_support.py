@@ -32,9 +32,10 @@ def dev(d: int = 0, device_bytes: int = 0, *, peak: int | None = None, kernel_se
 
 def proc(pid: int, *devices: DeviceSnapshot, source: str = "probe", exited: bool = False,
          info: dict[str, Any] | None = None, as_of_ns: int = 0,
-         recent_kernels: np.ndarray | None = None) -> ProcessSnapshot:
+         recent_kernels: np.ndarray | None = None, recent_launches: np.ndarray | None = None) -> ProcessSnapshot:
     return ProcessSnapshot(pid=pid, source=source, exited=exited, info=info or {}, devices=tuple(devices),
-                           pending_records=0, as_of_ns=as_of_ns, recent_kernels=recent_kernels)
+                           pending_records=0, as_of_ns=as_of_ns, recent_kernels=recent_kernels,
+                           recent_launches=recent_launches)
 
 
 def snap(t: float, *procs: ProcessSnapshot, gpus: tuple[GpuState, ...] = ()) -> PipelineSnapshot:

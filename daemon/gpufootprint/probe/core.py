@@ -72,6 +72,12 @@ class Probe(Sender):
             self.cupti.arm(self.intake.requested, self.intake.completed, self.flush_s)
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
                 self.cupti.kernels_always = True
+            if not self.cuda_before and self._backend.launch_api_records(True):
+                # CUPTI writes per-API records of the launch calls only if their switches were on when
+                # CUDA started (H200, 2026-12-03: switched on later they gave no record and left launches
+                # about 10 % slower for good). On until the first record shows CUDA is up, then off:
+                # launch windows switch them on again (probe/launches.py).
+                self.launch_priming = self.launch_windows_ok = True
         except Exception as exc:  # noqa: BLE001 - no CUPTI, no driver: the workload runs unprobed
             self.errors.append(f"start: {exc}")
             log.warning("gpufootprint probe not started: %s", exc)
@@ -86,8 +92,9 @@ class Probe(Sender):
         # 2 = buffers may hold RUNTIME API records. A probe that says nothing is read as 1.
         self.hello["cupti_buffers"] = framing.CUPTI_BUFFERS_LEVEL
         # This probe opens launch windows (probe/launches.py) when asked: a daemon sends them only to a
-        # probe that says so (an older one would read the request as a window of kernel records).
-        self.hello["launch_windows"] = 1
+        # probe that says so (an older one would read the request as a window of kernel records). Not
+        # when CUDA was up before the probe: the switches would record nothing and slow launches.
+        self.hello["launch_windows"] = 1 if self.launch_windows_ok else 0
         self.hello["watermark_ms"] = (self.settings.watermark_ms if self.period else self.settings.flush_ms)
         if self.settings.tee:
             try:

@@ -77,6 +77,8 @@ class Packer:
         # the device the process last allocated on (CUPTI's API record names none).
         self.api_dev = 0
         self.launch_records = 0
+        self.keep_launches = False  # a launch window is open (its calls go on; others, as at start-up, do not)
+        self.launch_records_outside = 0
         self.bad_records = 0
         self.arrays_allocated = 0
         self._dispatch: dict[int, Callable[[Any], None]] = {
@@ -183,6 +185,9 @@ class Packer:
             return self._put_launches(rows)
 
     def _put_launches(self, rows: np.ndarray) -> int:
+        if not self.keep_launches:
+            self.launch_records_outside += len(rows)
+            return 0
         if len(rows):
             self._put_rows(RecordKind.API, rows)
             self.launch_records += len(rows)

@@ -91,6 +91,8 @@ class Sender:
         # What the open window switched on, if anything: a CUPTI kind, or LAUNCH_WINDOW (the per-API switches
         # of probe/launches.py).
         self.window_enabled: int | str | None = None
+        self.launch_priming = False  # the launch calls' per-API switches are on until CUDA is up (core.start)
+        self.launch_windows_ok = False  # they were on when CUDA started: launch windows record (core.start)
         self.resyncs = ResyncSchedule()
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
@@ -157,6 +159,8 @@ class Sender:
                 next_drain = now + self.flush_s
                 if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
                     self._close_kernel_window()
+                if self.launch_priming and (stopping or self._records_seen()):
+                    self._end_launch_priming()
                 if now >= next_untracked:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
@@ -437,6 +441,9 @@ class Sender:
         if self._kernel_window is None:
             kind: int | str | None
             if records == "launches":
+                if not self.launch_windows_ok:
+                    self.counters["kernel_windows_refused"] += 1  # CUDA was up before the probe (core.start)
+                    return
                 kind = LAUNCH_WINDOW
             else:
                 # With kernels always on the records already flow: the window enables nothing more (a
@@ -446,12 +453,22 @@ class Sender:
                 self.counters["kernel_windows_refused"] += 1
                 return
             self.window_enabled = kind
+            self.packer.keep_launches = kind == LAUNCH_WINDOW
             self._kernel_window = {"id": wid, "start_ns": self._clock_ns(), "records": records}
             self.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
         else:
             self._kernel_window["id"] = wid
         self._kernel_window_end = time.monotonic() + ms / 1000
         self._wake.set()
+
+    def _records_seen(self) -> bool:
+        """Whether any CUPTI record came in: CUDA is up."""
+        return self.intake.records_out > 0 or self.counters["raw_records"] > 0
+
+    def _end_launch_priming(self) -> None:
+        self.launch_priming = False
+        if self.window_enabled != LAUNCH_WINDOW and not self.in_gap and self._backend is not None:
+            self._backend.launch_api_records(False)
 
     def _switch_window(self, kind: int | str, on: bool) -> bool:
         assert self._backend is not None
@@ -468,6 +485,7 @@ class Sender:
         if not self.in_gap and self._backend is not None and kind is not None:
             self._switch_window(kind, False)  # exactly what the window switched on
         self._flush_and_drain()
+        self.packer.keep_launches = False  # the window's calls are in; any later ones are not a window's
         window["end_ns"] = self._clock_ns()
         body = self._heartbeat()
         body["kernel_window"] = window

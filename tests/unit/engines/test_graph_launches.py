@@ -1,0 +1,125 @@
+"""The CUDA Graph advisor from launch windows: steps between waits, bounds on the mean kernel duration."""
+
+from __future__ import annotations
+
+import numpy as np
+from engine_support import dev, proc, snap
+from gpufootprint.engines.graph import GraphPolicy, advise
+from gpufootprint.engines.launches import WINDOW_GAP_NS, launch_stats
+from gpufootprint.records import API_DTYPE, KERNEL_DTYPE, ApiRole
+
+DEFAULT = GraphPolicy()
+US = 1_000
+L, S, G = ApiRole.LAUNCH, ApiRole.SYNC, ApiRole.GRAPH_LAUNCH
+
+
+def calls(spec: list[tuple[int, int, int]], *, tid: int = 1, t0: int = 10**12) -> np.ndarray:
+    """API records from (role, start offset ns, duration ns)."""
+    out = np.zeros(len(spec), API_DTYPE)
+    for i, (role, off, dur) in enumerate(spec):
+        out[i]["start"], out[i]["end"], out[i]["role"], out[i]["tid"] = t0 + off, t0 + off + dur, role, tid
+        out[i]["domain"], out[i]["pid"] = 5, 1
+    return out
+
+
+def loop(steps: int, launches: int, *, launch_ns: int = 5 * US, wait_ns: int = 20 * US, host_ns: int = 100 * US,
+         t0: int = 10**12, extra_sync: bool = False) -> np.ndarray:
+    """A training loop: host work, ``launches`` launches back to back, a wait (optionally two in a row)."""
+    spec: list[tuple[int, int, int]] = [(S, 0, 1 * US)]
+    t = 1 * US
+    for _ in range(steps):
+        t += host_ns
+        for _ in range(launches):
+            spec.append((L, t, launch_ns))
+            t += launch_ns
+        if extra_sync:  # loss.item(): a synchronous copy, then a synchronize with nothing left to wait for
+            spec.append((S, t, wait_ns))
+            t += wait_ns
+            spec.append((S, t, 1 * US))
+            t += 1 * US
+        else:
+            spec.append((S, t, wait_ns))
+            t += wait_ns
+    return calls(spec, t0=t0)
+
+
+def one(decisions):  # type: ignore[no-untyped-def]
+    assert len(decisions) == 1, decisions
+    return decisions[0]
+
+
+def test_a_launch_bound_loop_is_judged_from_its_steps_between_waits() -> None:
+    st = launch_stats(loop(20, 100))
+    assert st is not None and st.period == 100 and st.steps == 20 and st.match_ratio == 1.0
+    # every kernel ran between the step's first launch and the end of its wait: 500 + 20 us over 100
+    assert abs(st.kernel_seconds_max - 5.2e-6) < 1e-9
+    assert abs(st.kernel_seconds_min - 0.2e-6) < 1e-9  # at least the wait over the launches
+    assert abs(st.step_seconds - 620e-6) < 1e-9 and abs(st.wait_seconds - 20e-6) < 1e-9
+    # THEN under the default policy (mean kernel at least 0.5 ms) the interval decides: keep
+    d = one(advise(snap(1.0, proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE),
+                                  recent_launches=loop(20, 100))), DEFAULT, reuse={(1, 0): 1.0}))
+    assert (d.decision, d.evidence, d.op_count, d.stream) == ("keep", "launches", 100, None)
+    assert "fail: mean kernel duration between 0.000 and 0.005 ms < 0.5 ms" in d.reasons
+    # AND a launch-bound policy (at most 0.05 ms) captures it
+    lb = GraphPolicy(min_mean_kernel_ms=0.0, max_mean_kernel_ms=0.05)
+    d = one(advise(snap(1.0, proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE),
+                                  recent_launches=loop(20, 100))), lb, reuse={(1, 0): 1.0}))
+    assert d.decision == "capture", d.reasons
+
+
+def test_a_gpu_bound_loop_straddles_a_bound_and_is_unknown_not_guessed() -> None:
+    # 10 launches, then the host waits 50 ms: each kernel took between 5 ms and 5.005 ms ...
+    api = loop(5, 10, wait_ns=50_000 * US)
+    st = launch_stats(api)
+    assert st is not None and st.period == 10
+    assert 5e-3 <= st.kernel_seconds_min <= st.kernel_seconds_max <= 5.01e-3
+    # ... which passes "at least 0.5 ms" outright, but straddles a bound of 5.002 ms
+    d = one(advise(snap(1.0, proc(1, recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)),
+                   GraphPolicy(min_op_count=8), reuse={(1, 0): 1.0}))
+    assert d.decision == "capture" and any(r.startswith("pass: mean kernel duration between") for r in d.reasons)
+    d = one(advise(snap(1.0, proc(1, recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)),
+                   GraphPolicy(min_op_count=8, min_mean_kernel_ms=5.002), reuse={(1, 0): 1.0}))
+    assert d.decision == "insufficient_data"
+    assert any(r.startswith("unknown: mean kernel duration between") for r in d.reasons), d.reasons
+
+
+def test_waits_in_a_row_are_one_wait_and_windows_pool_their_steps() -> None:
+    # loss.item() then a synchronize: one wait; two windows 30 s apart, 2 steps each (fewer than the 3
+    # needed in one window), pooled
+    a = loop(2, 50, extra_sync=True)
+    b = loop(2, 50, extra_sync=True, t0=10**12 + 30 * 10**9)
+    api = np.concatenate([a, b])
+    st = launch_stats(api)
+    assert st is not None and (st.period, st.steps, st.windows) == (50, 4, 2)
+    assert st.waits == 6  # 3 per window: the first one and one per step
+    assert launch_stats(a) is not None and launch_stats(a).period is None  # 2 steps alone: not enough
+    assert 30 * 10**9 > WINDOW_GAP_NS
+
+
+def test_no_wait_no_step_graph_launches_are_already_captured_and_the_busiest_thread_speaks() -> None:
+    # launches only, never a wait: no step to read
+    nowait = calls([(L, i * 10 * US, 5 * US) for i in range(500)])
+    d = one(advise(snap(1.0, proc(1, recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=nowait)), DEFAULT))
+    assert d.decision == "insufficient_data" and "no step repeats" in d.reasons[0]
+    # a step that replays a graph and launches one kernel: already captured
+    spec: list[tuple[int, int, int]] = [(S, 0, US)]
+    for i in range(10):
+        spec += [(G, 100 * US * (i + 1), 10 * US), (L, 100 * US * (i + 1) + 20 * US, 5 * US),
+                 (S, 100 * US * (i + 1) + 40 * US, 30 * US)]
+    d = one(advise(snap(1.0, proc(1, recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=calls(spec))),
+                   DEFAULT))
+    assert d.decision == "already_captured", d.reasons
+    # a data-loader thread's few launches do not speak for the training loop's thread
+    both = np.concatenate([loop(20, 100), calls([(L, i * US, US) for i in range(30)], tid=2)])
+    st = launch_stats(both)
+    assert st is not None and st.tid == 1 and st.period == 100
+
+
+def test_kernel_records_decide_where_there_are_any() -> None:
+    kern = np.zeros(40, KERNEL_DTYPE)
+    kern["start"] = 10**12 + np.arange(40) * 10 * US
+    kern["end"] = kern["start"] + 2 * US
+    kern["name_id"] = np.arange(40) % 10
+    kern["stream"] = 7
+    d = advise(snap(1.0, proc(1, recent_kernels=kern, recent_launches=loop(20, 100))), DEFAULT, reuse={(1, 0): 1.0})
+    assert [x.evidence for x in d] == ["kernels"] and d[0].op_count == 10

@@ -1,0 +1,101 @@
+"""Launch windows in the probe: CUPTI's per-API records of the launch and wait calls (probe/launches.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpufootprint.probe import launches
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.records import ApiRole, RecordKind
+from gpufootprint.wire.framing import FrameType, iter_frames
+from gpufootprint.wire.sources import TraceFile
+
+from tests import probe_fakes as fk
+
+
+def test_launch_window_cbids_are_cuptis_own_numbers() -> None:
+    cupti = pytest.importorskip("cupti.cupti")  # a pinned dependency: importable without a GPU
+    for cbid, (name, _) in launches.DRIVER_CBIDS.items():
+        assert int(getattr(cupti.driver_api_trace_cbid, name)) == cbid, name
+    for cbid, (name, _) in launches.RUNTIME_CBIDS.items():
+        assert int(getattr(cupti.runtime_api_trace_cbid, name)) == cbid, name
+
+
+def test_a_buffers_api_records_become_launch_records_with_their_roles() -> None:
+    # GIVEN CUPTI's 40-byte API structs: two launches, a wait, an allocation call (the OOM records') and
+    # a cbid past the end of the table
+    rows = [(fk.RUNTIME, 211, 100, 104), (fk.RUNTIME, 20, 105, 106), (fk.DRIVER, 307, 110, 115),
+            (fk.RUNTIME, 165, 120, 180), (fk.RUNTIME, 9999, 181, 182)]
+    raw = np.zeros(len(rows), launches.RAW_API_DTYPE)
+    for i, (_, cbid, start, end) in enumerate(rows):
+        raw[i]["cbid"], raw[i]["start"], raw[i]["end"], raw[i]["tid"], raw[i]["corr"] = cbid, start, end, 3, i
+    u8 = np.frombuffer(raw.tobytes(), dtype=np.uint8)
+    got = [launches.api_records(u8, [i * 40], kind, pid=42, dev=1) for i, (kind, *_) in enumerate(rows)]
+    # THEN only the launch-window calls remain, each with its role, API, thread, pid and device
+    kept = np.concatenate(got)
+    assert kept["cbid"].tolist() == [211, 307, 165]
+    assert kept["role"].tolist() == [ApiRole.LAUNCH, ApiRole.LAUNCH, ApiRole.SYNC]
+    assert kept["domain"].tolist() == [fk.RUNTIME, fk.DRIVER, fk.RUNTIME]
+    assert (kept["pid"] == 42).all() and (kept["dev"] == 1).all() and (kept["tid"] == 3).all()
+    assert kept["start"].tolist() == [100, 110, 120] and kept["end"].tolist() == [104, 115, 180]
+
+
+def _wait(cond: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.01)
+
+
+def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_path: Path) -> None:
+    # GIVEN a probe started before CUDA (the per-API switches record only if on when CUDA starts)
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    assert p.start()
+    try:
+        assert fake.launch_switch == [True] and p.hello["launch_windows"] == 1
+        # a launch while CUDA starts is recorded by CUPTI but is no window's: not sent
+        assert fake.host_call(211, start=1_000, end=2_000)
+        fake.alloc(0x1000, 4096)  # CUDA is up
+        _wait(lambda: fake.launch_switch == [True, False])
+        assert fake.launch_switch == [True, False]
+        assert not fake.host_call(211, start=3_000, end=4_000)  # off between windows: nothing written
+        # WHEN the daemon opens a launch window
+        p.open_kernel_window(200, 7, "launches")
+        assert fake.launch_switch == [True, False, True] and fk.CONCURRENT_KERNEL not in fake.enabled
+        for i in range(3):
+            assert fake.host_call(211, start=10_000 + i * 100, end=10_050 + i * 100)
+        assert fake.host_call(131, start=10_400, end=10_900)
+        _wait(lambda: p._kernel_window is None)
+        assert fake.launch_switch == [True, False, True, False]
+        st = p.status()
+        assert st["launch_windows"] == 1 and st["kernel_windows"] == 0 and st["launch_records"] == 4
+    finally:
+        p.stop()
+    frames = list(iter_frames(TraceFile(tmp_path / "t.gfp").chunks()))
+    api = np.concatenate([f.records() for f in frames if f.type is FrameType.BATCH and f.tag == RecordKind.API])
+    # THEN exactly the window's calls went out, and the window's heartbeat says it held launches
+    assert api["start"].tolist() == [10_000, 10_100, 10_200, 10_400]
+    assert api["role"].tolist() == [1, 1, 1, 2]
+    closed = [f.json()["kernel_window"] for f in frames if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
+    assert closed and closed[0]["id"] == 7 and closed[0]["records"] == "launches"
+
+
+def test_a_probe_started_after_cuda_opens_no_launch_window(tmp_path: Path) -> None:
+    # GIVEN CUDA was up before the probe: switched on now, the per-API switches would record nothing
+    # and leave launches slower for good (H200, 2026-12-03)
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    p.cuda_before = True
+    assert p.start()
+    try:
+        assert fake.launch_switch == [] and p.hello["launch_windows"] == 0
+        p.open_kernel_window(50, 1, "launches")
+        assert fake.launch_switch == [] and p._kernel_window is None
+        assert p.counters["kernel_windows_refused"] == 1
+    finally:
+        p.stop()
