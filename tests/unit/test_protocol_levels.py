@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpufootprint.ingest.protocol import Connection, order_violation, verify_request
+from gpufootprint.ingest.protocol import Connection, control_allowed, order_violation, verify_request
 from gpufootprint.probe import control
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import CUPTI_BUFFERS_LEVEL, Frame, FrameType, iter_frames
@@ -73,3 +73,20 @@ def test_the_probes_hello_says_its_level(tmp_path: Path) -> None:
     probe.stop()
     (hello,) = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HELLO]
     assert hello["cupti_buffers"] == CUPTI_BUFFERS_LEVEL == 2
+
+
+@pytest.mark.parametrize("hello,launches", [
+    ({"pid": 1}, False),  # an older probe would read a launch window as a window of kernel records
+    ({"pid": 1, "launch_windows": 0}, False),  # CUDA was up before the probe
+    ({"pid": 1, "launch_windows": 1}, True),
+    ({"pid": 1, "launch_windows": True}, False),
+])
+def test_a_launch_window_goes_only_to_a_probe_that_says_it_opens_them(hello: dict[str, Any], launches: bool) -> None:
+    conn = _connection()
+    try:
+        assert order_violation(conn, _frame(FrameType.HELLO, hello)) is None
+        assert control_allowed(conn, {"op": "kernel_window", "ms": 50, "id": 1, "records": "launches"}) is launches
+        assert control_allowed(conn, {"op": "kernel_window", "ms": 50, "id": 1})  # kernel records: as before
+        assert control_allowed(conn, {"op": "flush_interval", "ms": 20})
+    finally:
+        conn.sock.close()

@@ -269,6 +269,20 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
     assert not [b for b in off if b["op"] == "kernel_window"]
 
 
+def test_a_window_the_probe_cannot_take_is_asked_again_at_the_next_due_time_not_every_step() -> None:
+    # GIVEN a probe that takes no launch window (ingest refuses to send it: CUDA was up before the probe)
+    hub = FeatureHub()
+    refused: list[dict[str, Any]] = []
+    hub.control = lambda pid, body: refused.append(body) and False
+    s = hub.sampler(5)
+    t0 = 10**12
+    for t in range(t0, t0 + 40_000 * MS, 100 * MS):  # 40 s of steps, 100 ms apart
+        hub._after_step(s, "probe", t)
+    # THEN it was asked at 5 s and 35 s only (before: at every step from 5 s on, 350 failures)
+    windows = [b for b in refused if b["op"] == "kernel_window"]
+    assert len(windows) == 2 and hub.controls_sent["kernel_window", "failed"] == 2
+
+
 def test_a_failing_control_callback_never_breaks_ingest() -> None:
     hub = FeatureHub()
 

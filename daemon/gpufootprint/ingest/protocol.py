@@ -85,7 +85,8 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
             return "frame_before_hello"
         conn.hello = True
         conn.cupti_buffers = _cupti_buffers(frame)
-        conn.launch_windows = _hello_field(frame, "launch_windows") == 1
+        said = _hello_field(frame, "launch_windows")
+        conn.launch_windows = isinstance(said, int) and not isinstance(said, bool) and said == 1
         return None
     if ftype is FrameType.HELLO:
         return "duplicate_hello"

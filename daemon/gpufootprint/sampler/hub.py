@@ -179,10 +179,12 @@ class FeatureHub:
         body: dict[str, Any] = {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}
         if cfg.kernel_window_records == "launches":
             body["records"] = "launches"  # a probe that does not open them is not sent one (ingest)
-        if self._send(s.pid, body):
-            self._window_last[s.pid] = now_ns
-            if periodic:
-                self._window_due[s.pid] = now_ns + every_ns
+        # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
+        # does not open them, a full socket) is asked again at the next due time, not at every step.
+        self._send(s.pid, body)
+        self._window_last[s.pid] = now_ns
+        if periodic:
+            self._window_due[s.pid] = now_ns + every_ns
 
     def _send(self, pid: int, body: dict[str, Any]) -> bool:
         assert self.control is not None
