@@ -8,6 +8,9 @@ Each MODE runs in a fresh process: a loop of steps (an MLP step, 100 tiny ``add_
   early   the same switches once before CUDA is initialised (then off), and again in each window
   kinds   CUPTI's whole DRIVER and RUNTIME activity kinds (every call's record)
   none    nothing (A/A for the timing)
+  late_alloc  the probe's OOM switches (the allocation calls, probe/oom.py) switched on once after
+          PyTorch initialised CUDA, as a probe started after CUDA does; each window allocates a new
+          block through cudaMalloc (a cache miss), to see whether its record arrives
 
 It prints and writes the records seen per (kind, cbid name) in the windows, and the step time after
 each window over the step time before (``lasting_ratio``).
@@ -27,7 +30,7 @@ from typing import Any
 from cupti import cupti
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/daemon")
-from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS  # noqa: E402
+from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
 
 seen: Counter[str] = Counter()
 api_rows: list[tuple[int, int, int, int, int]] = []  # (kind, cbid, start, end, tid)
@@ -93,7 +96,12 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         return times
 
+    blocks: list[Any] = []
+
     def window(on: bool) -> None:
+        if mode == "late_alloc" and on:
+            torch.cuda.empty_cache()
+            blocks.append(torch.empty((64 << 20) * (len(blocks) + 1), dtype=torch.uint8, device="cuda"))
         if mode in ("late", "early"):
             switch_api(on)
         elif mode == "kinds":
@@ -102,6 +110,14 @@ def main() -> None:
 
     timed(1.5)
     phases = {"before": statistics.median(timed(2.0))}
+    if mode == "late_alloc":
+        from gpufootprint.probe.oom import switched_cbids
+
+        driver, runtime = switched_cbids(False)
+        for c in driver:
+            cupti.activity_enable_driver_api(c, 1)
+        for c in runtime:
+            cupti.activity_enable_runtime_api(c, 1)
     in_window: list[float] = []
     for i in range(3):
         window(True)
