@@ -80,6 +80,7 @@ class CuptiBackend:
         self.errors: list[str] = []
         self._flush_nogil = flush_nogil
         self._lib_flush: Any = None
+        self._lib_api_switches: Any = None  # cuptiActivityEnable{Driver,Runtime}Api through ctypes, or False
         self._hooks: tuple[Any, int, list[int]] | None = None  # libcupti, domain, callback ids
         self._hooks_looked_up = False
         self._subscriber: ctypes.c_void_p | None = None
@@ -246,6 +247,30 @@ class CuptiBackend:
         probe/launches.py): an API record per call, host-side only."""
         from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
 
+        # Switched from the sender thread while the workload runs CUDA: through ctypes, with the GIL
+        # released (as the flush), so a CUPTI that holds its lock while it calls our buffer callbacks
+        # (which need the GIL) on the workload's thread can never wait on us in turn.
+        if self._lib_api_switches is None:
+            lib = _libcupti()
+            self._lib_api_switches = False
+            if lib is not None:
+                try:
+                    fns = (lib.cuptiActivityEnableDriverApi, lib.cuptiActivityEnableRuntimeApi)
+                    for fn in fns:
+                        fn.restype = ctypes.c_int
+                        fn.argtypes = [ctypes.c_uint32, ctypes.c_uint8]
+                    self._lib_api_switches = fns
+                except AttributeError:
+                    pass
+        if self._lib_api_switches:
+            ok = True
+            for fn, cbids in zip(self._lib_api_switches, (DRIVER_CBIDS, RUNTIME_CBIDS), strict=True):
+                for cbid in cbids:
+                    status = fn(cbid, 1 if on else 0)
+                    if status != 0:
+                        self._note(f"{fn.__name__}({cbid}, {int(on)}): status {status}")
+                        ok = False
+            return ok
         ok = True
         for name, cbids in (("activity_enable_driver_api", DRIVER_CBIDS), ("activity_enable_runtime_api", RUNTIME_CBIDS)):
             switch = getattr(self._c, name, None)

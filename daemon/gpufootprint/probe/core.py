@@ -72,7 +72,7 @@ class Probe(Sender):
             self.cupti.arm(self.intake.requested, self.intake.completed, self.flush_s)
             if self.settings.kernels and self._backend.enable(CONCURRENT_KERNEL):
                 self.cupti.kernels_always = True
-            if not self.cuda_before and self._backend.launch_api_records(True):
+            if self.settings.launch_windows and not self.cuda_before and self._backend.launch_api_records(True):
                 # CUPTI writes per-API records of the launch calls only if their switches were on when
                 # CUDA started (H200, 2026-12-03: switched on later they gave no record and left launches
                 # about 10 % slower for good). On until the first record shows CUDA is up, then off:

@@ -148,6 +148,9 @@ class ProbeSettings(ProbeOptions):
     tee: str = ""  # also write every frame to this file (gzip when it ends in .gz)
     capacity: int = 4096  # records per packing array
     kernel_window_kind: str = _opt("concurrent", choices=KERNEL_WINDOW_KINDS)  # what a sampled window switches on
+    # Launch windows (probe/launches.py): the launch calls' per-API switches on while CUDA starts, so the
+    # daemon's launch windows can record; 0: none (the daemon then sends this probe none)
+    launch_windows: bool = True
     copy_kinds: str = ",".join(COPY_KINDS)  # which of ``copies`` (comma-separated)
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
