@@ -59,18 +59,22 @@ def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_p
     try:
         assert fake.launch_switch == [True] and p.hello["launch_windows"] == 1
         # a launch while CUDA starts is recorded by CUPTI but is no window's: not sent
-        assert fake.host_call(211, start=1_000, end=2_000)
+        t = time.time_ns()
+        assert fake.host_call(211, start=t, end=t + 1_000)
         fake.alloc(0x1000, 4096)  # CUDA is up
         _wait(lambda: fake.launch_switch == [True, False])
         assert fake.launch_switch == [True, False]
-        assert not fake.host_call(211, start=3_000, end=4_000)  # off between windows: nothing written
+        assert not fake.host_call(211, start=t + 3_000, end=t + 4_000)  # off between windows: nothing written
         # WHEN the daemon opens a launch window
         p.open_kernel_window(200, 7, "launches")
         assert fake.launch_switch == [True, False, True] and fk.CONCURRENT_KERNEL not in fake.enabled
+        t = time.time_ns()
         for i in range(3):
-            assert fake.host_call(211, start=10_000 + i * 100, end=10_050 + i * 100)
-        assert fake.host_call(131, start=10_400, end=10_900)
+            assert fake.host_call(211, start=t + i * 100, end=t + 50 + i * 100)
+        assert fake.host_call(131, start=t + 400, end=t + 900)
         _wait(lambda: p._kernel_window is None)
+        # a call CUPTI still records after the window closed (switching off takes it a while): not the window's
+        assert fake.host_call(211, start=time.time_ns(), end=time.time_ns() + 10) is False  # off in this fake
         assert fake.launch_switch == [True, False, True, False]
         st = p.status()
         assert st["launch_windows"] == 1 and st["kernel_windows"] == 0 and st["launch_records"] == 4
@@ -79,7 +83,7 @@ def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_p
     frames = list(iter_frames(TraceFile(tmp_path / "t.gfp").chunks()))
     api = np.concatenate([f.records() for f in frames if f.type is FrameType.BATCH and f.tag == RecordKind.API])
     # THEN exactly the window's calls went out, and the window's heartbeat says it held launches
-    assert api["start"].tolist() == [10_000, 10_100, 10_200, 10_400]
+    assert api["start"].tolist() == [t, t + 100, t + 200, t + 400]
     assert api["role"].tolist() == [1, 1, 1, 2]
     closed = [f.json()["kernel_window"] for f in frames if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
     assert closed and closed[0]["id"] == 7 and closed[0]["records"] == "launches"

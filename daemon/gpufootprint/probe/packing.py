@@ -77,7 +77,9 @@ class Packer:
         # the device the process last allocated on (CUPTI's API record names none).
         self.api_dev = 0
         self.launch_records = 0
-        self.keep_launches = False  # a launch window is open (its calls go on; others, as at start-up, do not)
+        # The open (or closing) launch window's span in CUPTI's clock, (start, end or None while open): its
+        # calls go on; calls outside it (at start-up, or while CUPTI is still switching off) do not.
+        self.launch_span: tuple[int, int | None] | None = None
         self.launch_records_outside = 0
         self.bad_records = 0
         self.arrays_allocated = 0
@@ -185,9 +187,16 @@ class Packer:
             return self._put_launches(rows)
 
     def _put_launches(self, rows: np.ndarray) -> int:
-        if not self.keep_launches:
+        span = self.launch_span
+        if span is None:
             self.launch_records_outside += len(rows)
             return 0
+        inside = rows["start"] >= np.uint64(span[0])
+        if span[1] is not None:
+            inside &= rows["start"] <= np.uint64(span[1])
+        if not inside.all():
+            self.launch_records_outside += int(np.count_nonzero(~inside))
+            rows = rows[inside]
         if len(rows):
             self._put_rows(RecordKind.API, rows)
             self.launch_records += len(rows)

@@ -453,8 +453,9 @@ class Sender:
                 self.counters["kernel_windows_refused"] += 1
                 return
             self.window_enabled = kind
-            self.packer.keep_launches = kind == LAUNCH_WINDOW
             self._kernel_window = {"id": wid, "start_ns": self._clock_ns(), "records": records}
+            if kind == LAUNCH_WINDOW:
+                self.packer.launch_span = (self._kernel_window["start_ns"], None)
             self.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
         else:
             self._kernel_window["id"] = wid
@@ -482,11 +483,15 @@ class Sender:
         if window is None:
             return
         kind, self.window_enabled = self.window_enabled, None
+        window["end_ns"] = self._clock_ns()
+        if kind == LAUNCH_WINDOW:
+            # Calls until now are the window's; switching off takes CUPTI a while (calls made meanwhile
+            # are recorded but dropped: the window is exactly [start_ns, end_ns]).
+            self.packer.launch_span = (window["start_ns"], window["end_ns"])
         if not self.in_gap and self._backend is not None and kind is not None:
             self._switch_window(kind, False)  # exactly what the window switched on
         self._flush_and_drain()
-        self.packer.keep_launches = False  # the window's calls are in; any later ones are not a window's
-        window["end_ns"] = self._clock_ns()
+        self.packer.launch_span = None  # the window's calls are in
         body = self._heartbeat()
         body["kernel_window"] = window
         self._emit(framing.encode_json(FrameType.HEARTBEAT, body), must=True)
