@@ -103,3 +103,27 @@ def test_a_probe_started_after_cuda_opens_no_launch_window(tmp_path: Path) -> No
         assert p.counters["kernel_windows_refused"] == 1
     finally:
         p.stop()
+
+
+def test_a_window_of_kernel_records_asked_for_during_a_launch_window_ends_it_and_opens_its_own(tmp_path: Path) -> None:
+    # GIVEN a launch window the sampler opened (H200, 2026-12-03: a kernel window asked for during one was
+    # merged into it and recorded no kernel)
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    assert p.start()
+    try:
+        p.open_kernel_window(5_000, 1, "launches")
+        assert fake.launch_switch[-1] is True
+        # WHEN a window of kernel records is asked for
+        p.open_kernel_window(200, 7)
+        # THEN the launch window closed (its switches off) and the kernel window is open with its kind
+        assert fake.launch_switch[-1] is False and fk.CONCURRENT_KERNEL in fake.enabled
+        assert p._kernel_window is not None and p._kernel_window["id"] == 7
+        assert p._kernel_window["records"] == "kernels"
+        _wait(lambda: p._kernel_window is None)
+        assert fk.CONCURRENT_KERNEL not in fake.enabled
+    finally:
+        p.stop()
+    closed = [f.json()["kernel_window"] for f in iter_frames(TraceFile(tmp_path / "t.gfp").chunks())
+              if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
+    assert [(w["id"], w["records"]) for w in closed] == [(1, "launches"), (7, "kernels")]

@@ -438,6 +438,8 @@ class Sender:
         """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
         ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py)."""
         ms = max(1, min(ms, 60_000))
+        if self._kernel_window is not None and self._kernel_window.get("records", "kernels") != records:
+            self._close_kernel_window()  # the other records were asked for: that window ends here
         if self._kernel_window is None:
             kind: int | str | None
             if records == "launches":
