@@ -319,8 +319,12 @@ def test_kernel_window_opened_by_a_control_message_records_kernels_only_inside_i
     seen = {"windows": windows, "kernel_records": len(kernels), "launched": by["end"].get("launched"),
             "pipeline_kernels": daemon.pipeline.records_ingested.get("kernel", 0)}
     SUMMARY["kernel_window"] = seen
-    assert len(windows) == 1 and windows[0]["id"] == 7, seen
-    w = windows[0]
+    # The daemon's own sampler may have opened a launch window before it (its default): the window asked
+    # for here ends that one and records kernels itself
+    ours = [w for w in windows if w["id"] == 7]
+    assert len(ours) == 1 and ours[0]["records"] == "kernels", seen
+    assert all(w["records"] == "launches" for w in windows if w["id"] != 7), seen
+    w = ours[0]
     assert 0.25e9 <= w["end_ns"] - w["start_ns"] <= 2e9, seen
     assert kernels, seen
     seen["outside_window"] = sum(1 for t in kernels if not w["start_ns"] - 0.1e9 <= t <= w["end_ns"] + 0.1e9)
