@@ -25,8 +25,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]
 DATA = ROOT / "tests" / "data"
 POLICIES = ROOT / "examples" / "policies"
+# The last: a default daemon's launch windows around a launch-bound loop (tests/gpu/test_graph_live_gpu.py,
+# H200, 2026-12-03 10:01 UTC), judged from launch calls, not kernels
 TRACES = ("h200_advisor_eager.jsonl.gz", "h200_advisor_graph.jsonl.gz", "h200_kernels_train.gfp.gz",
-          "h200_kernels_graph.gfp.gz")
+          "h200_kernels_graph.gfp.gz", "h200_graph_launches.gfp.gz")
 
 
 def live_decisions(trace: Path, policy_file: Path, tmp_path: Path) -> list[dict[str, Any]]:
@@ -63,3 +65,17 @@ def test_live_verdict_equals_abtest_for_every_policy(trace: str, tmp_path: Path)
             assert d["reuse_ratio"] == row["reuse_ratio"]
     # the reuse ratio is known wherever the process made device allocations: no "unknown" verdicts
     assert not any(r["reuse_ratio"] is None and r["kernels"] for r in offline["rows"]), offline["rows"]
+
+
+def test_the_real_launch_windows_of_a_launch_bound_loop_are_captured_only_by_the_launch_bound_policy() -> None:
+    # 100 tiny add_ launches and a small MLP per step, a wait each step: 113 launch calls a step, the
+    # mean kernel at most 0.026 ms (H200); the seed's control and treatment ask for kernels of 0.5 ms
+    # and more, the launch-bound policy for at most 0.05 ms
+    files = sorted(POLICIES.glob("*.yaml"))
+    report = run_abtest([str(DATA / "h200_graph_launches.gfp.gz")], [load_policy(str(f)) for f in files],
+                        load_config(None, env={}))
+    (row,) = report["rows"]
+    assert row["evidence"] == "launches" and row["op_count"] == 113 and row["stream"] is None
+    assert row["mean_kernel_ms_max"] < 0.05
+    assert {k: v["decision"] for k, v in row["policies"].items()} == {
+        "control": "keep", "launch_bound": "capture", "treatment": "keep"}
