@@ -88,6 +88,7 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_serial": {"kernel_window_kind": "serial"},
     "probe_kernel_windows_dense": {},
     "probe_launch_windows_dense": {},
+    "probe_kernel_windows_off_b": {},  # a second worker without windows (a replica, as probe_b)
 }
 # probe_*_windows*: the daemon's sampler.kernel_window_* per configuration. Every other probed
 # configuration runs the default daemon: since 2026-12-03 launch windows, 50 ms of the host's launch
@@ -100,6 +101,7 @@ _KERNELS: dict[str, Any] = {"kernel_window_ms": 50, "kernel_window_records": "ke
 _DENSE: dict[str, Any] = {"kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0}
 DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_off": {"kernel_window_ms": 0},
+    "probe_kernel_windows_off_b": {"kernel_window_ms": 0},
     "probe_kernel_windows": _KERNELS,
     "probe_kernel_windows_serial": _KERNELS,
     "probe_kernel_windows_dense": {**_KERNELS, **_DENSE},
@@ -110,7 +112,10 @@ DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
 # bias of its own, so a ratio of two single workers cannot resolve 1 %. The summary's "pooled"
 # part compares the geometric means of the replica groups (none, none_b, none_c against probe,
 # probe_b) round by round, which averages that bias down.
-REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe"}
+REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe",
+                            "probe_kernel_windows_off_b": "probe_kernel_windows_off"}
+# Groups also compared with another group, round by round: the default's launch windows against none.
+VERSUS: dict[str, str] = {"probe": "probe_kernel_windows_off"}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 CONFIGS = ["none", "none_b", "none_c", *PROBE_CONFIGS, "cupti_floor", "torch_profiler", "memory_history"]
@@ -294,6 +299,12 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
             row[w] = {"median_ratio": round(statistics.median(ratios), 4),
                       "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
                       "p99_ratio": round(pct(flat, 99) / pct(bflat, 99), 4)}
+            other = groups.get(VERSUS.get(name, ""))
+            if other:
+                vs = [geo(steps, members, w, r) / geo(steps, other, w, r) for r in range(len(steps[base[0]][w]))]
+                vlo, vhi = bootstrap_ci(vs, seed)
+                row[w]["vs_" + VERSUS[name]] = round(statistics.median(vs), 4)
+                row[w]["vs_" + VERSUS[name] + "_ci95"] = [round(vlo, 4), round(vhi, 4)]
             floor = groups.get("cupti_floor")
             if floor and name != "cupti_floor":
                 vs = [geo(steps, members, w, r) / geo(steps, floor, w, r) for r in range(len(steps[base[0]][w]))]
@@ -460,7 +471,9 @@ def main() -> int:
     for name, row in summary["pooled"].items():
         print(f"pooled {name:13s}", f"{len(row['workers'])} vs {len(row['baseline_workers'])} workers |",
               " | ".join(f"{w}: x{row[w]['median_ratio']} ci95 {row[w]['median_ratio_ci95']} p99 x{row[w]['p99_ratio']}"
-                         f" vs floor x{row[w].get('vs_cupti_floor')}" for w in ("a", "b")))
+                         f" vs floor x{row[w].get('vs_cupti_floor')}"
+                         + "".join(f" {k} x{v}" for k, v in row[w].items() if k.startswith("vs_probe"))
+                         for w in ("a", "b")))
     return 0
 
 
