@@ -32,7 +32,7 @@ CHILD = textwrap.dedent('''
     import os
     s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
     pid = os.getpid()
-    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": 1}))
+    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": 1, "launch_windows": 1}))
     def mem(op, addr, size):
         r = np.zeros(1, MEMORY_DTYPE)
         r["ts"], r["op"], r["mk"], r["addr"], r["bytes"], r["pid"] = time.time_ns(), op, 3, addr, size, pid
@@ -77,7 +77,7 @@ def test_probe_child_gets_flush_interval_controls_and_its_spike_becomes_a_window
     controls = json.loads(out.stdout)
     flushes = [c["ms"] for c in controls if c["op"] == "flush_interval"]
     assert 5 in flushes, controls  # the burst asked the probe to flush every 5 ms
-    assert any(c["op"] == "kernel_window" and c["ms"] == 40 for c in controls)
+    assert any(c["op"] == "kernel_window" and c["ms"] == 40 and c["records"] == "launches" for c in controls)
     windows = [w for w in server.snapshot.anomaly_windows if w.peak_bytes == (1 << 30) + (256 << 20)]
     assert len(windows) == 1 and windows[0].reason == "footprint_change"
 
