@@ -179,6 +179,11 @@ class Pipeline:
             self._submit_one(self.process(pid), kind, recs[pids == pid])
 
     def _submit_one(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> None:
+        if kind is RecordKind.API:
+            # Host calls change no state and the advisor orders them itself: kept as they come. A wait
+            # that spans a watermark (its record is written when it returns) is not "late".
+            self._apply(proc, kind, recs)
+            return
         times = recs[TIME_FIELD[kind]]
         oldest, newest = int(times.min()), int(times.max())
         if proc.applied_to and oldest <= proc.applied_to:

@@ -123,3 +123,18 @@ def test_kernel_records_decide_where_there_are_any() -> None:
     kern["stream"] = 7
     d = advise(snap(1.0, proc(1, recent_kernels=kern, recent_launches=loop(20, 100))), DEFAULT, reuse={(1, 0): 1.0})
     assert [x.evidence for x in d] == ["kernels"] and d[0].op_count == 10
+
+
+def test_a_wait_that_spans_a_watermark_is_kept_and_not_counted_late() -> None:
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.pipeline import Pipeline
+    from gpufootprint.records import RecordKind
+
+    pipeline = Pipeline(FootprintConfig(), kernel_retention=1000)
+    pipeline.process(1, "probe")
+    pipeline.advance(1, 10**12 + 10**9)  # the watermark is past the calls below
+    api = loop(5, 10)
+    pipeline.submit(RecordKind.API, api)
+    (proc,) = pipeline.snapshot().processes
+    assert pipeline.late_records == 0 and proc.late_records == 0
+    assert proc.recent_launches is not None and len(proc.recent_launches) == len(api)
