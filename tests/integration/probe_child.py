@@ -6,7 +6,7 @@ the command line; ``wait:NAME`` waits for a file in the sync directory, so the
 test can stop and restart the daemon at known points.
 
   python probe_child.py SYNC_DIR STEP [STEP ...]
-  steps: alloc:ADDR:SIZE[:KIND]  free:ADDR:SIZE  copy:N  kernel:NAME  mark:LABEL
+  steps: alloc:ADDR:SIZE[:KIND[:DEV]]  free:ADDR:SIZE  copy:N  kernel:NAME  mark:LABEL
          wait:NAME  touch:NAME  sleep:SECONDS  burst:N (N allocations and frees)  connected
          launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels and a wait, 1 ms
                               apart; CUPTI keeps the kernels only while the kernel activity is on,
@@ -100,7 +100,8 @@ def main() -> int:
         t = time.perf_counter()
         if op == "alloc":
             parts = arg.split(":")
-            fake.alloc(int(parts[0], 0), int(parts[1]), mk=int(parts[2]) if len(parts) > 2 else 3)
+            fake.alloc(int(parts[0], 0), int(parts[1]), mk=int(parts[2]) if len(parts) > 2 else 3,
+                       dev=int(parts[3]) if len(parts) > 3 else 0)
         elif op == "free":
             a, s = arg.split(":")
             fake.free(int(a, 0), int(s))

@@ -88,7 +88,6 @@ class GraphDecision:
     evidence: str = "kernels"
     thread: int | None = None  # launches: the thread whose steps were read
     mean_kernel_seconds_max: float | None = None  # launches: the mean kernel duration is at most this
-    mean_kernel_seconds_min: float | None = None  # ... and at least this
 
 
 def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int], StreamKernelStats]:
@@ -149,8 +148,7 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
     launches per step, the mean kernel duration is known to lie in an interval."""
     base = GraphDecision(pid=pid, source=source, dev=st.dev, stream=None, decision=INSUFFICIENT, reasons=(),
                          op_count=st.period, steps=st.steps, reuse_ratio=reuse, step_seconds=st.step_seconds,
-                         exited=exited, evidence="launches", thread=st.tid, mean_kernel_seconds_max=st.kernel_seconds_max,
-                         mean_kernel_seconds_min=st.kernel_seconds_min)
+                         exited=exited, evidence="launches", thread=st.tid, mean_kernel_seconds_max=st.kernel_seconds_max)
 
     def verdict(decision: str, *reasons: str) -> GraphDecision:
         return dataclasses.replace(base, decision=decision, reasons=reasons)
@@ -160,7 +158,7 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
         return verdict(ALREADY, f"{st.graph_launches} of {st.launches + st.graph_launches} launch calls replayed a "
                                 f"captured CUDA graph (share {st.graph_share:.2f} >= {policy.captured_share}), "
                                 f"{source_text}")
-    if st.period is None or st.kernel_seconds_max is None or st.kernel_seconds_min is None:
+    if st.period is None:
         return verdict(INSUFFICIENT, f"no step repeats at least {policy.min_steps} times between waits for the GPU "
                                      f"with {policy.min_match:.0%} of steps alike ({st.launches} launches, "
                                      f"{st.waits} waits) {source_text}; a kernel window "
@@ -170,8 +168,13 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
     ok, text = _bounded("op_count", st.period, "launches/step", "", "d", policy.min_op_count, policy.max_op_count)
     reasons.append(("pass: " if ok else "fail: ") + text)
     failed |= not ok
-    lo_ms, hi_ms = st.kernel_seconds_min * 1e3, st.kernel_seconds_max * 1e3
-    ok2, text = _interval("mean kernel duration", lo_ms, hi_ms, policy.min_mean_kernel_ms, policy.max_mean_kernel_ms)
+    if st.kernel_seconds_max is None:
+        ok2: bool | None = None
+        text = ("mean kernel duration: every step replayed a graph besides its launches (kernels no launch call "
+                "counts); a kernel window (sampler.kernel_window_records: kernels) would time the kernels")
+    else:
+        ok2, text = _at_most("mean kernel duration", st.kernel_seconds_max * 1e3, policy.min_mean_kernel_ms,
+                             policy.max_mean_kernel_ms)
     reasons.append({True: "pass: ", False: "fail: ", None: "unknown: "}[ok2] + text)
     failed |= ok2 is False
     unknown |= ok2 is None
@@ -192,17 +195,16 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
     return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
 
 
-def _interval(name: str, lo_v: float, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
-    """A check of a value known only to lie in [lo_v, hi_v]: True or False when the whole interval is
-    on one side of the policy's bounds, None when it straddles one."""
-    shown = f"{name} between {lo_v:.3f} and {hi_v:.3f} ms"
+def _at_most(name: str, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
+    """A check of a value known only to be at most ``hi_v`` (ms): False when even that is below the
+    policy's lower bound, True when the policy asks nothing below and ``hi_v`` is within its upper
+    bound, None (unknown) otherwise."""
+    shown = f"{name} at most {hi_v:.3f} ms (kernels one at a time)"
     if hi_v < lo:
         return False, f"{shown} < {lo} ms"
-    if hi is not None and lo_v > hi:
-        return False, f"{shown} > {hi} ms"
-    if lo_v >= lo and (hi is None or hi_v <= hi):
-        return True, f"{shown}, within [{lo}, {'inf' if hi is None else hi}] ms"
-    return None, (f"{shown} straddles the policy's [{lo}, {'inf' if hi is None else hi}] ms; a kernel window "
+    if lo <= 0 and (hi is None or hi_v <= hi):
+        return True, f"{shown} <= {'inf' if hi is None else hi} ms"
+    return None, (f"{shown}, not known to be within [{lo}, {'inf' if hi is None else hi}] ms: a kernel window "
                   f"(sampler.kernel_window_records: kernels) would time the kernels")
 
 

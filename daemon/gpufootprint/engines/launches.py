@@ -8,30 +8,32 @@ time. What that gives:
   the launches between two waits are one step. Waits with no launch between them (a copy, then a
   synchronize) are one wait. The step's launch count is the advisor's op count when most steps
   share it.
-* **Bounds on the mean kernel duration.** After a wait returns the GPU has nothing queued, so
-  every kernel of the next step ran between that step's first launch and the end of its wait:
-  their mean is *at most* that span over the launch count (exact, for kernels on the stream waited
-  for). While the host waited the GPU was running the step's remaining kernels: their mean is *at
-  least* the wait over the launch count (close to exact: kernels of one stream run back to back
-  once queued). A policy bound is decided when the whole interval lies on one side of it; else it is
-  unknown, and a window of kernel records (``sampler.kernel_window_records: kernels``) would time the
-  kernels themselves.
+* **An upper bound on the mean kernel duration.** After a wait returns the GPU has nothing queued,
+  so every kernel of the next step ran between that step's first launch and the end of its wait:
+  run one at a time (one stream), their mean is *at most* that span over the launch count. Kernels
+  that overlap on several streams can each run longer; a step that also replays a graph runs kernels
+  no launch call counts, so such steps give no bound. There is no lower bound: the time the host
+  waits can be host work between two waits, a copy's own transfer or other streams' kernels. So a
+  policy's upper bound passes (or a lower bound fails) when the mean is at most that; anything else
+  is unknown, and a window of kernel records (``sampler.kernel_window_records: kernels``) would time
+  the kernels themselves.
 
 The thread with the most launches speaks for the process (a training loop launches from one).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from gpufootprint.records import ApiRole
 
-#: API records further apart than this belong to different windows (windows are at least 1 s apart
-#: by default; a step is analysed only within one window).
+#: A host idle this long between two recorded calls (one's end to the next one's start) separates two
+#: windows (they are at least 1 s apart by default); a step is read only within one window.
 WINDOW_GAP_NS = 500_000_000
+#: The newest records of the thread read (bounds the work a tick does whatever a probe sends).
+MAX_ANALYSED = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,7 @@ class LaunchStats:
     step_seconds: float | None  # mean wall time of such a step, wait end to wait end
     launch_seconds: float | None  # of it, the host launching: first launch start to last launch end
     wait_seconds: float | None  # of it, the host waiting for the GPU
-    kernel_seconds_max: float | None  # the mean kernel duration is at most this ...
-    kernel_seconds_min: float | None  # ... and at least this
+    kernel_seconds_max: float | None  # the mean kernel duration is at most this (kernels one at a time)
 
     @property
     def graph_share(self) -> float:
@@ -58,63 +59,73 @@ class LaunchStats:
 
 
 def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3) -> LaunchStats | None:
-    """The statistics of the busiest launching thread in an ``RecordKind.API`` array (None: no launch)."""
+    """The statistics of the busiest launching thread in an ``RecordKind.API`` array (None: no launch).
+
+    Vectorised throughout: the work is a few passes over at most ``MAX_ANALYSED`` records, whatever
+    their pattern (a probe decides what it sends)."""
     if len(api) == 0:
         return None
-    launching = api[(api["role"] == ApiRole.LAUNCH) | (api["role"] == ApiRole.GRAPH_LAUNCH)]
+    role_all = api["role"]
+    launching = api[(role_all == ApiRole.LAUNCH) | (role_all == ApiRole.GRAPH_LAUNCH)]
     if len(launching) == 0:
         return None
     tids, counts = np.unique(launching["tid"], return_counts=True)
     tid = int(tids[int(np.argmax(counts))])
     mine = api[api["tid"] == tid]
-    mine = mine[np.argsort(mine["start"], kind="stable")]
+    mine = mine[np.argsort(mine["start"], kind="stable")][-MAX_ANALYSED:]
     dev = int(np.bincount(mine["dev"].astype(np.intp)).argmax())
     role = mine["role"]
     start = mine["start"].astype(np.int64)
     end = np.maximum(mine["end"].astype(np.int64), start)
-    cuts = np.flatnonzero(np.diff(start) > WINDOW_GAP_NS) + 1
-    steps: list[tuple[int, int, int, int, int]] = []  # (launches, step ns, launch ns, wait ns, span ns)
-    waits = 0
-    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(mine)], strict=True):
-        waits += _steps(role[lo:hi], start[lo:hi], end[lo:hi], steps)
-    period = match = step_s = launch_s = wait_s = k_max = k_min = None
+    # windows: a host idle gap (previous call's end to this call's start) longer than WINDOW_GAP_NS
+    idle = start[1:] - np.maximum.accumulate(end)[:-1]
+    window = np.r_[0, np.cumsum(idle > WINDOW_GAP_NS)]
+    is_launch = role == ApiRole.LAUNCH
+    is_graph = role == ApiRole.GRAPH_LAUNCH
+    launched = np.cumsum(is_launch | is_graph)  # calls that queue GPU work, up to and including each record
+    sync_idx = np.flatnonzero(role == ApiRole.SYNC)
+    # a wait starts where work was queued since the previous wait's last record (or a window begins)
+    new_wait = np.ones(len(sync_idx), dtype=bool)
+    if len(sync_idx) > 1:
+        new_wait[1:] = (launched[sync_idx[1:]] != launched[sync_idx[:-1]]) | (
+            window[sync_idx[1:]] != window[sync_idx[:-1]])
+    group = np.cumsum(new_wait) - 1
+    n_waits = int(new_wait.sum())
+    period = match = step_s = launch_s = wait_s = k_max = None
     n_steps = 0
-    counts_per_step = np.array([s[0] for s in steps if s[0] > 0], dtype=np.int64)
-    if len(counts_per_step) >= min_steps:
-        values, freq = np.unique(counts_per_step, return_counts=True)
-        best = int(np.argmax(freq))
-        share = float(freq[best]) / len(counts_per_step)
-        if int(freq[best]) >= min_steps and share >= min_match:
-            period, match = int(values[best]), share
-            chosen = np.array([s for s in steps if s[0] == period], dtype=np.int64)
-            n_steps = len(chosen)
-            step_s, launch_s, wait_s = (float(chosen[:, i].mean()) / 1e9 for i in (1, 2, 3))
-            k_max = float(chosen[:, 4].mean()) / period / 1e9
-            k_min = min(k_max, wait_s / period)
-    return LaunchStats(dev=dev, tid=tid, launches=int(np.count_nonzero(role == ApiRole.LAUNCH)),
-                       graph_launches=int(np.count_nonzero(role == ApiRole.GRAPH_LAUNCH)), waits=waits,
-                       windows=len(cuts) + 1, period=period, steps=n_steps, match_ratio=match, step_seconds=step_s,
-                       launch_seconds=launch_s, wait_seconds=wait_s, kernel_seconds_max=k_max, kernel_seconds_min=k_min)
-
-
-def _steps(role: np.ndarray, start: np.ndarray, end: np.ndarray,
-           out: list[tuple[int, int, int, int, int]]) -> int:
-    """Append the whole steps of one window to ``out``; return how many waits it held.
-
-    A step runs from the end of one wait to the end of the next, with at least one launch between;
-    waits with no launch between them are one wait (its time, first start to last end)."""
-    launched = np.cumsum((role == ApiRole.LAUNCH) | (role == ApiRole.GRAPH_LAUNCH))
-    waits: list[tuple[int, int, int, int]] = []  # (first record, last record, start, end) of each wait
-    for i in np.flatnonzero(role == ApiRole.SYNC).tolist():
-        if waits and launched[i] == launched[waits[-1][1]]:  # no launch since that wait: the same wait
-            first, _, s, e = waits[-1]
-            waits[-1] = (first, i, s, max(e, int(end[i])))
-        else:
-            waits.append((i, i, int(start[i]), int(end[i])))
-    for (_, last0, _, e0), (first1, _, s1, e1) in itertools.pairwise(waits):
-        idx = np.flatnonzero(role[last0 + 1:first1] == ApiRole.LAUNCH) + last0 + 1
-        if len(idx) == 0:
-            continue  # graph launches only: counted, not a step of kernel launches
-        first_start, last_end = int(start[idx[0]]), int(end[idx[-1]])
-        out.append((len(idx), e1 - e0, last_end - first_start, e1 - s1, e1 - first_start))
-    return len(waits)
+    if n_waits >= 2:
+        first = sync_idx[new_wait]  # each wait's first record: when it returns, nothing is queued
+        last = np.zeros(n_waits, dtype=np.int64)
+        np.maximum.at(last, group, sync_idx)  # and its last
+        # Times of the first record only: a wait's later records (a copy after a synchronize, with host
+        # work between) are no kernel's time.
+        w_start, w_end = start[first], end[first]
+        # step k: from the end of wait k to the end of wait k + 1, in one window
+        last0, first1 = last[:-1], first[1:]
+        same_window = window[last0] == window[first1]
+        launches_cum = np.cumsum(is_launch)
+        graphs_cum = np.cumsum(is_graph)
+        n = launches_cum[first1] - launches_cum[last0]
+        graphs = graphs_cum[first1] - graphs_cum[last0]
+        ok = same_window & (n > 0)
+        if int(ok.sum()) >= min_steps:
+            values, freq = np.unique(n[ok], return_counts=True)
+            best = int(np.argmax(freq))
+            share = float(freq[best]) / int(ok.sum())
+            if int(freq[best]) >= min_steps and share >= min_match:
+                period, match = int(values[best]), share
+                chosen = ok & (n == period)
+                n_steps = int(chosen.sum())
+                launch_idx = np.flatnonzero(is_launch)
+                first_launch = launch_idx[np.searchsorted(launch_idx, last0[chosen] + 1)]
+                last_launch = launch_idx[np.searchsorted(launch_idx, first1[chosen]) - 1]
+                e0, s1, e1 = w_end[:-1][chosen], w_start[1:][chosen], w_end[1:][chosen]
+                step_s = float((e1 - e0).mean()) / 1e9
+                launch_s = float((end[last_launch] - start[first_launch]).mean()) / 1e9
+                wait_s = float((e1 - s1).mean()) / 1e9
+                plain = graphs[chosen] == 0  # a step that replays a graph runs kernels no launch counts
+                if plain.any():
+                    k_max = float((e1 - start[first_launch])[plain].mean()) / period / 1e9
+    return LaunchStats(dev=dev, tid=tid, launches=int(is_launch.sum()), graph_launches=int(is_graph.sum()),
+                       waits=n_waits, windows=int(window[-1]) + 1, period=period, steps=n_steps, match_ratio=match,
+                       step_seconds=step_s, launch_seconds=launch_s, wait_seconds=wait_s, kernel_seconds_max=k_max)

@@ -218,7 +218,8 @@ class Packer:
         u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
         done = 0
         with self._lock:
-            for k, offs in offsets.items():
+            # API records last: they are stamped with the device this buffer's allocations name
+            for k, offs in sorted(offsets.items(), key=lambda kv: kv[0] in cupti_layout.API_KINDS):
                 if k not in cupti_layout.RECORD_KIND:
                     self._skip(k, len(offs))
                     if k in cupti_layout.API_KINDS:
@@ -239,6 +240,8 @@ class Packer:
                     self.bad_records += len(offs)
                     continue
                 self._put_rows(cupti_layout.RECORD_KIND[k], rows)
+                if k == CUPTI_MEMORY2 and len(rows):
+                    self.api_dev = int(rows["dev"][-1])
                 done += len(rows)
             self.records_packed += done
         return done

@@ -106,18 +106,19 @@ class RawBufferReader:
         if offsets is None:
             offsets = {cupti_layout.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND)
+        mem = offsets.get(cupti_layout.MEMORY2)
+        if mem:
+            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
+            self.table.add_raw(structs, self.pid)
+            self.packer.api_dev = int(structs["dev"][-1])  # what an API record (OOM, launch) is stamped with
+            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
+                self.cupti.configure_unified_memory(in_gap)
         for api_kind in cupti_layout.API_KINDS:  # failed allocations are found here, before the buffer leaves
             api = offsets.get(api_kind)
             if api:
                 self.oom.api_rows(u8, api, api_kind)
                 # a launch window's calls go on as records of their own (the daemon steps over these)
                 self.packer.put_launches(launches.api_records(u8, api, api_kind, self.pid, self.packer.api_dev))
-        mem = offsets.get(cupti_layout.MEMORY2)
-        if mem:
-            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
-            self.table.add_raw(structs, self.pid)
-            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
-                self.cupti.configure_unified_memory(in_gap)
         if tee is not None:  # recordings keep the plain BATCH frames every reader knows
             for ck, offs in offsets.items():
                 kind = cupti_layout.RECORD_KIND.get(ck)

@@ -39,12 +39,12 @@ from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
-
-#: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
-LAUNCH_WINDOW = "launches"
 from gpufootprint.wire.framing import Frame, FrameType
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
+
+#: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
+LAUNCH_WINDOW = "launches"
 
 
 class Sender:
@@ -65,7 +65,6 @@ class Sender:
         self.oom = OomWatch(clock_ns)
         self.packer.on_api_rows = self.oom.api_rows
         self.packer.on_api_objects = self.oom.api_objects
-        self._last_dev = 0  # the device of the newest allocation record: an OOM record names none
         self.link: SocketLink | None = None
         if settings.socket:
             self.link = SocketLink(settings.socket, buffer_bytes=settings.buffer_bytes,
@@ -249,7 +248,8 @@ class Sender:
             # A failed call is judged once every record up to its recovery window is in (the table's
             # watermark), or at stop; probe/oom.py says why it waits.
             settled = None if self._stop.is_set() else self._table_ts
-            for body in self.oom.marks(self.pid, self._last_dev, settled):
+            # an API record names no device: the one the newest allocation record named (packer.api_dev)
+            for body in self.oom.marks(self.pid, self.packer.api_dev, settled):
                 q.append(("mark", body, threading.Event()))
             self._drain()
 
@@ -279,7 +279,7 @@ class Sender:
                 return
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
-            self._last_dev = self.packer.api_dev = int(arr["dev"][-1])
+            self.packer.api_dev = int(arr["dev"][-1])
             if self.cupti.um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
                 self.cupti.configure_unified_memory(self.in_gap)
         if kind is RecordKind.KERNEL:

@@ -29,11 +29,12 @@ from tests.probe_process import finish_probe_child, start_probe_child
 pytestmark = pytest.mark.integration
 
 
-def _first_verdict(config: Config, tmp_path: Path) -> tuple[list[dict[str, Any]], float, dict[str, Any], str]:
+def _first_verdict(config: Config, tmp_path: Path, *first: str) -> tuple[list[dict[str, Any]], float, dict[str, Any],
+                                                                         str]:
     sock = tmp_path / "probe.sock"
     app = App(config, socket_path=str(sock), listen="127.0.0.1:0")
     app.start()
-    child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "launch_loop:15",
+    child = start_probe_child(sock, tmp_path, *(first or ("alloc:0x10000:67108864",)), "launch_loop:15",
                               GPUFOOTPRINT_PROBE_FLUSH_MS="100", GPUFOOTPRINT_PROBE_HEARTBEAT_MS="1000")
     verdicts: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -78,8 +79,8 @@ def test_a_default_daemon_gives_a_launch_bound_process_a_graph_verdict_from_laun
     # every kernel of a step ran between its first launch and the end of its wait (about 60 us): the
     # mean is far below the default policy's 0.5 ms, so the verdict is "keep", not unknown
     assert d["decision"] == "keep", d
-    assert d["mean_kernel_seconds_max"] < 0.5e-3 and d["mean_kernel_seconds_min"] <= d["mean_kernel_seconds_max"], d
-    assert any(r.startswith("fail: mean kernel duration between") for r in d["reasons"]), d
+    assert d["mean_kernel_seconds_max"] < 0.5e-3, d
+    assert any(r.startswith("fail: mean kernel duration at most") for r in d["reasons"]), d
     exported = {(s.labels["pid"], s.labels["stream"], s.labels["decision"]): s.value
                 for f in text_string_to_metric_families(metrics) if f.name == "gpufootprint_graph_advice"
                 for s in f.samples}
@@ -95,3 +96,14 @@ def test_windows_of_kernel_records_judge_the_same_loop_from_its_kernels(tmp_path
     d = decided[0]
     assert d["evidence"] == "kernels" and d["op_count"] == 10 and d["reuse_ratio"] == 1.0, d
     assert d["decision"] == "keep" and "fail: mean kernel duration 0.002 ms < 0.5 ms" in d["reasons"], d
+
+
+def test_launch_records_name_the_gpu_the_process_allocates_on_when_buffers_are_forwarded(tmp_path: Path) -> None:
+    # GIVEN a process on GPU 1 that starts its CUDA work after the daemon asked for CUPTI's buffers
+    # unread (the default): the probe never packs its memory records itself
+    config = load_config(None, env={})
+    verdicts, _, status, _ = _first_verdict(config, tmp_path, "sleep:2", "alloc:0x10000:67108864:3:1")
+    assert status["forwarded_buffers"] > 0
+    decided = [d for d in verdicts if d["decision"] != "insufficient_data"]
+    # THEN the launch records were stamped with GPU 1 (before: 0), so the reuse ratio is GPU 1's
+    assert decided and decided[0]["dev"] == 1 and decided[0]["reuse_ratio"] == 1.0, verdicts
