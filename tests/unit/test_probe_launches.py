@@ -127,3 +127,32 @@ def test_a_window_of_kernel_records_asked_for_during_a_launch_window_ends_it_and
     closed = [f.json()["kernel_window"] for f in iter_frames(TraceFile(tmp_path / "t.gfp").chunks())
               if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
     assert [(w["id"], w["records"]) for w in closed] == [(1, "launches"), (7, "kernels")]
+
+
+@pytest.mark.parametrize("when", ["priming", "window"])
+def test_after_a_profiler_had_cupti_the_launch_switches_are_off_for_good(tmp_path: Path, when: str) -> None:
+    # GIVEN the switches on (priming, or a launch window) when torch.profiler takes CUPTI over: they may
+    # not be switched off inside the gap, and switched on after it they would record nothing and slow launches
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000), fake,
+              discover_devices=False)
+    assert p.start()
+    try:
+        if when == "window":
+            fake.alloc(0x1000, 4096)
+            _wait(lambda: not p.launch_priming)
+            p.open_kernel_window(60_000, 3, "launches")
+        assert fake.launch_switch[-1] is True
+        p.takeover_begin()
+        p.takeover_end([], lambda: [])
+        _wait(lambda: not p.in_gap)
+        # THEN they are off, and no launch window opens any more
+        assert fake.launch_switch[-1] is False and not p.launch_windows_ok
+        if when == "window":
+            _wait(lambda: p._kernel_window is None, 0.2)
+        p._kernel_window = None  # whatever was open: a new request must be refused
+        p.open_kernel_window(50, 4, "launches")
+        assert p._kernel_window is None and fake.launch_switch[-1] is False
+        assert p.counters["kernel_windows_refused"] >= 1
+    finally:
+        p.stop()

@@ -27,7 +27,7 @@ from typing import Any
 from gpufootprint.probe import arming, hostinfo
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.link import FileSink
-from gpufootprint.probe.sender import NvmlUsed, Sender
+from gpufootprint.probe.sender import LAUNCH_WINDOW, NvmlUsed, Sender
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.wire import framing
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL
@@ -175,8 +175,15 @@ class Probe(Sender):
                 self._backend.configure_unified_memory()
             if self.cupti.kernels_always:
                 self._backend.enable(CONCURRENT_KERNEL)
-            if self._kernel_window is not None and self.window_enabled is not None:
+            if self._kernel_window is not None and self.window_enabled not in (None, LAUNCH_WINDOW):
                 self._switch_window(self.window_enabled, True)  # the window still open gets its kind back
+            if self.launch_windows_ok or self.launch_priming:
+                # The launch calls' switches record only if on when CUDA started (probe/launches.py): once
+                # a profiler has had CUPTI (and perhaps torn it down), switching them on again would record
+                # nothing and slow every launch. Off for good, and no launch window from now on.
+                self.launch_windows_ok = self.launch_priming = False
+                self._backend.launch_api_records(False)
+                self.counters["launch_windows_ended"] += 1
             self.counters["rearms"] += 1
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"re-arm: {exc}")
