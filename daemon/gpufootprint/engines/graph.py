@@ -11,7 +11,8 @@ A process with no kernel records is judged from its launch windows instead (host
 launch and wait calls, engines/launches.py: the default, since windows of kernel records
 leave a lasting slowdown): one decision for the process (``stream`` None,
 ``evidence="launches"``), its op count the launches per step and its mean kernel
-duration known within bounds; a bound the interval straddles is unknown.
+duration known only to be at most a bound (kernels one at a time): a policy's
+minimum can fail but never pass; the rest is unknown.
 
 Decisions: ``capture`` (every check passes), ``keep`` (a check fails),
 ``already_captured`` (the stream's kernels are replayed from a graph: graph id
