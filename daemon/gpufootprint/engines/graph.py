@@ -127,16 +127,9 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     for ok, text in checks:
         reasons.append(("pass: " if ok else "fail: ") + text)
         failed |= not ok
-    if reuse is None:
-        if policy.allow_unknown_reuse:
-            reasons.append("pass: allocation reuse ratio unknown (allowed by policy)")
-        else:
-            reasons.append("unknown: allocation reuse ratio not available")
-            unknown = True
-    else:
-        ok, text = _bounded("allocation reuse", reuse, "", "", ".2f", policy.min_reuse, policy.max_reuse)
-        reasons.append(("pass: " if ok else "fail: ") + text)
-        failed |= not ok
+    ok3 = _reuse_check(reuse, policy, reasons)
+    failed |= ok3 is False
+    unknown |= ok3 is None
     if stats.gap_share is not None and stats.saveable_seconds is not None and stats.step_seconds is not None:
         reasons.append(f"info: launch gaps {stats.gap_share:.1%} of a {stats.step_seconds * 1e3:.3f} ms step; "
                        f"capture would save about {stats.saveable_seconds * 1e6:.1f} us per step")
@@ -179,21 +172,27 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
     reasons.append({True: "pass: ", False: "fail: ", None: "unknown: "}[ok2] + text)
     failed |= ok2 is False
     unknown |= ok2 is None
-    if reuse is None:
-        if policy.allow_unknown_reuse:
-            reasons.append("pass: allocation reuse ratio unknown (allowed by policy)")
-        else:
-            reasons.append("unknown: allocation reuse ratio not available")
-            unknown = True
-    else:
-        ok, text = _bounded("allocation reuse", reuse, "", "", ".2f", policy.min_reuse, policy.max_reuse)
-        reasons.append(("pass: " if ok else "fail: ") + text)
-        failed |= not ok
+    ok3 = _reuse_check(reuse, policy, reasons)
+    failed |= ok3 is False
+    unknown |= ok3 is None
     if st.step_seconds and st.launch_seconds is not None and st.wait_seconds is not None:
         reasons.append(f"info: the host launched for {st.launch_seconds / st.step_seconds:.1%} and waited for the GPU "
                        f"{st.wait_seconds / st.step_seconds:.1%} of a {st.step_seconds * 1e3:.3f} ms step "
                        f"({st.steps} steps)")
     return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
+
+
+def _reuse_check(reuse: float | None, policy: GraphPolicy, reasons: list[str]) -> bool | None:
+    """The reuse check, its reason appended: True, False, or None (unknown and not allowed)."""
+    if reuse is None:
+        if policy.allow_unknown_reuse:
+            reasons.append("pass: allocation reuse ratio unknown (allowed by policy)")
+            return True
+        reasons.append("unknown: allocation reuse ratio not available")
+        return None
+    ok, text = _bounded("allocation reuse", reuse, "", "", ".2f", policy.min_reuse, policy.max_reuse)
+    reasons.append(("pass: " if ok else "fail: ") + text)
+    return ok
 
 
 def _at_most(name: str, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
