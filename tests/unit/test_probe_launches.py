@@ -12,6 +12,7 @@ from gpufootprint.probe import launches
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import ApiRole, RecordKind
+from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
 
@@ -31,7 +32,7 @@ def test_a_buffers_api_records_become_launch_records_with_their_roles() -> None:
     # a cbid past the end of the table
     rows = [(fk.RUNTIME, 211, 100, 104), (fk.RUNTIME, 20, 105, 106), (fk.DRIVER, 307, 110, 115),
             (fk.RUNTIME, 165, 120, 180), (fk.RUNTIME, 9999, 181, 182)]
-    raw = np.zeros(len(rows), launches.RAW_API_DTYPE)
+    raw = np.zeros(len(rows), cupti_layout.API_RAW_DTYPE)
     for i, (_, cbid, start, end) in enumerate(rows):
         raw[i]["cbid"], raw[i]["start"], raw[i]["end"], raw[i]["tid"], raw[i]["corr"] = cbid, start, end, 3, i
     u8 = np.frombuffer(raw.tobytes(), dtype=np.uint8)

@@ -18,7 +18,6 @@ import pytest
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.oom import (
     ALLOCATION_CBIDS,
-    API_DTYPE,
     CUDA_ERROR_OUT_OF_MEMORY,
     RUNTIME_ALLOCATION_CBIDS,
     OomWatch,
@@ -64,10 +63,12 @@ def test_api_record_layout_matches_cupti_python() -> None:
     from cupti import cupti
 
     theirs = cupti.activity_api_dtype
-    assert API_DTYPE.itemsize == theirs.itemsize == cupti_layout.SKIPPED_SIZES[cupti_layout.DRIVER]
+    ours_dt = cupti_layout.API_RAW_DTYPE  # read by probe/oom.py and probe/launches.py
+    assert ours_dt.itemsize == theirs.itemsize == cupti_layout.SKIPPED_SIZES[cupti_layout.DRIVER]
     for name, ours in (("cbid", "cbid"), ("start", "start"), ("end", "end"), ("thread_id", "tid"),
-                       ("return_value", "ret")):
-        assert API_DTYPE.fields[ours][1] == theirs.fields[name][1], name
+                       ("return_value", "ret"), ("process_id", "pid"), ("correlation_id", "corr")):
+        assert ours_dt.fields[ours][1] == theirs.fields[name][1], name
+        assert ours_dt.fields[ours][0].itemsize == theirs.fields[name][0].itemsize, name
 
 
 def _raw(rows: list[tuple[int, int, int]], kind: int = cupti_layout.DRIVER) -> tuple[np.ndarray, list[int]]:

@@ -23,9 +23,7 @@ from typing import Any, Final
 import numpy as np
 
 from gpufootprint.records import DTYPES, ApiRole, RecordKind
-
-DRIVER_RECORD: Final = 4
-RUNTIME_RECORD: Final = 5
+from gpufootprint.wire import cupti_layout
 
 LAUNCH, SYNC, GRAPH = ApiRole.LAUNCH, ApiRole.SYNC, ApiRole.GRAPH_LAUNCH
 
@@ -52,7 +50,8 @@ DRIVER_CBIDS: Final[dict[int, tuple[str, ApiRole]]] = {
     278: ("cuMemcpyDtoH_v2", SYNC), 398: ("cuMemcpyDtoH_v2_ptds", SYNC),
 }
 
-CBIDS: Final[dict[int, dict[int, tuple[str, ApiRole]]]] = {DRIVER_RECORD: DRIVER_CBIDS, RUNTIME_RECORD: RUNTIME_CBIDS}
+CBIDS: Final[dict[int, dict[int, tuple[str, ApiRole]]]] = {cupti_layout.DRIVER: DRIVER_CBIDS,
+                                                           cupti_layout.RUNTIME: RUNTIME_CBIDS}
 
 # Lookup tables by cbid: the role (0: not a launch-window call).
 _ROLE_TABLES: Final[dict[int, np.ndarray]] = {}
@@ -61,12 +60,6 @@ for _kind, _table in CBIDS.items():
     for _cbid, (_, _role) in _table.items():
         _roles[_cbid] = _role
     _ROLE_TABLES[_kind] = _roles
-
-#: CUpti_ActivityAPI (40 bytes): the fields read here.
-RAW_API_DTYPE: Final = np.dtype({"names": ["cbid", "start", "end", "pid", "tid", "corr"],
-                                 "formats": ["<u4", "<u8", "<u8", "<u4", "<u4", "<u4"],
-                                 "offsets": [4, 8, 16, 24, 28, 32], "itemsize": 40})
-
 
 def roles_of(kind: int, cbids: np.ndarray) -> np.ndarray:
     """Each cbid's role in a launch window (0: none), in the numbering of ``kind`` (DRIVER or RUNTIME)."""
@@ -83,8 +76,7 @@ def api_records(u8: np.ndarray, offsets: Sequence[int], kind: int, pid: int, dev
     """The launch-window calls among one raw buffer's API records of ``kind``, as ``RecordKind.API``."""
     if not len(offsets):
         return np.zeros(0, DTYPES[RecordKind.API])
-    idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(RAW_API_DTYPE.itemsize, dtype=np.intp)
-    raw = u8[idx].view(RAW_API_DTYPE).reshape(len(offsets))
+    raw = cupti_layout.gather(u8, kind, offsets)
     roles = roles_of(kind, raw["cbid"])
     keep = roles != 0
     raw, roles = raw[keep], roles[keep]

@@ -31,14 +31,16 @@ from typing import Any, Final
 
 import numpy as np
 
+from gpufootprint.wire import cupti_layout
+
 log = logging.getLogger(__name__)
 
 #: CUDA_ERROR_OUT_OF_MEMORY (driver) and cudaErrorMemoryAllocation (runtime) share the number
 CUDA_ERROR_OUT_OF_MEMORY: Final = 2
 
 #: CUpti_ActivityKind of the per-API records
-DRIVER_RECORD: Final = 4
-RUNTIME_RECORD: Final = 5
+DRIVER_RECORD: Final = cupti_layout.DRIVER
+RUNTIME_RECORD: Final = cupti_layout.RUNTIME
 
 #: CUpti_driver_api_trace_cbid of the allocation entry points (stable values of CUPTI's
 #: generated header; tests/unit/test_probe_oom.py checks them against cupti-python's enum).
@@ -82,11 +84,6 @@ def switched_cbids(stream_ordered: bool) -> tuple[dict[int, str], dict[int, str]
     if stream_ordered:
         return _CBIDS[DRIVER_RECORD], _CBIDS[RUNTIME_RECORD]
     return ALLOCATION_CBIDS, RUNTIME_ALLOCATION_CBIDS
-
-#: CUpti_ActivityAPI (40 bytes): the fields read here.
-API_DTYPE: Final = np.dtype({"names": ["cbid", "start", "end", "tid", "ret"],
-                             "formats": ["<u4", "<u8", "<u8", "<u4", "<u4"],
-                             "offsets": [4, 8, 16, 28, 36], "itemsize": 40})
 
 #: A process that fails allocations in a loop sends at most this many OOM marks (the rest are counted).
 MAX_MARKS: Final = 100
@@ -133,8 +130,7 @@ class OomWatch:
         names = _CBIDS.get(kind)
         if names is None or not len(offsets):
             return
-        idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(API_DTYPE.itemsize, dtype=np.intp)
-        rows = u8[idx].view(API_DTYPE).reshape(len(offsets))
+        rows = cupti_layout.gather(u8, kind, offsets)
         alloc = np.isin(rows["cbid"], _CBID_ARRAYS[kind])
         # Successes matter only while a failure waits to be judged; the calls are few either way
         # (the stream-ordered ones, a call per tensor, are off unless asked for).

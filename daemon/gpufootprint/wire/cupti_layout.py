@@ -88,10 +88,17 @@ RECORD_KIND: Final[dict[int, RecordKind]] = {
     KERNEL: RecordKind.KERNEL, UNIFIED_MEMORY_COUNTER: RecordKind.UNIFIED_MEMORY,
 }
 
-# Kinds walked over but not converted (CUpti_ActivityAPI is 40 bytes; a unit test checks it
-# against cupti-python's activity_api_dtype).
-SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: 40, RUNTIME: 40}
+#: CUpti_ActivityAPI, the struct of DRIVER and RUNTIME records (the fields read; a unit test checks it
+#: against cupti-python's activity_api_dtype). Never converted to a batch of ours: the daemon steps
+#: over them in a forwarded buffer; the probe reads failed allocations (probe/oom.py) and a launch
+#: window's calls (probe/launches.py) from them.
+API_RAW_DTYPE: Final = _raw(40, cbid=("<u4", 4), start=("<u8", 8), end=("<u8", 16), pid=("<u4", 24),
+                            tid=("<u4", 28), corr=("<u4", 32), ret=("<u4", 36))
+
+# Kinds walked over but not converted.
+SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: API_RAW_DTYPE.itemsize, RUNTIME: API_RAW_DTYPE.itemsize}
 API_KINDS: Final = frozenset({DRIVER, RUNTIME})
+_GATHERED: Final[dict[int, np.dtype]] = {**RAW_DTYPES, DRIVER: API_RAW_DTYPE, RUNTIME: API_RAW_DTYPE}
 _SIZES: Final[dict[int, int]] = {**{k: dt.itemsize for k, dt in RAW_DTYPES.items()}, **SKIPPED_SIZES}
 _KIND = struct.Struct("<i")
 
@@ -165,11 +172,12 @@ def _walk_uniform(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int
 
 
 def gather(u8: np.ndarray, kind: int, offsets: Sequence[int]) -> np.ndarray:
-    """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``.
+    """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``
+    (``API_RAW_DTYPE`` for DRIVER and RUNTIME records).
 
     Records back to back (a ``range`` stepping by the struct's size) are a view of the buffer,
     valid until the buffer is given back; any other offsets are copied out."""
-    dt = RAW_DTYPES[kind]
+    dt = _GATHERED[kind]
     size = dt.itemsize
     if isinstance(offsets, range) and offsets.step == size and len(offsets):
         start = offsets.start
