@@ -177,14 +177,22 @@ class Packer:
             if rec is not None:
                 if self.on_api_objects is not None:
                     self.on_api_objects([rec])
-                self._put_launches(launches.api_objects([rec], self.pid, self.api_dev))
+                if self.launch_span is not None:  # nothing to convert while no launch window is open
+                    self._put_launches(launches.api_objects([rec], self.pid, self.api_dev))
         else:
             self.unknown_kinds += n
 
-    def put_launches(self, rows: np.ndarray) -> int:
-        """A launch window's calls from a buffer that is forwarded, not packed (sender thread)."""
+    def put_launch_rows(self, u8: np.ndarray, offsets: Sequence[int], kind: int) -> int:
+        """A launch window's calls among a forwarded (not packed) buffer's API records (sender thread)."""
         with self._lock:
-            return self._put_launches(rows)
+            return self._launch_rows(u8, offsets, kind)
+
+    def _launch_rows(self, u8: np.ndarray, offsets: Sequence[int], kind: int) -> int:
+        # Buffers hold API records with no window open (the OOM records, the mapping hooks, the start-up's
+        # launch calls): none of them is converted then.
+        if self.launch_span is None:
+            return 0
+        return self._put_launches(launches.api_records(u8, offsets, kind, self.pid, self.api_dev))
 
     def _put_launches(self, rows: np.ndarray) -> int:
         span = self.launch_span
@@ -226,7 +234,7 @@ class Packer:
                         try:
                             if self.on_api_rows is not None:
                                 self.on_api_rows(u8, offs, k)
-                            done += self._put_launches(launches.api_records(u8, offs, k, self.pid, self.api_dev))
+                            done += self._launch_rows(u8, offs, k)
                         except Exception:  # noqa: BLE001 - a malformed record must not stop the buffer
                             self.bad_records += len(offs)
                     continue

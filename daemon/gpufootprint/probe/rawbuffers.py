@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from gpufootprint.probe import launches
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
@@ -118,7 +117,7 @@ class RawBufferReader:
             if api:
                 self.oom.api_rows(u8, api, api_kind)
                 # a launch window's calls go on as records of their own (the daemon steps over these)
-                self.packer.put_launches(launches.api_records(u8, api, api_kind, self.pid, self.packer.api_dev))
+                self.packer.put_launch_rows(u8, api, api_kind)
         if tee is not None:  # recordings keep the plain BATCH frames every reader knows
             for ck, offs in offsets.items():
                 kind = cupti_layout.RECORD_KIND.get(ck)
