@@ -84,8 +84,9 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
         if ftype is not FrameType.HELLO:
             return "frame_before_hello"
         conn.hello = True
-        conn.cupti_buffers = _cupti_buffers(frame)
-        said = _hello_field(frame, "launch_windows")
+        body = _hello_body(frame)
+        conn.cupti_buffers = max(1, cupti_buffers_level(body))  # a probe that names none reads level 1
+        said = body.get("launch_windows")
         conn.launch_windows = isinstance(said, int) and not isinstance(said, bool) and said == 1
         return None
     if ftype is FrameType.HELLO:
@@ -105,22 +106,12 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
     return None
 
 
-def _cupti_buffers(hello: Frame) -> int:
-    """The level a HELLO says its probe reads (1 if it names none or its body is not a JSON object;
-    the session reports a malformed HELLO itself)."""
+def _hello_body(hello: Frame) -> dict[str, Any]:
+    """A HELLO's JSON object, or {} when it is not one (the session reports a malformed HELLO itself)."""
     try:
-        body = hello.json()
+        return hello.json()
     except FrameError:
-        return 1
-    return max(1, cupti_buffers_level(body))
-
-
-def _hello_field(hello: Frame, name: str) -> object:
-    try:
-        body = hello.json()
-    except FrameError:
-        return None
-    return body.get(name) if isinstance(body, dict) else None
+        return {}
 
 
 def control_allowed(conn: Connection, body: dict[str, object]) -> bool:

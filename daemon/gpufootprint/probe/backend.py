@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from gpufootprint.probe.rawdelivery import RawDelivery
@@ -230,12 +230,15 @@ class CuptiBackend:
         API record per call, with its return value, so a failed allocation is seen."""
         from gpufootprint.probe.oom import switched_cbids
 
+        return self._per_api("oom records", *switched_cbids(stream_ordered), on)
+
+    def _per_api(self, what: str, driver: Iterable[int], runtime: Iterable[int], on: bool) -> bool:
+        """cupti-python's per-API activity switches for these driver and runtime cbids (GIL held)."""
         ok = True
-        driver, runtime = switched_cbids(stream_ordered)
         for name, cbids in (("activity_enable_driver_api", driver), ("activity_enable_runtime_api", runtime)):
             switch = getattr(self._c, name, None)
             if switch is None:
-                self._note(f"oom records: this cupti-python has no {name}")
+                self._note(f"{what}: this cupti-python has no {name}")
                 ok = False
                 continue
             for cbid in cbids:
@@ -271,15 +274,11 @@ class CuptiBackend:
                         self._note(f"{fn.__name__}({cbid}, {int(on)}): status {status}")
                         ok = False
             return ok
-        ok = True
-        for name, cbids in (("activity_enable_driver_api", DRIVER_CBIDS), ("activity_enable_runtime_api", RUNTIME_CBIDS)):
-            switch = getattr(self._c, name, None)
-            if switch is None:
-                self._note(f"launch windows: this cupti-python has no {name}")
-                return False
-            for cbid in cbids:
-                ok = self._call(f"{name}({cbid})", switch, cbid, 1 if on else 0) and ok
-        return ok
+        missing = [n for n in ("activity_enable_driver_api", "activity_enable_runtime_api") if not hasattr(self._c, n)]
+        if missing:  # half a window's switches would record launches or waits alone: none at all
+            self._note(f"launch windows: this cupti-python has no {missing[0]}")
+            return False
+        return self._per_api("launch windows", DRIVER_CBIDS, RUNTIME_CBIDS, on)
 
     def _hooks_api(self) -> tuple[Any, int, list[int]] | None:
         """The mapped libcupti with the three callback-API functions bound, looked up once."""
