@@ -414,3 +414,36 @@ def test_kernel_names_are_bounded_in_total_and_given_back_when_the_connection_en
     s.close()
     srv.wait(lambda: srv.server.guard.string_bytes == 0)
     _good_still_reports(srv, good)
+
+
+def test_host_call_records_out_of_range_are_dropped_and_a_flood_nobody_asked_for_is_bounded(live) -> None:
+    # GIVEN a daemon that keeps 2,000 launch records per process (graph_advisor.kernel_retention)
+    from gpufootprint.records import API_DTYPE
+
+    srv, good = live()
+    srv.pipeline.kernel_retention = 2_000
+    s = _connect(srv.server.socket_path)
+
+    def calls(n: int) -> np.ndarray:
+        api = np.zeros(n, API_DTYPE)
+        api["start"] = time.time_ns() + np.arange(n, dtype=np.uint64) * 1000
+        api["end"] = api["start"] + np.uint64(500)
+        api["pid"], api["domain"], api["role"], api["cbid"] = ME, 5, 1, 211
+        return api
+
+    # WHEN a batch holds records of no known role or API
+    bad = calls(10)
+    bad["role"][:3] = 9
+    bad["domain"][3] = 7
+    _send_and_settle(srv, s, _hello() + encode_batch(RecordKind.API, bad), "bad_role", 4)
+    # THEN those four are dropped and counted, the six others kept
+    srv.wait(lambda: srv.pipeline.processes[ME].launches is not None
+             and len(srv.pipeline.processes[ME].launches.array()) == 6)
+    # AND 100,000 records no launch window asked for are held to the bound, the daemon healthy
+    for _ in range(25):
+        s.sendall(encode_batch(RecordKind.API, calls(4_000)))
+    srv.wait(lambda: srv.pipeline.records_ingested.get("api", 0) >= 100_006)
+    assert len(srv.pipeline.processes[ME].launches.array()) == 2_000
+    _good_still_reports(srv, good)
+    assert srv.server.tick_errors == 0 and srv.server.ready()
+    s.close()
