@@ -323,7 +323,7 @@ class OomConfig:
     max_total_buffer_bytes: int = _spec(32 << 20, lo=1 << 16, hi=1 << 36,
                                         doc="recent records kept for all processes together (the process "
                                             "holding the most loses its oldest first)")
-    coalesce_seconds: float = _spec(2.0, lo=0, hi=600,
+    coalesce_seconds: float = _spec(1.0, lo=0, hi=600,
                                     doc="OOM notices of one process this close together are one event (a framework "
                                         "retries after freeing its cache; PyTorch's observer adds its own notice)")
     report: bool = _spec(True, doc="write report.html next to each capture (plots need the [report] extra)")

@@ -8,6 +8,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,21 @@ MiB = 1 << 20
 
 @pytest.fixture
 def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    yield from _daemon(tmp_path, "--set", "footprint.reorder_window_ms=0", "--set", "oom.coalesce_seconds=0.5")
+
+
+@pytest.fixture
+def default_daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The daemon as deployed: every timing at its default."""
+    yield from _daemon(tmp_path)
+
+
+def _daemon(tmp_path: Path, *settings: str):  # type: ignore[no-untyped-def]
     port = _free_port()
     sock = tmp_path / "probe.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
-         "--set", "footprint.reorder_window_ms=0", "--set", f"oom.directory={tmp_path / 'oom'}",
-         "--set", "oom.coalesce_seconds=0.5"],
+         "--set", f"oom.directory={tmp_path / 'oom'}", *settings],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait(lambda: sock.exists() and _scrape(port) is not None)
@@ -124,3 +134,95 @@ def test_pytorchs_oom_observer_adds_the_requested_size(daemon: Any, tmp_path: Pa
                      timeout=30)
     assert event["requested_bytes"] == 1 << 30 and event["seen_by"] == ["cupti", "torch"]
     assert event["footprint_bytes"] == 4 * MiB and event["notices"] == 2
+
+
+def _live_device(port: int, pid: int) -> float | None:
+    for labels, v in _scrape(port).get("gpufootprint_live_bytes", []):
+        if labels["pid"] == str(pid) and labels["kind"] == "device":
+            return v
+    return None
+
+
+def _oom_events(port: int, pid: int) -> list[dict[str, Any]]:
+    return [e for e in _get(port, "/api/oom") if e["pid"] == pid]
+
+
+def _metric(port: int, name: str, pid: int) -> list[float]:
+    return [v for labels, v in _scrape(port).get(name, []) if labels.get("pid") == str(pid)]
+
+
+@pytest.mark.parametrize("failure", ["rtcall:20:2", "apicall:243:2"])
+def test_a_process_that_survives_its_oom_keeps_streaming_and_gets_its_event_while_it_lives(
+        default_daemon: Any, tmp_path: Path, failure: str) -> None:
+    """CuPy, Numba, JAX and PyTorch each catch an out-of-memory error and go on. The daemon's live view
+    must follow the survivor after the failure, and the OOM event must come while it lives, within
+    2 s after the failure's 1 s recovery window closes, not at exit."""
+    proc, port, sock = default_daemon
+    child = start_probe_child(sock, tmp_path, "sleep:0.5", "alloc:0x1000:2097152", "touch:first", "wait:checked_first",
+                              "sleep:0.2", "touch:failing", failure, "sleep:0.3", "alloc:0x400000:1048576", "touch:second",
+                              "wait:checked_second", "free:0x1000:2097152", "touch:third", "wait:checked_third")
+    try:
+        pid = child.pid
+        _wait(lambda: (tmp_path / "first").exists(), timeout=20)
+        assert _wait(lambda: _live_device(port, pid) == 2 * MiB, timeout=5)
+        (tmp_path / "checked_first").touch()
+        _wait(lambda: (tmp_path / "failing").exists(), timeout=20)
+        failed_at = time.monotonic()
+        _wait(lambda: (tmp_path / "second").exists(), timeout=20)
+        # WHEN the process allocates after its failure, THEN the daemon shows it within the usual delay
+        assert _wait(lambda: _live_device(port, pid) == 3 * MiB, timeout=3)
+        # AND the OOM event, its metric and its capture come while it still runs, on time
+        (event,) = _wait(lambda: _oom_events(port, pid), timeout=6)
+        assert _wait(lambda: _metric(port, "gpufootprint_oom_events_total", pid), timeout=3) == [1.0]
+        assert time.monotonic() - failed_at < 1.0 + 2.0 + 0.5  # the window, the bound, the scrape's own step
+        assert child.poll() is None
+        assert event["footprint_bytes"] == 2 * MiB and event["failed_calls"] == 1 and event["gpu"] == 0
+        assert _wait(lambda: [e for e in _oom_events(port, pid) if e.get("capture")], timeout=5)
+        assert (tmp_path / "oom" / event["capture"]).exists()
+        assert child.poll() is None
+        (tmp_path / "checked_second").touch()
+        _wait(lambda: (tmp_path / "third").exists(), timeout=20)
+        # AND the stream goes on after the event
+        assert _wait(lambda: _live_device(port, pid) == 1 * MiB, timeout=3)
+        assert child.poll() is None
+        (tmp_path / "checked_third").touch()
+        status = finish_probe_child(child)
+        assert status["status"].get("sender_errors", 0) == 0 and status["status"]["oom_failed_calls"] == 1
+    finally:
+        for name in ("checked_first", "checked_second", "checked_third"):
+            (tmp_path / name).touch()
+        if child.poll() is None:
+            child.kill()
+
+
+def test_a_program_that_fails_frees_and_fails_again_in_a_loop_gets_one_capture_and_a_count(
+        default_daemon: Any, tmp_path: Path) -> None:
+    """A loop that catches its OOM, frees something and tries again, every 0.4 s for 4 s: one event
+    and one capture, made on time while the loop still runs, and every failed call counted."""
+    proc, port, sock = default_daemon
+    loop = []
+    for i in range(10):
+        loop += ["rtcall:20:2", f"alloc:{0x100000 * (i + 1):#x}:4096", f"free:{0x100000 * (i + 1):#x}:4096",
+                 "sleep:0.4"]
+    child = start_probe_child(sock, tmp_path, "sleep:0.5", "alloc:0x1000:2097152", "sleep:0.2", "touch:failing",
+                              *loop, "touch:done", "wait:checked")
+    try:
+        pid = child.pid
+        _wait(lambda: (tmp_path / "failing").exists(), timeout=20)
+        # THEN the event comes while the loop still fails
+        (event,) = _wait(lambda: _oom_events(port, pid), timeout=4)
+        assert not (tmp_path / "done").exists()
+        _wait(lambda: (tmp_path / "done").exists(), timeout=20)
+        # AND once the episode is over every failure is counted, in one event with one capture
+        assert _wait(lambda: _metric(port, "gpufootprint_oom_failed_calls_total", pid) == [10.0], timeout=5)
+        assert _metric(port, "gpufootprint_oom_events_total", pid) == [1.0]
+        (event,) = _oom_events(port, pid)
+        assert event["failed_calls"] == 10
+        assert _wait(lambda: _oom_events(port, pid)[0].get("capture"), timeout=5)
+        assert len(list((tmp_path / "oom").glob("oom-*"))) == 1
+        assert [v for _, v in _scrape(port)["gpufootprint_oom_captures_total"]] == [1.0]
+        assert child.poll() is None
+    finally:
+        (tmp_path / "checked").touch()
+        if child.poll() is None:
+            finish_probe_child(child)

@@ -146,6 +146,26 @@ def test_a_failure_is_judged_only_once_its_recovery_window_has_arrived() -> None
     assert (watch.failed_calls, watch.recovered_calls) == (1, 0)
 
 
+def test_pytorchs_notice_waits_for_the_watermark_then_settles_the_failures_before_it_in_one_go() -> None:
+    """PyTorch calls its observer after its own free-and-retry failed: the failed calls before the
+    notice need no recovery window, and both go out together (one event, not two a second apart).
+    The notice itself waits until the API records up to it have been read (the watermark)."""
+    ms = 1_000_000
+    clock = [10_000 * ms + 50 * ms]
+    watch = OomWatch(clock_ns=lambda: clock[0])
+    t = 10_000 * ms
+    watch.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)  # before the API record has been read
+    assert watch.marks(pid=1, default_dev=0, settled_ns=t + 10 * ms) == [] and watch.pending()
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, t), _api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY,
+                                                                           t + 20 * ms)])
+    cupti_mark, torch_mark = watch.marks(pid=1, default_dev=0, settled_ns=t + 60 * ms)
+    assert cupti_mark["oom"]["failed_calls"] == 2 and torch_mark["oom"]["requested_bytes"] == 1 << 30
+    assert not watch.pending()
+    # a failure after the notice still waits for its own window
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, t + 100 * ms)])
+    assert watch.marks(pid=1, default_dev=0, settled_ns=t + 200 * ms) == [] and watch.waiting()
+
+
 def test_a_tight_loop_of_failures_is_judged_without_waiting_past_the_bound() -> None:
     from gpufootprint.probe.oom import MAX_WAITING
 

@@ -3,7 +3,12 @@
 A probe reports each out-of-memory as an ``oom`` MARK (probe/oom.py): one for the
 failed driver calls it saw in CUPTI's API records, one per PyTorch OOM notice. A
 framework retries after freeing its cache, and PyTorch may call its observer more
-than once, so notices of one process closer than ``coalesce_seconds`` are one event.
+than once, so the notices of one process that come within ``coalesce_seconds`` of its
+first are one event, closed that long after the first notice came (never later: a
+process that keeps failing still gets its event on time). Notices that keep coming
+less than ``coalesce_seconds`` apart after that belong to the same episode: they are
+counted into the event (failed calls, notices) and make no new event or capture, so a
+program that fails, frees and fails again in a loop gives one capture and a count.
 For each event the daemon
 
 * counts it (``gpufootprint_oom_events_total``),
@@ -64,6 +69,7 @@ class _Pending:
     tables_as_of: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     source: str = "probe"
+    event: dict[str, Any] | None = None  # made: later notices of the episode are counted into it
 
 
 class OomManager:
@@ -77,6 +83,8 @@ class OomManager:
         self.recent = RecentRecords(config.seconds, config.max_buffer_bytes, config.max_total_buffer_bytes)
         self._pending: dict[int, _Pending] = {}
         self.counts: Counter[tuple[int, int, str]] = Counter()
+        self.failed_calls: Counter[tuple[int, int, str]] = Counter()  # every failed call, repeats included
+        self.repeat_notices = 0  # notices counted into an event already made (no new capture)
         self.events: deque[dict[str, Any]] = deque(maxlen=_KEEP_EVENTS)
         self.captures_written = 0
         self.capture_errors = 0
@@ -111,6 +119,17 @@ class OomManager:
         notice = dict(result["oom"])
         notice["ts"] = ts
         notice["dev"] = result.get("dev", 0)
+        calls = notice.get("failed_calls")
+        calls = calls if isinstance(calls, int) and calls > 0 else 0
+        if p.event is not None:  # the same episode, its event already made
+            event = p.event
+            with self._lock:
+                event["failed_calls"] += calls
+                event["notices"] += 1
+                event["last_notice_ts"] = max(ts, int(event.get("last_notice_ts", ts)))
+                self.failed_calls[(pid, int(event["gpu"]), p.source)] += calls
+            self.repeat_notices += 1
+            return
         p.notices.append(notice)
         proc = self.pipeline.processes.get(pid)
         if proc is not None:
@@ -121,12 +140,18 @@ class OomManager:
                         for dev, fp in proc.devices.items()}
         if self.config.coalesce_seconds <= 0:
             self._finish(p)
+            self._pending.pop(pid, None)
 
     def tick(self) -> None:
-        """Close events whose last notice is ``coalesce_seconds`` old; forget gone processes' records."""
+        """Make the events whose first notice is ``coalesce_seconds`` old; end the episodes whose last
+        notice is; forget gone processes' records."""
         now = self._monotonic()
-        for p in [p for p in self._pending.values() if now - p.last_mono >= self.config.coalesce_seconds]:
-            self._finish(p)
+        wait = self.config.coalesce_seconds
+        for p in list(self._pending.values()):
+            if p.event is None and now - p.first_mono >= wait:
+                self._finish(p)
+            if p.event is not None and now - p.last_mono >= wait:
+                self._pending.pop(p.pid, None)
         for pid in self.recent.pids():
             if pid not in self.pipeline.processes and pid not in self._pending:
                 self.recent.forget(pid)
@@ -134,7 +159,6 @@ class OomManager:
     # --- an event -------------------------------------------------------------------------
 
     def _finish(self, p: _Pending) -> None:
-        self._pending.pop(p.pid, None)
         notices = p.notices
         t_oom = max(n["ts"] for n in notices)
         known = [n for n in notices if n.get("dev_known")]
@@ -174,11 +198,15 @@ class OomManager:
         if torch is not None:
             event["torch"] = {k: torch[k] for k in ("torch_reserved_bytes", "torch_allocated_bytes",
                                                     "device_free_bytes", "device_limit_bytes") if k in torch}
+        p.event = event
+        p.tables = {}  # the copies are in the event's capture now
         key = (p.pid, dev, p.source)
         with self._lock:  # scrapes and /api/processes read the counts from other threads
             self.counts[key] += 1
-            while len(self.counts) > _KEEP_COUNTS:
-                del self.counts[next(iter(self.counts))]
+            self.failed_calls[key] += event["failed_calls"]
+            for counts in (self.counts, self.failed_calls):
+                while len(counts) > _KEEP_COUNTS:
+                    del counts[next(iter(counts))]
         log.warning("oom pid=%d pod=%s gpu=%d requested_bytes=%s footprint_bytes=%d failed_calls=%d seen_by=%s",
                     p.pid, pod.get("pod", "-") if pod else "-", dev,
                     "unknown" if requested is None else requested, footprint, event["failed_calls"],
@@ -333,6 +361,10 @@ class OomManager:
         with self._lock:
             return dict(self.counts)
 
+    def failed_calls_now(self) -> dict[tuple[int, int, str], int]:
+        with self._lock:
+            return dict(self.failed_calls)
+
     def buffered_bytes(self) -> int:
         return self.recent.total_bytes
 
@@ -351,6 +383,12 @@ def oom_families(manager: OomManager) -> Iterator[Metric]:
     for (pid, gpu, source), n in sorted(manager.counts_now().items()):
         events.add_metric([str(pid), str(gpu), source], n)
     yield events
+    calls = CounterMetricFamily("gpufootprint_oom_failed_calls",
+                                "Allocation calls that failed with out-of-memory and were not recovered from, "
+                                "repeats within an event's episode included.", labels=["pid", "gpu", "source"])
+    for (pid, gpu, source), n in sorted(manager.failed_calls_now().items()):
+        calls.add_metric([str(pid), str(gpu), source], n)
+    yield calls
     written = CounterMetricFamily("gpufootprint_oom_captures", "OOM captures written to oom.directory.")
     written.add_metric([], manager.captures_written)
     yield written

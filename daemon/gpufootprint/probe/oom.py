@@ -166,13 +166,18 @@ class OomWatch:
     def settle(self, settled_ns: int | None) -> None:
         """Judge the failures whose recovery window every record has arrived for (``settled_ns``, the
         probe's watermark; None: all of them, the process is stopping): not recovered, they are
-        out-of-memory errors the program saw."""
+        out-of-memory errors the program saw. A PyTorch notice settles the failures that ended before
+        it at once: PyTorch calls its observer only once its own free-and-retry has failed too, so
+        waiting out the window would only split one event into two marks a second apart."""
         with self._lock:
             if not self._waiting:
                 return
+            given_up = max((e["ts"] for e in self._events if e["source"] == "torch"
+                            and (settled_ns is None or e["ts"] <= settled_ns)), default=None)
             waiting: list[tuple[int, int, str, int]] = []
             for w in self._waiting:
-                if settled_ns is None or w[0] + RECOVERY_NS <= settled_ns:
+                if (settled_ns is None or w[0] + RECOVERY_NS <= settled_ns
+                        or (given_up is not None and w[0] <= given_up)):
                     self._judged(w[0], w[1], w[2])
                 else:
                     waiting.append(w)
@@ -229,14 +234,23 @@ class OomWatch:
         with self._lock:
             self._events.append(event)
 
+    def waiting(self) -> bool:
+        """A failed call waits for its recovery window to be judged."""
+        return bool(self._waiting)
+
     def pending(self) -> bool:
         return bool(self._events or self._waiting or self._judged_calls)
 
-    def take(self) -> tuple[list[dict[str, Any]], int, dict[str, Any] | None]:
-        """PyTorch's notices, and the count and latest of the failed calls judged, since the last take."""
+    def take(self, settled_ns: int | None = None) -> tuple[list[dict[str, Any]], int, dict[str, Any] | None]:
+        """PyTorch's notices up to ``settled_ns`` (None: all), and the count and latest of the failed
+        calls judged, since the last take. A notice waits for the watermark to pass it, so that the
+        API records of the failed calls that led to it (read from CUPTI's buffers later than PyTorch
+        calls its observer) are judged first and go out in the same event."""
         with self._lock:
-            out = list(self._events)
+            out = [e for e in self._events if settled_ns is None or e["ts"] <= settled_ns]
+            later = [e for e in self._events if settled_ns is not None and e["ts"] > settled_ns]
             self._events.clear()
+            self._events.extend(later)
             calls, last = self._judged_calls, self._judged_last
             self._judged_calls, self._judged_last = 0, None
         return out, calls, last
@@ -246,7 +260,7 @@ class OomWatch:
         allocation calls judged now (``settle``; at the last one's time, counting them all); at most
         MAX_MARKS in all."""
         self.settle(settled_ns)
-        events, calls, last = self.take()
+        events, calls, last = self.take(settled_ns)
         out: list[dict[str, Any]] = []
         if last is not None:
             out.append({"label": "oom", "ts": last["ts"], "pid": pid, "dev": default_dev, "expect_live_bytes": None,

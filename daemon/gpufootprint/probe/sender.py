@@ -156,6 +156,11 @@ class Sender:
                 else:
                     self._drain()
                 next_drain = now + self.flush_s
+                if self.oom.waiting():
+                    # A failed allocation is judged once the watermark passes the end of its recovery
+                    # window: forced flushes at the drain cadence until then, so its event comes about a
+                    # flush after the window closes rather than up to two watermark periods later.
+                    next_flush = min(next_flush, now + self.flush_s)
                 if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
                     self._close_kernel_window()
                 if self.launch_priming and (stopping or self._records_seen()):
@@ -244,13 +249,21 @@ class Sender:
             elif head == "gap_end":
                 self._gap_end(*item[1])
                 item[2].set()
-        if self.oom.pending():  # each OOM goes out as a MARK after a flush, like a workload's mark
-            # A failed call is judged once every record up to its recovery window is in (the table's
-            # watermark), or at stop; probe/oom.py says why it waits.
-            settled = None if self._stop.is_set() else self._table_ts
-            # an API record names no device: the one the newest allocation record named (packer.api_dev)
-            for body in self.oom.marks(self.pid, self.packer.api_dev, settled):
-                q.append(("mark", body, threading.Event()))
+        self._queue_oom_marks()
+
+    def _queue_oom_marks(self) -> None:
+        """Each OOM goes out as a MARK after a flush, like a workload's mark. A failed call is judged
+        once every record up to the end of its recovery window is in (the table's watermark), or at
+        stop; probe/oom.py says why it waits. A failure still waiting queues nothing and holds
+        nothing back: the records and watermarks of a process that survives it stream on."""
+        if not self.oom.pending():
+            return
+        settled = None if self._stop.is_set() else self._table_ts
+        # an API record names no device: the one the newest allocation record named (packer.api_dev)
+        bodies = self.oom.marks(self.pid, self.packer.api_dev, settled)
+        for body in bodies:
+            self.intake.q.append(("mark", body, threading.Event()))
+        if bodies:
             self._drain()
 
     def _drain_records_only(self) -> None:
