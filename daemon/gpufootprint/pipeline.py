@@ -298,6 +298,8 @@ class Pipeline:
         proc = self.processes.get(pid)
         if proc is not None:
             self.advance(pid, max(proc.max_ts, proc.applied_to + 1))
+            for fp in proc.devices.values():
+                fp.settle_displaced(self.errors)
             self.hub.on_finish(pid, proc.applied_to, proc.source)
 
     def resync(self, pid: int, recs: np.ndarray, ts: int) -> None:
@@ -418,6 +420,7 @@ class Pipeline:
             processes=tuple(sorted(procs, key=lambda p: p.pid)),
             records_ingested=dict(self.records_ingested),
             ingest_errors=dict(self.errors.counts),
+            ingest_repairs=dict(self.errors.repairs),
             late_records=self.late_records,
             late_by_kind=dict(self.late_by_kind),
             window_peak_seconds=self.config.window_peak_seconds,

@@ -53,6 +53,17 @@ class MemoryOp(enum.IntEnum):
     RELEASE = 2
 
 
+#: A release stamped at most this long after an allocation that reused its (still live) address is the
+#: late release of the allocation that held the address before, not of the new one. The driver hands
+#: out an address only once it is free, so the earlier allocation was released before the new one
+#: began; with two threads freeing and allocating around the driver's lock, CUPTI can stamp that
+#: release a little later than the new allocation (seen on the H200 under four threads of churn).
+#: The probe's table and the daemon's follow this one rule (footprint/table.py says how).
+LATE_RELEASE_NS: Final = 100_000_000
+#: Reused addresses remembered at once for that rule, per table; past it the oldest is judged lost.
+MAX_DISPLACED: Final = 4096
+
+
 class MemoryKind(enum.IntEnum):
     """CUPTI_ActivityMemoryKind, numbered as CUPTI numbers it."""
 

@@ -158,6 +158,7 @@ class PipelineSnapshot:
     window_peak_seconds: float
     verify_results: dict[str, int] = field(default_factory=dict)  # match, mismatch, skipped
     late_by_kind: dict[str, int] = field(default_factory=dict)  # late records by record kind
+    ingest_repairs: dict[str, int] = field(default_factory=dict)  # records set right by a stated rule, by reason
     daemon: dict[str, Any] = field(default_factory=dict)  # connections, gpu presence, ...
     features: tuple[DeviceFeatures, ...] = ()
     sampler: tuple[SamplerState, ...] = ()

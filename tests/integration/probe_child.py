@@ -11,6 +11,8 @@ test can stop and restart the daemon at known points.
          launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels and a wait, 1 ms
                               apart; CUPTI keeps the kernels only while the kernel activity is on,
                               the launch and wait calls only in a launch window)
+         reuse_inverted:N (two threads: one reuses N addresses of 64 KiB the other frees, each old
+                           release stamped up to 0.5 ms after the reuse; 4 KiB each before)
          apicall:CBID:RET (a driver call's API record)  faketorch (a stand-in torch module with
          CUDA initialised)  torchoom:SIZE (that module's OOM observer called, as PyTorch does)
 """
@@ -80,6 +82,29 @@ def churn(fake: probe_fakes.FakeCupti, seconds: float) -> None:
     t.join()
 
 
+def reuse_inverted(fake: probe_fakes.FakeCupti, n: int) -> None:
+    """The H200's four-thread churn in small: a freeing thread and a reallocating thread around the
+    driver's lock, the release stamped after the reuse of its address. Live at the end: n x 64 KiB."""
+    import random
+    import threading
+
+    rng = random.Random(11)
+    addrs = [0x6000_0000 + i * 0x10_0000 for i in range(n)]
+    for a in addrs:
+        fake.alloc(a, 4096)
+    plan = [(a, time.time_ns() + i * 50_000, rng.randint(1, 500_000)) for i, a in enumerate(addrs)]
+
+    def freer() -> None:
+        for a, t, late in plan:
+            fake.emit(probe_fakes.memory_record(2, a, 4096, ts=t + late, stream=2))
+
+    t = threading.Thread(target=freer)
+    t.start()
+    for a, ts, _ in plan:
+        fake.emit(probe_fakes.memory_record(1, a, 65536, ts=ts, stream=1))
+    t.join()
+
+
 def main() -> int:
     sync, steps = sys.argv[1], sys.argv[2:]
     # The raw delivery (CUPTI's buffers as bytes) is the probe's default; FAKE_DELIVERY=objects
@@ -113,6 +138,8 @@ def main() -> int:
             for i in range(int(arg)):
                 fake.alloc(0x7000_0000 + i * 4096, 4096)
                 fake.free(0x7000_0000 + i * 4096, 4096)
+        elif op == "reuse_inverted":
+            reuse_inverted(fake, int(arg))
         elif op == "churn":
             churn(fake, float(arg))
         elif op == "launch_loop":

@@ -80,3 +80,43 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     assert end["matches"], end
     (proc,) = daemon.pipeline.processes.values()
     assert proc.drift_bytes == 0
+
+
+@pytest.mark.parametrize("forward", ["1", "0"], ids=["buffers_forwarded", "buffers_read_in_the_probe"])
+def test_threads_that_reuse_each_others_addresses_read_exact_while_the_process_lives(tmp_path: Path,
+                                                                                      forward: str) -> None:
+    """A release stamped after the reuse of its address (two threads around the driver's lock) retires
+    the old allocation, in the daemon's table and the probe's alike: the live view, read while the
+    process still runs, is the truth; no ingest error, no drift, every repair counted."""
+    from tests.integration.test_daemon import _scrape, _wait
+    from tests.integration.test_oom_live import _daemon, _live_device
+    from tests.probe_process import finish_probe_child, start_probe_child
+
+    gen = _daemon(tmp_path)
+    _proc, port, sock = next(gen)
+    try:
+        p = start_probe_child(sock, tmp_path, "sleep:0.3", "alloc:0x1000:1048576", "reuse_inverted:300",
+                              "touch:reused", "wait:checked", FAKE_BUFFER_RECORDS="64",
+                              GPUFOOTPRINT_PROBE_FORWARD_BUFFERS=forward)
+        _wait_file(tmp_path / "reused")
+        truth = (1 << 20) + 300 * 65536
+        assert _wait(lambda: _live_device(port, p.pid) == truth, timeout=5)
+        metrics = _scrape(port)
+        errors = {labels["reason"]: v for labels, v in metrics.get("gpufootprint_ingest_errors_total", [])}
+        repairs = {labels["reason"]: v for labels, v in metrics.get("gpufootprint_ingest_repairs_total", [])}
+        assert errors.get("double_allocation", 0) == 0 and errors.get("release_without_allocation", 0) == 0
+        assert repairs == {"late_release_of_reused_address": 300.0}
+        # the probe's own table agrees (its drift checks against the daemon read no mismatch)
+        drift = [v for labels, v in metrics.get("gpufootprint_footprint_drift_mismatches_total", [])
+                 if labels.get("pid") == str(p.pid)]
+        assert not any(drift)
+        assert p.poll() is None
+        (tmp_path / "checked").touch()
+        status = finish_probe_child(p)
+        assert status["status"]["table_late_releases"] == 300 and status["status"]["table_lost_releases"] == 0
+    finally:
+        (tmp_path / "checked").touch()
+        try:
+            next(gen)
+        except StopIteration:
+            pass

@@ -144,3 +144,32 @@ def test_paced_replay_hands_on_each_record_at_its_own_time_not_whole_batches(tmp
     out = _cli("replay", "--speed", "1", str(path))
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t >= 2.0
+
+
+def test_an_empty_resync_in_a_recording_clears_the_process_it_names(tmp_path: Path) -> None:
+    """A probe whose table is empty at a resync (after a profiler gap in which everything was freed)
+    sends RESYNC_BEGIN and RESYNC_END with no record in between. A live daemon knows the peer's pid;
+    replay and the demo must take it from the frames, or 1 GiB freed in the gap stays live."""
+    from gpufootprint.records import RecordKind
+    from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
+    from tests.conftest import ALLOC, mem, mem_batch
+
+    s = 1_000_000_000
+    t0 = 1_800_000_000 * s
+    frames = [encode_json(FrameType.HELLO, {"pid": 77, "start_time": 1}),
+              encode_batch(RecordKind.MEMORY, mem_batch([mem(t0, ALLOC, 0x1000, 1 << 30, pid=77)])),
+              encode_watermark(t0 + s),
+              encode_json(FrameType.MARK, {"label": "before", "ts": t0 + s, "pid": 77, "dev": 0,
+                                           "expect_live_bytes": {"device": 1 << 30}}),
+              encode_json(FrameType.RESYNC_BEGIN, {"ts": t0 + 2 * s, "reason": "profiler_gap", "entries": 0,
+                                                   "pid": 77}),
+              encode_json(FrameType.RESYNC_END, {"ts": t0 + 2 * s, "pid": 77}),
+              encode_json(FrameType.MARK, {"label": "after", "ts": t0 + 3 * s, "pid": 77, "dev": 0,
+                                           "expect_live_bytes": {}})]
+    rec = tmp_path / "gap.gfp"
+    rec.write_bytes(PREAMBLE + b"".join(frames))
+    report = tmp_path / "r.json"
+    proc = _cli("replay", str(rec), "--report-json", str(report))
+    body = json.loads(report.read_text())
+    assert [(m["label"], m["matches"]) for m in body["marks"]] == [("before", True), ("after", True)], body["marks"]
+    assert proc.returncode == 0, proc.stderr

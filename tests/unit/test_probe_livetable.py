@@ -86,3 +86,24 @@ def test_resident_bytes_now_counts_what_is_queued() -> None:
     table = LiveTable()
     table.add(arr([rec(1, 0x1000, 4096, 10), rec(1, 0x2000, 8192, 11), rec(2, 0x1000, 4096, 12)]))
     assert table.resident_bytes(0) == 0 and table.resident_bytes_now(0) == 8192
+
+
+def test_the_probes_table_follows_the_daemons_rule_for_a_release_stamped_after_the_reuse() -> None:
+    """The probe's table resyncs the daemon: it must keep a reused address's new allocation when the
+    old one's release is stamped after it (records.LATE_RELEASE_NS), by both of its paths."""
+    for n in (3, 100):
+        rows, truth_addrs = [], {}
+        ts = 1_000_000
+        for i in range(n):
+            addr = 0x7000_0000 + i * 0x10_0000
+            rows.append(rec(1, addr, 4096, ts))
+            rows.append(rec(1, addr, 1 << 20, ts + 1000))
+            rows.append(rec(2, addr, 4096, ts + 1000 + 300_000))  # stamped 0.3 ms after the reuse
+            truth_addrs[addr] = 1 << 20
+            ts += 2_000_000
+        random.Random(n).shuffle(rows)
+        table = LiveTable()
+        table.add(arr(rows))
+        table.advance(ts + 1)
+        assert {a: r[2] for a, r in table.rows.items()} == truth_addrs
+        assert (table.late_release_repairs, table.lost_releases, table.stale_releases) == (n, 0, 0)

@@ -5,6 +5,14 @@ that). Every allocation enters the live table keyed by address; every release
 leaves it. Live bytes by memory kind, the stream-ordered pool sizes and the
 per-frame peaks all follow from that table, so the numbers are exact to the byte.
 
+An allocation at an address that is still live means the release of the earlier one
+was lost, or stamped later than the new allocation (two threads around the driver's
+lock; records.LATE_RELEASE_NS). The earlier allocation is released at the new one's
+time either way (the driver reuses only a free address) and remembered; a release of
+that address within LATE_RELEASE_NS is its late release and is absorbed (a repair,
+counted), unless its size names the new allocation and not the old. Remembered entries
+whose release never comes are counted as ``double_allocation`` errors.
+
 The methods that move the GPU-resident level (``apply_memory``, ``replace_live``,
 ``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
 them down to the feature frames and the sampler.
@@ -19,7 +27,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
-from gpufootprint.records import DEVICE_RESIDENT_KINDS, CopyKind, MemoryOp, PoolOp, um_counter_values
+from gpufootprint.records import (
+    DEVICE_RESIDENT_KINDS,
+    LATE_RELEASE_NS,
+    MAX_DISPLACED,
+    CopyKind,
+    MemoryOp,
+    PoolOp,
+    um_counter_values,
+)
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +46,15 @@ _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
 
 
 class IngestErrors:
-    """Counts records that break the model, and logs each reason once."""
+    """Counts records that break the model, and logs each reason once; and the repairs made by a
+    stated rule (records that look wrong alone and are right together), which are not errors."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
+        self.repairs: Counter[str] = Counter()
+
+    def repair(self, reason: str, n: int = 1) -> None:
+        self.repairs[reason] += n
 
     def add(self, reason: str, detail: str, n: int = 1) -> None:
         if reason not in self.counts:
@@ -78,6 +99,8 @@ class DeviceFootprint:
     # and trims only, while the pool grows silently as allocations need it; it cannot hold less than
     # what is allocated from it. The highest pool use since the last reported size (a lower bound).
     pool_floor: int = 0
+    # Allocations whose address was reused while they were live: addr -> (the entry, the reuse's time).
+    displaced: dict[int, tuple[LiveAllocation, int]] = field(default_factory=dict)
 
     # --- memory -------------------------------------------------------------
 
@@ -92,6 +115,8 @@ class DeviceFootprint:
         levels = self._apply_memory_bulk(recs, errors) if len(recs) >= _BULK_MIN else None
         if levels is None:
             levels = self._apply_memory_each(recs, errors)
+        if self.displaced:
+            self._expire_displaced(self.last_ts, errors)
         self.pool_floor = max(self.pool_floor, self.async_device_bytes)
         return levels
 
@@ -125,6 +150,8 @@ class DeviceFootprint:
         live = self.live
         if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
             return None  # an allocation at an address that is already live
+        if self.displaced and not self.displaced.keys().isdisjoint(f_addr.tolist()):
+            return None  # perhaps the late release of an allocation whose address was reused
         rel_first = fpos[f_op == 2]
         matched = [live.get(x) for x in a[rel_first].tolist()]
         if None in matched:
@@ -208,10 +235,13 @@ class DeviceFootprint:
                     continue
                 old = live.get(addr)
                 if old is not None:
-                    # A second allocation at a live address: the release was lost.
-                    # Replace the old entry so the table stays one-per-address.
-                    errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
+                    # A second allocation at a live address: the old one was released first (the
+                    # driver reuses only free addresses), its release lost or still to come stamped
+                    # later. Released now, and remembered for its late release (module doc).
+                    self._displace(addr, old, ts_list[i], errors)
                     by_kind[old.kind] -= old.bytes
+                    self.releases[old.kind] += 1
+                    self.released_bytes[old.kind] += old.bytes
                     if old.is_async:
                         self.async_device_bytes -= old.bytes
                     if _RESIDENT[old.kind]:
@@ -225,6 +255,14 @@ class DeviceFootprint:
                 if _RESIDENT[kind]:
                     deltas[i] += size
             elif op == release_op:
+                gone = self.displaced.get(addr) if self.displaced else None
+                if gone is not None:
+                    if ts_list[i] - gone[1] > LATE_RELEASE_NS:
+                        self._expire_displaced(ts_list[i], errors)
+                    elif self._is_late_release(addr, sizes[i], gone[0]):
+                        del self.displaced[addr]
+                        errors.repair("late_release_of_reused_address")
+                        continue
                 entry = live.pop(addr, None)
                 if entry is None:
                     errors.add("release_without_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
@@ -247,8 +285,35 @@ class DeviceFootprint:
             self.last_ts = max(self.last_ts, ts_list[-1])
         return levels
 
+    def _displace(self, addr: int, old: LiveAllocation, ts: int, errors: IngestErrors) -> None:
+        if addr in self.displaced:  # reused twice before the first late release came: that one is lost
+            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
+        elif len(self.displaced) >= MAX_DISPLACED:
+            del self.displaced[next(iter(self.displaced))]
+            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} (reused addresses past {MAX_DISPLACED})")
+        self.displaced[addr] = (old, ts)
+
+    def _is_late_release(self, addr: int, size: int, old: LiveAllocation) -> bool:
+        """A release of a reused address inside the window: the old allocation's, unless its size names
+        the new allocation and not the old one (equal sizes: the same either way)."""
+        new = self.live.get(addr)
+        return not (size and new is not None and size == new.bytes and size != old.bytes)
+
+    def settle_displaced(self, errors: IngestErrors) -> None:
+        """The stream ended: no late release can come any more for the reused addresses."""
+        self._expire_displaced(-1 if not self.displaced else
+                               max(t for _, t in self.displaced.values()) + LATE_RELEASE_NS + 1, errors)
+
+    def _expire_displaced(self, now_ts: int, errors: IngestErrors) -> None:
+        """Reused addresses whose late release did not come within the window: that release was lost."""
+        expired = [a for a, (_, t) in self.displaced.items() if now_ts - t > LATE_RELEASE_NS]
+        for addr in expired:
+            del self.displaced[addr]
+            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
+
     def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> LevelChanges:
         """A resync: the probe's whole live table replaces ours as of ``ts``."""
+        self.displaced.clear()
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0
@@ -274,6 +339,7 @@ class DeviceFootprint:
 
     def release_all(self, ts: int) -> LevelChanges:
         """The process exited: the driver freed everything it held."""
+        self.displaced.clear()
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0

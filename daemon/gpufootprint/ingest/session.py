@@ -81,6 +81,7 @@ class Session:
         self.records = 0
         self._resync: list[np.ndarray] | None = None
         self._resync_ts = 0
+        self._resync_pid: int | None = None  # the pid RESYNC_BEGIN names (used only without a peer)
         # For live probes, the latest credible timestamp (daemon clock + max_future_seconds);
         # later ones are clamped to it and counted, so one stepped clock cannot stall the reorder buffer.
         self.future_limit_ns: Callable[[], int] | None = None
@@ -181,6 +182,8 @@ class Session:
         elif ftype is FrameType.RESYNC_BEGIN:
             body = frame.json()
             self._resync = []
+            named = body.get("pid")
+            self._resync_pid = named if isinstance(named, int) and not isinstance(named, bool) and named > 0 else None
             begin = self._credible_ts(body.get("ts", 0), "RESYNC_BEGIN")
             self._resync_ts = begin if begin is not None else 0
         elif ftype is FrameType.RESYNC_END:
@@ -323,6 +326,10 @@ class Session:
         pids = set(np.unique(recs["pid"]).tolist()) if len(recs) else set()
         if self.peer_pid is not None:
             pids.add(self.peer_pid)
+        elif self._resync_pid is not None:
+            # A recording (replay, the demo) has no peer: the frames name the process. An empty table
+            # must clear it as a live peer's does, or what was freed during a profiler gap stays live.
+            pids.add(self._resync_pid)
         for pid in pids:
             self._own(pid)
             self.pipeline.resync(pid, recs[recs["pid"] == pid], self._resync_ts)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import SocketLink
+from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.rawdelivery import RawDelivery
 
@@ -26,6 +27,7 @@ class CounterSources(Protocol):
     intake: Intake
     oom: OomWatch
     link: SocketLink | None
+    table: LiveTable
     table_seconds: float
     own_device_bytes: int
 
@@ -61,6 +63,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
         "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
         "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(p.table_seconds, 6),
+        "table_late_releases": p.table.late_release_repairs, "table_lost_releases": p.table.lost_releases,
         "forward_seconds": round(p.forward_seconds, 6),
         "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
         "buffers_completed": intake.buffers_completed + (raw.completed if raw else 0),

@@ -6,6 +6,10 @@ flush says every earlier one has arrived, then apply in timestamp order (as the
 daemon's pipeline does). Entries built from PyTorch's segment
 list after a profiler gap may cover several CUPTI allocations (expandable
 segments map in chunks); a release inside such a range shrinks it.
+
+An allocation at an address the table still holds follows the daemon's rule
+(records.LATE_RELEASE_NS, footprint/table.py): the old entry goes, and a release of that
+address within the window is the old entry's late release, not the new one's.
 """
 
 from __future__ import annotations
@@ -15,7 +19,14 @@ from typing import Any, Final
 
 import numpy as np
 
-from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind, MemoryOp
+from gpufootprint.records import (
+    DEVICE_RESIDENT_KINDS,
+    LATE_RELEASE_NS,
+    MAX_DISPLACED,
+    MEMORY_DTYPE,
+    MemoryKind,
+    MemoryOp,
+)
 from gpufootprint.wire import cupti_layout
 
 Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
@@ -41,6 +52,10 @@ class LiveTable:
     stale_releases: int = 0
     _untracked: dict[int, Row] = field(default_factory=dict)  # device -> the UNTRACKED entry declared last
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
+    # Entries whose address was reused while they were live: addr -> (their size, the reuse's time).
+    displaced: dict[int, tuple[int, int]] = field(default_factory=dict)
+    late_release_repairs: int = 0  # releases taken as the late release of a reused address's old entry
+    lost_releases: int = 0  # reused addresses whose old entry's release never came
 
     def add(self, recs: np.ndarray) -> None:
         """Queue MEMORY records as CUPTI delivered them; ``advance`` applies them in time order."""
@@ -69,6 +84,10 @@ class LiveTable:
             return
         addrs = ready["address"]
         stay = self._apply_by_address(addrs, ready["op"], np.lexsort((ready["timestamp"], addrs)))
+        if stay is None:  # a reused address: the record-by-record rule
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
+            self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
+            return
         if len(stay):
             recs = cupti_layout.convert(cupti_layout.MEMORY2, ready[stay], self.raw_pid)
             self.rows.update(zip(recs["addr"].tolist(), recs.tolist()))
@@ -131,14 +150,18 @@ class LiveTable:
     def _apply_bulk(self, recs: np.ndarray) -> None:
         # by address, then in the given (time) order
         stay = self._apply_by_address(recs["addr"], recs["op"], np.argsort(recs["addr"], kind="stable"))
+        if stay is None:
+            self._apply_each(recs)
+            return
         if len(stay):
             rows = recs[stay]
             self.rows.update(zip(rows["addr"].tolist(), rows.tolist()))
 
-    def _apply_by_address(self, addrs: np.ndarray, ops: np.ndarray, order: np.ndarray) -> np.ndarray:
+    def _apply_by_address(self, addrs: np.ndarray, ops: np.ndarray, order: np.ndarray) -> np.ndarray | None:
         """Apply records given in ``order`` (by address, then time): per address only its last record
         decides whether it stays live. Releases leave the table here; returns the indexes of the
-        allocations that stay, for the caller to store in its own form."""
+        allocations that stay, for the caller to store in its own form. None, with nothing applied,
+        where an address is allocated while live (the record-by-record rule decides those)."""
         order = order[np.isin(ops[order], (_ALLOC, _RELEASE))]
         if len(order) == 0:
             return order
@@ -151,6 +174,11 @@ class LiveTable:
         last[-1] = True
         last[:-1] = new_addr[1:]
         rows = self.rows
+        first_alloc = new_addr & ~released
+        if (bool((~released[1:] & ~released[:-1] & ~new_addr[1:]).any())
+                or not rows.keys().isdisjoint(a[first_alloc].tolist())
+                or (self.displaced and not self.displaced.keys().isdisjoint(a[new_addr].tolist()))):
+            return None
         # Releases of nothing: a first release of an address the table does not hold, or a release
         # right after another release of the same address.
         stale = sum(1 for x in a[new_addr & released].tolist() if x not in rows)
@@ -162,13 +190,37 @@ class LiveTable:
 
     def _apply_each(self, recs: np.ndarray) -> None:
         rows = self.rows
+        displaced = self.displaced
         for row in recs.tolist():
             op, addr = row[OP], row[ADDR]
             if op == _ALLOC:
+                old = rows.get(addr)
+                if old is not None:
+                    if addr in displaced or len(displaced) >= MAX_DISPLACED:
+                        self.lost_releases += 1
+                        displaced.pop(addr if addr in displaced else next(iter(displaced)))
+                    displaced[addr] = (old[BYTES], row[TS])
                 rows[addr] = row
-            elif (op == _RELEASE and rows.pop(addr, None) is None
-                  and not (self.ranges and self._cut_range(addr, row[BYTES]))):
-                self.stale_releases += 1
+            elif op == _RELEASE:
+                gone = displaced.get(addr) if displaced else None
+                if gone is not None:
+                    if row[TS] - gone[1] > LATE_RELEASE_NS:
+                        del displaced[addr]
+                        self.lost_releases += 1
+                    else:
+                        new = rows.get(addr)
+                        size = row[BYTES]
+                        if not (size and new is not None and size == new[BYTES] and size != gone[0]):
+                            del displaced[addr]
+                            self.late_release_repairs += 1
+                            continue
+                if rows.pop(addr, None) is None and not (self.ranges and self._cut_range(addr, row[BYTES])):
+                    self.stale_releases += 1
+        if displaced and len(recs):
+            last = int(recs["ts"].max())
+            for addr in [a for a, (_, t) in displaced.items() if last - t > LATE_RELEASE_NS]:
+                del displaced[addr]
+                self.lost_releases += 1
 
     def _cut_range(self, addr: int, size: int) -> bool:
         for start, row in self.ranges.items():
