@@ -1,0 +1,186 @@
+"""Live through failure, on the GPU: the daemon's live view while the workload still runs.
+
+A default ``gpufootprint daemon`` (a child process, as deployed) and a workload child started with the
+probe (tests/gpu/survive_workload.py). At each quiet point the workload writes the framework's own
+figure of the device bytes it holds and waits; meanwhile this test reads the daemon's /metrics and
+/api/oom and asserts, while the process lives:
+
+* its live device bytes equal the framework's figure (within the usual delay),
+* no ingest error and no drift against the probe's own table,
+* after an out-of-memory error the program caught: the event, within 2 s after the 1 s recovery
+  window (where CUDA saw a failed call; JAX's arena stops at its own limit without one).
+
+What each look saw goes to ``$GPUFOOTPRINT_GPU_OUT/live_failure.json`` and the probe's recording to
+``h200_survive_<scenario>.gfp.gz`` there, for tests/data and the CPU replay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpufootprint.probe.launcher import probe_env
+from prometheus_client.parser import text_string_to_metric_families
+
+WORKLOAD = str(Path(__file__).with_name("survive_workload.py"))
+OUT = os.environ.get("GPUFOOTPRINT_GPU_OUT")
+RESULTS: dict[str, Any] = {}
+#: the recovery window (probe/oom.py RECOVERY_NS) and the bound after it
+EVENT_BOUND_S = 1.0 + 2.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def _api(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _device_bytes(m: dict[str, list[tuple[dict[str, str], float]]], pid: int) -> float | None:
+    return next((v for lab, v in m.get("gpufootprint_live_bytes", [])
+                 if lab.get("pid") == str(pid) and lab.get("kind") == "device"), None)
+
+
+def _save() -> None:
+    if OUT:
+        Path(OUT, "live_failure.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def _run(scenario: str, tmp_path: Path, env_extra: dict[str, str]) -> list[dict[str, Any]]:
+    port = _port()
+    sock = str(tmp_path / "probe.sock")
+    daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock, "--listen",
+                               f"127.0.0.1:{port}", "--set", f"oom.directory={tmp_path / 'oom'}"],
+                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "daemon.log", "w"))
+    looks: list[dict[str, Any]] = []
+    RESULTS[scenario] = looks
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(sock).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sync = tmp_path / "sync"
+        sync.mkdir()
+        env = probe_env(sock, **env_extra)
+        env["GPUFOOTPRINT_PROBE_TEE"] = (os.path.join(OUT, f"h200_survive_{scenario}.gfp.gz") if OUT
+                                         else str(tmp_path / "tee.gfp.gz"))
+        child = subprocess.Popen([sys.executable, WORKLOAD, scenario, str(sync)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: set[str] = set()
+        try:
+            while child.poll() is None:
+                ready = sorted(p for p in sync.glob("*.json") if p.name not in seen)
+                if not ready:
+                    time.sleep(0.02)
+                    continue
+                point = ready[0]
+                seen.add(point.name)
+                body = json.loads(point.read_text())
+                looks.append(_look(port, body, child))
+                _save()
+                point.with_suffix(".ack").touch()
+            out, _ = child.communicate(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                out = child.communicate()[0]
+        RESULTS[f"{scenario}_tail"] = out[-1500:]
+        assert child.returncode == 0, out[-3000:]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        RESULTS[f"{scenario}_daemon_log"] = (tmp_path / "daemon.log").read_text()[-3000:]
+        _save()
+    return looks
+
+
+def _look(port: int, body: dict[str, Any], child: subprocess.Popen[str]) -> dict[str, Any]:
+    """The daemon's view at one quiet point, read while the workload waits (alive)."""
+    pid, held = body["pid"], body["held"]
+    t0 = time.monotonic()
+    live = None
+    while time.monotonic() - t0 < 5:
+        live = _device_bytes(_metrics(port), pid) or 0.0  # no series: nothing live of that kind
+        if live == held:
+            break
+        time.sleep(0.05)
+    look: dict[str, Any] = {**body, "daemon_device_bytes": live, "equal_after_s": round(time.monotonic() - t0, 3)}
+    if body["label"] == "after_oom" and body.get("failed_at"):
+        events: list[dict[str, Any]] = []
+        while time.time() - body["failed_at"] < EVENT_BOUND_S + 3:
+            events = [e for e in _api(port, "/api/oom") if e["pid"] == pid]
+            if events:
+                break
+            time.sleep(0.05)
+        look["event_after_failure_s"] = round(time.time() - body["failed_at"], 3) if events else None
+        look["events"] = events
+    m = _metrics(port)
+    look["ingest_errors"] = {lab["reason"]: v for lab, v in m.get("gpufootprint_ingest_errors_total", []) if v}
+    look["ingest_repairs"] = {lab["reason"]: v for lab, v in m.get("gpufootprint_ingest_repairs_total", []) if v}
+    look["drift_mismatches"] = sum(v for lab, v in m.get("gpufootprint_footprint_drift_mismatches_total", [])
+                                   if lab.get("pid") == str(pid))
+    look["checks"] = {lab["result"]: v for lab, v in m.get("gpufootprint_footprint_checks_total", [])}
+    look["alive"] = child.poll() is None
+    return look
+
+
+OOM_SCENARIOS = {
+    "oom_torch": {},
+    "oom_cupy": {},
+    "oom_numba": {},
+    "oom_jax_platform": {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"},
+    "oom_jax_arena": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+}
+
+
+@pytest.mark.parametrize("scenario", list(OOM_SCENARIOS))
+def test_a_process_that_survives_its_oom_reads_exact_while_it_lives(scenario: str, tmp_path: Path) -> None:
+    pytest.importorskip({"oom_cupy": "cupy", "oom_numba": "numba", "oom_jax_platform": "jax",
+                         "oom_jax_arena": "jax"}.get(scenario, "torch"))
+    looks = _run(scenario, tmp_path, OOM_SCENARIOS[scenario])
+    assert [x["label"] for x in looks] == ["baseline", "after_oom", "freed_half", "went_on", "end"]
+    for x in looks:
+        assert x["alive"] and x["daemon_device_bytes"] == x["held"], x
+        assert not x["ingest_errors"] and x["drift_mismatches"] == 0 and not x["checks"].get("mismatch"), x
+    oom = looks[1]
+    assert oom["failed_at"] and oom["blocks"] >= 8, oom  # it did run out: 4 GiB blocks on a 141 GB GPU
+    if scenario == "oom_jax_arena":
+        # JAX's arena stops at its own limit (RESOURCE_EXHAUSTED) with no failed CUDA call: no event
+        assert oom["events"] == [], oom
+        return
+    (event,) = oom["events"]
+    assert oom["event_after_failure_s"] <= EVENT_BOUND_S, oom
+    assert event["footprint_bytes"] == oom["held"] and event["gpu"] == 0 and event["failed_calls"] >= 1, event
+
+
+@pytest.mark.parametrize("alloc", ["nocache", "async"])
+def test_four_threads_that_reuse_each_others_addresses_read_exact_while_they_run(alloc: str, tmp_path: Path) -> None:
+    env = ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"} if alloc == "async"
+           else {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
+    looks = _run(f"threads_{alloc}", tmp_path, env)
+    assert [x["label"] for x in looks] == ["round_0", "round_1", "round_2", "end"]
+    assert looks[-1]["calls"] > 10_000, looks[-1]  # it was churn
+    for x in looks:
+        assert x["alive"] and x["daemon_device_bytes"] == x["held"], x
+        assert not x["ingest_errors"] and x["drift_mismatches"] == 0 and not x["checks"].get("mismatch"), x
