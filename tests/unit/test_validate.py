@@ -69,3 +69,30 @@ def test_records_waiting_for_the_watermark_do_not_count_as_allocations_unless_th
     seen, problem = _counter()
     kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
     assert len(kept) == 10 and seen == {}
+
+
+def test_waiting_releases_are_not_counted_as_allocations_under_churn() -> None:
+    """Four threads churning under cudaMallocAsync on the H200 (about 70,000 memory records a second)
+    keep 100,000+ memory records waiting for the next watermark, half of them releases. Counting every
+    waiting MEMORY record as an allocation refused 46,577 allocations of an honest process whose table
+    never held 20,000 (the live view was right only after the drift checks' resyncs)."""
+    cfg = load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000})
+    pipeline = Pipeline(cfg.footprint)
+    now = time.time_ns()
+    n = 60_000  # allocation and release of 60,000 addresses: 120,000 records waiting
+    m = np.zeros(2 * n, MEMORY_DTYPE)
+    m["ts"] = now + np.arange(2 * n)
+    m["addr"] = np.repeat(np.arange(n) * 4096 + 4096, 2)
+    m["bytes"], m["pid"], m["mk"] = 4096, 7, 3
+    m["op"] = np.tile([1, 2], n)
+    pipeline.submit(RecordKind.MEMORY, m)
+    proc = pipeline.processes[7]
+    assert proc.pending_records == 2 * n
+    guard = Guard(Limits(max_live_allocations_per_process=100_000, max_pending_records_per_process=1_000_000,
+                         max_pending_records=1_000_000))
+    guard.recount(pipeline.processes)
+    a = np.zeros(1000, MEMORY_DTYPE)
+    a["ts"], a["addr"], a["bytes"], a["pid"], a["op"], a["mk"] = now + 3 * n, np.arange(1000) * 4096 + (1 << 40), 4096, 7, 1, 3
+    seen, problem = _counter()
+    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
+    assert len(kept) == 1000 and seen == {}

@@ -210,7 +210,11 @@ class Guard:
                 room = min(lim.max_live_allocations_per_process - live - proc.pending_records,
                            lim.max_live_allocations - tot.live_allocations - tot.pending_records)
                 if n_alloc > room:
-                    waiting = sum(len(chunk[2]) for chunk in proc.pending.get(RecordKind.MEMORY, ()))
+                    # Only the waiting allocations can grow the table: under churn half of the records
+                    # waiting for the watermark are releases (H200, four threads under cudaMallocAsync:
+                    # 100,000+ records waiting, fewer than 20,000 allocations live).
+                    waiting = sum(int(np.count_nonzero(chunk[2]["op"] == MemoryOp.ALLOCATION))
+                                  for chunk in proc.pending.get(RecordKind.MEMORY, ()))
                     room = min(lim.max_live_allocations_per_process - live - waiting,
                                lim.max_live_allocations - tot.live_allocations)
                 if n_alloc > room:
