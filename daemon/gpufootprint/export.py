@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gpufootprint.outfile import atomic_output
 from gpufootprint.recording import Recording, _events, kind_name, series
 from gpufootprint.records import COPY_KIND_NAMES, DEVICE_RESIDENT_KINDS, MemoryOp, RecordKind
 
@@ -160,13 +161,15 @@ def _jsonable(value: Any) -> Any:
 def write_export(rec: Recording, to: str, out: str | Path) -> str:
     """Write ``rec`` as ``to`` (one of FORMATS) to ``out``; returns a one-line summary."""
     out = Path(out)
+    # Beside ``out`` first, renamed when whole: an unwritable path is one line (exit 2), and a
+    # failure part way leaves no half pickle behind.
     if to == "memory-viz":
         snap = memory_viz(rec)
-        with open(out, "wb") as fh:
+        with atomic_output("-o", out, "wb") as fh:
             pickle.dump(snap, fh, protocol=4)
         n = sum(len(t) for t in snap["device_traces"])
         return f"wrote {out}: {len(snap['segments'])} live segments, {n} trace entries (open at pytorch.org/memory_viz)"
     doc = perfetto(rec)
-    with open(out, "w") as fh:
+    with atomic_output("-o", out, "w") as fh:
         json.dump(doc, fh, separators=(",", ":"))
     return f"wrote {out}: {len(doc['traceEvents'])} trace events (open at ui.perfetto.dev)"

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
+from gpufootprint.outfile import atomic_output
 from gpufootprint.recording import Recording, Series, kind_name, load, series, tables_at
 from gpufootprint.records import COPY_KIND_NAMES, DEVICE_RESIDENT_KINDS, MemoryKind, RecordKind
 
@@ -249,9 +250,19 @@ def write_report(files: Sequence[str | Path], out: str | Path, *, title: str | N
             fig = main_figure(rec, series(rec))
         if fig is None:
             raise GpuFootprintError(f"--plot {plot}: no plot (matplotlib missing, or no memory records)")
-    Path(out).write_text(page)
-    if plot is not None and fig is not None:
-        fig.savefig(plot, format=Path(plot).suffix.lower()[1:], dpi=110)
-    if fig is not None:
-        _pyplot().close(fig)
+    try:
+        # Both files appear together or not at all (each beside its target, renamed when whole).
+        with atomic_output("-o", out, "w") as page_fh:
+            page_fh.write(page)
+            if plot is not None and fig is not None:
+                with atomic_output("--plot", plot, "wb") as plot_fh:
+                    fig.savefig(plot_fh, format=Path(plot).suffix.lower()[1:], dpi=110)
+    finally:
+        if fig is not None:
+            _pyplot().close(fig)
     return rec
+
+
+def plots_available() -> bool:
+    """Whether matplotlib imports here (the ``report`` extra): without it pages have tables only."""
+    return _pyplot() is not None

@@ -120,6 +120,19 @@ CASES = [
          "is the input file"),
     Case("export", "output in a missing directory",
          lambda t, p: [str(TRACE), "--to", "perfetto", "-o", str(t / "no" / "o.json")], 2, "does not exist"),
+    # Where no file can be created, though root passes every access check there (issue 30)
+    Case("export", "output under /proc", lambda t, p: [str(TRACE), "--to", "memory-viz", "-o", "/proc/nope.pickle"],
+         2, "-o /proc/nope.pickle: cannot write"),
+    Case("report", "output under /proc", lambda t, p: [str(TRACE), "-o", "/proc/r.html"], 2,
+         "-o /proc/r.html: cannot write"),
+    Case("convert", "output under /proc", lambda t, p: [str(TRACE), "-o", "/proc/x.gfp"], 2,
+         "-o /proc/x.gfp: cannot write"),
+    # Empty input is damage to report, not a success (README: exit 1)
+    Case("replay", "empty input", lambda t, p: [_empty(t)], 1, "empty.gfp: no frames"),
+    Case("report", "empty input", lambda t, p: [_empty(t), "-o", str(t / "r.html")], 1, "empty.gfp: no frames"),
+    Case("export", "empty input", lambda t, p: [_empty(t), "--to", "perfetto", "-o", str(t / "o.json")], 1,
+         "empty.gfp: no frames"),
+    Case("convert", "empty input", lambda t, p: [_empty(t), "-o", str(t / "o.gfp")], 1, "empty.gfp: no frames"),
 ]
 
 

@@ -118,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpufootprint {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        # Commands that can stop cleanly catch the signal themselves (replay); elsewhere Ctrl-C
+        # still gets its one line, so a silent exit 130 is never the only sign of what happened.
+        print(f"gpufootprint {args.command}: interrupted", file=sys.stderr)
         return 130
 
 
