@@ -34,6 +34,7 @@ from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.pipeline import Pipeline
+from gpufootprint.proctime import process_start_wall
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
 
@@ -164,7 +165,10 @@ class App:
     def _wire_engines(self, config: Config) -> None:
         self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
         self.pipeline.snapshot_live_tables = config.leaks.enabled
-        self.engines = Engines(config, started_at=self._clock_ns() / 1e9)
+        # The ledger prices GPUs from the daemon process's start (not from here, after the imports
+        # and NVML's start); a test's fake clock starts it at its own now.
+        started = process_start_wall() if self._clock_ns is time.time_ns else self._clock_ns() / 1e9
+        self.engines = Engines(config, started_at=started)
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick
