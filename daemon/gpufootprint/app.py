@@ -37,6 +37,7 @@ from gpufootprint.pipeline import Pipeline
 from gpufootprint.proctime import process_start_wall
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
+from gpufootprint.statedir import default_oom_directory
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,10 @@ class App:
                                     wall_ns=self._clock_ns))
         self.attributor = _attributor(config)
         # OOM capture: the applied records of each process's last seconds, and the probes' oom marks.
-        self.oom = OomManager(config.oom, self.pipeline, pod_of=self._pod_labels,
+        # oom.directory unset: the default for this user (statedir: /var/lib as root, else XDG state).
+        oom_config = config.oom if config.oom.directory else dataclasses.replace(
+            config.oom, directory=default_oom_directory())
+        self.oom = OomManager(oom_config, self.pipeline, pod_of=self._pod_labels,
                               monotonic=time.monotonic if clock_ns is None else lambda: self._clock_ns() / 1e9)
         self.pipeline.hub.taps.append(self.oom.on_records)
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import errno
 import json
+import logging
 import os
 import signal
 import sys
@@ -19,6 +20,8 @@ from gpufootprint.config import Config, DaemonConfig, load_config, parse_set_opt
 from gpufootprint.errors import ConfigError, TraceError
 from gpufootprint.log import setup_logging
 from gpufootprint.outfile import atomic_output, probe_writable
+
+log = logging.getLogger("gpufootprint.cli")
 
 if TYPE_CHECKING:
     from gpufootprint.app import App
@@ -93,6 +96,26 @@ def check_socket_dir(path: str, create: bool) -> None:
         return
     raise ConfigError(f"daemon.socket {path}: directory {parent} does not exist "
                       "(create it, or pass --create-socket-dir)")
+
+
+def check_oom_directory(config: Config) -> None:
+    """At start, not at the first OOM (whose capture would be lost): can captures be written?
+    A directory set on purpose that cannot be written is a configuration error (one line, exit 2);
+    the built-in default that cannot be is one warning line, and the daemon runs (events are still
+    counted and logged)."""
+    from gpufootprint.statedir import default_oom_directory, unwritable
+
+    if not config.oom.enabled:
+        return
+    directory = config.oom.directory or default_oom_directory()
+    why = unwritable(directory)
+    if why is None:
+        return
+    if config.oom.directory:
+        raise ConfigError(f"oom.directory {directory}: cannot write there ({why}); mount a volume there, "
+                          "choose another directory, or set oom.enabled=false")
+    log.warning("oom captures disabled: cannot write the default oom.directory %s (%s); set oom.directory "
+                "to a writable directory (OOM events are still counted and logged)", directory, why)
 
 
 def check_output(option: str, path: str, inputs: Sequence[str] = ()) -> None:
