@@ -34,14 +34,18 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --gid 10001 gpufootprint \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin gpufootprint \
- && install -d -o 10001 -g 10001 -m 0755 /run/gpufootprint
+ && install -d -o 10001 -g 10001 -m 0755 /run/gpufootprint \
+ && install -d -o 10001 -g 10001 -m 0750 /var/lib/gpufootprint/oom
 COPY --from=build /opt/gpufootprint /opt/gpufootprint
 # The metrics address as configuration, not a flag, so the HEALTHCHECK reads the same one; a web
 # config (TLS, basic auth) likewise: GPUFOOTPRINT_EXPORTER__WEB_CONFIG_FILE=/etc/gpufootprint/web.yml.
+# OOM captures go to /var/lib/gpufootprint/oom (the DaemonSet mounts a volume there): set here because
+# the default for a non-root user is its XDG state directory, and this user has no home.
 ENV PATH=/opt/gpufootprint/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    GPUFOOTPRINT_EXPORTER__LISTEN=0.0.0.0:9878
+    GPUFOOTPRINT_EXPORTER__LISTEN=0.0.0.0:9878 \
+    GPUFOOTPRINT_OOM__DIRECTORY=/var/lib/gpufootprint/oom
 USER 10001:10001
 EXPOSE 9878
 # Speaks TLS when the web config does (python -m gpufootprint.healthcheck reads the daemon's configuration).

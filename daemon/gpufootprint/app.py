@@ -34,8 +34,10 @@ from gpufootprint.nvml.client import NvmlClient
 from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.pipeline import Pipeline
+from gpufootprint.proctime import process_start_wall
 from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
+from gpufootprint.statedir import default_oom_directory
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,10 @@ class App:
                                     wall_ns=self._clock_ns))
         self.attributor = _attributor(config)
         # OOM capture: the applied records of each process's last seconds, and the probes' oom marks.
-        self.oom = OomManager(config.oom, self.pipeline, pod_of=self._pod_labels,
+        # oom.directory unset: the default for this user (statedir: /var/lib as root, else XDG state).
+        oom_config = config.oom if config.oom.directory else dataclasses.replace(
+            config.oom, directory=default_oom_directory())
+        self.oom = OomManager(oom_config, self.pipeline, pod_of=self._pod_labels,
                               monotonic=time.monotonic if clock_ns is None else lambda: self._clock_ns() / 1e9)
         self.pipeline.hub.taps.append(self.oom.on_records)
         self.ingest = IngestServer(config, self.pipeline, socket_path=socket_path, clock_ns=self._clock_ns,
@@ -164,7 +169,10 @@ class App:
     def _wire_engines(self, config: Config) -> None:
         self.pipeline.kernel_retention = config.graph_advisor.kernel_retention if config.graph_advisor.enabled else 0
         self.pipeline.snapshot_live_tables = config.leaks.enabled
-        self.engines = Engines(config, started_at=self._clock_ns() / 1e9)
+        # The ledger prices GPUs from the daemon process's start (not from here, after the imports
+        # and NVML's start); a test's fake clock starts it at its own now.
+        started = process_start_wall() if self._clock_ns is time.time_ns else self._clock_ns() / 1e9
+        self.engines = Engines(config, started_at=started)
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick

@@ -315,7 +315,8 @@ class OomConfig:
     """What the daemon keeps and writes when a probed process runs out of GPU memory (docs/oom.md)."""
 
     enabled: bool = _spec(True, doc="keep each process's recent records and write a capture at each OOM")
-    directory: str = _spec("/var/lib/gpufootprint/oom", doc="where captures are written (created if missing)")
+    directory: str = _spec("", doc="where captures are written (created if missing); empty: "
+                                   "/var/lib/gpufootprint/oom as root, else $XDG_STATE_HOME/gpufootprint/oom")
     seconds: float = _spec(60.0, lo=1, hi=3600, doc="a capture holds the records of this many seconds before the OOM")
     max_captures: int = _spec(20, lo=1, hi=100_000, doc="captures kept; the oldest is removed first")
     max_buffer_bytes: int = _spec(16 << 20, lo=1 << 16, hi=1 << 34,

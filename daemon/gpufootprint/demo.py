@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from gpufootprint.app import App
 from gpufootprint.config import Config
@@ -134,8 +135,15 @@ def demo_app(config: Config, listen: str) -> App:
     return app
 
 
-def render(snap: PipelineSnapshot, url: str, started: float) -> str:
+def render(snap: PipelineSnapshot, url: str, started: float, doc: dict[str, Any] | None = None) -> str:
+    """The demo's screen. ``doc``: the daemon's ``/api/processes`` document, whose rows the table
+    shows, so the demo lists exactly the (process, GPU) rows `gpufootprint top` lists (built
+    from the snapshot alone when None)."""
+    from gpufootprint.engines.runner import EMPTY_OUTPUTS
+    from gpufootprint.exporter.processes import processes_document
+
     mib = 1024 * 1024
+    doc = doc if doc is not None else processes_document(snap, EMPTY_OUTPUTS)
     lines = [f"gpufootprint demo: real H200 traces replayed in a loop    metrics: {url}",
              (f"uptime {time.monotonic() - started:5.0f} s    records ingested "
               f"{sum(snap.records_ingested.values()):,}    ingest errors {sum(snap.ingest_errors.values())}"),
@@ -144,15 +152,19 @@ def render(snap: PipelineSnapshot, url: str, started: float) -> str:
               f"{'peak MiB':>9} {'pool MiB':>8} {'HtoD MiB':>9} {'DtoH MiB':>9}  source")]
     htod = next(k for k, v in COPY_KIND_NAMES.items() if v == "htod")
     dtoh = next(k for k, v in COPY_KIND_NAMES.items() if v == "dtoh")
-    for proc in snap.processes:
-        for dev in proc.devices:
-            lb = dev.live_bytes
-            lines.append(
-                f"{proc.pid:>6} {dev.dev:>3} {lb.get('device', 0) / mib:>11.2f} {lb.get('device_static', 0) / mib:>10.2f} "
-                f"{lb.get('pinned', 0) / mib:>10.2f} {dev.window_peak_bytes / mib:>9.2f} "
-                f"{dev.pool_reserved_bytes / mib:>8.2f} {dev.memcpy_bytes.get(htod, 0) / mib:>9.1f} "
-                f"{dev.memcpy_bytes.get(dtoh, 0) / mib:>9.1f}  {proc.info.get('trace', proc.source)}")
-    if not snap.processes:
+    devs = {(p.pid, d.dev): (p, d) for p in snap.processes for d in p.devices}
+    rows = sorted((r for r in doc.get("processes", []) if isinstance(r, dict)), key=lambda r: (r["pid"], r["gpu"]))
+    for r in rows:
+        lb = r.get("live_bytes") or {}
+        proc, dev = devs.get((r["pid"], r["gpu"]), (None, None))
+        copies = dev.memcpy_bytes if dev is not None else {}
+        source = proc.info.get("trace", proc.source) if proc is not None else r.get("source")
+        lines.append(
+            f"{r['pid']:>6} {r['gpu']:>3} {lb.get('device', 0) / mib:>11.2f} {lb.get('device_static', 0) / mib:>10.2f} "
+            f"{lb.get('pinned', 0) / mib:>10.2f} {(r.get('window_peak_bytes') or 0) / mib:>9.2f} "
+            f"{(r.get('pool_reserved_bytes') or 0) / mib:>8.2f} {copies.get(htod, 0) / mib:>9.1f} "
+            f"{copies.get(dtoh, 0) / mib:>9.1f}  {source}")
+    if not rows:
         lines.append("  (waiting for the first records)")
     lines.append("")
     lines.append(f"peak = highest GPU-resident bytes over the last {snap.window_peak_seconds:g} s, "
@@ -181,7 +193,7 @@ def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Pat
         while not stop.is_set():
             if duration is not None and time.monotonic() - started >= duration:
                 break
-            screen = render(app.ingest.snapshot, url, started)
+            screen = render(app.ingest.snapshot, url, started, app.processes_json())
             if notice and tty:
                 screen = notice + "\n\n" + screen
             if tty:

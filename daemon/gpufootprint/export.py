@@ -7,10 +7,16 @@
   one block; the trace has ``segment_alloc``/``alloc`` and ``free_requested``/
   ``free_completed``/``segment_free`` per record, and an ``oom`` entry at each OOM
   mark. The memory kind stands in the place of the Python frames, so the viewer's
-  stacks group bytes by kind.
+  stacks group bytes by kind. Only GPU-resident kinds are segments: pinned and pageable
+  memory is host memory, and managed memory's pages move between host and GPU with no
+  record of where each page is at a given time (only the unified-memory counters), so the
+  viewer's picture of one GPU's memory has no place for them; the Perfetto export and the
+  report show them, each as its own kind. Synchronous allocations carry CUPTI's "no stream"
+  id; they are put on stream 0, PyTorch's default stream.
 * ``perfetto``: Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing): one
   counter track per process, GPU and kind, marks as instants, copies and kernels as
-  slices, anomaly windows as slices of their own.
+  slices, anomaly windows as slices of their own; thread ids are integers, named by
+  ``thread_name`` metadata events.
 """
 
 from __future__ import annotations
@@ -22,10 +28,22 @@ from typing import Any
 
 import numpy as np
 
+from gpufootprint.outfile import atomic_output
 from gpufootprint.recording import Recording, _events, kind_name, series
 from gpufootprint.records import COPY_KIND_NAMES, DEVICE_RESIDENT_KINDS, MemoryOp, RecordKind
 
 FORMATS = ("memory-viz", "perfetto")
+
+
+#: CUPTI's "no stream" id (CUPTI_INVALID_STREAM_ID as a 32-bit field): synchronous allocations carry it.
+_NO_STREAM = 0xFFFFFFFF
+
+
+def stream_id(stream: int) -> int:
+    """The stream as PyTorch's snapshots give it: 0 for the default stream, which is also where a
+    synchronous allocation (CUPTI's "no stream", 0xFFFFFFFF) belongs; otherwise CUPTI's id. The
+    viewer names streams ``stream_<id>``: ``stream_4294967295`` said nothing to a reader."""
+    return 0 if stream >= _NO_STREAM else stream
 
 
 def _frames(kind: int) -> list[dict[str, Any]]:
@@ -39,7 +57,7 @@ def memory_viz(rec: Recording) -> dict[str, Any]:
     live: dict[tuple[int, int], dict[int, tuple[int, int, int]]] = {}  # (pid, dev) -> addr -> (bytes, kind, stream)
 
     def entry(dev: int, action: str, addr: int, size: int, stream: int, ts: int, kind: int) -> None:
-        traces.setdefault(dev, []).append({"action": action, "addr": addr, "size": size, "stream": stream,
+        traces.setdefault(dev, []).append({"action": action, "addr": addr, "size": size, "stream": stream_id(stream),
                                            "time_us": ts // 1000, "frames": _frames(kind)})
 
     for pid in rec.pids():
@@ -96,7 +114,7 @@ def memory_viz(rec: Recording) -> dict[str, Any]:
             block = {"address": addr, "size": size, "requested_size": size, "state": "active_allocated",
                      "frames": _frames(kind)}
             segments.append({"device": dev, "address": addr, "total_size": size, "allocated_size": size,
-                             "active_size": size, "requested_size": size, "stream": stream,
+                             "active_size": size, "requested_size": size, "stream": stream_id(stream),
                              "segment_type": "large", "segment_pool_id": (0, 0), "is_expandable": False,
                              "frames": _frames(kind), "blocks": [block]})
     n_dev = max(devices) + 1 if devices else 1
@@ -122,6 +140,15 @@ def perfetto(rec: Recording) -> dict[str, Any]:
             args = {k: v for k, v in m.items() if k in ("label", "dev", "matches", "live_bytes", "oom")}
             events.append({"name": f"mark: {m.get('label')}", "ph": "i", "s": "p", "ts": m["ts"] / 1000,
                            "pid": m["pid"], "tid": 0, "args": _jsonable(args)})
+    # The trace-event format wants integer thread ids (Perfetto's importer drops or renumbers string
+    # ones): each track gets a small integer per process, and its name in a thread_name event.
+    tracks: dict[tuple[int, str], int] = {}
+
+    def tid(pid: int, name: str) -> int:
+        if (pid, name) not in tracks:
+            tracks[(pid, name)] = 1 + sum(1 for p, _ in tracks if p == pid)  # 0: the counters and marks
+        return tracks[(pid, name)]
+
     copies = rec.records_of(RecordKind.MEMCPY)
     for r in copies:
         pid = int(r["pid"])
@@ -129,20 +156,23 @@ def perfetto(rec: Recording) -> dict[str, Any]:
         direction = COPY_KIND_NAMES.get(int(r["ck"]), str(int(r["ck"])))
         events.append({"name": f"memcpy {direction}", "ph": "X", "ts": int(r["start"]) / 1000,
                        "dur": max(0, int(r["end"]) - int(r["start"])) / 1000, "pid": pid,
-                       "tid": f"GPU {int(r['dev'])} copies", "args": {"bytes": int(r["bytes"])}})
+                       "tid": tid(pid, f"GPU {int(r['dev'])} copies"), "args": {"bytes": int(r["bytes"])}})
     kernels = rec.records_of(RecordKind.KERNEL)
     for r in kernels:
         pid = int(r["pid"])
         pids.add(pid)
         events.append({"name": rec.kernel_names.get(int(r["name_id"]), "kernel"), "ph": "X",
                        "ts": int(r["start"]) / 1000, "dur": max(0, int(r["end"]) - int(r["start"])) / 1000,
-                       "pid": pid, "tid": f"GPU {int(r['dev'])} stream {int(r['stream'])}",
+                       "pid": pid, "tid": tid(pid, f"GPU {int(r['dev'])} stream {stream_id(int(r['stream']))}"),
                        "args": {"graph": int(r["graph"])}})
     for w in rec.anomaly_windows:
         pids.add(int(w["pid"]))
         events.append({"name": f"anomaly window: {w['reason']}", "ph": "X", "ts": int(w["start"]) / 1000,
                        "dur": max(0, int(w["end"]) - int(w["start"])) / 1000, "pid": int(w["pid"]),
-                       "tid": "sampler", "args": {"peak_bytes": int(w["peak_bytes"]), "gpu": int(w["gpu"])}})
+                       "tid": tid(int(w["pid"]), "sampler"),
+                       "args": {"peak_bytes": int(w["peak_bytes"]), "gpu": int(w["gpu"])}})
+    for (pid, name), number in sorted(tracks.items()):
+        events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": number, "args": {"name": name}})
     for pid in sorted(pids):
         info = rec.info.get(pid, {})
         argv = info.get("argv")
@@ -160,13 +190,15 @@ def _jsonable(value: Any) -> Any:
 def write_export(rec: Recording, to: str, out: str | Path) -> str:
     """Write ``rec`` as ``to`` (one of FORMATS) to ``out``; returns a one-line summary."""
     out = Path(out)
+    # Beside ``out`` first, renamed when whole: an unwritable path is one line (exit 2), and a
+    # failure part way leaves no half pickle behind.
     if to == "memory-viz":
         snap = memory_viz(rec)
-        with open(out, "wb") as fh:
+        with atomic_output("-o", out, "wb") as fh:
             pickle.dump(snap, fh, protocol=4)
         n = sum(len(t) for t in snap["device_traces"])
         return f"wrote {out}: {len(snap['segments'])} live segments, {n} trace entries (open at pytorch.org/memory_viz)"
     doc = perfetto(rec)
-    with open(out, "w") as fh:
+    with atomic_output("-o", out, "w") as fh:
         json.dump(doc, fh, separators=(",", ":"))
     return f"wrote {out}: {len(doc['traceEvents'])} trace events (open at ui.perfetto.dev)"

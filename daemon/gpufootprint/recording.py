@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import Config
-from gpufootprint.errors import GpuFootprintError
+from gpufootprint.errors import GpuFootprintError, TraceError
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, MemoryOp, RecordKind
 from gpufootprint.replay import replay_file
@@ -135,6 +135,8 @@ def load(paths: Sequence[str | Path], config: Config | None = None) -> Recording
         if not Path(path).exists():
             raise GpuFootprintError(f"{path}: no such file")
         result = replay_file(path, pipeline, on_frame=on_frame, max_frame_bytes=config.daemon.max_frame_bytes)
+        if result.frames == 0 and not result.problems:
+            raise TraceError(f"{path}: no frames (an empty trace)")  # a view of nothing is no success
         rec.formats.append(result.format)
         rec.records += result.records
         rec.marks.extend(result.marks)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
+from gpufootprint.outfile import atomic_output
 from gpufootprint.recording import Recording, Series, kind_name, load, series, tables_at
 from gpufootprint.records import COPY_KIND_NAMES, DEVICE_RESIDENT_KINDS, MemoryKind, RecordKind
 
@@ -45,6 +46,17 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _since(ts: int, t0: int) -> float:
+    """Seconds from ``t0``, clamped at 0: an anomaly window (its pre-roll) or the probe's start mark
+    comes a few ms before the first memory event the page counts from, and "-0.004 s" reads as a
+    bug; those few ms say nothing a reader needs."""
+    return max(0.0, (ts - t0) / 1e9)
+
+
+def _or_dash(value: Any) -> Any:
+    return "-" if value is None else value
 
 
 def _t0(rec: Recording, all_series: list[Series]) -> int:
@@ -79,11 +91,11 @@ def main_figure(rec: Recording, all_series: list[Series]) -> Any:
                         fontsize=8)
         for w in rec.anomaly_windows:
             if int(w["pid"]) == s.pid and int(w["gpu"]) == s.dev:
-                ax.axvspan((int(w["start"]) - t0) / 1e9, (int(w["end"]) - t0) / 1e9, color="orange", alpha=0.15)
+                ax.axvspan(_since(int(w["start"]), t0), _since(int(w["end"]), t0), color="orange", alpha=0.15)
         for m in rec.marks:
             if m.get("pid") == s.pid and m.get("dev", 0) == s.dev and isinstance(m.get("ts"), int):
                 oom = m.get("label") == "oom"
-                mx = (m["ts"] - t0) / 1e9
+                mx = _since(m["ts"], t0)
                 ax.axvline(mx, color="red" if oom else "grey", linewidth=1.2 if oom else 0.6)
                 ax.annotate(str(m.get("label")), (mx, ax.get_ylim()[1]), rotation=90, fontsize=7, va="top",
                             color="red" if oom else "dimgrey")
@@ -208,21 +220,23 @@ def render_html(rec: Recording, *, title: str | None = None) -> tuple[str, Any]:
     sampler = _sampler_figure(rec, t0)
     parts.append(_img(sampler) if sampler is not None else "")
     parts.append(_table(["pid", "GPU", "start", "end", "reason", "peak"],
-                        [[w["pid"], w["gpu"], f"{(int(w['start']) - t0) / 1e9:.3f} s",
-                          f"{(int(w['end']) - t0) / 1e9:.3f} s", w["reason"], _mib(int(w["peak_bytes"]))]
+                        [[w["pid"], w["gpu"], f"{_since(int(w['start']), t0):.3f} s",
+                          f"{_since(int(w['end']), t0):.3f} s", w["reason"], _mib(int(w["peak_bytes"]))]
                          for w in rec.anomaly_windows]))
     parts.append("<h2>Marks</h2>")
     parts.append(_table(["label", "pid", "GPU", "at", "live bytes", "matches the probe"],
                         [[m.get("label"), m.get("pid"), m.get("dev"),
-                          f"{(int(m['ts']) - t0) / 1e9:.3f} s" if isinstance(m.get("ts"), int) else "-",
+                          f"{_since(int(m['ts']), t0):.3f} s" if isinstance(m.get("ts"), int) else "-",
                           ", ".join(f"{k} {_mib(v)}" for k, v in (m.get("live_bytes") or {}).items()),
                           m.get("matches", "-")] for m in rec.marks]))
     parts.append("<h2>Engine verdicts</h2>")
     eng = rec.engines
+    # A graph verdict from launch windows is the whole process's (dev None): "-", never "None".
     parts.append(_table(["engine", "pid", "GPU", "verdict", "reasons"],
-                        [["graph", g.get("pid"), g.get("dev"), g.get("decision"), "; ".join(g.get("reasons", []))]
+                        [["graph", g.get("pid"), _or_dash(g.get("dev")), g.get("decision"),
+                          "; ".join(g.get("reasons", []))]
                          for g in eng.get("graph", [])]
-                        + [["leaks", lk.get("pid"), lk.get("dev"), "suspect" if lk.get("suspect") else "no",
+                        + [["leaks", lk.get("pid"), _or_dash(lk.get("dev")), "suspect" if lk.get("suspect") else "no",
                             f"suspect bytes {lk.get('suspect_bytes')}"] for lk in eng.get("leaks", [])]))
     if rec.problems:
         parts.append("<h2>Problems met reading the recording</h2>")
@@ -249,9 +263,19 @@ def write_report(files: Sequence[str | Path], out: str | Path, *, title: str | N
             fig = main_figure(rec, series(rec))
         if fig is None:
             raise GpuFootprintError(f"--plot {plot}: no plot (matplotlib missing, or no memory records)")
-    Path(out).write_text(page)
-    if plot is not None and fig is not None:
-        fig.savefig(plot, format=Path(plot).suffix.lower()[1:], dpi=110)
-    if fig is not None:
-        _pyplot().close(fig)
+    try:
+        # Both files appear together or not at all (each beside its target, renamed when whole).
+        with atomic_output("-o", out, "w") as page_fh:
+            page_fh.write(page)
+            if plot is not None and fig is not None:
+                with atomic_output("--plot", plot, "wb") as plot_fh:
+                    fig.savefig(plot_fh, format=Path(plot).suffix.lower()[1:], dpi=110)
+    finally:
+        if fig is not None:
+            _pyplot().close(fig)
     return rec
+
+
+def plots_available() -> bool:
+    """Whether matplotlib imports here (the ``report`` extra): without it pages have tables only."""
+    return _pyplot() is not None

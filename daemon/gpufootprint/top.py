@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -32,20 +33,24 @@ _KIND_SHORT = {"device": "dev", "pinned": "pin", "managed": "mgd", "device_stati
                "untracked": "unt", "pageable": "pgb", "managed_static": "mst", "unknown": "unk"}
 _MODE = {"steady": "stdy", "quiet": "quiet", "burst": "BURST"}
 _GRAPH = {"capture": "CAPT", "keep": "keep", "already_captured": "done", "insufficient_data": "-"}
-HEADER = f"{'PID':>7} {'POD/COMMAND':<14} {'GP':>2} {'DEVICE':>8} {'PEAK':>8} {'KINDS %':<12} {'SLACK':>7} " \
+HEADER = f"{'PID':>7} {'POD/COMMAND':<13} {'GP':>2} {'DEVICE':>8} {'PEAK':>8} {'KINDS %':<12} {'SLACK':>8} " \
          f"{'MODE':<5} {'GRPH':<4} {'L'} {'OO'}"
 
 
 def size(n: int | None) -> str:
-    """Bytes in at most 7 characters: 512B, 4.0K, 12.3M, 131.1G."""
+    """Bytes in binary units, as the demo's table, the report, nvidia-smi and nvitop print them, in at
+    most 8 characters: 512B, 4.0KiB, 772.2MiB, 2.36GiB, 140.4GiB. A unit gives way to the next at
+    1000 (not 1024), so four digits never appear: 1000.0MiB would not fit its column."""
     if n is None:
         return "-"
     v = float(n)
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(v) < 1024 or unit == "T":
-            return f"{int(v)}{unit}" if unit == "B" else f"{v:.1f}{unit}"
+    if abs(v) < 1000:
+        return f"{int(v)}B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         v /= 1024
-    return f"{v:.1f}T"
+        if abs(v) < 1000 or unit == "TiB":
+            return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.1f}{unit}"
+    return f"{v:.1f}TiB"
 
 
 def fetch(url: str, timeout: float = 5.0, user: str | None = None) -> dict[str, Any]:
@@ -87,20 +92,33 @@ def _kinds(live: dict[str, int]) -> str:
 
 
 def process_line(r: dict[str, Any]) -> str:
-    line = (f"{r.get('pid', 0):>7} {_name(r)[:14]:<14} {r.get('gpu', 0):>2} {size(r.get('device_bytes')):>8} "
+    line = (f"{r.get('pid', 0):>7} {_name(r)[:13]:<13} {r.get('gpu', 0):>2} {size(r.get('device_bytes')):>8} "
             f"{size(r.get('window_peak_bytes')):>8} {_kinds(r.get('live_bytes') or {}):<12} "
-            f"{size(r.get('allocator_slack_bytes')):>7} {_MODE.get(r.get('sampler_mode') or '', '-'):<5} "
+            f"{size(r.get('allocator_slack_bytes')):>8} {_MODE.get(r.get('sampler_mode') or '', '-'):<5} "
             f"{_GRAPH.get(r.get('graph_verdict') or '', '-'):<4} {'L' if r.get('leak_suspect') else ' '} "
             f"{min(99, r.get('oom_events') or 0) or '':>2}")
     return line[:WIDTH]
 
 
 def gpu_line(g: dict[str, Any]) -> str:
+    """``GPU 0  NVIDIA H200 (simulated)  used 2.36GiB / 140.4GiB  probed 384.7MiB``, in 80 columns:
+    only the model name gives way, and it is never cut inside its parentheses."""
     used, total = g.get("used_bytes"), g.get("total_bytes")
-    model = str(g.get("model") or "")[:22]
     view = f"used {size(used)} / {size(total)}" if used is not None else \
         f"total {size(total)}" if total is not None else "no NVML view"
-    return f"GPU {g.get('gpu')} {model:<22} {view:<26} probed {size(g.get('probed_bytes'))}"[:WIDTH]
+    head, tail = f"GPU {g.get('gpu')}  ", f"  {view}  probed {size(g.get('probed_bytes'))}"
+    model = _fit(str(g.get("model") or "-"), WIDTH - len(head) - len(tail))
+    return (head + model + tail)[:WIDTH]
+
+
+def _fit(text: str, room: int) -> str:
+    """``text`` in ``room`` columns: first without its parenthesised parts, then cut with "..."."""
+    if len(text) <= room:
+        return text
+    bare = re.sub(r"\s*\([^)]*\)", "", text).strip()
+    if len(bare) <= room:
+        return bare
+    return bare[:max(0, room - 3)] + "..." if room > 3 else bare[:max(0, room)]
 
 
 def render(doc: dict[str, Any], sort: str = "device", *, source: str = "", limit: int | None = None) -> list[str]:

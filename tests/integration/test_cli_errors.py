@@ -67,9 +67,15 @@ CASES = [
     Case("start", "bad config file", lambda t, p: ["--config", _bad_config(t)], 2, "exporter.listen"),
     Case("daemon", "busy port", lambda t, p: ["--listen", f"127.0.0.1:{p}", "--socket", str(t / "p.sock")], 2,
          "address already in use"),
+    Case("daemon", "busy port by the exporters' flag",
+         lambda t, p: ["--web.listen-address", f"127.0.0.1:{p}", "--socket", str(t / "p.sock")], 2,
+         f"exporter.listen 127.0.0.1:"),
     Case("daemon", "missing socket directory", lambda t, p: ["--listen", "127.0.0.1:0", "--socket",
                                                              str(t / "no" / "dir" / "p.sock")], 2,
          "/no/dir does not exist"),
+    Case("daemon", "unwritable oom.directory", lambda t, p: ["--listen", "127.0.0.1:0", "--socket", str(t / "p.sock"),
+                                                             "--set", "oom.directory=/proc/oom"], 2,
+         "oom.directory /proc/oom: cannot write there"),
     Case("daemon", "missing config file", lambda t, p: ["--config", str(t / "none.yaml")], 2, "none.yaml"),
     Case("demo", "busy port", lambda t, p: ["--listen", f"127.0.0.1:{p}", "--duration", "5"], 2,
          "address already in use"),
@@ -120,6 +126,19 @@ CASES = [
          "is the input file"),
     Case("export", "output in a missing directory",
          lambda t, p: [str(TRACE), "--to", "perfetto", "-o", str(t / "no" / "o.json")], 2, "does not exist"),
+    # Where no file can be created, though root passes every access check there (issue 30)
+    Case("export", "output under /proc", lambda t, p: [str(TRACE), "--to", "memory-viz", "-o", "/proc/nope.pickle"],
+         2, "-o /proc/nope.pickle: cannot write"),
+    Case("report", "output under /proc", lambda t, p: [str(TRACE), "-o", "/proc/r.html"], 2,
+         "-o /proc/r.html: cannot write"),
+    Case("convert", "output under /proc", lambda t, p: [str(TRACE), "-o", "/proc/x.gfp"], 2,
+         "-o /proc/x.gfp: cannot write"),
+    # Empty input is damage to report, not a success (README: exit 1)
+    Case("replay", "empty input", lambda t, p: [_empty(t)], 1, "empty.gfp: no frames"),
+    Case("report", "empty input", lambda t, p: [_empty(t), "-o", str(t / "r.html")], 1, "empty.gfp: no frames"),
+    Case("export", "empty input", lambda t, p: [_empty(t), "--to", "perfetto", "-o", str(t / "o.json")], 1,
+         "empty.gfp: no frames"),
+    Case("convert", "empty input", lambda t, p: [_empty(t), "-o", str(t / "o.gfp")], 1, "empty.gfp: no frames"),
 ]
 
 

@@ -142,3 +142,24 @@ def test_ci_installs_and_tests_exactly_as_the_readme_says() -> None:
     assert f"{setup} && .venv/bin/gpufootprint start" in readme
     assert setup in ci
     assert ".venv/bin/python -m pytest -q" in readme and ".venv/bin/python -m pytest -q" in ci
+
+
+def test_the_sdist_carries_what_readme_links_to(dist: Path) -> None:
+    """README's relative links (the configuration reference, deploy/, docs/ and its images) resolve
+    inside the sdist, as they do in the source tree (issue 30, item 7)."""
+    import re
+
+    sdist = _one(dist, f"gpufootprint-{gpufootprint.__version__}.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    readme = (ROOT / "README.md").read_text()
+    links = {m.split("#", 1)[0] for m in re.findall(r"\]\(([^)\s]+)\)", readme)
+             if "://" not in m and not m.startswith(("#", "mailto:"))}
+    assert "config/gpufootprint.yaml" in links and any(ln.startswith("docs/") for ln in links), links
+    missing = sorted(ln for ln in links if ln.rstrip("/") not in names
+                     and not any(n.startswith(ln.rstrip("/") + "/") for n in names))
+    assert not missing, f"README links to files the sdist lacks: {missing}"
+    for must in ("config/gpufootprint.yaml", "deploy/k8s/daemonset.yaml", "deploy/prometheus/rules.yml",
+                 "deploy/grafana/gpufootprint.json", "docs/metrics.md", "docs/img/report-footprint.png"):
+        assert must in names, must
+    assert not [n for n in names if "__pycache__" in n]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pyte
 import pytest
 
-from gpufootprint.top import HEADER, WIDTH, render, size
+from gpufootprint.top import HEADER, WIDTH, gpu_line, render, size
 
 from tests.conftest import cli_env
 from tests.integration.test_daemon import _free_port, _scrape, _wait
@@ -96,16 +97,56 @@ def test_render_fits_80_columns_even_with_extreme_values() -> None:
     lines = render(_doc(), "device", source="http://a-very-long-host-name.example:9878")
     assert all(len(line) <= 80 for line in lines)
     big, small = lines[3], lines[4]
-    assert big.split()[0] == "123456" and "128.0G" in big and "dev98 pin2" in big and "BURST" in big
+    assert big.split()[0] == "123456" and "128.0GiB" in big and "dev98 pin2" in big and "BURST" in big
     assert "CAPT" in big and big.rstrip().endswith("L 99")
-    assert small.split()[1] == "trainer-0-with" and small.split()[3] == "512B"
+    assert small.split()[1] == "trainer-0-wit" and small.split()[3] == "512B"
     assert render(_doc(), "pid")[3].split()[0] == "7"
     assert render(_doc(), "oom")[3].split()[0] == "123456"
 
 
-def test_sizes_are_short() -> None:
-    assert [size(n) for n in (None, 0, 1023, 1024, 1536 << 20, 131_074 << 20)] == \
-        ["-", "0B", "1023B", "1.0K", "1.5G", "128.0G"]
+def test_sizes_are_binary_units_as_the_demo_and_the_report_print_them() -> None:
+    # MiB and GiB, as the demo's table, the report, nvidia-smi and nvitop say; at most 8 characters
+    cases = {None: "-", 0: "0B", 999: "999B", 1024: "1.00KiB", 70 << 20: "70.0MiB", 999 << 20: "999.0MiB",
+             1000 << 20: "0.98GiB", 1536 << 20: "1.50GiB", 131_074 << 20: "128.0GiB"}
+    assert {n: size(n) for n in cases} == cases
+    assert all(len(size(n)) <= 8 for n in range(0, 1 << 44, 1 << 33))
+
+
+@pytest.mark.parametrize("model", ["NVIDIA H200 (simulated)", "NVIDIA H200 NVL with a long model name (simulated)",
+                                   "A" * 90 + " (x)", None])
+def test_the_gpu_line_fits_and_never_cuts_inside_parentheses(model: str | None) -> None:
+    g = {"gpu": 7, "model": model, "used_bytes": 139 << 30, "total_bytes": 140 << 30, "probed_bytes": 131 << 30}
+    line = gpu_line(g)
+    assert len(line) <= WIDTH, line
+    assert line.count("(") == line.count(")"), line
+    assert line.endswith("used 139.0GiB / 140.0GiB  probed 131.0GiB"), line  # the figures are never cut
+    if model and len(model) < 40:
+        assert model in line
+
+
+def test_the_demo_table_lists_the_processes_top_lists(tmp_path: Path) -> None:
+    """The demo's own screen and `top --once` against it show the same (process, GPU) rows."""
+    port = _free_port()
+    out = tmp_path / "demo.out"
+    with open(out, "w") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
+                                 "--duration", "16"], env=cli_env(), stdout=fh, stderr=subprocess.DEVNULL, text=True)
+        try:
+            _wait(lambda: len(_scrape(port).get("gpufootprint_device_bytes", [])) >= 3, timeout=30)
+            time.sleep(3)
+            r = _top("--once", "--url", f"http://127.0.0.1:{port}", "--sort", "pid")
+        finally:
+            proc.wait(60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    gp = HEADER.index(" GP") + 1  # the GPU column (a command name may hold spaces: split() would not do)
+    top_rows = {(int(ln[:7]), int(ln[gp:gp + 2])) for ln in lines[lines.index(HEADER) + 1:]}
+    screens = out.read_text().split("gpufootprint demo: real H200 traces")
+    last = screens[-1].splitlines()
+    head = next(i for i, ln in enumerate(last) if ln.split()[:2] == ["pid", "gpu"])
+    demo_rows = {(int(ln.split()[0]), int(ln.split()[1])) for ln in last[head + 1:] if ln.strip()[:1].isdigit()}
+    assert len(top_rows) >= 3
+    assert demo_rows == top_rows, (demo_rows, top_rows)
 
 
 def test_live_view_draws_in_a_terminal_and_takes_its_keys(demo: int) -> None:

@@ -78,8 +78,24 @@ def _monitor(kind: str, endpoints_key: str) -> dict[str, Any]:
                                      "properties": _ENDPOINT_COMMON}}}}}}
 
 
+_RULE = {"type": "object", "additionalProperties": False, "required": ["expr"], "properties": {
+    "record": {"type": "string"}, "alert": {"type": "string"}, "expr": {"type": ["string", "integer"]},
+    "for": _DURATION, "keep_firing_for": _DURATION, "labels": {"type": "object"},
+    "annotations": {"type": "object"}}, "oneOf": [{"required": ["record"]}, {"required": ["alert"]}]}
+_PROMETHEUS_RULE = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "PrometheusRule"}, "metadata": _META,
+        "spec": {"type": "object", "additionalProperties": False, "required": ["groups"], "properties": {
+            "groups": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["name", "rules"], "properties": {
+                    "name": {"type": "string"}, "interval": _DURATION, "limit": {"type": "integer"},
+                    "partial_response_strategy": {"type": "string"},
+                    "rules": {"type": "array", "items": _RULE}}}}}}}}
+
 CRD_SCHEMAS = {"ServiceMonitor": _monitor("ServiceMonitor", "endpoints"),
-               "PodMonitor": _monitor("PodMonitor", "podMetricsEndpoints")}
+               "PodMonitor": _monitor("PodMonitor", "podMetricsEndpoints"),
+               "PrometheusRule": _PROMETHEUS_RULE}
 
 
 def validate(doc: dict[str, Any], version: str) -> None:
@@ -93,7 +109,8 @@ def validate(doc: dict[str, Any], version: str) -> None:
 def test_every_manifest_validates_strictly(version: str) -> None:
     found = all_docs()
     assert {d["kind"] for _, d in found} >= {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-                                             "DaemonSet", "Service", "ServiceMonitor", "Deployment", "PodMonitor"}
+                                             "DaemonSet", "Service", "ServiceMonitor", "Deployment", "PodMonitor",
+                                             "PrometheusRule"}
     for name, doc in found:
         try:
             validate(doc, version)
@@ -107,6 +124,7 @@ def test_every_manifest_validates_strictly(version: str) -> None:
     ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(relabellings=[])),
     ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(interval="15 seconds")),
     ("PodMonitor", lambda d: d["spec"]["podMetricsEndpoints"][0]["relabelings"][0].update(action="rename")),
+    ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(fro="5m")),
 ])
 def test_the_validators_reject_broken_manifests(kind: str, mutate: Any) -> None:
     doc = by_kind(kind)[0]
@@ -244,3 +262,17 @@ def test_every_pod_template_turns_service_links_off() -> None:
     assert templates
     for spec in templates:
         assert spec.get("enableServiceLinks") is False, spec
+
+
+def test_the_prometheusrule_object_is_rules_yml_wrapped_for_the_operator() -> None:
+    """deploy/k8s/prometheusrule.yaml is generated from deploy/prometheus/rules.yml (issue 30, item 8):
+    the same groups, rule for rule, and the generator finds nothing to change."""
+    (obj,) = by_kind("PrometheusRule")
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())["groups"]
+    assert obj["spec"]["groups"] == rules
+    assert sum(len(g["rules"]) for g in rules) >= 10 and any("alert" in r for g in rules for r in g["rules"])
+    (svc,) = by_kind("Service")
+    assert obj["metadata"]["namespace"] == svc["metadata"]["namespace"]
+    r = subprocess.run([sys.executable, str(ROOT / "deploy" / "prometheus" / "generate_prometheusrule.py"), "--check"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr

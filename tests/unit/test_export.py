@@ -119,13 +119,15 @@ def test_perfetto_json_follows_the_trace_event_format(name: str, tmp_path: Path)
         dev = int(track.split()[1])
         final[dev] = final.get(dev, 0) + sum(v for k, v in args.items() if k in resident)
     assert {d: b for d, b in final.items() if b} == {d: b for d, b in _final_device_bytes(DATA / name, tmp_path).items() if b}
-    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names and all(n.startswith("pid ") for n in names)
+    assert all(type(e["tid"]) is int for e in events)  # the trace-event format's thread ids are numbers
 
 
 def test_kernels_become_slices_with_their_names() -> None:
     doc = perfetto(load([DATA / "h200_kernels_train.gfp.gz"]))
-    slices = [e for e in doc["traceEvents"] if e["ph"] == "X" and "stream" in str(e["tid"])]
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X" and "stream" in tracks[(e["pid"], e["tid"])]]
     assert slices and any(e["name"] != "kernel" for e in slices)
 
 

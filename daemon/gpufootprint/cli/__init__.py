@@ -36,16 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="debug logging and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # --listen is also --web.listen-address, the flag of the Prometheus exporters built on
+    # exporter-toolkit (node_exporter and others): charts and scripts written for them pass it.
     p = sub.add_parser("start", help="the main job: the daemon on a GPU node, the demo where there is no GPU")
     add_common_options(p)
-    p.add_argument("--listen", metavar="HOST:PORT", help="metrics address")
+    p.add_argument("--listen", "--web.listen-address", dest="listen", metavar="HOST:PORT", help="metrics address")
     p.add_argument("--socket", metavar="PATH", help="probe socket (daemon only)")
     _socket_dir_flag(p)
     p.add_argument("--duration", type=float, metavar="SECONDS", help="demo only: stop after this long")
 
     p = sub.add_parser("daemon", help="run the node agent: probe socket in, Prometheus metrics out")
     add_common_options(p)
-    p.add_argument("--listen", metavar="HOST:PORT", help="metrics address (exporter.listen)")
+    p.add_argument("--listen", "--web.listen-address", dest="listen", metavar="HOST:PORT",
+                   help="metrics address (exporter.listen)")
     p.add_argument("--socket", metavar="PATH", help="probe socket (daemon.socket)")
     _socket_dir_flag(p)
     p.add_argument("--web.config.file", dest="web_config_file", metavar="FILE",
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="replay bundled real H200 traces in a loop and serve /metrics")
     add_common_options(p)
-    p.add_argument("--listen", metavar="HOST:PORT", default=None,
+    p.add_argument("--listen", "--web.listen-address", dest="listen", metavar="HOST:PORT", default=None,
                    help="metrics address (default 127.0.0.1:9878)")
     p.add_argument("--speed", type=float, help="replay speed (demo.speed)")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long")
@@ -64,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="native or CUPTI-JSONL trace, gzip or plain (several: replayed one after another)")
     p.add_argument("--speed", type=float, default=None, help="X times real time (default: as fast as possible)")
-    p.add_argument("--listen", metavar="HOST:PORT", help="serve /metrics while replaying")
+    p.add_argument("--listen", "--web.listen-address", dest="listen", metavar="HOST:PORT",
+                   help="serve /metrics while replaying")
     p.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
                    help="with --listen: keep serving this long after the replay ends")
     p.add_argument("--report-json", metavar="PATH", help="write records, elapsed time and mark states as JSON")
@@ -118,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpufootprint {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        # Commands that can stop cleanly catch the signal themselves (replay); elsewhere Ctrl-C
+        # still gets its one line, so a silent exit 130 is never the only sign of what happened.
+        print(f"gpufootprint {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -6,17 +6,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import gzip
 import json
+import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config, DaemonConfig, load_config, parse_set_option
-from gpufootprint.errors import ConfigError
+from gpufootprint.errors import ConfigError, TraceError
 from gpufootprint.log import setup_logging
+from gpufootprint.outfile import atomic_output, probe_writable
+
+log = logging.getLogger("gpufootprint.cli")
 
 if TYPE_CHECKING:
     from gpufootprint.app import App
@@ -93,6 +98,26 @@ def check_socket_dir(path: str, create: bool) -> None:
                       "(create it, or pass --create-socket-dir)")
 
 
+def check_oom_directory(config: Config) -> None:
+    """At start, not at the first OOM (whose capture would be lost): can captures be written?
+    A directory set on purpose that cannot be written is a configuration error (one line, exit 2);
+    the built-in default that cannot be is one warning line, and the daemon runs (events are still
+    counted and logged)."""
+    from gpufootprint.statedir import default_oom_directory, unwritable
+
+    if not config.oom.enabled:
+        return
+    directory = config.oom.directory or default_oom_directory()
+    why = unwritable(directory)
+    if why is None:
+        return
+    if config.oom.directory:
+        raise ConfigError(f"oom.directory {directory}: cannot write there ({why}); mount a volume there, "
+                          "choose another directory, or set oom.enabled=false")
+    log.warning("oom captures disabled: cannot write the default oom.directory %s (%s); set oom.directory "
+                "to a writable directory (OOM events are still counted and logged)", directory, why)
+
+
 def check_output(option: str, path: str, inputs: Sequence[str] = ()) -> None:
     """Refuse an output that is one of the inputs or cannot be written, before anything is opened."""
     if path == "-":
@@ -109,24 +134,25 @@ def check_output(option: str, path: str, inputs: Sequence[str] = ()) -> None:
         raise ConfigError(f"command line {option} {path}: is a directory")
     if not parent.is_dir():
         raise ConfigError(f"command line {option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+    if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"command line {option} {path}: not writable")
-
-
-def open_output(option: str, path: str, mode: str) -> IO[Any]:
-    try:
-        if path.endswith(".gz"):
-            return gzip.open(path, mode)  # type: ignore[return-value]
-        return open(path, mode)  # the caller closes it
-    except OSError as exc:
-        raise ConfigError(f"command line {option} {path}: cannot write ({exc.strerror})") from None
+    probe_writable(option, path)  # before the work: /proc passes every access check as root
 
 
 def write_json(path: str, obj: Any) -> None:
-    fh: IO[str]
-    with (sys.stdout if path == "-" else open_output("--report-json", path, "w")) as fh:
+    if path == "-":
+        json.dump(obj, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    with atomic_output("--report-json", path, "w") as fh:
         json.dump(obj, fh, indent=1)
         fh.write("\n")
+
+
+def no_frames(name: str) -> TraceError:
+    """The error for an input with no frames at all (0 bytes, or a preamble and nothing after):
+    nothing to replay, report or export is damage to say, not a success to print."""
+    return TraceError(f"{name}: no frames (an empty trace)")
 
 
 def command_after_dashes(cmd: list[str]) -> list[str]:
@@ -136,3 +162,32 @@ def command_after_dashes(cmd: list[str]) -> list[str]:
         raise ConfigError("command line: give the command to run after --")
     return cmd
 
+
+
+class Interrupt:
+    """SIGINT and SIGTERM set ``stop`` (and record which came) while the block runs, so a long
+    command can end between two steps and say what it did, rather than die with nothing said or
+    written. Outside the main thread (tests calling ``main``) signals cannot be caught: no-op."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.signal: str | None = None
+        self._signum = 0
+        self._old: dict[int, Any] = {}
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self._signum  # the shell's convention for a process ended by a signal
+
+    def _handler(self, signum: int, _frame: object) -> None:
+        if self.signal is None:
+            self.signal, self._signum = signal.Signals(signum).name, signum
+        self.stop.set()
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import yaml
 
-from gpufootprint.cli.common import check_socket_dir, config_from_args, open_app, reason, setup, start_app
+from gpufootprint.cli.common import (
+    check_oom_directory,
+    check_socket_dir,
+    config_from_args,
+    open_app,
+    reason,
+    setup,
+    start_app,
+)
 from gpufootprint.config import config_to_dict
 from gpufootprint.errors import ConfigError, TraceError
 
@@ -36,6 +44,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     config = config_from_args(args, flags)
     setup(config, args.verbose)
     check_socket_dir(config.daemon.socket, args.create_socket_dir)
+    check_oom_directory(config)
     present, detail = detect_gpu()
     nvml_client = None
     if present and config.nvml.enabled:

@@ -6,15 +6,27 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpufootprint.cli.common import check_output, config_from_args, open_app, open_output, setup, start_app, write_json
+from gpufootprint.cli.common import (
+    Interrupt,
+    check_output,
+    config_from_args,
+    no_frames,
+    open_app,
+    setup,
+    start_app,
+    write_json,
+)
 from gpufootprint.errors import ConfigError, GpuFootprintError, TraceError
+from gpufootprint.outfile import atomic_output
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from gpufootprint.app import App
+    from gpufootprint.wire.framing import Frame
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -30,31 +42,41 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise GpuFootprintError(f"{name}: no such file")
     if args.report_json:
         check_output("--report-json", args.report_json, args.files)
+    # Ctrl-C and SIGTERM end the replay between two frames: what was replayed is reported (and
+    # the report says it is partial) instead of the process dying with nothing written. Caught
+    # from here on, so once "serving" is printed a signal is always this clean stop.
+    interrupt = Interrupt()
     app: App | None = None
-    guard: Any = contextlib.nullcontext()
-    if args.listen:
-        app = open_app(config, socket_path=None, listen=args.listen)
-        start_app(app, None)
-        pipeline = app.pipeline
-        guard = app.ingest.lock
-        print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
-    else:
-        from gpufootprint.sampler.hub import FeatureHub
-
-        pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
     results = []
-    try:
-        for name in args.files:
-            results.append(replay_file(name, pipeline, speed=args.speed, guard=guard,
-                                       max_frame_bytes=config.daemon.max_frame_bytes,
-                                       on_mark=app.oom.on_mark if app is not None else None))
-        if app is not None:
-            app.ingest.tick()
-            if args.linger > 0:
-                time.sleep(args.linger)
-    finally:
-        if app is not None:
-            app.stop()
+    with interrupt:
+        guard: Any = contextlib.nullcontext()
+        if args.listen:
+            app = open_app(config, socket_path=None, listen=args.listen)
+            start_app(app, None)
+            pipeline = app.pipeline
+            guard = app.ingest.lock
+            print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
+        else:
+            from gpufootprint.sampler.hub import FeatureHub
+
+            pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
+        try:
+            for name in args.files:
+                result = replay_file(name, pipeline, speed=args.speed, guard=guard, stop=interrupt.stop,
+                                     max_frame_bytes=config.daemon.max_frame_bytes,
+                                     on_mark=app.oom.on_mark if app is not None else None)
+                results.append(result)
+                if interrupt.signal:
+                    break
+                if result.frames == 0 and not result.problems:
+                    raise no_frames(name)
+            if app is not None:
+                app.ingest.tick()
+                if args.linger > 0 and not interrupt.signal:
+                    interrupt.stop.wait(args.linger)
+        finally:
+            if app is not None:
+                app.stop()
     marks = [m for r in results for m in r.marks]
     problems = [p for r in results for p in r.problems]
     records = sum(r.records for r in results)
@@ -64,9 +86,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report = {"file": results[0].path if len(results) == 1 else [r.path for r in results],
                   "format": formats, "records": records, "elapsed_s": elapsed, "marks": marks,
                   "problems": problems, "ingest_errors": dict(pipeline.errors.counts),
-                  "late_records": pipeline.late_records}
+                  "late_records": pipeline.late_records,
+                  "complete": interrupt.signal is None, "interrupted": interrupt.signal}
         report.update(pipeline.hub.report())  # anomaly_windows, sampler_intervals: the sampler's view of the run
         write_json(args.report_json, report)
+    if interrupt.signal is not None:
+        where = f"; {args.report_json} covers those only (\"complete\": false)" if args.report_json else ""
+        print(f"gpufootprint replay: interrupted by {interrupt.signal} after {records} records{where}",
+              file=sys.stderr)
+        return interrupt.exit_code
     mismatched = [m["label"] for m in marks if m.get("matches") is False]
     print(f"replayed {records} records ({formats}) in {elapsed:.3f} s; "
           f"{len(marks)} marks, {len(mismatched)} differ from the trace's expectation", file=sys.stderr)
@@ -78,6 +106,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from gpufootprint.wire.framing import PREAMBLE
     from gpufootprint.wire.jsonl import write_jsonl
     from gpufootprint.wire.sources import TraceFile
 
@@ -87,25 +116,34 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise TraceError(f"{args.input}: no such file")
     check_output("-o", args.output, [args.input])
     trace = TraceFile(args.input)
-    problems = trace.problems
-    compress = out.suffix == ".gz"
-    if to_jsonl:
-        # Without the end check: convert has always written the whole frames of a file cut
-        # inside its last one and said nothing of the cut.
-        with open_output("-o", args.output, "wt" if compress else "w") as text_out:
-            n = write_jsonl(trace.frames(check_end=False), text_out)
-        what = f"{n} lines"
-    else:
-        n = 0
-        with open_output("-o", args.output, "wb") as bin_out:
+    frames = 0
+
+    def counted(it: Iterator[Frame]) -> Iterator[Frame]:
+        nonlocal frames
+        for frame in it:
+            frames += 1
+            yield frame
+
+    # Written beside OUT and renamed at the end: damage (a cut .gz, a bad frame) raises inside the
+    # block, so OUT is left as it was rather than holding a partial conversion that looks whole.
+    with atomic_output("-o", args.output, "w" if to_jsonl else "wb") as fh:
+        if to_jsonl:
+            n = write_jsonl(counted(trace.frames()), fh)
+            what = f"{n} lines"
+        else:
+            n = 0
             for chunk in trace.chunks():
-                bin_out.write(chunk)
+                fh.write(chunk)
                 n += len(chunk)
-        what = f"{n} bytes"
+            frames = max(0, n - len(PREAMBLE))  # bytes past the preamble: frames, or the damage below
+            what = f"{n} bytes"
+        if trace.problems:
+            more = f" (and {len(trace.problems) - 1} more problems)" if len(trace.problems) > 1 else ""
+            raise TraceError(f"{trace.problems[0]}{more}; nothing written to {args.output}")
+        if frames == 0:
+            raise no_frames(args.input)
     print(f"wrote {out} ({what}, from {trace.format})", file=sys.stderr)
-    for problem in problems[:20]:
-        print(f"gpufootprint convert: error: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    return 0
 
 
 def cmd_abtest(args: argparse.Namespace) -> int:

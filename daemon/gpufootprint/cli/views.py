@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufootprint.cli.common import add_common_options, check_output, config_from_args, setup
-from gpufootprint.errors import ConfigError, GpuFootprintError
+from gpufootprint.errors import ConfigError, GpuFootprintError, TraceError
 
 
 def add_view_commands(sub: Any) -> None:
@@ -56,7 +56,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from gpufootprint.report import write_report
+    from gpufootprint.report import plots_available, write_report
 
     config = config_from_args(args)
     setup(config, args.verbose)
@@ -69,11 +69,17 @@ def cmd_report(args: argparse.Namespace) -> int:
             raise ConfigError(f"command line --plot {args.plot}: the file name must end in .png or .svg")
         check_output("--plot", args.plot, [*args.files, args.output])
     rec = write_report(args.files, args.output, title=args.title, plot=args.plot)
+    if rec.problems:
+        # The page is written on purpose (it shows what could be read and lists every problem);
+        # the terminal gets one line that says so, not a "wrote" line followed by errors.
+        print(f"gpufootprint report: error: {_first(rec.problems)}; {args.output} shows what could be read "
+              "and lists the problems", file=sys.stderr)
+        return 1
+    hint = "" if plots_available() else \
+        "; no plots: matplotlib is not installed here (pip install 'gpufootprint[report]')"
     print(f"wrote {args.output}" + (f" and {args.plot}" if args.plot else "") +
-          f" ({rec.records} records)", file=sys.stderr)
-    for problem in rec.problems[:20]:
-        print(f"gpufootprint report: error: {problem}", file=sys.stderr)
-    return 1 if rec.problems else 0
+          f" ({rec.records} records{hint})", file=sys.stderr)
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -86,8 +92,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise GpuFootprintError(f"{args.file}: no such file")
     check_output("-o", args.output, [args.file])
     rec = load([args.file], config)
+    if rec.problems:
+        # A viewer's file cannot say it is partial: nothing is written for a damaged recording
+        # (`gpufootprint report` shows what could be read, with the problems).
+        raise TraceError(f"{_first(rec.problems)}; nothing written to {args.output}")
     print(write_export(rec, args.to, args.output), file=sys.stderr)
-    for problem in rec.problems[:20]:
-        print(f"gpufootprint export: error: {problem}", file=sys.stderr)
-    return 1 if rec.problems else 0
+    return 0
 
+
+def _first(problems: list[str]) -> str:
+    return problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")

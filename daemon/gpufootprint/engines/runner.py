@@ -113,7 +113,12 @@ class Engines:
             advice = self.degradation.evaluate(snap, budgets)
             keys = {(a.gpu, a.pid, a.advice) for a in advice}
             new_advice = tuple(a for a in advice if (a.gpu, a.pid, a.advice) not in self._advice)
-            self._advice = keys
+            # Remembered while the process is in the snapshot at all, not only while the advice
+            # stands: a workload that restarts under the same pid (the demo's loop, a restarted
+            # container in hostPID) drops its advice for a moment and gets it back; that is no
+            # change to log again.
+            present = {p.pid for p in snap.processes}
+            self._advice = keys | {k for k in self._advice if k[1] in present}
         cost = self.cost.observe(snap) if cfg.cost.enabled else None
         return EngineOutputs(
             taken_at=snap.taken_at, graph=graph, budgets=budgets, budget_actions=actions,

@@ -299,8 +299,13 @@ def record(cmd: list[str], output: str, probe_config: ProbeOptions | None = None
                   f"({relay.records_lost} records) lost, the recording is incomplete", file=sys.stderr)
     if relay.frames == 0:
         # No probe ever connected (no GPU, no CUPTI, or a command that is not Python): an empty
-        # file is not a recording, and a zero exit would hide it.
+        # file is not a recording, and a zero exit would hide it. Nor is it left behind: a file
+        # holding only the preamble would later read as a recording of nothing.
+        try:
+            os.unlink(output)
+        except OSError:
+            pass
         print(f"gpufootprint record: error: {output}: empty recording, no probe connected (no GPU or CUPTI "
-              "here, or the command does not start Python)", file=sys.stderr)
+              "here, or the command does not start Python); no file kept", file=sys.stderr)
         return rc or 1
     return rc
