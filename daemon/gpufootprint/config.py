@@ -325,8 +325,9 @@ class OomConfig:
                                         doc="recent records kept for all processes together (the process "
                                             "holding the most loses its oldest first)")
     coalesce_seconds: float = _spec(1.0, lo=0, hi=600,
-                                    doc="OOM notices of one process this close together are one event (a framework "
-                                        "retries after freeing its cache; PyTorch's observer adds its own notice)")
+                                    doc="OOM notices of one process within this long of the first are one event, made "
+                                        "then; later ones this close together count into it (a framework retries "
+                                        "after freeing its cache; PyTorch's observer adds its own notice)")
     report: bool = _spec(True, doc="write report.html next to each capture (plots need the [report] extra)")
 
 

@@ -299,3 +299,13 @@ def test_a_cupti_that_refuses_the_switch_is_counted_not_fatal(tmp_path: Path) ->
     probe.stop()
     assert probe.counters["oom_records_unavailable"] == 1
     assert probe.table.live_by_kind(0) == {"device": 4096}
+
+
+def test_a_failed_call_names_its_gpu_as_known_only_where_the_process_sees_one_device() -> None:
+    watch = OomWatch()
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 5)])
+    (one,) = watch.marks(pid=1, default_dev=0, settled_ns=None, only_device=True)
+    assert one["dev"] == 0 and one["oom"]["dev_known"] is True
+    watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 9)])
+    (many,) = watch.marks(pid=1, default_dev=3, settled_ns=None, only_device=False)
+    assert many["dev"] == 3 and many["oom"]["dev_known"] is False  # the newest allocation's GPU, a guess

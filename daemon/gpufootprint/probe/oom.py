@@ -10,8 +10,9 @@ JAX, Numba, PyTorch's expandable segments); the driver call inside ``cudaMalloc`
 ``cudaErrorMemoryAllocation``. A record of an allocation entry point below whose return
 value is out-of-memory (2 in both APIs) is an out-of-memory event, whatever the
 framework. The record carries no arguments and no device: the requested size is unknown
-on this path, and the device is the one the process last allocated on (``dev_known``
-says so). With PyTorch, its own out-of-memory observer adds the requested size and the
+on this path (only a callback subscriber's per-call parameters have it, a cost on every
+allocation call of every process: docs/oom.md), and the device is the one the process
+last allocated on, known for sure (``dev_known``) where the process sees one device. With PyTorch, its own out-of-memory observer adds the requested size and the
 allocator's figures.
 
 Nothing here runs on CUPTI's thread or the workload's, except the PyTorch observer
@@ -255,17 +256,21 @@ class OomWatch:
             self._judged_calls, self._judged_last = 0, None
         return out, calls, last
 
-    def marks(self, pid: int, default_dev: int, settled_ns: int | None = None) -> list[dict[str, Any]]:
+    def marks(self, pid: int, default_dev: int, settled_ns: int | None = None,
+              only_device: bool = False) -> list[dict[str, Any]]:
         """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed
         allocation calls judged now (``settle``; at the last one's time, counting them all); at most
-        MAX_MARKS in all."""
+        MAX_MARKS in all. An API record names no device: ``default_dev`` is the one the newest
+        allocation named, known for sure only where the process sees one device (``only_device``,
+        as a Kubernetes container given one GPU does)."""
         self.settle(settled_ns)
         events, calls, last = self.take(settled_ns)
         out: list[dict[str, Any]] = []
         if last is not None:
             out.append({"label": "oom", "ts": last["ts"], "pid": pid, "dev": default_dev, "expect_live_bytes": None,
                         "oom": {"source": "cupti", "api": last["api"], "failed_calls": calls,
-                                "requested_bytes": None, "dev_known": False, "thread_id": last["thread_id"]}})
+                                "requested_bytes": None, "dev_known": only_device,
+                                "thread_id": last["thread_id"]}})
         for e in events:
             if e["source"] == "torch":
                 body = {k: v for k, v in e.items() if k not in ("ts", "dev")}

@@ -260,7 +260,7 @@ class Sender:
             return
         settled = None if self._stop.is_set() else self._table_ts
         # an API record names no device: the one the newest allocation record named (packer.api_dev)
-        bodies = self.oom.marks(self.pid, self.packer.api_dev, settled)
+        bodies = self.oom.marks(self.pid, self.packer.api_dev, settled, only_device=len(self.devices) == 1)
         for body in bodies:
             self.intake.q.append(("mark", body, threading.Event()))
         if bodies:
