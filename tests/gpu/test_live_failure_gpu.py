@@ -195,6 +195,7 @@ def test_a_process_that_survives_its_oom_reads_exact_while_it_lives(scenario: st
     (event,) = oom["events"]
     assert oom["event_after_failure_s"] is not None and oom["event_after_failure_s"] <= EVENT_BOUND_S, oom
     assert event["gpu"] == 0 and event["failed_calls"] >= 1 and "cupti" in event["seen_by"], event
+    assert event["gpu_known"] is True, event  # the process sees one GPU
     at_failure = event["live_bytes"]["device"]
     if jax:  # at the failure JAX also held the failing executable's scratch buffer (2 MiB on the H200)
         assert oom["daemon_device_bytes"] <= at_failure <= oom["daemon_device_bytes"] + (4 << 20), (event, oom)
