@@ -76,6 +76,13 @@ class DaemonConfig:
                                                      "applied at once (pending_limit)")
     max_pending_records: int = _spec(400_000, lo=1000, hi=100_000_000,
                                      doc="records waiting for the watermark in all processes together")
+    max_resync_records: int = _spec(400_000, lo=1000, hi=100_000_000,
+                                    doc="records held in open resyncs of all processes together (shared by "
+                                        "tenant); past its share a resync is cut (resync_limit)")
+    max_string_bytes: int = _spec(8 * 1024 * 1024, lo=1 << 16, hi=1 << 32,
+                                  doc="kernel names held for all live connections, in characters plus 64 "
+                                      "per name (shared by tenant); past its share a name is dropped "
+                                      "(strings_limit)")
     max_metadata_bytes: int = _spec(8 * 1024, lo=1024, hi=1 << 24,
                                     doc="JSON bytes of HELLO/META fields one process may keep; a META past it is "
                                         "dropped")
