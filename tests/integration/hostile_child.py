@@ -124,10 +124,11 @@ def main() -> None:
         hold(socks, path, reopen=True)
     elif attack == "strings":
         s = connect(path)
-        per = args[1] * (1 << 20) // 12  # '"1234567":"",' is about 12 bytes
+        per = args[1] * (1 << 20) // 14  # '"12345678":"",' is 14 bytes at most
         for f in range(args[0]):
             body = b"{" + b",".join(b'"%d":""' % (f * per + i) for i in range(per)) + b"}"
-            s.sendall(encode(FrameType.STRINGS, 0, body))
+            assert len(body) <= args[1] * (1 << 20)
+            s.sendall(encode(FrameType.STRINGS, body))
         hold([s], path)
     elif attack == "open_resyncs":
         socks = []

@@ -164,3 +164,64 @@ def test_idle_connections_of_one_tenant_do_not_keep_another_tenants_probe_out(no
     assert any("uid/65534" in ln and "is at its" in ln for ln in n.daemon.log().splitlines())
     _honest_clean(n, p)
     assert hostile.poll() is None
+
+
+def _peak_mib(node: Node) -> float:
+    status = Path(f"/proc/{node.daemon.proc.pid}/status").read_text().splitlines()
+    return int(next(ln for ln in status if ln.startswith("VmHWM")).split()[1]) / 1024
+
+
+def _nothing_of_the_honest_refused(node: Node) -> None:
+    m = node.metrics()
+    mine = [(lab, v) for lab, v in m.get("gpufootprint_daemon_share_refusals_total", []) if lab.get("uid") == "0"]
+    assert mine == [], mine
+
+
+# --- (b) kernel names: every entry costs its charge -----------------------------------------------------
+
+
+def test_empty_kernel_names_are_charged_and_cannot_grow_the_daemon(node) -> None:
+    n = node()
+    start = n.rss_mib()
+    # GIVEN another uid sending six 15 MiB STRINGS frames of empty names (once charged nothing each)
+    n.hostile("strings", 6, 15)
+    _wait(lambda: _refused(n.metrics(), "strings_limit") == 6 * (15 * MIB // 14), 60)
+    # THEN the daemon stayed small (it went from 46 to 827 MiB before), and the honest probe is exact
+    assert _peak_mib(n) < start + 120, (start, _peak_mib(n))
+    p = _run_honest(n)
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)
+
+
+# --- (c, d) resyncs count against the node-wide bounds ------------------------------------------------
+
+
+def test_open_resyncs_are_bounded_in_total_and_shared_by_tenant(node) -> None:
+    n = node("daemon.max_resync_records=50000")
+    # GIVEN 16 connections of another uid, each inside a resync of 100,000 allocations that never ends
+    n.hostile("open_resyncs", 16, 100_000)
+    _wait(lambda: _refused(n.metrics(), "resync_limit") >= 16 * 100_000 - 50_000, 60)
+    # THEN it holds at most the bound (it is alone: all of it), the honest probe's own resync and
+    # records go through, exact
+    p = _run_honest(n)
+    _nothing_of_the_honest_refused(n)
+    assert _refused(n.metrics(), "resync_limit") == 16 * 100_000 - 50_000
+    _honest_clean(n, p)
+
+
+@pytest.mark.parametrize("attack,args,reason", [
+    ("resyncs", (6, 100_000), "allocation_limit"),  # completed resyncs of 6 processes
+    ("allocations", (3, 100_000), "allocation_limit"),  # 3 processes fill the live-allocation bound
+    ("devices", (4, 16), "device_limit"),  # 4 processes x 16 devices fill the device tables
+])
+def test_a_tenant_that_filled_a_node_bound_alone_leaves_room_for_a_later_honest_probe(
+        node, attack: str, args: tuple[int, int], reason: str) -> None:
+    n = node("daemon.max_live_allocations=250000", "daemon.max_device_footprints=48")
+    # GIVEN another uid whose processes took all of a node-wide bound while alone on the node
+    n.hostile(attack, *args)
+    _wait(lambda: _refused(n.metrics(), reason) >= 1, 60)
+    # WHEN an honest probe starts later, on a device of its own (a new device table)
+    p = _run_honest(n, dev=5)
+    # THEN none of its records is dropped and its footprint is exact at every scrape
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)

@@ -297,7 +297,7 @@ class Guard:
 
 #: What one HELLO/META value costs beyond its JSON text (a dict entry, a Python object): many empty
 #: values are not free.
-METADATA_VALUE_CHARGE = 48
+METADATA_VALUE_CHARGE = 32
 
 
 def metadata_charge(value: object) -> int:
