@@ -64,8 +64,9 @@ class DaemonConfig:
                                   doc="a record whose size or byte count is larger is dropped (bad_size)")
     max_devices_per_process: int = _spec(16, lo=1, hi=4096,
                                          doc="device numbers at or above it are dropped (bad_device)")
-    max_device_footprints: int = _spec(64, lo=1, hi=1_000_000,
-                                       doc="(process, device) tables in all; records opening more are dropped")
+    max_device_footprints: int = _spec(2048, lo=1, hi=1_000_000,
+                                       doc="(process, device) tables in all (a full node: 256 processes on 8 "
+                                           "GPUs each); records opening more than a share are dropped")
     max_live_allocations_per_process: int = _spec(100_000, lo=1, hi=10_000_000,
                                                   doc="live allocations (with records still waiting) one process "
                                                       "may hold; further allocations are dropped and counted")

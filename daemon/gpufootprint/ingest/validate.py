@@ -42,7 +42,7 @@ class Limits:
     max_live_allocations: int = 250_000
     max_pending_records_per_process: int = 250_000
     max_pending_records: int = 400_000
-    max_device_footprints: int = 64
+    max_device_footprints: int = 2048
     max_metadata_bytes: int = 8 * 1024
     max_retained_kernels: int = 500_000
     max_string_bytes: int = 8 * 1024 * 1024  # kernel names held for all live connections (charged)
@@ -232,7 +232,10 @@ class Guard:
             n_alloc = int(allocs.sum())
             if n_alloc:
                 room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
-                if n_alloc > room:
+                growth = n_alloc - _released_here(recs, allocs)
+                if growth <= room:
+                    n_alloc = growth  # pairs made and freed inside the batch leave nothing live
+                else:
                     # Keep releases (they only shrink the table) and the first allocations that fit.
                     over = allocs & (np.cumsum(allocs) > room)
                     dropped = int(over.sum())
@@ -293,6 +296,22 @@ class Guard:
         admitted.update(new_devs)
         self.devices.add(pid, len(new_devs), self.census)
         return recs
+
+
+def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
+    """Releases in ``recs`` of an address allocated in ``recs`` on the same device: each frees what
+    the batch itself added (a process that allocates and frees between two flushes holds none of it
+    live). At most one per allocated address, so a flood of releases cannot hide allocations."""
+    releases = recs["op"] == MemoryOp.RELEASE
+    if not releases.any():
+        return 0
+    freed = 0
+    for dev in np.unique(recs["dev"]).tolist():
+        on = recs["dev"] == dev
+        made = np.unique(recs["addr"][allocs & on])
+        gone = np.unique(recs["addr"][releases & on])
+        freed += int(np.isin(gone, made, assume_unique=True).sum())
+    return freed
 
 
 #: What one HELLO/META value costs beyond its JSON text (a dict entry, a Python object): many empty
