@@ -37,6 +37,8 @@ _MAX_INFO_KEYS = 64
 _MAX_INFO_STR = 256
 _MAX_INFO_BYTES = 64 * 1024
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
+#: Records of one kind decoded at once from a forwarded CUPTI buffer (about 2 MiB of raw structs).
+DECODE_CHUNK = 16_384
 #: What a kernel name costs beyond its characters (its dict entry, its key and str objects): an
 #: empty name is not free.
 NAME_CHARGE = 64
@@ -270,8 +272,11 @@ class Session:
             kind = rawrecords.RECORD_KIND.get(ck)
             if kind is None or kind is RecordKind.KERNEL:
                 continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
-            recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs), pid)
-            self._records(kind, recs, frame.offset)
+            # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
+            # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
+            for at in range(0, len(offs), DECODE_CHUNK):
+                recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
+                self._records(kind, recs, frame.offset)
 
     def _batch(self, frame: Frame) -> None:
         try:
