@@ -46,7 +46,9 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
     pid = os.getpid()
     s = socket.socket(socket.AF_UNIX)
     s.connect(sock_path)
-    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": time.time_ns(), "bench": "load"}))
+    last_mark = time.time_ns()  # the latest watermark sent
+    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": time.time_ns(), "bench": "load"})
+              + encode_watermark(last_mark))
     s.setblocking(False)
     per_batch = max(2, int(round(per_second * FLUSH_S / 2)) * 2)
     recs = np.zeros(per_batch, MEMORY_DTYPE)
@@ -63,9 +65,13 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
     next_flush = go + (index % 10) * FLUSH_S / 10  # spread the probes over the flush period
     next_beat = go + 1.0
     k = 0
-    last_mark = int(go * 1e9) - int(FLUSH_S * 1e9)  # the previous watermark sent
     while time.time() < stop_at:
         now_wall = time.time()
+        if now_wall < go and now_wall - last_mark / 1e9 >= 1.0:
+            # Waiting for the others to start: a watermark a second, as an idle probe sends, so the
+            # daemon does not advance it by its own clock past records it is about to stamp.
+            last_mark = time.time_ns()
+            out += encode_watermark(last_mark)
         if now_wall < next_flush:
             time.sleep(min(next_flush - now_wall, 0.02))
         else:

@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import ROOT, cli_env
 from tests.integration.test_faults import DaemonProcess, _value, _wait
+from tests.integration.test_local_attacks import _status
 from tests.probe_process import finish_probe_child, start_probe_child
 
 HOSTILE = str(ROOT / "tests" / "integration" / "hostile_child.py")
@@ -45,8 +46,8 @@ class Node:
         self.sock = str(self.daemon.sock)
         self.procs: list[subprocess.Popen[str]] = []
 
-    def hostile(self, attack: str, *args: int) -> subprocess.Popen[str]:
-        env = dict(cli_env(), HOSTILE_UID=str(NOBODY))
+    def hostile(self, attack: str, *args: int, uid: int = NOBODY) -> subprocess.Popen[str]:
+        env = dict(cli_env(), HOSTILE_UID=str(uid))
         p = subprocess.Popen([sys.executable, HOSTILE, self.sock, attack, *map(str, args)], env=env,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(p)
@@ -225,3 +226,36 @@ def test_a_tenant_that_filled_a_node_bound_alone_leaves_room_for_a_later_honest_
     # THEN none of its records is dropped and its footprint is exact at every scrape
     _nothing_of_the_honest_refused(n)
     _honest_clean(n, p)
+
+
+# --- everything at once: the daemon stays under the DaemonSet's memory limit -------------------------
+
+
+def test_the_attacks_combined_by_two_other_uids_keep_the_daemon_under_its_memory_limit(node) -> None:
+    limit_mib = 512  # deploy/k8s: the DaemonSet's memory limit
+    n = node()  # the default configuration
+    began = time.monotonic()
+    # GIVEN two other uids, each filling bounds while the other is there too, all attacks at once
+    for uid in (NOBODY, NOBODY - 1):
+        n.hostile("allocations", 3, 100_000, uid=uid)
+        n.hostile("resyncs", 3, 100_000, uid=uid)
+        n.hostile("open_resyncs", 8, 100_000, uid=uid)
+        n.hostile("devices", 4, 16, uid=uid)
+        n.hostile("strings", 3, 15, uid=uid)
+        n.hostile("connections", 400, uid=uid)
+    _wait(lambda: all(_refused(n.metrics(), r, uid) > 0 for r in ("allocation_limit", "resync_limit",
+                                                                 "strings_limit") for uid in (NOBODY, NOBODY - 1)), 120)
+    # THEN an honest probe of a third tenant is exact at every scrape and nothing of it is refused
+    p = _run_honest(n, dev=3)
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)
+    # AND whoever is at a bound is named once a minute per tenant, while the daemon stays ready
+    minutes = int((time.monotonic() - began) // 60)
+    for tenant in (f"uid/{NOBODY}", f"uid/{NOBODY - 1}"):
+        lines = [ln for ln in n.daemon.log().splitlines() if f"tenant {tenant} " in ln and "is at its" in ln]
+        assert 1 <= len(lines) <= 1 + minutes, lines
+    assert _status(n.daemon.port, "/readyz") == 200
+    # AND the daemon's peak memory stayed under the DaemonSet's limit
+    peak = _peak_mib(n)
+    print(f"combined attack: daemon VmHWM {peak:.0f} MiB, VmRSS {n.rss_mib():.0f} MiB")
+    assert peak < limit_mib, peak
