@@ -11,7 +11,7 @@ takes back what the daemon closes) until its stdin closes. Attacks:
   resyncs P R          P processes each completing a resync of R allocations, then idle
   devices P D          P processes each opening D device tables (one allocation each)
   allocations P R      P processes each holding R live allocations
-  buffer MIB           one CUPTI_BUFFER frame of about MIB MiB mixing memory and copy records
+  buffer F MIB         F CUPTI_BUFFER frames of MIB MiB mixing memory and copy records (another pid's)
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_batch, encode_json  # noqa: E402
+from gpufootprint.wire import cupti_layout as cl  # noqa: E402
+from gpufootprint.wire.framing import (  # noqa: E402
+    PREAMBLE,
+    FrameType,
+    encode,
+    encode_batch,
+    encode_cupti_buffer,
+    encode_json,
+)
 
 
 def connect(path: str) -> socket.socket:
@@ -45,6 +53,26 @@ def allocations(n: int, *, dev: int = 0, base: int = 0x7000_0000) -> np.ndarray:
     recs["bytes"] = 4096
     recs["pid"], recs["dev"], recs["op"], recs["mk"] = os.getpid(), dev, MemoryOp.ALLOCATION, MemoryKind.DEVICE
     return recs
+
+
+def mixed_buffer(mib: int) -> bytes:
+    """A CUPTI buffer of MEMORY2 and MEMCPY records alternating (no run of one kind to view in place)."""
+    m, c = cl.RAW_DTYPES[cl.MEMORY2].itemsize, cl.RAW_DTYPES[cl.MEMCPY].itemsize
+    n = mib * (1 << 20) // (m + c)
+    now = time.time_ns()
+    mem = np.zeros(n, cl.RAW_DTYPES[cl.MEMORY2])
+    mem["op"], mem["mk"], mem["bytes"] = 1, 3, 4096
+    mem["address"] = 0x7000_0000 + np.arange(n, dtype=np.uint64) * 4096
+    mem["timestamp"] = now + np.arange(n, dtype=np.uint64)
+    cpy = np.zeros(n, cl.RAW_DTYPES[cl.MEMCPY])
+    cpy["bytes"], cpy["start"] = 64, now + np.arange(n, dtype=np.uint64)
+    cpy["end"] = cpy["start"] + np.uint64(10)
+    pair = np.zeros((n, m + c), np.uint8)
+    pair[:, :m] = mem.view(np.uint8).reshape(n, m)
+    pair[:, m:] = cpy.view(np.uint8).reshape(n, c)
+    pair[:, 0:4] = np.frombuffer(np.int32(cl.MEMORY2).tobytes(), np.uint8)
+    pair[:, m:m + 4] = np.frombuffer(np.int32(cl.MEMCPY).tobytes(), np.uint8)
+    return pair.tobytes()
 
 
 def closed(s: socket.socket) -> bool:
@@ -160,6 +188,14 @@ def main() -> None:
             s.sendall(encode_batch(RecordKind.MEMORY, allocations(args[1])))
             return s
         in_children(args[0], live)
+    elif attack == "buffer":
+        s = connect(path)
+        for _ in range(args[0]):
+            # Records of another pid: decoded whole, then dropped (pid_mismatch), so what the daemon
+            # takes for them is the decoding alone.
+            s.sendall(encode_cupti_buffer(os.getpid() + 1, mixed_buffer(args[1])))
+        s.sendall(encode_batch(RecordKind.MEMORY, allocations(1)))  # its own: says all came through
+        hold([s], path)
     else:
         raise SystemExit(f"unknown attack {attack}")
 

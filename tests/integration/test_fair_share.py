@@ -228,6 +228,26 @@ def test_a_tenant_that_filled_a_node_bound_alone_leaves_room_for_a_later_honest_
     _honest_clean(n, p)
 
 
+# --- (g) forwarded buffers decode in bounded memory -------------------------------------------------------
+
+
+def test_a_flood_of_forwarded_buffers_mixing_two_kinds_decodes_in_bounded_memory(node) -> None:
+    n = node()
+    start = n.rss_mib()
+    # GIVEN another uid sending eight 15 MiB CUPTI buffers of MEMORY2 and MEMCPY records alternating
+    h = n.hostile("buffer", 8, 15)
+    # (its one record of its own pid comes after them on the same connection)
+    _wait(lambda: _value(n.metrics(), "gpufootprint_daemon_records_received_total", pid=str(h.pid)) == 1, 120)
+    assert (_value(n.metrics(), "gpufootprint_ingest_errors_total", reason="pid_mismatch") or 0) >= 16
+    # THEN the daemon held at most the frame being read, the frame being decoded and what it decodes at
+    # once (the decoding alone took ~90 MiB per frame before), and the honest probe is exact
+    print(f"forwarded buffers: daemon from {start:.0f} MiB to a peak of {_peak_mib(n):.0f} MiB")
+    assert _peak_mib(n) < start + 60, (start, _peak_mib(n))
+    p = _run_honest(n)
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)
+
+
 # --- everything at once: the daemon stays under the DaemonSet's memory limit -------------------------
 
 
