@@ -147,7 +147,7 @@ class FeaturesConfig:
     reuse_tracked_addresses: int = _spec(100_000, lo=1, hi=100_000_000,
                                          doc="freed (address, size) pairs remembered for the reuse ratio "
                                              "(about 100 bytes each; forgotten all at once when full)")
-    history_tables: int = _spec(16, lo=1, hi=1_000_000,
+    history_tables: int = _spec(8, lo=1, hi=1_000_000,
                                 doc="(pid, gpu) tables that keep the whole history above; with more, each "
                                     "keeps its part of it (a full node: 2,048 tables), so the daemon's memory "
                                     "for histories stays that of this many")

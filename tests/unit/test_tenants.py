@@ -62,3 +62,25 @@ def test_metadata_is_charged_per_value_so_many_empty_ones_are_not_free() -> None
     assert len('{"k0": ""}') * 250 < 8192  # the JSON alone would fit
     assert not bounded_metadata({}, many, 8192)
     assert bounded_metadata({}, {"pid": 1, "host": "n1", "argv": ["python", "train.py"]}, 8192)
+
+
+def test_offenders_are_counted_by_a_bounded_set_of_uids_and_logged_once_a_minute_per_tenant(caplog) -> None:
+    import logging
+
+    from gpufootprint.ingest.tenants import MAX_OFFENDER_UIDS, Offenders
+
+    now = [0.0]
+    off = Offenders(logging.getLogger("test.offenders"), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.offenders"):
+        for uid in range(MAX_OFFENDER_UIDS + 8):
+            off.note(uid, f"uid/{uid}", 100 + uid, "allocation_limit", 5, "tenant")
+        for _ in range(10):  # the same tenant again within the minute: counted, not logged
+            off.note(0, "uid/0", 100, "device_limit", 1, "process")
+        now[0] = 61.0
+        off.note(0, "uid/0", 100, "device_limit", 1, "process")
+    labels = {uid for uid, _ in off.refused}
+    assert len(labels) == MAX_OFFENDER_UIDS + 1 and "other" in labels
+    assert off.refused[("other", "allocation_limit")] == 8 * 5
+    assert off.refused[("0", "device_limit")] == 11
+    lines = [r.getMessage() for r in caplog.records if "uid/0 " in r.getMessage()]
+    assert len(lines) == 2 and "device_limit=11" in lines[1], lines
