@@ -80,7 +80,7 @@ class DaemonConfig:
     max_resync_records: int = _spec(400_000, lo=1000, hi=100_000_000,
                                     doc="records held in open resyncs of all processes together (shared by "
                                         "tenant); past its share a resync is cut (resync_limit)")
-    max_string_bytes: int = _spec(8 * 1024 * 1024, lo=1 << 16, hi=1 << 32,
+    max_string_bytes: int = _spec(16 * 1024 * 1024, lo=1 << 16, hi=1 << 32,
                                   doc="kernel names held for all live connections, in characters plus 64 "
                                       "per name (shared by tenant); past its share a name is dropped "
                                       "(strings_limit)")

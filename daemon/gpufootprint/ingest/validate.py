@@ -45,7 +45,7 @@ class Limits:
     max_device_footprints: int = 2048
     max_metadata_bytes: int = 8 * 1024
     max_retained_kernels: int = 500_000
-    max_string_bytes: int = 8 * 1024 * 1024  # kernel names held for all live connections (charged)
+    max_string_bytes: int = 16 * 1024 * 1024  # kernel names held for all live connections (charged)
     max_resync_records: int = 400_000  # records in open resyncs of all connections
 
     @classmethod
