@@ -131,8 +131,10 @@ class FeatureHub:
     def _share_history(self) -> None:
         """Past ``features.history_tables`` tables, each keeps its part of the configured history, so
         the memory of all histories stays that of ``history_tables`` full ones (a full node has 2,048)."""
+        # Divided by the next power of two of the tables: the parts change only when their number
+        # doubles or halves (a full node opens 2,048 tables one by one), and never sum past the budget.
         n = len(self.builders)
-        part = min(1.0, self.features_config.history_tables / n) if n else 1.0
+        part = min(1.0, self.features_config.history_tables / (1 << (n - 1).bit_length())) if n else 1.0
         if part == self._history_part:
             return
         self._history_part = part
