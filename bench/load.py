@@ -1,10 +1,11 @@
 """Load: 64 simulated probes over 8 GPUs at a realistic and an extreme record rate.
 
-  python bench/load.py [--probes 64] [--gpus 8] [--rates 32000,200000] [--seconds 20] [--json out.json]
+  python bench/load.py [--probes 64] [--gpus 8] [--devices-per-probe 1] [--rates 32000,200000] [--seconds 20]
+                       [--json out.json]
 
 Each simulated probe is its own process (fork) with its own Unix socket connection to a real
 daemon (``python -m gpufootprint daemon``, pinned to CPU core 0; the probes and this script
-run on the other core). Like the real probe it flushes every 100 ms: a BATCH of MEMORY
+run on the other cores). Like the real probe it flushes every 100 ms: a BATCH of MEMORY
 records (allocation/release pairs on its GPU, so its live table stays small), a WATERMARK,
 and every second a HEARTBEAT with its counters. Sends are non-blocking into a 16 MiB
 user-space buffer (probe.buffer_bytes); a batch that does not fit is dropped and counted,
@@ -41,18 +42,22 @@ BUFFER_BYTES = 16 << 20
 
 
 def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: float, go: float,
-          results: mp.Queue) -> None:  # type: ignore[type-arg]
+          results: mp.Queue, devices: int = 1) -> None:  # type: ignore[type-arg]
     pid = os.getpid()
-    dev = index % gpus
     s = socket.socket(socket.AF_UNIX)
     s.connect(sock_path)
-    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": time.time_ns(), "bench": "load"}))
+    last_mark = time.time_ns()  # the latest watermark sent
+    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": time.time_ns(), "bench": "load"})
+              + encode_watermark(last_mark))
     s.setblocking(False)
     per_batch = max(2, int(round(per_second * FLUSH_S / 2)) * 2)
     recs = np.zeros(per_batch, MEMORY_DTYPE)
-    recs["pid"], recs["dev"], recs["mk"], recs["bytes"] = pid, dev, MemoryKind.DEVICE, 2 << 20
-    recs["op"][0::2], recs["op"][1::2] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
     pairs = per_batch // 2
+    # Its GPUs: ``devices`` of them from its own (index % gpus) on; each allocation/release pair on one.
+    pair_dev = (index + np.arange(pairs) % max(1, devices)) % gpus
+    recs["pid"], recs["mk"], recs["bytes"] = pid, MemoryKind.DEVICE, 2 << 20
+    recs["dev"][0::2], recs["dev"][1::2] = pair_dev, pair_dev
+    recs["op"][0::2], recs["op"][1::2] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
     out = bytearray()
     sent = dropped = batches = 0
     accounted: list[tuple[int, int]] = []  # (end offset in the stream, records) not yet handed to the kernel
@@ -62,6 +67,11 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
     k = 0
     while time.time() < stop_at:
         now_wall = time.time()
+        if now_wall < go and now_wall - last_mark / 1e9 >= 1.0:
+            # Waiting for the others to start: a watermark a second, as an idle probe sends, so the
+            # daemon does not advance it by its own clock past records it is about to stamp.
+            last_mark = time.time_ns()
+            out += encode_watermark(last_mark)
         if now_wall < next_flush:
             time.sleep(min(next_flush - now_wall, 0.02))
         else:
@@ -70,7 +80,12 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
             addr = 0x7F00_0000_0000 + ((np.arange(pairs) + k * pairs) % 4096) * (2 << 20)
             recs["addr"][0::2] = addr
             recs["addr"][1::2] = addr
-            recs["ts"] = now - int(FLUSH_S * 1e9) + np.arange(per_batch, dtype=np.uint64) * 1000
+            # Stamped after the previous watermark and up to this one, as a probe's records are: a
+            # probe that fell behind its flush period (a busy machine) must not stamp records before
+            # the watermark it already sent, or they arrive late (they did: 6.5 M of 9 M at 1 M/s).
+            now = max(now, last_mark + per_batch)
+            recs["ts"] = last_mark + 1 + (np.arange(per_batch, dtype=np.uint64) * (now - last_mark - 1)) // per_batch
+            last_mark = now
             k += 1
             frame = encode_batch(RecordKind.MEMORY, recs) + encode_watermark(now)
             if len(out) + len(frame) > BUFFER_BYTES:
@@ -115,11 +130,12 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
     daemon = Daemon("footprint.process_grace_seconds=600", *args.daemon_set, core=0)
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    go = time.time() + 1.0
+    go = time.time() + 1.0 + 0.05 * args.probes  # forking 256 probes on a busy machine takes seconds
     warm, measure = 3.0, args.seconds
     stop_at = go + warm + measure
     per_probe = rate / args.probes
-    procs = [ctx.Process(target=probe, args=(daemon.sock, i, args.gpus, per_probe, stop_at, go, results), daemon=True)
+    procs = [ctx.Process(target=probe, args=(daemon.sock, i, args.gpus, per_probe, stop_at, go, results,
+                                             args.devices_per_probe), daemon=True)
              for i in range(args.probes)]
     for p in procs:
         p.start()
@@ -153,6 +169,7 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
     ingested = total(m1, "gpufootprint_records_ingested_total") - total(m0, "gpufootprint_records_ingested_total")
     return {
         "target_records_per_second": rate, "probes": args.probes, "gpus": args.gpus,
+        "devices_per_probe": args.devices_per_probe,
         "ingested_records_per_second": round(ingested / wall),
         "daemon_cpu_cores": round((u1.cpu_s - u0.cpu_s) / wall, 3),
         "rss_mib_max": round(max(rss) / 2**20, 1), "rss_hwm_mib": round(u1.hwm_bytes / 2**20, 1),
@@ -160,7 +177,10 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
         "metrics_scrapes": len(lat), "metrics_bytes_series": len([1 for v in m1.values() for _ in v]),
         "probe_records_sent": sent, "probe_records_dropped": sum(g[2] for g in got),
         "daemon_records_received": received, "reconciled": received == sent,
-        "ingest_errors": errors, "daemon_exit_status": rc,
+        "ingest_errors": errors, "late_records": total(m, "gpufootprint_late_records_total"),
+        "share_refusals": {f'{lab["uid"]}/{lab["reason"]}': v
+                           for lab, v in m.get("gpufootprint_daemon_share_refusals_total", [])},
+        "daemon_exit_status": rc,
     }
 
 
@@ -168,6 +188,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--probes", type=int, default=64)
     ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--devices-per-probe", type=int, default=1,
+                    help="GPUs each probe's process uses (8 with --gpus 8: every process on all of them)")
     ap.add_argument("--rates", default="32000,200000", help="total records/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--scrape-interval", type=float, default=0.1, help="seconds between timed scrapes")
@@ -175,7 +197,8 @@ def main() -> int:
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a daemon configuration override (repeatable), e.g. oom.enabled=false")
     args = ap.parse_args()
-    os.sched_setaffinity(0, {1} if (os.cpu_count() or 1) > 1 else {0})
+    n = os.cpu_count() or 1
+    os.sched_setaffinity(0, set(range(1, n)) if n > 1 else {0})  # every core but the daemon's
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
               "command": "python bench/load.py " + " ".join(sys.argv[1:]), "runs": []}
     for rate in [float(r) for r in args.rates.split(",")]:

@@ -52,6 +52,7 @@ LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello
                        "daemon.max_live_allocations_per_process", "daemon.max_live_allocations",
                        "daemon.max_pending_records_per_process", "daemon.max_pending_records",
                        "daemon.max_metadata_bytes", "daemon.max_retained_kernels", "daemon.max_processes",
+                       "daemon.max_resync_records", "daemon.max_string_bytes",
                        "daemon.tick_stall_seconds"})
 
 

@@ -64,8 +64,9 @@ class DaemonConfig:
                                   doc="a record whose size or byte count is larger is dropped (bad_size)")
     max_devices_per_process: int = _spec(16, lo=1, hi=4096,
                                          doc="device numbers at or above it are dropped (bad_device)")
-    max_device_footprints: int = _spec(64, lo=1, hi=1_000_000,
-                                       doc="(process, device) tables in all; records opening more are dropped")
+    max_device_footprints: int = _spec(2048, lo=1, hi=1_000_000,
+                                       doc="(process, device) tables in all (a full node: 256 processes on 8 "
+                                           "GPUs each); records opening more than a share are dropped")
     max_live_allocations_per_process: int = _spec(100_000, lo=1, hi=10_000_000,
                                                   doc="live allocations (with records still waiting) one process "
                                                       "may hold; further allocations are dropped and counted")
@@ -76,6 +77,13 @@ class DaemonConfig:
                                                      "applied at once (pending_limit)")
     max_pending_records: int = _spec(400_000, lo=1000, hi=100_000_000,
                                      doc="records waiting for the watermark in all processes together")
+    max_resync_records: int = _spec(400_000, lo=1000, hi=100_000_000,
+                                    doc="records held in open resyncs of all processes together (shared by "
+                                        "tenant); past its share a resync is cut (resync_limit)")
+    max_string_bytes: int = _spec(16 * 1024 * 1024, lo=1 << 16, hi=1 << 32,
+                                  doc="kernel names held for all live connections, in characters plus 64 "
+                                      "per name (shared by tenant); past its share a name is dropped "
+                                      "(strings_limit)")
     max_metadata_bytes: int = _spec(8 * 1024, lo=1024, hi=1 << 24,
                                     doc="JSON bytes of HELLO/META fields one process may keep; a META past it is "
                                         "dropped")
@@ -139,6 +147,10 @@ class FeaturesConfig:
     reuse_tracked_addresses: int = _spec(100_000, lo=1, hi=100_000_000,
                                          doc="freed (address, size) pairs remembered for the reuse ratio "
                                              "(about 100 bytes each; forgotten all at once when full)")
+    history_tables: int = _spec(8, lo=1, hi=1_000_000,
+                                doc="(pid, gpu) tables that keep the whole history above; with more, each "
+                                    "keeps its part of it (a full node: 2,048 tables), so the daemon's memory "
+                                    "for histories stays that of this many")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ class ServerStats:
     resync_requests: int = 0  # resyncs asked of probes (late records, drift)
     quarantined: tuple[tuple[int, str], ...] = ()  # (pid, reason) of processes whose state was dropped
     quarantines: int = 0
+    # ((uid, reason), count): records or connections refused because a tenant or process was at its share
+    share_refusals: tuple[tuple[tuple[str, str], int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -329,3 +329,23 @@ def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
     key, value = next(iter(bad.items()))
     with pytest.raises(ConfigError, match=f"sampler.{key}"):
         load_config(env={}, overrides={f"sampler.{key}": value})
+
+
+def test_past_history_tables_each_table_keeps_its_part_of_the_history() -> None:
+    from gpufootprint.config import FeaturesConfig
+    from gpufootprint.footprint.peaks import FramePeaks
+    from gpufootprint.sampler.hub import FeatureHub
+
+    hub = FeatureHub(FeaturesConfig(keep_seconds=10.0, history_tables=4, reuse_tracked_addresses=100_000))
+    for pid in range(4):
+        hub.open_device(pid, 0, FramePeaks(10_000_000, 10**9))
+    full = hub.builders[(0, 0)]._keep_frames
+    assert full == 1000 and hub.builders[(0, 0)].reuse._capacity == 100_000
+    for pid in range(4, 64):
+        hub.open_device(pid, 0, FramePeaks(10_000_000, 10**9))
+    kept = [b._keep_frames for b in hub.builders.values()]
+    assert set(kept) == {full * 4 // 64} and sum(kept) <= 4 * full
+    assert {b.reuse._capacity for b in hub.builders.values()} == {100_000 * 4 // 64}
+    for pid in range(4, 64):
+        hub.forget(pid)
+    assert hub.builders[(0, 0)]._keep_frames == full  # back to the whole history

@@ -42,10 +42,16 @@ STATS_FAMILIES: tuple[Row[_Stats], ...] = (
             "Probe connections the daemon closed or lost, by reason (eof, goodbye, truncated_frame, bad_preamble, "
             "bad_version, frame_too_large, bad_checksum, bad_frame_type, bad_frame, frame_before_hello, "
             "duplicate_hello, frame_after_goodbye, resync_mismatch, unexpected_frame, hello_timeout, memory_limit, "
-            "internal_error, socket_error, daemon_shutdown).", ("reason",), each(lambda s: dict(s[0].disconnects))),
+            "internal_error, socket_error, daemon_shutdown, share_evicted).", ("reason",), each(lambda s: dict(s[0].disconnects))),
     counter("gpufootprint_daemon_connections_refused",
             "Probe connections closed at accept, by reason (max_connections, peer_credentials, fd_limit).",
             ("reason",), each(lambda s: dict(s[0].refused))),
+    counter("gpufootprint_daemon_share_refusals",
+            "Records (connections, for max_connections) refused because a tenant or process was at its share of a "
+            "node-wide bound, by the offender's uid (at most 32 uids, then uid=\"other\") and reason "
+            "(max_connections, device_limit, allocation_limit, resync_limit, kernel_limit, strings_limit, "
+            "metadata_limit).", ("uid", "reason"),
+            lambda s: [((uid, reason), n) for (uid, reason), n in s[0].share_refusals]),
     counter("gpufootprint_daemon_connections", "Probe connections accepted.", (),
             one(lambda s: s[0].connections_total)),
     counter("gpufootprint_daemon_accept_errors",

@@ -114,6 +114,7 @@ class FrameBuilder:
         self.migration_ns = migration_ns
         self._keep_frames = max(1, keep_ns // self.frame_ns)
         self._keep_windows = max(1, keep_ns // migration_ns)
+        self._full_keep = (self._keep_frames, self._keep_windows)
         self._frames: dict[int, list[int]] = {}
         self._copies: dict[int, Counter[int]] = {}
         self._end_level: dict[int, int] = {}  # frame -> GPU-resident level after its last memory event
@@ -125,6 +126,15 @@ class FrameBuilder:
         self.page_faults: Counter[str] = Counter()
         self.torch_allocated: int | None = None
         self.torch_reserved: int | None = None
+
+    def share_history(self, part: float) -> None:
+        """Keep ``part`` (0 < part <= 1) of the configured history (frames, migration windows, reuse):
+        the hub's node-wide budget divided among the tables (``features.history_tables``)."""
+        frames, windows = self._full_keep
+        self._keep_frames = max(1, int(frames * part))
+        self._keep_windows = max(1, int(windows * part))
+        self.reuse.share(part)
+        self._prune()
 
     # --- input ------------------------------------------------------------------
 

@@ -50,11 +50,24 @@ class ReuseTracker:
         self._sizeless = False  # a release without its size was seen: keep ``_live``
         self._capacity = capacity
         self._history = history
+        self._full = (capacity, history)
         self._chunks: list[np.ndarray] = []
         self._kept = 0
         self._events: np.ndarray | None = None  # cached concatenation, read-only
         self.allocations = 0
         self.reused = 0
+
+    def share(self, part: float) -> None:
+        """Remember ``part`` of the configured pairs and events (at least 256 of each)."""
+        capacity, history = self._full
+        self._capacity = max(256, int(capacity * part))
+        self._history = max(256, int(history * part))
+        if len(self._freed) >= self._capacity:
+            self._freed.clear()
+        if len(self._live) >= self._capacity:
+            self._live.clear()
+        if self._kept > self._history:
+            self._compact()
 
     def add(self, recs: np.ndarray) -> None:
         device = recs["mk"] == MemoryKind.DEVICE

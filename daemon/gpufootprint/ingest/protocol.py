@@ -41,6 +41,7 @@ class Connection:
     pid: int
     uid: int
     opened: float = field(default_factory=time.monotonic)
+    tenant: str = ""  # the pod, container or uid whose shares of the node-wide bounds it uses (tenants.py)
     # The protocol's order: HELLO first, one GOODBYE last, RESYNC_BEGIN/END paired.
     hello: bool = False
     goodbye: bool = False

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import selectors
+import socket
 import threading
 import time
 from collections import Counter
@@ -37,6 +38,7 @@ from gpufootprint.ingest.protocol import (
     wants_verify,
 )
 from gpufootprint.ingest.session import MarkCallback, Session
+from gpufootprint.ingest.tenants import Holder, make_room, tenant_of
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
@@ -255,16 +257,47 @@ class IngestServer:
 
     def _accept(self) -> None:
         assert self._listener is not None
-        for sock, pid, uid in self._listener.accept(lambda: len(self._conns), self.config.daemon.max_connections):
+        for sock, pid, uid in self._listener.accept():
+            tenant = tenant_of(pid, uid, self.config.kubernetes.proc_root)
+            if not self._room_for(sock, pid, uid, tenant):
+                continue
             session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid,
                               on_mark=self._on_mark)
             session.future_limit_ns = self._future_limit_ns  # a clock step on the probe's host is bounded
             session.guard, session.limits = self.guard, self.guard.limits
             conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes), session, pid, uid)
+            conn.tenant = tenant
             self._conns[sock.fileno()] = conn
+            self.guard.census.connect(pid, uid, tenant)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.connections_total += 1
-            self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d", pid, uid)
+            self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d tenant=%s", pid, uid, tenant)
+
+    def _room_for(self, sock: socket.socket, pid: int, uid: int, tenant: str) -> bool:
+        """Whether a new peer fits ``daemon.max_connections``: at the bound, a peer under its tenant's
+        (and process's) share takes the place of the newest idle connection of whoever holds the most;
+        one at its share is refused (closed at once, counted)."""
+        limit = self.config.daemon.max_connections
+        holders = [Holder(key, c.pid, c.tenant, c.opened, c.records == 0 and not c.resync_records)
+                   for key, c in self._conns.items()]
+        choice = make_room(holders, pid, tenant, limit)
+        if choice is True:
+            return True
+        if choice is False:
+            assert self._listener is not None
+            self._listener.refused["max_connections"] += 1
+            self.guard.census.uid_of.setdefault(pid, uid)
+            self.guard.offenders.note(uid, tenant, pid, "max_connections", 1, "tenant")
+            self._rlog("refused", logging.WARNING, "probe connection refused: pid=%d tenant=%s is at its share of "
+                       "daemon.max_connections=%d", pid, tenant, limit)
+            sock.close()
+            return False
+        victim = self._conns[choice.key]
+        self.guard.offenders.note(victim.uid, victim.tenant, victim.pid, "max_connections", 1, "tenant")
+        self._cut(victim, "share_evicted", f"its tenant {victim.tenant} holds more than its share of "
+                                           f"daemon.max_connections={limit}: its newest idle connection makes "
+                                           f"room for pid {pid} of {tenant}")
+        return True
 
     def _future_limit_ns(self) -> int:
         return self._clock_ns() + int(self.config.daemon.max_future_seconds * 1e9)
@@ -365,7 +398,8 @@ class IngestServer:
             received=tuple((pid, r[0], r[1]) for pid, r in sorted(self.received.items())),
             config_reloads=tuple(sorted(self.config_reloads.items())),
             config_last_reload_ok=self.config_last_reload_ok, resync_requests=self.resync_requests,
-            quarantined=tuple(sorted(self.guard.quarantined.items())), quarantines=self.quarantines)
+            quarantined=tuple(sorted(self.guard.quarantined.items())), quarantines=self.quarantines,
+            share_refusals=tuple(sorted(self.guard.offenders.refused.items())))
 
     def _poll_nvml(self) -> None:
         assert self.nvml is not None
@@ -411,6 +445,7 @@ class IngestServer:
             pass
         self._conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
+        self.guard.census.disconnect(conn.pid, any(c.pid == conn.pid for c in self._conns.values()))
         try:
             conn.session.close()
         except Exception:  # closing one stream must not stop the loop

@@ -37,6 +37,15 @@ _MAX_INFO_KEYS = 64
 _MAX_INFO_STR = 256
 _MAX_INFO_BYTES = 64 * 1024
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
+#: Records of one kind decoded at once from a forwarded CUPTI buffer (about 2 MiB of raw structs).
+DECODE_CHUNK = 16_384
+#: What a kernel name costs beyond its characters (its dict entry, its key and str objects): an
+#: empty name is not free.
+NAME_CHARGE = 64
+
+
+def name_charge(name: str) -> int:
+    return len(name) + NAME_CHARGE
 
 
 def clean_info(hello: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +97,8 @@ class Session:
         # Field ranges for every source; for live probes (``guard``) also what a process may hold.
         self.limits = Limits()
         self.guard: Guard | None = None
-        self._string_bytes = 0  # kernel-name characters this stream holds (counted in the guard)
+        self._string_bytes = 0  # kernel-name charge this stream holds (counted in the guard)
+        self._resync_held = 0  # records of the open resync, counted in the guard's node-wide room
 
     # --- frames -----------------------------------------------------------------
 
@@ -157,6 +167,8 @@ class Session:
                     self.problem("metadata_limit", f"{self.name}: META would take pid {self.peer_pid}'s fields past "
                                                    f"daemon.max_metadata_bytes={self.limits.max_metadata_bytes}: "
                                                    f"dropped")
+                    if self.guard is not None:
+                        self.guard.refuse(self.peer_pid, "metadata_limit", 1)
                     return
                 proc.info.update(update)
             elif isinstance(meta_pid, int):
@@ -172,15 +184,10 @@ class Session:
             for pid in self._speakers(body):
                 self.pipeline.process_exited(pid, end)
         elif ftype is FrameType.STRINGS:
-            for key, value in frame.json().items():
-                if key.isdigit() and isinstance(value, str):
-                    if self.guard is not None and not self.guard.take_strings(len(value[:512])):
-                        self.problem("strings_limit", f"{self.name}: kernel names past the daemon's bound: dropped")
-                        return
-                    self._string_bytes += len(value[:512])
-                    self.kernel_names[int(key)] = value[:512]
+            self._strings(frame)
         elif ftype is FrameType.RESYNC_BEGIN:
             body = frame.json()
+            self._give_back_resync()
             self._resync = []
             named = body.get("pid")
             self._resync_pid = named if isinstance(named, int) and not isinstance(named, bool) and named > 0 else None
@@ -190,6 +197,42 @@ class Session:
             self._finish_resync()
         elif ftype is FrameType.CONTROL:
             self.problem("unexpected_frame", f"{self.name}: byte {frame.offset}: CONTROL frame from a probe")
+
+    def _strings(self, frame: Frame) -> None:
+        """Kernel names (id -> name), each charged its characters plus ``NAME_CHARGE`` against the
+        peer's share of ``daemon.max_string_bytes``: an empty name costs the daemon a dict entry too."""
+        if self.guard is not None and self.peer_pid is not None:
+            # Refused before it is parsed when even its bytes cannot fit: parsing 16 MiB of empty
+            # names builds over a million entries for a moment.
+            entries = frame.payload.count(b'":')
+            charge = len(frame.payload) + NAME_CHARGE * entries
+            if charge > self.guard.strings.room(self.peer_pid, self.limits.max_string_bytes, self.guard.census):
+                self._refuse_strings(entries)
+                return
+        for key, value in frame.json().items():
+            if not (key.isdigit() and len(key) <= 20 and isinstance(value, str)):
+                continue
+            name = value[:512]
+            nid = int(key)
+            old = self.kernel_names.get(nid)
+            charge = name_charge(name) - (name_charge(old) if old is not None else 0)
+            if self.guard is not None and self.peer_pid is not None \
+                    and not self.guard.take_strings(self.peer_pid, charge):
+                self._refuse_strings(1)
+                return
+            self._string_bytes += charge
+            self.kernel_names[nid] = name
+
+    def _refuse_strings(self, n: int) -> None:
+        assert self.guard is not None and self.peer_pid is not None
+        self.problem("strings_limit", f"{self.name}: kernel names past its share of daemon.max_string_bytes="
+                                      f"{self.limits.max_string_bytes}: dropped", n)
+        self.guard.refuse(self.peer_pid, "strings_limit", n, self.guard.strings, self.limits.max_string_bytes)
+
+    def _give_back_resync(self) -> None:
+        if self.guard is not None and self.peer_pid is not None and self._resync_held:
+            self.guard.resyncs.add(self.peer_pid, -self._resync_held, self.guard.census)
+        self._resync_held = 0
 
     def _totals(self, body: dict[str, Any]) -> None:
         """The probe's own table at a watermark: checked against the footprint at the same time."""
@@ -232,8 +275,11 @@ class Session:
             kind = rawrecords.RECORD_KIND.get(ck)
             if kind is None or kind is RecordKind.KERNEL:
                 continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
-            recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs), pid)
-            self._records(kind, recs, frame.offset)
+            # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
+            # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
+            for at in range(0, len(offs), DECODE_CHUNK):
+                recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
+                self._records(kind, recs, frame.offset)
 
     def _batch(self, frame: Frame) -> None:
         try:
@@ -276,13 +322,17 @@ class Session:
                 self._count("quarantined", f"pid {self.peer_pid} is quarantined: records dropped", len(recs))
                 return
             if self._resync is not None and kind is RecordKind.MEMORY:
-                held = sum(len(c) for c in self._resync)
-                room = self.limits.max_live_allocations_per_process - held
-                if len(recs) > room:
-                    self._count("allocation_limit", f"resync past daemon.max_live_allocations_per_process="
-                                                    f"{self.limits.max_live_allocations_per_process}: dropped",
-                                len(recs) - max(0, room))
-                    recs = recs[:max(0, room)]
+                # Open resyncs share one node-wide bound (daemon.max_resync_records) by tenant.
+                keep = self.guard.take_resync(self.peer_pid, len(recs))
+                self._resync_held += keep
+                if keep < len(recs):
+                    self._count("resync_limit", f"resync past its share of daemon.max_resync_records="
+                                                f"{self.limits.max_resync_records} (or daemon.max_live_allocations_"
+                                                f"per_process={self.limits.max_live_allocations_per_process}): "
+                                                f"dropped", len(recs) - keep)
+                    self.guard.refuse(self.peer_pid, "resync_limit", len(recs) - keep, self.guard.resyncs,
+                                      self.limits.max_resync_records, self.limits.max_live_allocations_per_process)
+                    recs = recs[:keep]
             else:
                 proc = self._own(self.peer_pid)
                 pid = self.peer_pid
@@ -322,7 +372,11 @@ class Session:
             self.problem("unexpected_frame", f"{self.name}: RESYNC_END without RESYNC_BEGIN")
             return
         chunks, self._resync = self._resync, None
+        self._give_back_resync()
         recs = np.concatenate(chunks) if chunks else np.zeros(0, MEMORY_DTYPE)
+        if self.guard is not None and self.peer_pid is not None and self.peer_pid not in self.guard.quarantined:
+            # The live table it becomes counts against the same shares as live records.
+            recs = self.guard.admit_resync(self._own(self.peer_pid), recs, self._count)
         pids = set(np.unique(recs["pid"]).tolist()) if len(recs) else set()
         if self.peer_pid is not None:
             pids.add(self.peer_pid)
@@ -447,8 +501,9 @@ class Session:
         if self._resync is not None:
             self.problem("truncated_resync", f"{self.name}: stream ended inside a resync")
             self._resync = None
-        if self.guard is not None:  # a live stream's names die with it
-            self.guard.take_strings(-self._string_bytes)
+            self._give_back_resync()
+        if self.guard is not None and self.peer_pid is not None:  # a live stream's names die with it
+            self.guard.take_strings(self.peer_pid, -self._string_bytes)
             self._string_bytes = 0
             self.kernel_names.clear()
         for pid in self.pids:

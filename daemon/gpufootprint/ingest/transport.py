@@ -19,7 +19,7 @@ import stat
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from gpufootprint.errors import ConfigError
@@ -192,9 +192,11 @@ class ProbeListener:
                         resource.getrlimit(resource.RLIMIT_NOFILE)[0],
                         self._fd_ceiling - self.sock.fileno(), max_connections)
 
-    def accept(self, open_connections: Callable[[], int], limit: int) -> Iterator[tuple[socket.socket, int, int]]:
-        """The peers waiting in the backlog that the limits let in, as (socket, pid, uid), one at a
-        time (``open_connections`` counts the ones already taken); the others are closed and counted."""
+    def accept(self) -> Iterator[tuple[socket.socket, int, int]]:
+        """The peers waiting in the backlog, as (socket, pid, uid), one at a time; those the
+        descriptor reserve or missing credentials keep out are closed and counted. Whether a peer
+        fits ``daemon.max_connections`` is the ingest loop's choice: it needs the peer's tenant
+        (``tenants.py``)."""
         assert self.sock is not None
         while True:
             try:
@@ -215,12 +217,6 @@ class ProbeListener:
                 self.refused["fd_limit"] += 1
                 self._rlog("refused", logging.WARNING, "probe connection refused: the last %d file descriptors "
                            "under RLIMIT_NOFILE are kept for /metrics and files", FD_RESERVE)
-                sock.close()
-                continue
-            if open_connections() >= limit:
-                self.refused["max_connections"] += 1
-                self._rlog("refused", logging.WARNING, "probe connection refused: daemon.max_connections=%d reached",
-                           limit)
                 sock.close()
                 continue
             try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpufootprint.config import DaemonConfig
+from gpufootprint.ingest.tenants import Census, Offenders, Room
 from gpufootprint.pipeline import ProcessState
 from gpufootprint.records import UM_CPU_PAGE_FAULT_COUNT, ApiRole, MemoryOp, RecordKind
 
@@ -41,10 +42,11 @@ class Limits:
     max_live_allocations: int = 250_000
     max_pending_records_per_process: int = 250_000
     max_pending_records: int = 400_000
-    max_device_footprints: int = 64
+    max_device_footprints: int = 2048
     max_metadata_bytes: int = 8 * 1024
     max_retained_kernels: int = 500_000
-    max_string_bytes: int = 8 * 1024 * 1024  # kernel names held for all live connections
+    max_string_bytes: int = 16 * 1024 * 1024  # kernel names held for all live connections (charged)
+    max_resync_records: int = 400_000  # records in open resyncs of all connections
 
     @classmethod
     def from_config(cls, dc: DaemonConfig) -> Limits:
@@ -54,7 +56,8 @@ class Limits:
                    max_pending_records_per_process=dc.max_pending_records_per_process,
                    max_pending_records=dc.max_pending_records,
                    max_device_footprints=dc.max_device_footprints, max_metadata_bytes=dc.max_metadata_bytes,
-                   max_retained_kernels=dc.max_retained_kernels)
+                   max_retained_kernels=dc.max_retained_kernels, max_string_bytes=dc.max_string_bytes,
+                   max_resync_records=dc.max_resync_records)
 
 
 # Per kind: fields that are byte counts (bounded by max_record_bytes), fields that are device
@@ -118,41 +121,75 @@ def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Pr
     return recs[~bad] if bad.any() else recs
 
 
-@dataclass
-class Totals:
-    """What all processes hold together, recounted at each tick and moved by admitted batches."""
-
-    live_allocations: int = 0
-    pending_records: int = 0
-    device_footprints: int = 0
-    retained_kernels: int = 0
-
-
 class Guard:
-    """The per-process and total bounds for live probes. One per daemon, used on the ingest thread."""
+    """The per-process bounds and the fair shares of the node-wide ones for live probes
+    (``tenants.py``). One per daemon, used on the ingest thread."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.totals = Totals()
+        self.census = Census()
+        # Recounted from the pipeline at each tick, moved by admitted batches in between.
+        self.devices = Room("device_footprints")
+        self.live = Room("live_allocations")
+        self.pending = Room("pending_records")
+        self.kernels = Room("retained_kernels")
+        # Held by the sessions themselves (not in the pipeline): moved by them only.
+        self.strings = Room("kernel_names")
+        self.resyncs = Room("resync_records")
         self.quarantined: dict[int, str] = {}  # pid -> why its state was dropped
-        self.string_bytes = 0
+        self.offenders = Offenders()
+        # pid -> devices admitted whose tables are not opened yet (their records wait for the watermark)
+        self._new_devices: dict[int, set[int]] = {}
 
-    def take_strings(self, n: int) -> bool:
-        """Reserve ``n`` characters of kernel names (negative: give back); False when past the bound."""
-        if n > 0 and self.string_bytes + n > self.limits.max_string_bytes:
+    @property
+    def string_bytes(self) -> int:
+        return self.strings.used
+
+    def take_strings(self, pid: int, n: int) -> bool:
+        """Reserve ``n`` charged characters of kernel names for ``pid`` (negative: give back);
+        False when past its share (``max_string_bytes`` shared by tenant, then by process)."""
+        if n > 0 and n > self.strings.room(pid, self.limits.max_string_bytes, self.census):
             return False
-        self.string_bytes += n
+        self.strings.add(pid, n, self.census)
         return True
 
+    def take_resync(self, pid: int, n: int) -> int:
+        """How many of ``n`` records an open resync of ``pid`` may still hold; taken."""
+        lim = self.limits
+        keep = min(n, self.resyncs.room(pid, lim.max_resync_records, self.census,
+                                        lim.max_live_allocations_per_process))
+        self.resyncs.add(pid, keep, self.census)
+        return keep
+
     def recount(self, processes: dict[int, ProcessState]) -> None:
-        live = pending = devices = kernels = 0
-        for proc in processes.values():
-            devices += len(proc.devices)
-            live += sum(len(fp.live) for fp in proc.devices.values())
-            pending += proc.pending_records
-            kernels += len(proc.kernels.array()) if proc.kernels is not None else 0
-            kernels += len(proc.launches.array()) if proc.launches is not None else 0
-        self.totals = Totals(live, pending, devices, kernels)
+        devices: dict[int, int] = {}
+        live: dict[int, int] = {}
+        pending: dict[int, int] = {}
+        kernels: dict[int, int] = {}
+        for pid in [p for p in self._new_devices if p not in processes]:
+            del self._new_devices[pid]
+        for pid, proc in processes.items():
+            waiting = self._new_devices.get(pid)
+            if waiting:
+                waiting.difference_update(proc.devices)
+            devices[pid] = len(proc.devices) + (len(waiting) if waiting else 0)
+            # Waiting allocations become live ones: counted with them, so a flush adds nothing.
+            live[pid] = sum(len(fp.live) for fp in proc.devices.values()) + sum(
+                int(np.count_nonzero(chunk[2]["op"] == MemoryOp.ALLOCATION))
+                for chunk in proc.pending.get(RecordKind.MEMORY, ()))
+            pending[pid] = proc.pending_records
+            kernels[pid] = (len(proc.kernels.array()) if proc.kernels is not None else 0) \
+                + (len(proc.launches.array()) if proc.launches is not None else 0)
+        for room, usage in ((self.devices, devices), (self.live, live), (self.pending, pending),
+                            (self.kernels, kernels)):
+            room.recount(usage, self.census)
+        self.census.forget(processes)
+
+    def refuse(self, pid: int, reason: str, n: int, room: Room | None = None, total: int = 0,
+               per_process: int | None = None) -> None:
+        """Count a refusal against ``pid``'s uid and log it (once a minute per tenant)."""
+        level = room.at_share(pid, total, self.census, per_process) if room is not None else "process"
+        self.offenders.note(self.census.uid_of.get(pid, -1), self.census.tenant(pid), pid, reason, n, level)
 
     def admit_kernels(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, retention: int,
                       problem: Problem) -> np.ndarray:
@@ -162,79 +199,146 @@ class Guard:
         ring = proc.kernels if kind is RecordKind.KERNEL else proc.launches
         held = len(ring.array()) if ring is not None else 0
         growth = min(retention, held + len(recs)) - held  # a full ring replaces, it does not grow
-        room = self.limits.max_retained_kernels - self.totals.retained_kernels
+        total = self.limits.max_retained_kernels
+        room = self.kernels.room(proc.pid, total, self.census)
         if growth > room:  # then the ring is not full even with ``room`` more: keep just those
             keep = max(0, room)
-            problem("kernel_limit", f"pid={proc.pid}: {kind.name} records past daemon.max_retained_kernels="
-                                    f"{self.limits.max_retained_kernels}: dropped", len(recs) - keep)
+            problem("kernel_limit", f"pid={proc.pid}: {kind.name} records past its share of "
+                                    f"daemon.max_retained_kernels={total}: dropped", len(recs) - keep)
+            self.refuse(proc.pid, "kernel_limit", len(recs) - keep, self.kernels, total)
             recs = recs[:keep]
             growth = keep
-        self.totals.retained_kernels += max(0, growth)
+        self.kernels.add(proc.pid, max(0, growth), self.census)
         return recs
 
     def admit(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, problem: Problem,
               flush: Callable[[], None]) -> np.ndarray:
         """The part of a live probe's batch its process may still hold; ``flush`` applies its pending
         records at once (its reorder buffer is full: records after it count as late, none is lost)."""
-        lim, tot = self.limits, self.totals
+        lim, census, pid = self.limits, self.census, proc.pid
         n = len(recs)
         pending = proc.pending_records
-        if pending and (pending + n > lim.max_pending_records_per_process
-                        or tot.pending_records + n > lim.max_pending_records):
-            problem("pending_limit", f"pid={proc.pid}: {pending} records waiting for the "
-                                     f"watermark (bound daemon.max_pending_records_per_process="
-                                     f"{lim.max_pending_records_per_process}, daemon.max_pending_records="
-                                     f"{lim.max_pending_records}): applied at once", pending)
+        if pending and n > self.pending.room(pid, lim.max_pending_records, census,
+                                             lim.max_pending_records_per_process):
+            problem("pending_limit", f"pid={pid}: {pending} records waiting for the watermark past its share "
+                                     f"(daemon.max_pending_records_per_process={lim.max_pending_records_per_process}"
+                                     f", daemon.max_pending_records={lim.max_pending_records}): applied at once",
+                    pending)
             flush()
-            tot.pending_records -= pending
-        devices = proc.devices
-        new_devs = [d for d in np.unique(recs["dev"]).tolist() if d not in devices]
-        if new_devs:
-            room = min(lim.max_devices_per_process - len(devices), lim.max_device_footprints - tot.device_footprints)
-            if len(new_devs) > room:
-                refused = new_devs[max(0, room):]
-                drop = np.isin(recs["dev"], np.asarray(refused, dtype=recs["dev"].dtype))
-                problem("device_limit", f"pid={proc.pid}: records for {len(refused)} more "
-                                        f"devices than daemon.max_device_footprints={lim.max_device_footprints} "
-                                        f"allows", int(drop.sum()))
-                recs = recs[~drop]
-                new_devs = new_devs[:max(0, room)]
-            tot.device_footprints += len(new_devs)
+            self.pending.add(pid, -pending, census)
+        recs = self.admit_devices(proc, recs, problem)
         if kind is RecordKind.MEMORY and len(recs):
             allocs = recs["op"] == MemoryOp.ALLOCATION
             n_alloc = int(allocs.sum())
             if n_alloc:
-                live = sum(len(fp.live) for fp in devices.values())
-                # Waiting records may be allocations too: counted at first as if all were (cheap); only
-                # near the bound are the waiting MEMORY records counted exactly.
-                room = min(lim.max_live_allocations_per_process - live - proc.pending_records,
-                           lim.max_live_allocations - tot.live_allocations - tot.pending_records)
-                if n_alloc > room:
-                    # Only the waiting allocations can grow the table: under churn half of the records
-                    # waiting for the watermark are releases (H200, four threads under cudaMallocAsync:
-                    # 100,000+ records waiting, fewer than 20,000 allocations live).
-                    waiting = sum(int(np.count_nonzero(chunk[2]["op"] == MemoryOp.ALLOCATION))
-                                  for chunk in proc.pending.get(RecordKind.MEMORY, ()))
-                    room = min(lim.max_live_allocations_per_process - live - waiting,
-                               lim.max_live_allocations - tot.live_allocations)
-                if n_alloc > room:
+                room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
+                growth = n_alloc - _released_here(recs, allocs)
+                if growth <= room:
+                    n_alloc = growth  # pairs made and freed inside the batch leave nothing live
+                else:
                     # Keep releases (they only shrink the table) and the first allocations that fit.
-                    over = allocs & (np.cumsum(allocs) > max(0, room))
-                    problem("allocation_limit", f"pid={proc.pid}: {int(over.sum())} allocations "
-                                                f"past daemon.max_live_allocations_per_process="
-                                                f"{lim.max_live_allocations_per_process} or daemon.max_live_"
-                                                f"allocations={lim.max_live_allocations}", int(over.sum()))
+                    over = allocs & (np.cumsum(allocs) > room)
+                    dropped = int(over.sum())
+                    problem("allocation_limit", f"pid={pid}: {dropped} allocations past its share of "
+                                                f"daemon.max_live_allocations={lim.max_live_allocations} "
+                                                f"(daemon.max_live_allocations_per_process="
+                                                f"{lim.max_live_allocations_per_process})", dropped)
+                    self.refuse(pid, "allocation_limit", dropped, self.live, lim.max_live_allocations,
+                                lim.max_live_allocations_per_process)
                     recs = recs[~over]
-                    n_alloc = max(0, room)
-                tot.live_allocations += n_alloc
-        tot.pending_records += len(recs)
+                    n_alloc = room
+                self.live.add(pid, n_alloc, census)
+        self.pending.add(pid, len(recs), census)
+        return recs
+
+    def admit_resync(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
+        """The part of a completed resync that may become ``proc``'s live table: it replaces the
+        tables the process holds, so their allocations are given back first."""
+        lim, pid = self.limits, proc.pid
+        recs = self.admit_devices(proc, recs, problem)
+        current = sum(len(fp.live) for fp in proc.devices.values())
+        allocs = recs["op"] == MemoryOp.ALLOCATION
+        n_alloc = int(allocs.sum())
+        room = self.live.room(pid, lim.max_live_allocations, self.census, lim.max_live_allocations_per_process) \
+            + current
+        if n_alloc > room:
+            over = allocs & (np.cumsum(allocs) > room)
+            dropped = int(over.sum())
+            problem("allocation_limit", f"pid={pid}: a resync of {n_alloc} allocations past its share of "
+                                        f"daemon.max_live_allocations={lim.max_live_allocations}: {dropped} dropped",
+                    dropped)
+            self.refuse(pid, "allocation_limit", dropped, self.live, lim.max_live_allocations,
+                        lim.max_live_allocations_per_process)
+            recs = recs[~over]
+            n_alloc = room
+        self.live.add(pid, n_alloc - current, self.census)
+        return recs
+
+    def admit_devices(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
+        """``recs`` without those that would open a (process, device) table past the process's share."""
+        lim, pid = self.limits, proc.pid
+        # Tables admitted whose records still wait (not opened yet) count already.
+        admitted = self._new_devices.setdefault(pid, set())
+        new_devs = [d for d in np.unique(recs["dev"]).tolist() if d not in proc.devices and d not in admitted]
+        if not new_devs:
+            return recs
+        room = self.devices.room(pid, lim.max_device_footprints, self.census, lim.max_devices_per_process)
+        if len(new_devs) > room:
+            refused = new_devs[room:]
+            drop = np.isin(recs["dev"], np.asarray(refused, dtype=recs["dev"].dtype))
+            problem("device_limit", f"pid={pid}: records for {len(refused)} more devices than its share of "
+                                    f"daemon.max_device_footprints={lim.max_device_footprints} allows",
+                    int(drop.sum()))
+            self.refuse(pid, "device_limit", int(drop.sum()), self.devices, lim.max_device_footprints,
+                        lim.max_devices_per_process)
+            recs = recs[~drop]
+            new_devs = new_devs[:room]
+        admitted.update(new_devs)
+        self.devices.add(pid, len(new_devs), self.census)
         return recs
 
 
+def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
+    """Releases in ``recs`` of an address allocated in ``recs`` on the same device: each frees what
+    the batch itself added (a process that allocates and frees between two flushes holds none of it
+    live). At most one per allocated address, so a flood of releases cannot hide allocations."""
+    releases = recs["op"] == MemoryOp.RELEASE
+    if not releases.any():
+        return 0
+    freed = 0
+    for dev in np.unique(recs["dev"]).tolist():
+        on = recs["dev"] == dev
+        made = np.unique(recs["addr"][allocs & on])
+        gone = np.unique(recs["addr"][releases & on])
+        freed += int(np.isin(gone, made, assume_unique=True).sum())
+    return freed
+
+
+#: What one HELLO/META value costs beyond its JSON text (a dict entry, a Python object): many empty
+#: values are not free.
+METADATA_VALUE_CHARGE = 32
+
+
+def metadata_charge(value: object) -> int:
+    """The bytes ``value`` is charged against ``daemon.max_metadata_bytes``: its JSON text plus
+    ``METADATA_VALUE_CHARGE`` for every key and value in it, nested ones included."""
+    text = json.dumps(value, default=str)
+    values, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        values += 1
+        if isinstance(item, dict):
+            values += len(item)  # the keys
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return len(text) + METADATA_VALUE_CHARGE * values
+
+
 def bounded_metadata(info: dict[str, object], update: dict[str, object], limit: int) -> bool:
-    """Would ``info`` updated with ``update`` stay within ``limit`` bytes of JSON?"""
+    """Would ``info`` updated with ``update`` stay within ``limit`` charged bytes (``metadata_charge``)?"""
     merged = {**info, **update}
     try:
-        return len(json.dumps(merged, default=str)) <= limit
+        return metadata_charge(merged) <= limit
     except (TypeError, ValueError, RecursionError):
         return False

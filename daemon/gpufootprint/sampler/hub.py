@@ -53,6 +53,7 @@ class FeatureHub:
         self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window
         self._kernel_window_id = 0
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
+        self._history_part = 1.0  # of the configured history each table keeps (_share_history)
         self.taps: list[Callable[[int, int, RecordKind, np.ndarray], None]] = []
 
     # --- hooks the pipeline calls -------------------------------------------------------
@@ -69,6 +70,9 @@ class FeatureHub:
         builder = FrameBuilder(pid, dev, peaks, keep_ns=int(fc.keep_seconds * 1e9),
                                migration_ns=fc.migration_window_ms * _MS, reuse_capacity=fc.reuse_tracked_addresses)
         self.builders[(pid, dev)] = builder
+        if self._history_part < 1.0:
+            builder.share_history(self._history_part)
+        self._share_history()
         self.sampler(pid)
         torch = self._torch.get(pid, {}).get(dev)
         if torch is not None:
@@ -122,6 +126,20 @@ class FeatureHub:
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
             del self.builders[key]
+        self._share_history()
+
+    def _share_history(self) -> None:
+        """Past ``features.history_tables`` tables, each keeps its part of the configured history, so
+        the memory of all histories stays that of ``history_tables`` full ones (a full node has 2,048)."""
+        # Divided by the next power of two of the tables: the parts change only when their number
+        # doubles or halves (a full node opens 2,048 tables one by one), and never sum past the budget.
+        n = len(self.builders)
+        part = min(1.0, self.features_config.history_tables / (1 << (n - 1).bit_length())) if n else 1.0
+        if part == self._history_part:
+            return
+        self._history_part = part
+        for builder in self.builders.values():
+            builder.share_history(part)
 
     def note_torch(self, pid: int, torch: Any) -> None:
         """The probe's HEARTBEAT "torch" field: {"allocated": {dev: bytes}, "reserved": {dev: bytes}}."""

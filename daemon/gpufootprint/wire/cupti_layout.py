@@ -191,8 +191,13 @@ def gather(u8: np.ndarray, kind: int, offsets: Sequence[int]) -> np.ndarray:
             ends = np.concatenate((breaks, [len(offs)]))
             return np.concatenate([u8[offs[i]:offs[i] + (j - i) * size].view(dt)
                                    for i, j in zip(starts.tolist(), ends.tolist())])
-    idx = np.asarray(offsets, dtype=np.intp)[:, None] + np.arange(dt.itemsize, dtype=np.intp)
-    rows: np.ndarray = u8[idx].view(dt).reshape(len(offsets))
+    if not len(offs):
+        return np.zeros(0, dt)
+    # Records at any offsets: one structured view starting at every byte (overlapping, nothing
+    # copied), indexed by the offsets, copies exactly the records. (An index matrix of every byte
+    # of every record took eight times the buffer: 111 MiB for a 16 MiB frame of two kinds.)
+    starts = np.ndarray(shape=(len(u8) - size + 1,), dtype=dt, buffer=u8, offset=0, strides=(1,))
+    rows: np.ndarray = starts[offs]
     return rows
 
 

@@ -1,0 +1,86 @@
+"""ingest/tenants.py: fair shares of the node-wide bounds, and who makes room at max_connections."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpufootprint.ingest.tenants import CEILING, Census, Holder, Room, make_room, share, tenant_of
+from gpufootprint.ingest.validate import METADATA_VALUE_CHARGE, bounded_metadata, metadata_charge
+from tests.conftest import DATA
+
+
+def _census(**tenants: list[int]) -> Census:
+    c = Census()
+    for tenant, pids in tenants.items():
+        for pid in pids:
+            c.connect(pid, 0, tenant)
+    return c
+
+
+def test_the_tenant_is_the_pod_of_the_cgroup_else_the_uid(tmp_path: Path) -> None:
+    (tmp_path / "10").mkdir()
+    (tmp_path / "10" / "cgroup").write_text((DATA / "cgroup" / "v1-systemd-containerd.txt").read_text())
+    (tmp_path / "11").mkdir()
+    (tmp_path / "11" / "cgroup").write_text((DATA / "cgroup" / "v2-host-session.txt").read_text())
+    assert tenant_of(10, 1000, tmp_path).startswith("pod/")
+    assert tenant_of(11, 1000, tmp_path) == "uid/1000"
+    assert tenant_of(12, 7, tmp_path) == "uid/7"  # gone already: its uid
+
+
+def test_a_tenant_alone_takes_all_then_others_get_their_share_up_to_the_ceiling() -> None:
+    census = _census(a=[1])
+    room = Room("live")
+    assert room.room(1, 100, census) == 100
+    room.add(1, 100, census)
+    census.connect(2, 0, "b")
+    # the first tenant is over its new share: it cannot grow; the newcomer gets its whole share
+    assert room.room(1, 100, census) == 0
+    assert room.room(2, 100, census) == 50
+    room.add(2, 50, census)
+    census.connect(3, 0, "c")
+    assert room.room(3, 100, census) == min(share(100, 3), CEILING * 100 - 150)
+    # inside a tenant, by process
+    census.connect(4, 0, "c")
+    assert room.room(4, 100, census) == share(share(100, 3), 2)
+
+
+def test_at_max_connections_the_biggest_tenants_newest_idle_connection_makes_room() -> None:
+    hog = [Holder(i, 1, "uid/9", float(i), idle=i != 3) for i in range(4)]
+    assert make_room(hog, 2, "uid/0", 8) is True
+    victim = make_room(hog, 2, "uid/0", 4)
+    assert isinstance(victim, Holder) and victim.key == 2  # the newest idle one, not the reporting one (3)
+    # the hog itself, at its share, is refused
+    assert make_room(hog, 1, "uid/9", 4) is False
+    # inside one tenant, a second process takes room from the process holding the most
+    victim = make_room(hog, 5, "uid/9", 4)
+    assert isinstance(victim, Holder) and victim.pid == 1
+
+
+def test_metadata_is_charged_per_value_so_many_empty_ones_are_not_free() -> None:
+    assert metadata_charge({"a": ""}) == len('{"a": ""}') + 3 * METADATA_VALUE_CHARGE
+    many = {f"k{i}": "" for i in range(250)}
+    assert len('{"k0": ""}') * 250 < 8192  # the JSON alone would fit
+    assert not bounded_metadata({}, many, 8192)
+    assert bounded_metadata({}, {"pid": 1, "host": "n1", "argv": ["python", "train.py"]}, 8192)
+
+
+def test_offenders_are_counted_by_a_bounded_set_of_uids_and_logged_once_a_minute_per_tenant(caplog) -> None:
+    import logging
+
+    from gpufootprint.ingest.tenants import MAX_OFFENDER_UIDS, Offenders
+
+    now = [0.0]
+    off = Offenders(logging.getLogger("test.offenders"), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.offenders"):
+        for uid in range(MAX_OFFENDER_UIDS + 8):
+            off.note(uid, f"uid/{uid}", 100 + uid, "allocation_limit", 5, "tenant")
+        for _ in range(10):  # the same tenant again within the minute: counted, not logged
+            off.note(0, "uid/0", 100, "device_limit", 1, "process")
+        now[0] = 61.0
+        off.note(0, "uid/0", 100, "device_limit", 1, "process")
+    labels = {uid for uid, _ in off.refused}
+    assert len(labels) == MAX_OFFENDER_UIDS + 1 and "other" in labels
+    assert off.refused[("other", "allocation_limit")] == 8 * 5
+    assert off.refused[("0", "device_limit")] == 11
+    lines = [r.getMessage() for r in caplog.records if "uid/0 " in r.getMessage()]
+    assert len(lines) == 2 and "device_limit=11" in lines[1], lines
