@@ -22,10 +22,9 @@ the address is used, remembered from the first batch with such a release on.
 
 from __future__ import annotations
 
-from itertools import repeat
-
 import numpy as np
 
+from gpufootprint.features.keyset import KeySet
 from gpufootprint.records import MemoryKind, MemoryOp
 
 REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
@@ -47,7 +46,7 @@ class ReuseTracker:
     """Reuse of one (pid, device)'s device allocations. Feed MEMORY batches in time order."""
 
     def __init__(self, capacity: int = 100_000, history: int = 65_536) -> None:
-        self._freed: set[int] = set()
+        self._freed = KeySet()
         self._live: dict[int, int] = {}  # address -> last allocated size: a release record may omit it
         self._sizeless = False  # a release without its size was seen: keep ``_live``
         self._capacity = capacity
@@ -85,30 +84,31 @@ class ReuseTracker:
                     live[a] = b
                 elif op == release and b == 0:
                     size[i] = live.get(a, 0)
-        # Set lookups run in C (map over the keys), not in a Python loop: an allocation is a reuse when
-        # its key was freed by an earlier batch, or by a release earlier in this batch (looked up only
-        # for the allocations the first test missed: under steady churn, almost none).
+        # Whole-batch lookups in a numpy hash set (features.keyset): an allocation is a reuse when its key
+        # was freed by an earlier batch, or by a release earlier in this batch. The second test runs only
+        # for allocations the first missed whose key a release of this batch holds.
         keys = reuse_keys(addr, size)
         is_rel = ops == release
-        alloc_arr = keys[is_alloc]
-        alloc_keys = alloc_arr.tolist()
-        if not alloc_keys:
-            freed.update(keys[is_rel].tolist())
-            return
-        hit = np.fromiter(map(freed.__contains__, alloc_keys), bool, len(alloc_keys))
+        alloc_keys = keys[is_alloc]
         rel_pos = np.flatnonzero(is_rel)
-        if len(rel_pos) and not hit.all():
-            rel_keys = keys[rel_pos].tolist()
-            # The first release of each key in the batch: later entries of a dict overwrite earlier
-            # ones, so it is built from the last release to the first.
-            first = dict(zip(reversed(rel_keys), reversed(rel_pos.tolist())))
+        if len(alloc_keys) == 0:
+            if len(rel_pos):
+                freed.add(keys[rel_pos])
+            return
+        hit = freed.contains(alloc_keys)
+        if len(rel_pos):
+            rel_slots = freed.add(keys[rel_pos])
             miss = np.flatnonzero(~hit)
-            missed_keys = alloc_arr[miss].tolist()
-            first_rel = np.fromiter(map(first.get, missed_keys, repeat(len(ops))), np.int64, len(missed_keys))
-            hit[miss] = first_rel < np.flatnonzero(is_alloc)[miss]
-            freed.update(rel_keys)
-        elif len(rel_pos):
-            freed.update(keys[rel_pos].tolist())
+            if len(miss):
+                slots = freed.find(alloc_keys[miss])
+                here = slots != -1  # freed only by this batch's releases
+                if here.any():
+                    miss, slots = miss[here], slots[here]
+                    # The first release of each key in this batch, by slot (sorted by slot, then position).
+                    order = np.lexsort((rel_pos, rel_slots))
+                    s_sorted, p_sorted = rel_slots[order], rel_pos[order]
+                    at = np.searchsorted(s_sorted, slots)
+                    hit[miss] = p_sorted[at] < np.flatnonzero(is_alloc)[miss]
         ts_out = sel["ts"][is_alloc]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit
