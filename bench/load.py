@@ -60,6 +60,7 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
     next_flush = go + (index % 10) * FLUSH_S / 10  # spread the probes over the flush period
     next_beat = go + 1.0
     k = 0
+    last_wm: int | None = None  # records are stamped after the previous watermark: none of them is late
     while time.time() < stop_at:
         now_wall = time.time()
         if now_wall < next_flush:
@@ -70,7 +71,16 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
             addr = 0x7F00_0000_0000 + ((np.arange(pairs) + k * pairs) % 4096) * (2 << 20)
             recs["addr"][0::2] = addr
             recs["addr"][1::2] = addr
-            recs["ts"] = now - int(FLUSH_S * 1e9) + np.arange(per_batch, dtype=np.uint64) * 1000
+            # Spread over (previous watermark, now]: a flush that came early after a late one must not
+            # stamp its records before the watermark it already sent (the daemon would count them late).
+            if last_wm is None:  # the first flush: the flush period before it (the daemon's clock is behind)
+                last_wm = now - int(FLUSH_S * 1e9)
+            step = max(1, (now - last_wm) // per_batch)
+            recs["ts"] = now - (per_batch - 1 - np.arange(per_batch, dtype=np.int64)) * step
+            if int(recs["ts"][0]) <= last_wm:
+                now = last_wm + per_batch  # the clock did not move on enough: one ns per record
+                recs["ts"] = last_wm + 1 + np.arange(per_batch, dtype=np.int64)
+            last_wm = now
             k += 1
             frame = encode_batch(RecordKind.MEMORY, recs) + encode_watermark(now)
             if len(out) + len(frame) > BUFFER_BYTES:
@@ -160,7 +170,8 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
         "metrics_scrapes": len(lat), "metrics_bytes_series": len([1 for v in m1.values() for _ in v]),
         "probe_records_sent": sent, "probe_records_dropped": sum(g[2] for g in got),
         "daemon_records_received": received, "reconciled": received == sent,
-        "ingest_errors": errors, "daemon_exit_status": rc,
+        "ingest_errors": errors, "late_records": total(m, "gpufootprint_late_records_total"),
+        "daemon_exit_status": rc,
     }
 
 
