@@ -1,49 +1,61 @@
-"""Replay throughput: records per second through the daemon's own decoder, session and pipeline.
+"""Replay throughput, side by side with a baseline revision: records per CPU-second of the replaying process.
 
-Two inputs, both replayed by ``gpufootprint.replay.replay_file`` exactly as ``gpufootprint replay`` does:
-  * native: a synthetic caching-allocator churn (alloc/free at reused addresses, a copy every
-    tenth record) written in the native framing, and the real H200 caching trace looped;
-  * cupti-jsonl: the same churn written as CUPTI-JSONL (gzip).
+Every figure is a ratio measured in one run: the working tree ("new") against a git revision
+("base", default HEAD; checked out with ``git worktree add`` into a temporary directory), with
+an A/A control (the working tree against itself) that shows how noisy the machine was. Each
+(case, variant) runs in its own subprocess that imports ``gpufootprint`` from that variant's
+tree and replays the file with ``gpufootprint.replay.replay_file`` exactly as ``gpufootprint
+replay`` does; the subprocess reports ``time.process_time()`` around the replay (CPU seconds of
+that process: the machine is shared, so wall time would measure the neighbours). Rounds are
+interleaved (the order of the variants rotates every round) and the median of the rounds is
+reported.
 
-"native churn, footprint only" runs the same file with the feature frames and the sampler
-switched off, to show side by side what they cost (the daemon always runs them).
+Inputs (written once, by the working tree's own writers, into a temporary directory):
+  * churn-4096: synthetic caching-allocator churn (alloc/free at reused addresses, a copy every
+    tenth record) in 4,096-record batches, native framing; also replayed with the feature
+    frames and the sampler switched off ("footprint only", to show what they cost);
+  * h200-churn-async, h200-async, h200-kernels-train: the real H200 recordings in tests/data
+    looped (each loop the same pid restarted, its timestamps shifted), with their own small
+    batches, watermarks, marks and heartbeats;
+  * cupti-jsonl: the churn written as CUPTI-JSONL (gzip).
+Each worker also returns a digest of the marks the replay produced: a variant whose marks
+differ from the base's is reported (exactness is checked by the same run).
 
-Usage: python bench/replay_throughput.py [--records N] [--rounds R] [--json OUT]
-Prints one line per input with the median records/s of R rounds, and the machine.
+Usage: python bench/replay_throughput.py [--base REV] [--rounds R] [--cases a,b] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-
-from gpufootprint.config import FootprintConfig  # noqa: E402
-from gpufootprint.footprint.peaks import FramePeaks  # noqa: E402
-from gpufootprint.pipeline import Pipeline  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
-from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, RecordKind  # noqa: E402
-from gpufootprint.replay import load_frames, shift_frame  # noqa: E402
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_batch, encode_json  # noqa: E402
-from gpufootprint.wire.jsonl import write_jsonl  # noqa: E402
-
-BATCH = 4096
 ROOT = Path(__file__).resolve().parents[1]
+BATCH = 4096
+
+CASES = ("churn-4096", "churn-4096-footprint-only", "h200-churn-async", "h200-async", "h200-kernels-train",
+         "cupti-jsonl")
+
+
+# --- inputs (run in the parent, with the working tree's code) -------------------------------------------
 
 
 def churn_batches(n_records: int, seed: int = 1):  # type: ignore[no-untyped-def]
     """(kind, records) batches: alloc/free pairs over 2,048 reused addresses, 1 copy per 10 records."""
+    import numpy as np
+    from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, RecordKind
+
     rng = np.random.default_rng(seed)
     t0 = 1_796_000_000_000_000_000
     slots = 2048
@@ -83,6 +95,8 @@ def churn_batches(n_records: int, seed: int = 1):  # type: ignore[no-untyped-def
 
 
 def write_native(path: Path, n_records: int) -> int:
+    from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
+
     total = 0
     with open(path, "wb") as fh:
         fh.write(PREAMBLE + encode_json(FrameType.META, {"pid": 4242, "scenario": "churn"}))
@@ -92,85 +106,194 @@ def write_native(path: Path, n_records: int) -> int:
     return total
 
 
-def write_looped_h200(path: Path, loops: int) -> int:
-    """The real caching trace repeated, each loop a new process that exits at the end."""
-    frames, _ = load_frames(ROOT / "tests" / "data" / "h200_caching.jsonl.gz")
-    total = 0
+def write_looped(src: Path, path: Path, min_records: int) -> int:
+    """A real recording repeated until it holds ``min_records``: each loop the same pid, restarted (a new
+    HELLO start_time), its timestamps moved past the previous loop's. Its own batches, watermarks, marks."""
+    from gpufootprint.replay import load_frames, shift_frame
+    from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_json
+
+    frames, problems = load_frames(src)
+    assert not problems, problems
+    pid = next((f.json()["pid"] for f in frames if f.type is FrameType.HELLO), 4242)
+    times = [t for t in (_frame_time(f) for f in frames) if t is not None]
+    span = max(times) - min(times) + 1_000_000_000
+    total = loops = 0
     with open(path, "wb") as fh:
         fh.write(PREAMBLE)
-        for i in range(loops):
-            pid = 10_000 + i
-            fh.write(encode_json(FrameType.HELLO, {"pid": pid, "start_time": i}))
+        while total < min_records:
             for frame in frames:
-                if frame.type is FrameType.BATCH:
-                    total += len(frame.records())
-                f = shift_frame(frame, i * 5_000_000_000, pid=pid)
+                f = shift_frame(frame, loops * span, pid=pid)
+                if f.type is FrameType.HELLO:
+                    body = f.json()
+                    body["start_time"] = loops  # a new process at the same pid: the pipeline restarts it
+                    fh.write(encode_json(FrameType.HELLO, body))
+                    continue
+                if f.type is FrameType.BATCH:
+                    total += len(f.records())
                 fh.write(encode(f.type, f.payload, f.tag))
-            fh.write(encode_json(FrameType.GOODBYE, {"ts": 0}))
+            loops += 1
     return total
+
+
+def _frame_time(frame: Any) -> int | None:
+    from gpufootprint.records import TIME_FIELD, RecordKind
+    from gpufootprint.wire.framing import FrameType
+
+    if frame.type is FrameType.BATCH:
+        recs = frame.records()
+        field = TIME_FIELD[RecordKind(frame.tag)]
+        return int(recs[field].max()) if len(recs) else None
+    if frame.type is FrameType.WATERMARK:
+        return frame.watermark()
+    if frame.type in (FrameType.MARK, FrameType.GOODBYE, FrameType.HEARTBEAT):
+        ts = frame.json().get("ts")
+        return ts if isinstance(ts, int) else None
+    return None
 
 
 def write_jsonl_gz(native: Path, path: Path) -> None:
     from gpufootprint.wire.framing import iter_frames
+    from gpufootprint.wire.jsonl import write_jsonl
     from gpufootprint.wire.sources import TraceFile
 
     with gzip.open(path, "wt", compresslevel=1) as fh:
         write_jsonl(iter_frames(TraceFile(native).chunks()), fh)
 
 
-class FootprintOnlyHub(FeatureHub):
-    """Frames and sampler switched off: only to show, side by side, what they cost."""
+def make_inputs(tmp: Path, args: argparse.Namespace) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT / "daemon"))
+    data = ROOT / "tests" / "data"
+    out: dict[str, Path] = {}
+    wanted = set(args.cases)
+    if wanted & {"churn-4096", "churn-4096-footprint-only"}:
+        write_native(tmp / "churn.gfp", args.records)
+        out["churn-4096"] = out["churn-4096-footprint-only"] = tmp / "churn.gfp"
+    for case, name in (("h200-churn-async", "h200_probe_churn_async.gfp.gz"), ("h200-async", "h200_probe_async.gfp.gz"),
+                       ("h200-kernels-train", "h200_kernels_train.gfp.gz")):
+        if case in wanted:
+            write_looped(data / name, tmp / f"{case}.gfp", args.loop_records)
+            out[case] = tmp / f"{case}.gfp"
+    if "cupti-jsonl" in wanted:
+        write_native(tmp / "churn_small.gfp", args.jsonl_records)
+        write_jsonl_gz(tmp / "churn_small.gfp", tmp / "churn.jsonl.gz")
+        out["cupti-jsonl"] = tmp / "churn.jsonl.gz"
+    return out
 
-    def open_device(self, pid: int, dev: int, peaks: FramePeaks) -> None:
-        pass  # no frame builder and no sampler: the hub passes everything by
+
+# --- one measurement (run in a subprocess, importing the variant's tree) ----------------------------------
 
 
-def time_replay(path: Path, rounds: int, footprint_only: bool = False) -> tuple[float, int, list[float]]:
+def worker(src: str, path: str, footprint_only: bool) -> None:
+    sys.path.insert(0, os.path.join(src, "daemon"))
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.replay import replay_file
+    from gpufootprint.sampler.hub import FeatureHub
 
-    rates = []
-    records = 0
-    for _ in range(rounds):
-        hub = FootprintOnlyHub() if footprint_only else FeatureHub()
-        pipeline = Pipeline(FootprintConfig(), hub=hub)
-        started = time.perf_counter()
-        result = replay_file(path, pipeline)
-        elapsed = time.perf_counter() - started
-        assert not result.problems, result.problems[:3]
-        assert not pipeline.errors.counts, dict(pipeline.errors.counts)
-        records = result.records
-        rates.append(records / elapsed)
-    return statistics.median(rates), records, rates
+    class FootprintOnlyHub(FeatureHub):
+        def open_device(self, pid: int, dev: int, peaks: Any) -> None:
+            pass  # no frame builder and no sampler: only to show what they cost
+
+    import gpufootprint
+
+    assert str(Path(gpufootprint.__file__).resolve()).startswith(str(Path(src).resolve())), gpufootprint.__file__
+    pipeline = Pipeline(FootprintConfig(), hub=FootprintOnlyHub() if footprint_only else FeatureHub())
+    cpu0 = time.process_time()
+    wall0 = time.perf_counter()
+    result = replay_file(path, pipeline)
+    cpu = time.process_time() - cpu0
+    wall = time.perf_counter() - wall0
+    digest = hashlib.sha256(json.dumps(result.marks, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    print(json.dumps({"records": result.records, "cpu_s": cpu, "wall_s": wall, "marks": len(result.marks),
+                      "marks_digest": digest, "problems": len(result.problems),
+                      "errors": dict(pipeline.errors.counts), "late": pipeline.late_records}))
+
+
+def run_worker(src: Path, path: Path, footprint_only: bool) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(src), str(path)]
+    if footprint_only:
+        cmd.append("--footprint-only")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+# --- the side-by-side run ------------------------------------------------------------------------------------
+
+
+def checkout(rev: str, tmp: Path) -> Path:
+    where = tmp / "base"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(where), rev], check=True)
+    return where
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--records", type=int, default=2_000_000, help="records in the native churn trace")
-    ap.add_argument("--jsonl-records", type=int, default=300_000, help="records in the JSONL trace")
-    ap.add_argument("--loops", type=int, default=500, help="loops of the real H200 trace")
+    ap.add_argument("--base", default="HEAD", help="git revision of the baseline (default HEAD)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES))
+    ap.add_argument("--records", type=int, default=1_000_000, help="records in the native churn trace")
+    ap.add_argument("--loop-records", type=int, default=300_000, help="records in each looped real trace")
+    ap.add_argument("--jsonl-records", type=int, default=200_000, help="records in the JSONL trace")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--worker", nargs=2, metavar=("SRC", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--footprint-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        t = Path(tmp)
-        native, looped, small, jsonl = t / "churn.gfp", t / "h200_loop.gfp", t / "churn_small.gfp", t / "churn.jsonl.gz"
-        write_native(native, args.records)
-        write_looped_h200(looped, args.loops)
-        write_native(small, args.jsonl_records)
-        write_jsonl_gz(small, jsonl)
-        cases = (("native churn", native, False), ("native churn, footprint only", native, True),
-                 ("native h200 looped", looped, False), ("cupti-jsonl churn", jsonl, False))
-        for name, path, footprint_only in cases:
-            median, n, rates = time_replay(path, args.rounds, footprint_only)
-            results[name] = {"records": n, "median_records_per_s": median, "rates": rates,
-                             "file_bytes": os.path.getsize(path)}
-            print(f"{name:30s} {n:>10,} records  median {median:>12,.0f} records/s  "
-                  f"(min {min(rates):,.0f}, max {max(rates):,.0f}, {args.rounds} rounds)")
-    machine = f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}, numpy {np.__version__}"
-    print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine, "results": results}, indent=1))
+    if args.worker:
+        worker(args.worker[0], args.worker[1], args.footprint_only)
+        return 0
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix="gfp-replay-bench-"))
+    base_src: Path | None = None
+    try:
+        base_src = checkout(args.base, tmp)
+        inputs = make_inputs(tmp, args)
+        variants = {"base": base_src, "new": ROOT, "new'": ROOT}  # new' = the A/A control
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {v: [] for v in variants} for c in args.cases}
+        for r in range(args.rounds):
+            for case in args.cases:
+                order = list(variants)
+                order = order[r % len(order):] + order[:r % len(order)]  # rotate: no variant always first
+                for v in order:
+                    runs[case][v].append(run_worker(variants[v], inputs[case], case.endswith("footprint-only")))
+            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+        results: dict[str, Any] = {}
+        print(f"{'case':28s} {'records':>9s} {'base rec/CPU-s':>15s} {'new rec/CPU-s':>14s} {'new/base':>9s} "
+              f"{'A/A':>6s}  marks")
+        for case in args.cases:
+            row: dict[str, Any] = {}
+            for v in variants:
+                rates = [x["records"] / x["cpu_s"] for x in runs[case][v]]
+                row[v] = {"median_records_per_cpu_s": statistics.median(rates), "rates": rates,
+                          "records": runs[case][v][0]["records"], "marks_digest": runs[case][v][0]["marks_digest"],
+                          "errors": runs[case][v][0]["errors"], "late": runs[case][v][0]["late"]}
+            # Ratios per round (the variants of one round ran back to back), then their median.
+            ratio = statistics.median(n["cpu_s"] and b["cpu_s"] / n["cpu_s"] for b, n in
+                                      zip(runs[case]["base"], runs[case]["new"]))
+            aa = statistics.median(n["cpu_s"] / n2["cpu_s"] for n, n2 in zip(runs[case]["new"], runs[case]["new'"]))
+            same = len({row[v]["marks_digest"] for v in variants}) == 1 and \
+                len({json.dumps(row[v]["errors"], sort_keys=True) for v in variants}) == 1
+            row.update(ratio_new_over_base=ratio, aa_ratio=aa, marks_identical=same)
+            results[case] = row
+            print(f"{case:28s} {row['new']['records']:>9,} {row['base']['median_records_per_cpu_s']:>15,.0f} "
+                  f"{row['new']['median_records_per_cpu_s']:>14,.0f} {ratio:>8.2f}x {aa:>6.2f}  "
+                  f"{'identical' if same else 'DIFFER'} ({runs[case]['new'][0]['marks']} marks)")
+        import numpy as np
+
+        machine = (f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}, "
+                   f"numpy {np.__version__}")
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        print(f"base {base_rev} ({args.base}); new = working tree; {args.rounds} rounds interleaved; {stamp}; {machine}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"date": stamp, "machine": machine, "base": base_rev,
+                                                   "command": " ".join(sys.argv), "results": results}, indent=1))
+    finally:
+        if base_src is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_src)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

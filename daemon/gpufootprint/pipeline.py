@@ -33,6 +33,7 @@ exactness is measured wherever the daemon runs, not only in tests.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter
@@ -64,8 +65,11 @@ class ProcessState:
     source: str  # "probe" (live socket) or "trace" (replayed file)
     info: dict[str, Any] = field(default_factory=dict)
     devices: dict[int, DeviceFootprint] = field(default_factory=dict)
-    # Per kind: chunks waiting for the watermark, each with its (min, max) time.
-    pending: dict[RecordKind, list[tuple[int, int, np.ndarray]]] = field(default_factory=dict)
+    # Per kind: chunks waiting for the watermark, a heap of (min time, arrival number, records, max time):
+    # an advance pops only the chunks that reach back to it, so its cost follows the records it applies,
+    # not the chunks still waiting. The arrival number keeps records of equal time in arrival order.
+    pending: dict[RecordKind, list[tuple[int, int, np.ndarray, int]]] = field(default_factory=dict)
+    pending_seq: int = 0
     pending_records: int = 0
     applied_to: int = 0  # watermark: records with ts <= this are applied
     max_ts: int = 0
@@ -199,7 +203,8 @@ class Pipeline:
             if len(recs) == 0:
                 return
             oldest = int(times.min())
-        proc.pending.setdefault(kind, []).append((oldest, newest, recs))
+        proc.pending_seq += 1
+        heapq.heappush(proc.pending.setdefault(kind, []), (oldest, proc.pending_seq, recs, newest))
         proc.pending_records += len(recs)
         proc.max_ts = max(proc.max_ts, newest)
         if proc.watermarked:
@@ -266,30 +271,31 @@ class Pipeline:
         if proc is None or ts <= proc.applied_to:
             return
         for kind in list(proc.pending):
-            # Only chunks that reach back to ``ts`` are touched: the rest wait whole,
-            # so a long reorder window costs nothing per batch.
-            due: list[np.ndarray] = []
-            keep: list[tuple[int, int, np.ndarray]] = []
-            for lo, hi, recs in proc.pending[kind]:
+            heap = proc.pending[kind]
+            if heap[0][0] > ts:
+                continue  # nothing of this kind is due: the chunks wait whole, untouched
+            # Only chunks that reach back to ``ts`` are popped; one that reaches past it is split and its
+            # rest goes back. They are joined in arrival order, as they came.
+            due: list[tuple[int, np.ndarray]] = []
+            while heap and heap[0][0] <= ts:
+                _, seq, recs, hi = heapq.heappop(heap)
                 if hi <= ts:
-                    due.append(recs)
-                elif lo <= ts:
-                    times = recs[TIME_FIELD[kind]]
-                    now = times <= ts
-                    due.append(recs[now])
-                    rest = recs[~now]
-                    rest_times = times[~now]
-                    keep.append((int(rest_times.min()), hi, rest))
-                else:
-                    keep.append((lo, hi, recs))
-            if keep:
-                proc.pending[kind] = keep
-            else:
+                    due.append((seq, recs))
+                    continue
+                times = recs[TIME_FIELD[kind]]
+                now = times <= ts
+                due.append((seq, recs[now]))
+                later = ~now
+                heapq.heappush(heap, (int(times[later].min()), seq, recs[later], hi))
+            if not heap:
                 del proc.pending[kind]
-            if due:
-                ready = due[0] if len(due) == 1 else np.concatenate(due)
-                proc.pending_records -= len(ready)
-                self._apply(proc, kind, _sorted(kind, ready))
+            if len(due) == 1:
+                ready = due[0][1]
+            else:
+                due.sort(key=_arrival)
+                ready = np.concatenate([d for _, d in due])
+            proc.pending_records -= len(ready)
+            self._apply(proc, kind, _sorted(kind, ready))
         proc.applied_to = ts
         self.hub.on_watermark(pid, ts, proc.source)
 
@@ -448,6 +454,10 @@ class Pipeline:
 
 #: Kinds whose late arrival can leave a wrong state behind (the others only add up).
 _STATE_KINDS = frozenset({RecordKind.MEMORY, RecordKind.MEMORY_POOL})
+
+
+def _arrival(due: tuple[int, np.ndarray]) -> int:
+    return due[0]
 
 
 def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:

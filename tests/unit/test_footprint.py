@@ -281,3 +281,29 @@ def test_a_reuse_whose_old_release_never_comes_is_still_one_error_and_the_new_on
     state = pipeline.device_state(100, 0)
     assert state is not None and state.live_bytes == {}
     assert pipeline.errors.counts == {"double_allocation": 2} and pipeline.errors.repairs == {}
+
+
+def test_pool_config_per_pool_matches_the_record_by_record_rule() -> None:
+    """note_pool_config works per pool with numpy; the rule is the one-record-at-a-time one."""
+    from gpufootprint.footprint.table import DeviceFootprint
+    from gpufootprint.records import MEMORY_DTYPE
+
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        fp = DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10_000_000, 1_000_000_000))
+        ref_pools: dict[int, tuple[int, int]] = {}
+        ref_floor = 0
+        for step in range(4):
+            n = int(rng.integers(1, 40))
+            recs = np.zeros(n, MEMORY_DTYPE)
+            recs["pool_addr"] = rng.choice([0, 0x100, 0x200, 0x300], size=n)
+            recs["pool_size"] = rng.choice([0, 1 << 20, 2 << 20], size=n) if trial % 2 else 1 << 20
+            recs["pool_used"] = rng.integers(0, 1 << 20, size=n)
+            fp.async_device_bytes = int(rng.integers(0, 1 << 30))
+            for a, s, u in zip(recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()):
+                if a and s:
+                    if ref_pools.get(a, (None,))[0] != s:
+                        ref_floor = fp.async_device_bytes
+                    ref_pools[a] = (s, u)
+            fp.note_pool_config(recs)
+            assert fp.pools == ref_pools and fp.pool_floor == ref_floor, (trial, step)

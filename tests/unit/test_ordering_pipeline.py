@@ -167,3 +167,38 @@ def test_a_watermarked_stream_that_stops_sending_watermarks_cannot_hold_records_
         p.submit(RecordKind.MEMORY, mem_batch(rows[i:i + 100]))
     assert p.processes[100].pending_records <= 1_100
     assert p.pending_overflows >= 1
+
+
+def test_advance_applies_exactly_the_due_records_in_time_then_arrival_order() -> None:
+    """Random chunks, overlapping in time, and random watermarks: each advance applies every waiting record
+    stamped at or before it, stably sorted by time (equal times in arrival order), and nothing else."""
+    from gpufootprint.records import MEMCPY_DTYPE
+
+    rng = np.random.default_rng(11)
+    for trial in range(20):
+        p = pipeline()
+        p.process(7, "probe").watermarked = True
+        applied: list[int] = []
+        p.hub.taps.append(lambda pid, dev, kind, recs: applied.extend(recs["corr"].tolist()))
+        waiting: list[tuple[int, int]] = []  # (time, arrival number) of records not yet applied
+        corr = 0
+        wm = 0
+        for _ in range(60):
+            if rng.random() < 0.7:
+                n = int(rng.integers(1, 20))
+                recs = np.zeros(n, MEMCPY_DTYPE)
+                recs["start"] = wm + 1 + rng.integers(0, 200, n)  # never late: after the watermark
+                recs["end"] = recs["start"] + 5
+                recs["pid"] = 7
+                recs["corr"] = np.arange(corr, corr + n)
+                waiting.extend(zip(recs["start"].tolist(), range(corr, corr + n)))
+                corr += n
+                p.submit(RecordKind.MEMCPY, recs)
+            else:
+                wm += int(rng.integers(0, 120))
+                before = len(applied)
+                p.watermark(7, wm)
+                due = sorted((t, c) for t, c in waiting if t <= wm)
+                waiting = [(t, c) for t, c in waiting if t > wm]
+                assert applied[before:] == [c for _, c in due], trial
+        assert p.late_records == 0

@@ -96,3 +96,22 @@ def test_waiting_releases_are_not_counted_as_allocations_under_churn() -> None:
     seen, problem = _counter()
     kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
     assert len(kept) == 1000 and seen == {}
+
+
+def test_the_one_comparison_memory_check_agrees_with_the_field_by_field_one() -> None:
+    from gpufootprint.ingest.validate import Limits, _memory_in_range, check_fields
+    from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+    rng = np.random.default_rng(2)
+    limits = Limits(max_record_bytes=1 << 20, max_devices_per_process=4)
+    for _ in range(300):
+        recs = np.zeros(int(rng.integers(1, 20)), MEMORY_DTYPE)
+        for name in ("bytes", "pool_size", "pool_used", "pool_thresh", "addr", "ts"):
+            recs[name] = rng.integers(0, 1 << 20, len(recs)) + (rng.random(len(recs)) < 0.03) * (1 << 40)
+        recs["dev"] = rng.integers(0, 5, len(recs)) if rng.random() < 0.3 else rng.integers(0, 4, len(recs))
+        recs["pid"] = 0xFFFFFFFF
+        in_range = bool((recs["bytes"] <= 1 << 20).all() and (recs["pool_size"] <= 1 << 20).all()
+                        and (recs["pool_used"] <= 1 << 20).all() and (recs["dev"] < 4).all())
+        assert _memory_in_range(recs, limits) == in_range
+        kept = check_fields(RecordKind.MEMORY, recs, limits, lambda *a: None)
+        assert (len(kept) == len(recs)) == in_range

@@ -361,14 +361,32 @@ class DeviceFootprint:
                 errors.add("unknown_pool_op", f"pid={self.pid} pool operation {op}")
 
     def note_pool_config(self, recs: np.ndarray) -> None:
-        """MEMORY2 records of stream-ordered allocations carry their pool's size and use."""
+        """MEMORY2 records of stream-ordered allocations carry their pool's size and use.
+
+        The same as taking the records one by one (each sets its pool's (size, used); a size other
+        than the pool's last one restarts the floor at the current async bytes), per pool with numpy:
+        under cudaMallocAsync every record carries its pool, so a Python loop would run per record."""
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
-        if mask.any():
-            for addr, size, used in zip(recs["pool_addr"][mask].tolist(), recs["pool_size"][mask].tolist(),
-                                        recs["pool_used"][mask].tolist()):
-                if self.pools.get(addr, (None,))[0] != size:
-                    self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
-                self.pools[addr] = (size, used)
+        if not mask.any():
+            return
+        sel = recs if bool(mask.all()) else recs[mask]
+        addr, size, used = sel["pool_addr"], sel["pool_size"], sel["pool_used"]
+        if addr[0] != addr[-1] or not bool((addr == addr[0]).all()):
+            order = np.argsort(addr, kind="stable")  # by pool, then in time order
+            addr, size, used = addr[order], size[order], used[order]
+        first = np.ones(len(addr), dtype=bool)
+        first[1:] = addr[1:] != addr[:-1]
+        last = np.ones(len(addr), dtype=bool)
+        last[:-1] = first[1:]
+        # A new size inside the batch (against the same pool's previous record), or against the table.
+        changed = bool(((size[1:] != size[:-1]) & ~first[1:]).any())
+        for a, s in zip(addr[first].tolist(), size[first].tolist()):
+            if self.pools.get(a, (None,))[0] != s:
+                changed = True
+        for a, s, u in zip(addr[last].tolist(), size[last].tolist(), used[last].tolist()):
+            self.pools[a] = (s, u)
+        if changed:
+            self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
 
     def apply_memcpy(self, recs: np.ndarray) -> None:
         ck = recs["ck"]

@@ -208,6 +208,7 @@ class FrameDecoder:
         n = len(buf)
         checked = self.version >= 2
         hsize = HEADER_SIZE if checked else _HEADER_V1.size
+        view = memoryview(buf)  # payloads are copied once, out of the view (a bytearray slice would copy twice)
         try:
             while n - at >= hsize:
                 length, ftype, _flags, tag = _HEADER_V1.unpack_from(buf, at)
@@ -222,15 +223,16 @@ class FrameDecoder:
                 end = at + hsize + length
                 if end > n:
                     break
-                payload = bytes(buf[at + hsize : end])
+                payload = view[at + hsize : end].tobytes()
                 if checked:
-                    crc = int.from_bytes(buf[at + 8 : at + 12], "little")
-                    if zlib.crc32(payload, zlib.crc32(buf[at : at + 8])) != crc:
+                    crc = int.from_bytes(view[at + 8 : at + 12], "little")
+                    if zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
                         raise FrameError(f"byte {self._pos + at}: checksum mismatch in a {frame_type.name} frame "
                                          f"of {length} bytes (damaged data)")
                 frames.append(Frame(frame_type, tag, payload, self._pos + at))
                 at = end
         finally:
+            view.release()
             # Drop what was consumed even when raising, so offsets stay true.
             del buf[:at]
             self._pos += at

@@ -8,6 +8,7 @@ around it are kept.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, Final
@@ -15,6 +16,7 @@ from typing import IO, Any, Final
 import numpy as np
 
 from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.wire import jsonl_fast
 from gpufootprint.wire.framing import (
     PREAMBLE,
     Frame,
@@ -78,6 +80,8 @@ _FIELDS: Final[dict[RecordKind, tuple[tuple[str, str, bool], ...]]] = {
 }
 
 BATCH_RECORDS: Final = 4096
+#: Lines of one shape in a row below this many are read one by one (the block parse has fixed costs).
+FAST_RUN_MIN: Final = 8
 
 ProblemSink = Callable[[str], None]
 
@@ -90,8 +94,12 @@ class JsonlToFrames:
         self.on_problem = on_problem
         self.default_pid = 0
         self.lines = 0
+        # The batch being filled: rows read line by line, and arrays of rows read as a block, in line order.
         self._rows: list[tuple[int, ...]] = []
+        self._parts: list[list[tuple[int, ...]] | np.ndarray] = []
+        self._count = 0
         self._kind: RecordKind | None = None
+        self._shapes: dict[bytes, jsonl_fast.Shape | None] = {}
         self._names: dict[str, int] = {}
         self._new_names: dict[str, str] = {}
 
@@ -103,6 +111,69 @@ class JsonlToFrames:
             if out:
                 yield out
         yield from self.finish()
+
+    def convert_blocks(self, blocks: Iterable[bytes]) -> Iterator[bytes]:
+        """Like ``convert``, from blocks of whole lines (each ends with a newline but perhaps the last of
+        the input). Runs of lines of one shape are parsed together (``jsonl_fast``); the frames, the
+        problems and the line numbers are exactly those of the line-by-line reader."""
+        yield PREAMBLE
+        for block in blocks:
+            out = self._block(block)
+            if out:
+                yield out
+        yield from self.finish()
+
+    def _block(self, block: bytes) -> bytes:
+        lines = block.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()  # the block ended with a newline
+        shapes = block.translate(None, jsonl_fast.DIGITS).split(b"\n")
+        out: list[bytes] = []
+        at = 0
+        for shape, group in itertools.groupby(shapes[:len(lines)]):
+            n = sum(1 for _ in group)
+            parsed = self._fast(shape, lines[at:at + n]) if n >= FAST_RUN_MIN else None
+            if parsed is None:
+                for raw in lines[at:at + n]:
+                    self.lines += 1
+                    piece = self._line(raw)
+                    if piece:
+                        out.append(piece)
+            else:
+                self.lines += n
+                out.append(self._add_parsed(*parsed))
+            at += n
+        return b"".join(out)
+
+    def _fast(self, shape: bytes, lines: list[bytes]) -> tuple[RecordKind, np.ndarray] | None:
+        if shape not in self._shapes:
+            self._shapes[shape] = jsonl_fast.parse_shape(shape, JSONL_KINDS, _FIELDS) if len(self._shapes) < 256 \
+                else None
+        parsed = self._shapes[shape]
+        if parsed is None:
+            return None
+        recs = jsonl_fast.parse_run(b"\n".join(lines), len(lines), parsed, _FIELDS[parsed.kind], self.default_pid)
+        return None if recs is None else (parsed.kind, recs)
+
+    def _add_parsed(self, kind: RecordKind, recs: np.ndarray) -> bytes:
+        """Rows parsed as a block join the batch as line-by-line rows would: the same batch boundaries."""
+        out = []
+        i = 0
+        while i < len(recs):
+            if kind is not self._kind or self._count >= BATCH_RECORDS:
+                out.append(self._flush())
+            self._kind = kind
+            take = min(len(recs) - i, BATCH_RECORDS - self._count)
+            self._end_rows()
+            self._parts.append(recs[i:i + take])
+            self._count += take
+            i += take
+        return b"".join(out)
+
+    def _end_rows(self) -> None:
+        if self._rows:
+            self._parts.append(self._rows)
+            self._rows = []
 
     def finish(self) -> Iterator[bytes]:
         """The batch still being filled (also after the input broke off)."""
@@ -130,9 +201,10 @@ class JsonlToFrames:
             row = self._row(kind, obj)
             if row is None:
                 return b""
-            out = self._flush() if (kind is not self._kind or len(self._rows) >= BATCH_RECORDS) else b""
+            out = self._flush() if (kind is not self._kind or self._count >= BATCH_RECORDS) else b""
             self._kind = kind
             self._rows.append(row)
+            self._count += 1
             return out
         if tag == "meta":
             if obj.get("format") != "cupti-jsonl" or obj.get("version") != 1:
@@ -172,10 +244,23 @@ class JsonlToFrames:
         return nid
 
     def _flush(self) -> bytes:
-        if not self._rows or self._kind is None:
+        self._end_rows()
+        if not self._count or self._kind is None:
+            self._parts, self._count = [], 0
             return b""
-        kind, rows = self._kind, self._rows
-        self._rows = []
+        kind, parts = self._kind, self._parts
+        self._parts, self._count = [], 0
+        arrays = [part if isinstance(part, np.ndarray) else self._rows_array(kind, part) for part in parts]
+        recs = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if len(recs) == 0:
+            return b""
+        prefix = b""
+        if self._new_names:
+            prefix = encode_json(FrameType.STRINGS, self._new_names)
+            self._new_names = {}
+        return prefix + encode_batch(kind, recs)
+
+    def _rows_array(self, kind: RecordKind, rows: list[tuple[int, ...]]) -> np.ndarray:
         names = [f for f, _, _ in _FIELDS[kind]] + (["name_id"] if kind is RecordKind.KERNEL else [])
         recs = np.zeros(len(rows), dtype=DTYPES[kind])
         try:
@@ -191,13 +276,8 @@ class JsonlToFrames:
                     good.append(row)
                 except OverflowError:
                     self._problem(f"{KIND_TAGS[kind]} record has a value too large for its field")
-            self._rows = good
-            return self._flush()
-        prefix = b""
-        if self._new_names:
-            prefix = encode_json(FrameType.STRINGS, self._new_names)
-            self._new_names = {}
-        return prefix + encode_batch(kind, recs)
+            return self._rows_array(kind, good)
+        return recs
 
 
 def write_jsonl(frames: Iterable[Frame], out: IO[str]) -> int:

@@ -52,7 +52,7 @@ class TraceFile:
                     self.format = "cupti-jsonl"
                     reader = JsonlToFrames(str(self.path), self.problems.append)
                     try:
-                        yield from reader.convert(_lines(native))
+                        yield from reader.convert_blocks(_blocks(native))
                     except _Truncated as exc:
                         self.problems.append(f"{self.path}:{reader.lines + 1}: {exc}")
                         yield from reader.finish()
@@ -151,13 +151,14 @@ class _Peek:
             yield chunk
 
 
-def _lines(chunks: _Peek) -> Iterator[bytes]:
+def _blocks(chunks: _Peek) -> Iterator[bytes]:
+    """The input in blocks of whole lines, as ``_lines`` cuts them: a last line without its newline last."""
     rest = b""
     for chunk in chunks:
         data = rest + chunk
-        parts = data.split(b"\n")
-        rest = parts.pop()
-        for part in parts:
-            yield part + b"\n"
+        cut = data.rfind(b"\n") + 1
+        rest = data[cut:]
+        if cut:
+            yield data[:cut]
     if rest:
         yield rest  # a last line cut short fails JSON parsing, named by its number

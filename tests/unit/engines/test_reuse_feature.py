@@ -42,3 +42,57 @@ def test_kept_history_is_bounded_but_totals_are_not() -> None:
         c.add(mem([(2 * i, 1, 16, 64), (2 * i + 1, 2, 16, 64)]))
     assert c.allocations == 50 and c.reused == 49
     assert 10 <= len(c.events()) <= 20 and not c.events().flags.writeable
+
+
+def _reference_hits(batches: list[np.ndarray], capacity: int) -> list[bool]:
+    """The tracker's rule written as the plain per-record loop it replaced: each batch in time order, an
+    allocation hits when its (address, size) was released before it; sizeless releases take the size
+    last allocated at their address; both memories start afresh when they reach ``capacity``."""
+    freed: set[tuple[int, int]] = set()
+    live: dict[int, int] = {}
+    sizeless = False
+    hits: list[bool] = []
+    for b in batches:
+        b = b[b["mk"] == MemoryKind.DEVICE]
+        b = b[np.argsort(b["ts"], kind="stable")]
+        if len(b) == 0:
+            continue
+        if len(live) >= capacity:
+            live.clear()
+        if len(freed) >= capacity:
+            freed.clear()
+        sizeless = sizeless or bool(((b["op"] == 2) & (b["bytes"] == 0)).any())
+        for op, addr, size in zip(b["op"].tolist(), b["addr"].tolist(), b["bytes"].tolist()):
+            if sizeless and op == 1:
+                live[addr] = size
+            if sizeless and op == 2 and size == 0:
+                size = live.get(addr, 0)
+            if op == 1:
+                hits.append((addr, size) in freed)
+            elif op == 2:
+                freed.add((addr, size))
+    return hits
+
+
+def test_vectorised_tracker_matches_the_per_record_rule_on_random_batches() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        capacity = int(rng.choice([8, 64, 100_000]))
+        batches = []
+        t = 0
+        for _ in range(int(rng.integers(1, 12))):
+            n = int(rng.integers(1, 300))
+            rows = [(t + int(rng.integers(0, 50)), int(rng.choice([1, 2, 2, 1, 3])), int(rng.integers(0, 20)) * 64,
+                     int(rng.choice([0, 64, 128])) if trial % 3 == 0 else int(rng.choice([64, 128])))
+                    for _ in range(n)]
+            t += 40  # batches overlap a little in time and are unsorted inside
+            kinds = rng.choice([MemoryKind.DEVICE, MemoryKind.DEVICE, MemoryKind.PINNED], size=n)
+            b = mem(rows)
+            b["mk"] = kinds
+            batches.append(b)
+        c = ReuseTracker(capacity=capacity, history=1 << 20)
+        for b in batches:
+            c.add(b)
+        expected = _reference_hits(batches, capacity)
+        assert c.events()["reused"].tolist() == expected, trial
+        assert c.allocations == len(expected) and c.reused == sum(expected)
