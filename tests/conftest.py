@@ -25,16 +25,18 @@ def data_dir() -> Path:
 
 
 def mem(ts: int, op: int, addr: int, size: int, *, kind: int = MemoryKind.DEVICE, pid: int = 100,
-        dev: int = 0, is_async: int = 0) -> tuple:
-    return (ts, op, addr, size, kind, pid, dev, is_async)
+        dev: int = 0, is_async: int = 0, corr: int = 0) -> tuple:
+    return (ts, op, addr, size, kind, pid, dev, is_async, corr)
 
 
 def mem_batch(rows: list[tuple]) -> np.ndarray:
-    """MEMORY records from (ts, op, addr, bytes, kind, pid, dev, is_async) tuples."""
+    """MEMORY records from (ts, op, addr, bytes, kind, pid, dev, is_async[, corr]) tuples."""
     out = np.zeros(len(rows), dtype=MEMORY_DTYPE)
-    for i, (ts, op, addr, size, kind, pid, dev, is_async) in enumerate(rows):
+    for i, row in enumerate(rows):
+        ts, op, addr, size, kind, pid, dev, is_async = row[:8]
         out[i]["ts"], out[i]["op"], out[i]["addr"], out[i]["bytes"] = ts, op, addr, size
         out[i]["mk"], out[i]["pid"], out[i]["dev"], out[i]["is_async"] = kind, pid, dev, is_async
+        out[i]["corr"] = row[8] if len(row) > 8 else 0
     return out
 
 

@@ -25,10 +25,10 @@ DRIVER = 4  # CUpti_ActivityAPI: written per call of a driver function switched 
 
 def memory_record(op: int, addr: int, size: int, *, ts: int | None = None, mk: int = 3, dev: int = 0,
                   is_async: int = 0, pool_type: int = 0, pool_addr: int = 0, pool_size: int = 0,
-                  pool_used: int = 0, stream: int = 7, pid: int = 0) -> Any:
+                  pool_used: int = 0, stream: int = 7, pid: int = 0, corr: int = 1) -> Any:
     cfg = SimpleNamespace(memory_pool_type=pool_type, pad2=0, address=pool_addr, release_threshold=0,
                           utilized_size=pool_used, pool=SimpleNamespace(size_=pool_size, process_id=0))
-    return SimpleNamespace(kind=MEMORY2, memory_operation_type=op, memory_kind=mk, correlation_id=1, address=addr,
+    return SimpleNamespace(kind=MEMORY2, memory_operation_type=op, memory_kind=mk, correlation_id=corr, address=addr,
                            bytes=size, timestamp=ts if ts is not None else time.time_ns(), pc=0, process_id=pid,
                            device_id=dev, context_id=1, stream_id=stream, name="", is_async=is_async, pad1=0,
                            source="", memory_pool_config=cfg)

@@ -53,15 +53,24 @@ class MemoryOp(enum.IntEnum):
     RELEASE = 2
 
 
-#: A release stamped at most this long after an allocation that reused its (still live) address is the
-#: late release of the allocation that held the address before, not of the new one. The driver hands
-#: out an address only once it is free, so the earlier allocation was released before the new one
-#: began; with two threads freeing and allocating around the driver's lock, CUPTI can stamp that
-#: release a little later than the new allocation (seen on the H200 under four threads of churn).
-#: The probe's table and the daemon's follow this one rule (footprint/table.py says how).
+#: A release stamped at most this long after an allocation that reused its (still live) address, and
+#: whose CUDA call came before that allocation's (a lower correlation id: CUPTI numbers the API calls
+#: of a process in the order they are made), is the late release of the allocation that held the
+#: address before, not of the new one. The driver hands out an address only once it is free, so the
+#: earlier allocation was released before the new one began; with two threads freeing and allocating
+#: around the driver's lock, its record can be stamped later than the new allocation. Without that
+#: evidence (a correlation id of 0, or a higher one: the new allocation's own release) the release is
+#: the new allocation's, and the old one's release counts as lost. The probe's table and the daemon's
+#: follow this one rule (footprint/table.py says how).
 LATE_RELEASE_NS: Final = 100_000_000
-#: Reused addresses remembered at once for that rule, per table; past it the oldest is judged lost.
-MAX_DISPLACED: Final = 4096
+#: Reused addresses remembered at once for that rule, per table (a bound on what a hostile process can
+#: make a table hold beside its live allocations); past it the oldest is judged lost.
+MAX_DISPLACED: Final = 64
+
+
+def is_late_release(release_corr: int, reuse_corr: int) -> bool:
+    """The release's call came before the allocation that reused its address (both ids known)."""
+    return 0 < release_corr < reuse_corr
 
 
 class MemoryKind(enum.IntEnum):

@@ -173,7 +173,8 @@ def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
         if pid is not None:
             recs["pid"] = pid
         raw = encode_batch(kind, recs)
-    elif frame.type in (FrameType.MARK, FrameType.META, FrameType.HELLO, FrameType.HEARTBEAT, FrameType.GOODBYE):
+    elif frame.type in (FrameType.MARK, FrameType.META, FrameType.HELLO, FrameType.HEARTBEAT, FrameType.GOODBYE,
+                        FrameType.RESYNC_BEGIN, FrameType.RESYNC_END, FrameType.TOTALS):
         body = frame.json()
         if isinstance(body.get("ts"), int):
             body["ts"] += delta_ns

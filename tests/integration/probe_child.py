@@ -92,16 +92,18 @@ def reuse_inverted(fake: probe_fakes.FakeCupti, n: int) -> None:
     addrs = [0x6000_0000 + i * 0x10_0000 for i in range(n)]
     for a in addrs:
         fake.alloc(a, 4096)
-    plan = [(a, time.time_ns() + i * 50_000, rng.randint(1, 500_000)) for i, a in enumerate(addrs)]
+    # CUPTI numbers a process's API calls in call order: each free's call (corr 2i + 1) came before
+    # the reuse of its address (2i + 2), though its record is stamped later.
+    plan = [(a, time.time_ns() + i * 50_000, rng.randint(1, 500_000), 1000 + 2 * i) for i, a in enumerate(addrs)]
 
     def freer() -> None:
-        for a, t, late in plan:
-            fake.emit(probe_fakes.memory_record(2, a, 4096, ts=t + late, stream=2))
+        for a, t, late, corr in plan:
+            fake.emit(probe_fakes.memory_record(2, a, 4096, ts=t + late, stream=2, corr=corr + 1))
 
     t = threading.Thread(target=freer)
     t.start()
-    for a, ts, _ in plan:
-        fake.emit(probe_fakes.memory_record(1, a, 65536, ts=ts, stream=1))
+    for a, ts, _, corr in plan:
+        fake.emit(probe_fakes.memory_record(1, a, 65536, ts=ts, stream=1, corr=corr + 2))
     t.join()
 
 

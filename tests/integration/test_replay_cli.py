@@ -173,3 +173,34 @@ def test_an_empty_resync_in_a_recording_clears_the_process_it_names(tmp_path: Pa
     body = json.loads(report.read_text())
     assert [(m["label"], m["matches"]) for m in body["marks"]] == [("before", True), ("after", True)], body["marks"]
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_demo_moves_a_recordings_resync_to_its_own_pid_and_time() -> None:
+    """The demo plays each recording as a process of its own (``shift_frame``: new pid, times moved to
+    now). A RESYNC left with the recording's pid cleared nothing of the demo's process and made a
+    phantom process of the recorded pid (review finding on the empty-resync rule)."""
+    import time
+
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.records import RecordKind
+    from gpufootprint.replay import shift_frame
+    from gpufootprint.wire.framing import (PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark,
+                                           iter_frames)
+    from tests.conftest import ALLOC, mem, mem_batch
+
+    s = 1_000_000_000
+    t0 = 1_800_000_000 * s
+    raw = PREAMBLE + b"".join([
+        encode_json(FrameType.HELLO, {"pid": 77, "start_time": 1}),
+        encode_batch(RecordKind.MEMORY, mem_batch([mem(t0, ALLOC, 0x1000, 1 << 30, pid=77)])),
+        encode_watermark(t0 + s),
+        encode_json(FrameType.RESYNC_BEGIN, {"ts": t0 + 2 * s, "reason": "profiler_gap", "entries": 0, "pid": 77}),
+        encode_json(FrameType.RESYNC_END, {"ts": t0 + 2 * s, "pid": 77}),
+        encode_watermark(t0 + 3 * s)])
+    pipeline = Pipeline(FootprintConfig())
+    session = Session(pipeline, source="trace", name="demo")
+    delta = time.time_ns() - t0
+    for frame in iter_frames(iter([raw])):
+        session.handle(shift_frame(frame, delta, pid=4242))
+    assert set(pipeline.processes) == {4242}  # no phantom of the recorded pid
+    assert all(fp.device_bytes == 0 for fp in pipeline.processes[4242].devices.values())

@@ -58,7 +58,7 @@ def test_a_survivor_of_its_oom_replays_to_the_frameworks_figure_at_every_quiet_p
     if name == "oom_jax_arena":
         assert ooms == []  # JAX's arena stopped at its own limit: no CUDA call failed
     else:
-        assert ooms and all(m["oom"]["dev_known"] in (True, False) for m in ooms)
+        assert ooms and all(m["oom"]["dev_known"] is True for m in ooms)  # the process saw one GPU
         assert sum(int(m["oom"].get("failed_calls", 0)) for m in ooms) >= 1
         # each is stamped at the failure: after the baseline, before the program looked at what it held
         assert all(points[0]["ts"] < m["ts"] < points[1]["ts"] for m in ooms), [m["ts"] for m in ooms]
@@ -71,9 +71,10 @@ def test_threads_that_reuse_each_others_addresses_replay_exact_with_every_invers
     points = _quiet_points(marks)
     assert [m["label"] for m in points] == ["round_0", "round_1", "round_2", "end"]
     assert all(m["live_bytes"].get("device", 0) == m["framework_held_bytes"] for m in points), points
-    errors = dict(pipeline.errors.counts)
-    # one release CUPTI never wrote (a tensor freed as its thread ended) stays a counted error
-    assert set(errors) <= {"double_allocation"} and errors.get("double_allocation", 0) <= 3, errors
+    # one release CUPTI never wrote stays one counted error; the quick frees of that address after it
+    # are its new allocations' own (their calls came later) and none is taken for the lost one
+    assert dict(pipeline.errors.counts) == {"double_allocation": 1}
+    assert dict(pipeline.errors.repairs) == {}
     assert sum(pipeline.records_ingested.values()) > 100_000
 
 

@@ -230,19 +230,22 @@ def _inverted_reuse(n: int, rng: random.Random, t0: int = 1_000 * MS) -> tuple[l
     """Two threads around the driver's lock: one frees an address, the other gets it back at once,
     and CUPTI stamps the free up to 0.5 ms after the new allocation. Returns the rows in time order
     and the bytes truly live at the end (every new allocation, plus a bystander)."""
-    rows = [mem(t0, ALLOC, 0x9000_0000, 1 << 20)]  # the bystander
+    rows = [mem(t0, ALLOC, 0x9000_0000, 1 << 20, corr=1)]  # the bystander
     truth = 1 << 20
     ts = t0 + MS
+    corr = 10
     for i in range(n):
         addr = 0x7000_0000 + i * 0x10_0000
         old = rng.choice([512, 4096, 2 << 20])
         new = rng.choice([512, 4096, 2 << 20])
-        rows.append(mem(ts, ALLOC, addr, old))
+        rows.append(mem(ts, ALLOC, addr, old, corr=corr))
         ts += MS
-        rows.append(mem(ts, ALLOC, addr, new))  # the reuse, stamped first
-        rows.append(mem(ts + rng.randint(1, 500_000), FREE, addr, old))  # the old one's release, stamped late
+        rows.append(mem(ts, ALLOC, addr, new, corr=corr + 2))  # the reuse, stamped first
+        # the old one's release: its call came before the reuse's (corr + 1), its record stamped late
+        rows.append(mem(ts + rng.randint(1, 500_000), FREE, addr, old, corr=corr + 1))
         truth += new
         ts += MS
+        corr += 3
     rows.sort(key=lambda r: r[0])
     return rows, truth
 
@@ -263,7 +266,7 @@ def test_a_release_stamped_after_the_reuse_of_its_address_retires_the_old_alloca
         assert pipeline.errors.repairs == {"late_release_of_reused_address": n}
         # AND each new allocation's own release later is an ordinary release, exact to the end
         end = rows[-1][0] + 200 * MS
-        frees = [mem(end + i, FREE, r[2], r[3]) for i, r in enumerate(rows[2::3])]
+        frees = [mem(end + i, FREE, r[2], r[3], corr=10_000 + i) for i, r in enumerate(rows[2::3])]
         pipeline.submit(RecordKind.MEMORY, mem_batch(frees))
         pipeline.finish(100)
         state = pipeline.device_state(100, 0)
@@ -271,10 +274,10 @@ def test_a_release_stamped_after_the_reuse_of_its_address_retires_the_old_alloca
 
 
 def test_a_reuse_whose_old_release_never_comes_is_still_one_error_and_the_new_one_is_kept() -> None:
-    rows = [mem(1 * MS, ALLOC, 0x10, 4096), mem(2 * MS, ALLOC, 0x10, 1 << 20),  # the old release was lost
-            mem(3 * MS, FREE, 0x10, 1 << 20),  # the new one's own release: its size names it
-            mem(4 * MS, ALLOC, 0x20, 4096), mem(5 * MS, ALLOC, 0x20, 512),
-            mem(400 * MS, FREE, 0x20, 512)]  # past the window: an ordinary release of the new one
+    rows = [mem(1 * MS, ALLOC, 0x10, 4096, corr=1), mem(2 * MS, ALLOC, 0x10, 1 << 20, corr=5),  # 0x10's release lost
+            mem(3 * MS, FREE, 0x10, 1 << 20, corr=6),  # the new one's own release: its call came after the reuse's
+            mem(4 * MS, ALLOC, 0x20, 4096, corr=7), mem(5 * MS, ALLOC, 0x20, 512, corr=9),
+            mem(400 * MS, FREE, 0x20, 512, corr=10)]  # past the window: an ordinary release of the new one
     pipeline = Pipeline(FootprintConfig(reorder_window_ms=0))
     pipeline.submit(RecordKind.MEMORY, mem_batch(rows))
     pipeline.finish(100)
@@ -307,3 +310,25 @@ def test_pool_config_per_pool_matches_the_record_by_record_rule() -> None:
                     ref_pools[a] = (s, u)
             fp.note_pool_config(recs)
             assert fp.pools == ref_pools and fp.pool_floor == ref_floor, (trial, step)
+
+
+def test_a_lost_release_followed_by_quick_reuse_cycles_is_not_taken_for_late_releases() -> None:
+    """Found by review in the H200 recording of four threads with caching off: one release CUPTI never
+    wrote, then the address allocated and freed again and again within 100 ms. Each free is that
+    allocation's own (its call came after the allocation's), so none may be absorbed as the lost one:
+    the table ends exact with the lost release counted once, and no repair."""
+    rows = [mem(1 * MS, ALLOC, 0x10, 12288, corr=100)]  # its release is never written
+    corr, ts = 200, 1_000 * MS
+    for _ in range(1000):
+        rows += [mem(ts, ALLOC, 0x10, 12288, corr=corr), mem(ts + 50_000, FREE, 0x10, 12288, corr=corr + 1)]
+        ts, corr = ts + 100_000, corr + 2
+    for zero_corr in (False, True):  # CUPTI wrote no correlation id: no evidence of a late release either
+        batch = mem_batch(rows)
+        if zero_corr:
+            batch["corr"] = 0
+        pipeline = Pipeline(FootprintConfig(reorder_window_ms=0))
+        pipeline.submit(RecordKind.MEMORY, batch)
+        pipeline.finish(100)
+        state = pipeline.device_state(100, 0)
+        assert state is not None and state.live_bytes == {}
+        assert pipeline.errors.counts == {"double_allocation": 1} and pipeline.errors.repairs == {}

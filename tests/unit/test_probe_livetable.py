@@ -9,8 +9,8 @@ from gpufootprint.probe.livetable import LiveTable, untracked_address
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind
 
 
-def rec(op: int, addr: int, size: int, ts: int, mk: int = 3, is_async: int = 0, dev: int = 0) -> tuple:
-    return (ts, addr, size, 0, 0, 0, 0, 1, dev, 1, 7, 1, op, mk, is_async, 0)
+def rec(op: int, addr: int, size: int, ts: int, mk: int = 3, is_async: int = 0, dev: int = 0, corr: int = 1) -> tuple:
+    return (ts, addr, size, 0, 0, 0, 0, 1, dev, 1, 7, corr, op, mk, is_async, 0)
 
 
 def arr(rows: list[tuple]) -> np.ndarray:
@@ -96,9 +96,9 @@ def test_the_probes_table_follows_the_daemons_rule_for_a_release_stamped_after_t
         ts = 1_000_000
         for i in range(n):
             addr = 0x7000_0000 + i * 0x10_0000
-            rows.append(rec(1, addr, 4096, ts))
-            rows.append(rec(1, addr, 1 << 20, ts + 1000))
-            rows.append(rec(2, addr, 4096, ts + 1000 + 300_000))  # stamped 0.3 ms after the reuse
+            rows.append(rec(1, addr, 4096, ts, corr=10 * i + 1))
+            rows.append(rec(1, addr, 1 << 20, ts + 1000, corr=10 * i + 3))
+            rows.append(rec(2, addr, 4096, ts + 1000 + 300_000, corr=10 * i + 2))  # stamped 0.3 ms after the reuse
             truth_addrs[addr] = 1 << 20
             ts += 2_000_000
         random.Random(n).shuffle(rows)
@@ -107,3 +107,21 @@ def test_the_probes_table_follows_the_daemons_rule_for_a_release_stamped_after_t
         table.advance(ts + 1)
         assert {a: r[2] for a, r in table.rows.items()} == truth_addrs
         assert (table.late_release_repairs, table.lost_releases, table.stale_releases) == (n, 0, 0)
+
+
+def test_the_probes_table_takes_a_quick_free_after_a_lost_release_as_the_new_allocations_own() -> None:
+    rows = [rec(1, 0x10, 12288, 1_000, corr=100)]  # its release never came
+    ts, corr = 1_000_000, 200
+    for _ in range(100):
+        rows += [rec(1, 0x10, 12288, ts, corr=corr), rec(2, 0x10, 12288, ts + 50_000, corr=corr + 1)]
+        ts, corr = ts + 100_000, corr + 2
+    rows.append(rec(1, 0x99, 512, ts + 200_000_000, corr=corr))  # later: the window has passed
+    for bulk in (False, True):
+        table = LiveTable()
+        if bulk:
+            table.add(arr(rows))
+            table.advance(ts + 200_000_000)
+        else:
+            for r in rows:
+                table.apply(arr([r]))
+        assert list(table.rows) == [0x99] and table.late_release_repairs == 0 and table.lost_releases == 1

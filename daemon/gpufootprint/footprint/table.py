@@ -9,9 +9,10 @@ An allocation at an address that is still live means the release of the earlier 
 was lost, or stamped later than the new allocation (two threads around the driver's
 lock; records.LATE_RELEASE_NS). The earlier allocation is released at the new one's
 time either way (the driver reuses only a free address) and remembered; a release of
-that address within LATE_RELEASE_NS is its late release and is absorbed (a repair,
-counted), unless its size names the new allocation and not the old. Remembered entries
-whose release never comes are counted as ``double_allocation`` errors.
+that address within LATE_RELEASE_NS whose call came before the new allocation's (its
+correlation id is lower) is its late release and is absorbed (a repair, counted); any
+other release is the new allocation's. Remembered entries whose release never comes
+are counted as ``double_allocation`` errors.
 
 The methods that move the GPU-resident level (``apply_memory``, ``replace_live``,
 ``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
@@ -34,6 +35,7 @@ from gpufootprint.records import (
     CopyKind,
     MemoryOp,
     PoolOp,
+    is_late_release,
     um_counter_values,
 )
 
@@ -99,8 +101,9 @@ class DeviceFootprint:
     # and trims only, while the pool grows silently as allocations need it; it cannot hold less than
     # what is allocated from it. The highest pool use since the last reported size (a lower bound).
     pool_floor: int = 0
-    # Allocations whose address was reused while they were live: addr -> (the entry, the reuse's time).
-    displaced: dict[int, tuple[LiveAllocation, int]] = field(default_factory=dict)
+    # Allocations whose address was reused while they were live: addr -> (the entry, the reuse's time,
+    # the reusing allocation's correlation id).
+    displaced: dict[int, tuple[LiveAllocation, int, int]] = field(default_factory=dict)
 
     # --- memory -------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class DeviceFootprint:
         sizes = recs["bytes"].tolist()
         kinds = recs["mk"].tolist()
         asyncs = recs["is_async"].tolist()
+        corrs = recs["corr"].tolist()
         deltas = [0] * len(ops)
         alloc_op, release_op = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         for i, op in enumerate(ops):
@@ -238,7 +242,7 @@ class DeviceFootprint:
                     # A second allocation at a live address: the old one was released first (the
                     # driver reuses only free addresses), its release lost or still to come stamped
                     # later. Released now, and remembered for its late release (module doc).
-                    self._displace(addr, old, ts_list[i], errors)
+                    self._displace(addr, old, ts_list[i], corrs[i], errors)
                     by_kind[old.kind] -= old.bytes
                     self.releases[old.kind] += 1
                     self.released_bytes[old.kind] += old.bytes
@@ -259,7 +263,7 @@ class DeviceFootprint:
                 if gone is not None:
                     if ts_list[i] - gone[1] > LATE_RELEASE_NS:
                         self._expire_displaced(ts_list[i], errors)
-                    elif self._is_late_release(addr, sizes[i], gone[0]):
+                    elif is_late_release(corrs[i], gone[2]):
                         del self.displaced[addr]
                         errors.repair("late_release_of_reused_address")
                         continue
@@ -285,35 +289,29 @@ class DeviceFootprint:
             self.last_ts = max(self.last_ts, ts_list[-1])
         return levels
 
-    def _displace(self, addr: int, old: LiveAllocation, ts: int, errors: IngestErrors) -> None:
+    def _displace(self, addr: int, old: LiveAllocation, ts: int, corr: int, errors: IngestErrors) -> None:
         if addr in self.displaced:  # reused twice before the first late release came: that one is lost
             errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
         elif len(self.displaced) >= MAX_DISPLACED:
             del self.displaced[next(iter(self.displaced))]
             errors.add("double_allocation", f"pid={self.pid} dev={self.dev} (reused addresses past {MAX_DISPLACED})")
-        self.displaced[addr] = (old, ts)
-
-    def _is_late_release(self, addr: int, size: int, old: LiveAllocation) -> bool:
-        """A release of a reused address inside the window: the old allocation's, unless its size names
-        the new allocation and not the old one (equal sizes: the same either way)."""
-        new = self.live.get(addr)
-        return not (size and new is not None and size == new.bytes and size != old.bytes)
+        self.displaced[addr] = (old, ts, corr)
 
     def settle_displaced(self, errors: IngestErrors) -> None:
         """The stream ended: no late release can come any more for the reused addresses."""
         self._expire_displaced(-1 if not self.displaced else
-                               max(t for _, t in self.displaced.values()) + LATE_RELEASE_NS + 1, errors)
+                               max(t for _, t, _ in self.displaced.values()) + LATE_RELEASE_NS + 1, errors)
 
     def _expire_displaced(self, now_ts: int, errors: IngestErrors) -> None:
         """Reused addresses whose late release did not come within the window: that release was lost."""
-        expired = [a for a, (_, t) in self.displaced.items() if now_ts - t > LATE_RELEASE_NS]
+        expired = [a for a, (_, t, _) in self.displaced.items() if now_ts - t > LATE_RELEASE_NS]
         for addr in expired:
             del self.displaced[addr]
             errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
 
     def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> LevelChanges:
-        """A resync: the probe's whole live table replaces ours as of ``ts``."""
-        self.displaced.clear()
+        """A resync: the probe's whole live table replaces ours as of ``ts``. Reused addresses stay
+        remembered, as the probe's table keeps its own: a late release may still come after it."""
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0

@@ -26,6 +26,7 @@ from gpufootprint.records import (
     MEMORY_DTYPE,
     MemoryKind,
     MemoryOp,
+    is_late_release,
 )
 from gpufootprint.wire import cupti_layout
 
@@ -36,7 +37,7 @@ _BULK_MIN: Final = 64  # below this many records the loop is faster than numpy's
 
 # Field positions in a MEMORY_DTYPE row tuple.
 TS, ADDR, BYTES = 0, 1, 2
-PID, DEV = 7, 8
+PID, DEV, CORR = 7, 8, 11
 OP, MK, IS_ASYNC = 12, 13, 14
 
 
@@ -52,8 +53,9 @@ class LiveTable:
     stale_releases: int = 0
     _untracked: dict[int, Row] = field(default_factory=dict)  # device -> the UNTRACKED entry declared last
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
-    # Entries whose address was reused while they were live: addr -> (their size, the reuse's time).
-    displaced: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # Entries whose address was reused while they were live: addr -> (their size, the reuse's time, the
+    # reusing allocation's correlation id).
+    displaced: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     late_release_repairs: int = 0  # releases taken as the late release of a reused address's old entry
     lost_releases: int = 0  # reused addresses whose old entry's release never came
 
@@ -199,7 +201,7 @@ class LiveTable:
                     if addr in displaced or len(displaced) >= MAX_DISPLACED:
                         self.lost_releases += 1
                         displaced.pop(addr if addr in displaced else next(iter(displaced)))
-                    displaced[addr] = (old[BYTES], row[TS])
+                    displaced[addr] = (old[BYTES], row[TS], row[CORR])
                 rows[addr] = row
             elif op == _RELEASE:
                 gone = displaced.get(addr) if displaced else None
@@ -207,18 +209,15 @@ class LiveTable:
                     if row[TS] - gone[1] > LATE_RELEASE_NS:
                         del displaced[addr]
                         self.lost_releases += 1
-                    else:
-                        new = rows.get(addr)
-                        size = row[BYTES]
-                        if not (size and new is not None and size == new[BYTES] and size != gone[0]):
-                            del displaced[addr]
-                            self.late_release_repairs += 1
-                            continue
+                    elif is_late_release(row[CORR], gone[2]):
+                        del displaced[addr]
+                        self.late_release_repairs += 1
+                        continue
                 if rows.pop(addr, None) is None and not (self.ranges and self._cut_range(addr, row[BYTES])):
                     self.stale_releases += 1
         if displaced and len(recs):
             last = int(recs["ts"].max())
-            for addr in [a for a, (_, t) in displaced.items() if last - t > LATE_RELEASE_NS]:
+            for addr in [a for a, (_, t, _) in displaced.items() if last - t > LATE_RELEASE_NS]:
                 del displaced[addr]
                 self.lost_releases += 1
 
