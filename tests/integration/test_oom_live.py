@@ -197,13 +197,14 @@ def test_a_process_that_survives_its_oom_keeps_streaming_and_gets_its_event_whil
 
 def test_a_program_that_fails_frees_and_fails_again_in_a_loop_gets_one_capture_and_a_count(
         default_daemon: Any, tmp_path: Path) -> None:
-    """A loop that catches its OOM, frees something and tries again, every 0.4 s for 4 s: one event
-    and one capture, made on time while the loop still runs, and every failed call counted."""
+    """A loop that catches its OOM, frees something and tries again, every 1.2 s (a training step that
+    retries with a smaller batch; longer than ``oom.coalesce_seconds``) for 7 s: one event and one
+    capture, made on time while the loop still runs, and every failed call counted."""
     proc, port, sock = default_daemon
     loop = []
-    for i in range(10):
+    for i in range(6):
         loop += ["rtcall:20:2", f"alloc:{0x100000 * (i + 1):#x}:4096", f"free:{0x100000 * (i + 1):#x}:4096",
-                 "sleep:0.4"]
+                 "sleep:1.2"]
     child = start_probe_child(sock, tmp_path, "sleep:0.5", "alloc:0x1000:2097152", "sleep:0.2", "touch:failing",
                               *loop, "touch:done", "wait:checked")
     try:
@@ -214,10 +215,10 @@ def test_a_program_that_fails_frees_and_fails_again_in_a_loop_gets_one_capture_a
         assert not (tmp_path / "done").exists()
         _wait(lambda: (tmp_path / "done").exists(), timeout=20)
         # AND once the episode is over every failure is counted, in one event with one capture
-        assert _wait(lambda: _metric(port, "gpufootprint_oom_failed_calls_total", pid) == [10.0], timeout=5)
+        assert _wait(lambda: _metric(port, "gpufootprint_oom_failed_calls_total", pid) == [6.0], timeout=6)
         assert _metric(port, "gpufootprint_oom_events_total", pid) == [1.0]
         (event,) = _oom_events(port, pid)
-        assert event["failed_calls"] == 10
+        assert event["failed_calls"] == 6
         assert _wait(lambda: _oom_events(port, pid)[0].get("capture"), timeout=5)
         assert len(list((tmp_path / "oom").glob("oom-*"))) == 1
         assert [v for _, v in _scrape(port)["gpufootprint_oom_captures_total"]] == [1.0]

@@ -184,12 +184,26 @@ def test_at_stop_every_waiting_failure_is_judged() -> None:
     assert m["oom"]["failed_calls"] == 1
 
 
-def test_a_process_failing_in_a_loop_sends_a_bounded_number_of_marks() -> None:
-    watch = OomWatch()
-    for i in range(150):
+def test_a_process_failing_in_a_loop_sends_marks_at_a_bounded_rate_and_loses_no_failed_call() -> None:
+    """Past MARKS_PER_MINUTE a minute the judged calls wait and go out, all counted, in the next mark;
+    an OOM an hour later still gets its mark (a lifetime cap of 100 marks used to silence it)."""
+    from gpufootprint.probe.oom import MARKS_PER_MINUTE
+
+    now = [0.0]
+    watch = OomWatch(monotonic=lambda: now[0])
+    counted = 0
+    for i in range(300):  # a failure every 0.1 s for 30 s
+        now[0] = i * 0.1
         watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=i + 1)])
-        watch.marks(pid=1, default_dev=0)
-    assert watch.marks_sent == 100 and watch.marks_suppressed == 50
+        counted += sum(m["oom"]["failed_calls"] for m in watch.marks(pid=1, default_dev=0))
+    assert watch.marks_sent == MARKS_PER_MINUTE and counted < 300
+    now[0] = 61.0  # the minute has passed: the next mark carries every call judged meanwhile
+    counted += sum(m["oom"]["failed_calls"] for m in watch.marks(pid=1, default_dev=0))
+    assert counted == 300 and watch.failed_calls == 300
+    now[0] = 3600.0
+    watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=10_000)])
+    (late,) = watch.marks(pid=1, default_dev=0)
+    assert late["oom"]["failed_calls"] == 1
 
 
 def test_torch_observer_attaches_only_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,3 +323,49 @@ def test_a_failed_call_names_its_gpu_as_known_only_where_the_process_sees_one_de
     watch.api_objects([_api(CUDA_MALLOC, CUDA_ERROR_OUT_OF_MEMORY, 9)])
     (many,) = watch.marks(pid=1, default_dev=3, settled_ns=None, only_device=False)
     assert many["dev"] == 3 and many["oom"]["dev_known"] is False  # the newest allocation's GPU, a guess
+
+
+def _probe_with_tee(tmp_path: Path, name: str) -> tuple[Any, Probe]:
+    fake = fk.FakeCupti()
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / f"{name}.gfp")), fake, discover_devices=False)
+    probe.devices = [{"index": 0}]
+    assert probe.start()
+    fake.alloc(0x1000, 4096)
+    return fake, probe
+
+
+def _until(pred: Any, timeout: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if pred():
+            return time.monotonic() - t0
+        time.sleep(0.01)
+    return None
+
+
+def test_a_pytorch_notice_with_no_failed_call_before_it_goes_out_at_the_drain_cadence(tmp_path: Path) -> None:
+    """A per-process memory fraction or the cudaMallocAsync backend raise with no failed CUDA call the
+    probe sees: the notice waits for the watermark, so the probe flushes at its drain cadence meanwhile
+    rather than the 1 s watermark period (review: 1.2-1.9 s before, with the default settings)."""
+    _fake, probe = _probe_with_tee(tmp_path, "fraction")
+    try:
+        time.sleep(0.3)
+        probe.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
+        took = _until(lambda: probe.oom.marks_sent == 1, 5.0)
+        assert took is not None and took < 0.9, took
+    finally:
+        probe.stop()
+
+
+def test_a_pytorch_notice_during_a_profiler_gap_goes_out_without_waiting_for_the_gap_to_end(tmp_path: Path) -> None:
+    """In a torch.profiler gap no record of ours comes and the watermark stands still: the notice must
+    not wait for it (review: it waited for the gap's end)."""
+    _fake, probe = _probe_with_tee(tmp_path, "gap")
+    try:
+        time.sleep(0.3)
+        probe.takeover_begin()
+        probe.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
+        assert _until(lambda: probe.oom.marks_sent == 1, 3.0) is not None
+        probe.takeover_end([], lambda: [])
+    finally:
+        probe.stop()

@@ -5,10 +5,11 @@ failed driver calls it saw in CUPTI's API records, one per PyTorch OOM notice. A
 framework retries after freeing its cache, and PyTorch may call its observer more
 than once, so the notices of one process that come within ``coalesce_seconds`` of its
 first are one event, closed that long after the first notice came (never later: a
-process that keeps failing still gets its event on time). Notices that keep coming
-less than ``coalesce_seconds`` apart after that belong to the same episode: they are
-counted into the event (failed calls, notices) and make no new event or capture, so a
-program that fails, frees and fails again in a loop gives one capture and a count.
+process that keeps failing still gets its event on time). Notices that come after
+that, until the process has gone ``episode_quiet_seconds`` without one, belong to the
+same episode: they are counted into the event (failed calls, notices) and make no new
+event or capture, so a program that fails, frees and fails again in a loop (a training
+step that catches its OOM and retries every few seconds) gives one capture and a count.
 For each event the daemon
 
 * counts it (``gpufootprint_oom_events_total``),
@@ -144,13 +145,13 @@ class OomManager:
 
     def tick(self) -> None:
         """Make the events whose first notice is ``coalesce_seconds`` old; end the episodes whose last
-        notice is; forget gone processes' records."""
+        notice is ``episode_quiet_seconds`` old; forget gone processes' records."""
         now = self._monotonic()
         wait = self.config.coalesce_seconds
         for p in list(self._pending.values()):
             if p.event is None and now - p.first_mono >= wait:
                 self._finish(p)
-            if p.event is not None and now - p.last_mono >= wait:
+            if p.event is not None and now - p.last_mono >= max(wait, self.config.episode_quiet_seconds):
                 self._pending.pop(p.pid, None)
         for pid in self.recent.pids():
             if pid not in self.pipeline.processes and pid not in self._pending:
@@ -265,6 +266,9 @@ class OomManager:
                 if job is None:
                     return
                 self._write(job)
+            except Exception:  # a capture bug must not end the worker: later captures still get written
+                self.capture_errors += 1
+                log.exception("oom capture worker failed on one capture")
             finally:
                 self._jobs.task_done()
 
@@ -274,7 +278,7 @@ class OomManager:
         try:
             where.mkdir(parents=True, exist_ok=True)
             write_capture(where / CAPTURE_FILE, job["frames"])
-            (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
+            (where / META_FILE).write_text(self._meta_text(event))
         except OSError as exc:
             self.capture_errors += 1
             with self._lock:
@@ -285,6 +289,11 @@ class OomManager:
         if self.config.report:
             self._report(job["name"], where, event)
         self._prune()
+
+    def _meta_text(self, event: dict[str, Any]) -> str:
+        """meta.json: a copy taken under the lock (the ingest thread counts later notices into the event)."""
+        with self._lock:
+            return json.dumps(event, indent=1) + "\n"
 
     def _report(self, name: str, where: Path, event: dict[str, Any]) -> None:
         """``gpufootprint report`` of the capture, in a child process: matplotlib never enters the
@@ -302,7 +311,7 @@ class OomManager:
         with self._lock:
             event["report"] = f"{name}/{REPORT_FILE}"
         try:
-            (where / META_FILE).write_text(json.dumps(event, indent=1) + "\n")
+            (where / META_FILE).write_text(self._meta_text(event))
         except OSError as exc:
             log.warning("oom capture %s: meta.json not updated: %s", where, exc)
 

@@ -86,8 +86,10 @@ def switched_cbids(stream_ordered: bool) -> tuple[dict[int, str], dict[int, str]
         return _CBIDS[DRIVER_RECORD], _CBIDS[RUNTIME_RECORD]
     return ALLOCATION_CBIDS, RUNTIME_ALLOCATION_CBIDS
 
-#: A process that fails allocations in a loop sends at most this many OOM marks (the rest are counted).
-MAX_MARKS: Final = 100
+#: A process that fails allocations in a loop sends at most this many OOM marks a minute. Failed calls
+#: judged meanwhile are not lost: they wait and go out counted in the next mark; PyTorch notices past
+#: the rate are dropped and counted (``oom_marks_suppressed``).
+MARKS_PER_MINUTE: Final = 60
 
 #: A failed allocation call followed, on the same thread, within this long by a successful one is a
 #: failure the framework recovered from, not an out-of-memory error: PyTorch's caching allocator and
@@ -107,8 +109,11 @@ class OomWatch:
     ``torch_observer`` on the workload's failing thread; ``take`` on the sender.
     """
 
-    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._clock_ns = clock_ns
+        self._monotonic = monotonic
+        self._sent_at: deque[float] = deque()  # when the marks of the last minute went out
         self._events: deque[dict[str, Any]] = deque(maxlen=1000)
         self._lock = threading.Lock()
         self.failed_calls = 0  # allocation calls that returned OUT_OF_MEMORY (and were not recovered from)
@@ -236,8 +241,9 @@ class OomWatch:
             self._events.append(event)
 
     def waiting(self) -> bool:
-        """A failed call waits for its recovery window to be judged."""
-        return bool(self._waiting)
+        """A failed call waits for its recovery window to be judged, or a PyTorch notice for the
+        watermark to pass it (the sender flushes at its drain cadence until then)."""
+        return bool(self._waiting or self._events)
 
     def pending(self) -> bool:
         return bool(self._events or self._waiting or self._judged_calls)
@@ -260,10 +266,16 @@ class OomWatch:
               only_device: bool = False) -> list[dict[str, Any]]:
         """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed
         allocation calls judged now (``settle``; at the last one's time, counting them all); at most
-        MAX_MARKS in all. An API record names no device: ``default_dev`` is the one the newest
+        MARKS_PER_MINUTE. An API record names no device: ``default_dev`` is the one the newest
         allocation named, known for sure only where the process sees one device (``only_device``,
         as a Kubernetes container given one GPU does)."""
         self.settle(settled_ns)
+        now = self._monotonic()
+        while self._sent_at and now - self._sent_at[0] >= 60.0:
+            self._sent_at.popleft()
+        room = MARKS_PER_MINUTE - len(self._sent_at)
+        if room <= 0:
+            return []  # nothing taken: the judged calls keep adding up for the next mark
         events, calls, last = self.take(settled_ns)
         out: list[dict[str, Any]] = []
         if last is not None:
@@ -276,10 +288,10 @@ class OomWatch:
                 body = {k: v for k, v in e.items() if k not in ("ts", "dev")}
                 out.append({"label": "oom", "ts": e["ts"], "pid": pid, "dev": e["dev"], "expect_live_bytes": None,
                             "oom": {**body, "dev_known": True}})
-        room = max(0, MAX_MARKS - self.marks_sent)
-        self.marks_suppressed += max(0, len(out) - room)
+        self.marks_suppressed += max(0, len(out) - room)  # PyTorch notices only: the failed calls' mark is first
         out = out[:room]
         self.marks_sent += len(out)
+        self._sent_at.extend([now] * len(out))
         return out
 
     def counters(self) -> dict[str, int]:

@@ -258,7 +258,8 @@ class Sender:
         nothing back: the records and watermarks of a process that survives it stream on."""
         if not self.oom.pending():
             return
-        settled = None if self._stop.is_set() else self._table_ts
+        # Stopping, or in a profiler gap (no record of ours comes then, and no watermark): judged at once.
+        settled = None if self._stop.is_set() or self.in_gap else self._table_ts
         # an API record names no device: the one the newest allocation record named (packer.api_dev)
         bodies = self.oom.marks(self.pid, self.packer.api_dev, settled, only_device=len(self.devices) == 1)
         for body in bodies:
