@@ -384,20 +384,19 @@ def window_until(window: dict[RecordKind, np.ndarray], until_ns: int) -> dict[Re
     return {k: v[v[TIME_FIELD[k]] <= np.uint64(until_ns)] for k, v in window.items()}
 
 
+def _per_process(name: str, documentation: str, counts: dict[tuple[int, int, str], int]) -> Metric:
+    family = CounterMetricFamily(name, documentation, labels=["pid", "gpu", "source"])
+    for (pid, gpu, source), n in sorted(counts.items()):
+        family.add_metric([str(pid), str(gpu), source], n)
+    return family
+
+
 def oom_families(manager: OomManager) -> Iterator[Metric]:
     """gpufootprint_oom_* (docs/metrics.md): per-process events, and the capture machinery's own state."""
-    events = CounterMetricFamily("gpufootprint_oom_events",
-                                 "Out-of-memory events (failed allocations; notices within oom.coalesce_seconds "
-                                 "are one event).", labels=["pid", "gpu", "source"])
-    for (pid, gpu, source), n in sorted(manager.counts_now().items()):
-        events.add_metric([str(pid), str(gpu), source], n)
-    yield events
-    calls = CounterMetricFamily("gpufootprint_oom_failed_calls",
-                                "Allocation calls that failed with out-of-memory and were not recovered from, "
-                                "repeats within an event's episode included.", labels=["pid", "gpu", "source"])
-    for (pid, gpu, source), n in sorted(manager.failed_calls_now().items()):
-        calls.add_metric([str(pid), str(gpu), source], n)
-    yield calls
+    yield _per_process("gpufootprint_oom_events", "Out-of-memory events (failed allocations and PyTorch notices; "
+                       "one an episode, docs/oom.md).", manager.counts_now())
+    yield _per_process("gpufootprint_oom_failed_calls", "Allocation calls that failed with out-of-memory and were "
+                       "not recovered from, repeats within an event's episode included.", manager.failed_calls_now())
     written = CounterMetricFamily("gpufootprint_oom_captures", "OOM captures written to oom.directory.")
     written.add_metric([], manager.captures_written)
     yield written
