@@ -197,9 +197,13 @@ def test_a_process_failing_in_a_loop_sends_marks_at_a_bounded_rate_and_loses_no_
         watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=i + 1)])
         counted += sum(m["oom"]["failed_calls"] for m in watch.marks(pid=1, default_dev=0))
     assert watch.marks_sent == MARKS_PER_MINUTE and counted < 300
+    watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=400)])
+    (at_stop,) = watch.marks(pid=1, default_dev=0, final=True)  # stopping: past the rate, all counted
+    counted += at_stop["oom"]["failed_calls"]
+    assert counted == 301
     now[0] = 61.0  # the minute has passed: the next mark carries every call judged meanwhile
     counted += sum(m["oom"]["failed_calls"] for m in watch.marks(pid=1, default_dev=0))
-    assert counted == 300 and watch.failed_calls == 300
+    assert counted == 301 and watch.failed_calls == 301
     now[0] = 3600.0
     watch.api_objects([fk.api_record(CU_MEM_ALLOC_V2, CUDA_ERROR_OUT_OF_MEMORY, end=10_000)])
     (late,) = watch.marks(pid=1, default_dev=0)

@@ -12,7 +12,8 @@ value is out-of-memory (2 in both APIs) is an out-of-memory event, whatever the
 framework. The record carries no arguments and no device: the requested size is unknown
 on this path (only a callback subscriber's per-call parameters have it, a cost on every
 allocation call of every process: docs/oom.md), and the device is the one the process
-last allocated on, known for sure (``dev_known``) where the process sees one device. With PyTorch, its own out-of-memory observer adds the requested size and the
+last allocated on, known for sure (``dev_known``) where the process sees one device.
+With PyTorch, its own out-of-memory observer adds the requested size and the
 allocator's figures.
 
 Nothing here runs on CUPTI's thread or the workload's, except the PyTorch observer
@@ -263,18 +264,21 @@ class OomWatch:
         return out, calls, last
 
     def marks(self, pid: int, default_dev: int, settled_ns: int | None = None,
-              only_device: bool = False) -> list[dict[str, Any]]:
+              only_device: bool = False, final: bool = False) -> list[dict[str, Any]]:
         """MARK bodies for the events taken now: one per PyTorch notice, and one for the failed
         allocation calls judged now (``settle``; at the last one's time, counting them all); at most
         MARKS_PER_MINUTE. An API record names no device: ``default_dev`` is the one the newest
         allocation named, known for sure only where the process sees one device (``only_device``,
-        as a Kubernetes container given one GPU does)."""
+        as a Kubernetes container given one GPU does). ``final``: the process is stopping, so what was
+        judged goes out now, past the rate too."""
         self.settle(settled_ns)
         now = self._monotonic()
         while self._sent_at and now - self._sent_at[0] >= 60.0:
             self._sent_at.popleft()
         room = MARKS_PER_MINUTE - len(self._sent_at)
-        if room <= 0:
+        if final:
+            room = max(room, 1)
+        elif room <= 0:
             return []  # nothing taken: the judged calls keep adding up for the next mark
         events, calls, last = self.take(settled_ns)
         out: list[dict[str, Any]] = []

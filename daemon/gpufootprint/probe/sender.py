@@ -261,7 +261,8 @@ class Sender:
         # Stopping, or in a profiler gap (no record of ours comes then, and no watermark): judged at once.
         settled = None if self._stop.is_set() or self.in_gap else self._table_ts
         # an API record names no device: the one the newest allocation record named (packer.api_dev)
-        bodies = self.oom.marks(self.pid, self.packer.api_dev, settled, only_device=len(self.devices) == 1)
+        bodies = self.oom.marks(self.pid, self.packer.api_dev, settled, only_device=len(self.devices) == 1,
+                                final=self._stop.is_set())
         for body in bodies:
             self.intake.q.append(("mark", body, threading.Event()))
         if bodies:
