@@ -26,7 +26,9 @@ def data_dir() -> Path:
 
 def mem(ts: int, op: int, addr: int, size: int, *, kind: int = MemoryKind.DEVICE, pid: int = 100,
         dev: int = 0, is_async: int = 0, corr: int = 0) -> tuple:
-    return (ts, op, addr, size, kind, pid, dev, is_async, corr)
+    """A MEMORY record as a tuple; the CUDA call's correlation id only where a test names one."""
+    row = (ts, op, addr, size, kind, pid, dev, is_async)
+    return (*row, corr) if corr else row
 
 
 def mem_batch(rows: list[tuple]) -> np.ndarray:
