@@ -305,7 +305,7 @@ class Pipeline:
         if proc is not None:
             self.advance(pid, max(proc.max_ts, proc.applied_to + 1))
             for fp in proc.devices.values():
-                fp.settle_displaced(self.errors)
+                fp.settle_reused(self.errors)
             self.hub.on_finish(pid, proc.applied_to, proc.source)
 
     def resync(self, pid: int, recs: np.ndarray, ts: int) -> None:

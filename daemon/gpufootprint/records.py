@@ -10,6 +10,7 @@ where one exists, so conversion is a column copy.
 from __future__ import annotations
 
 import enum
+from collections.abc import KeysView
 from typing import Final
 
 import numpy as np
@@ -71,6 +72,57 @@ MAX_DISPLACED: Final = 64
 def is_late_release(release_corr: int, reuse_corr: int) -> bool:
     """The release's call came before the allocation that reused its address (both ids known)."""
     return 0 < release_corr < reuse_corr
+
+
+class ReusedAddresses:
+    """The addresses a table saw allocated while still live, for the rule above: one piece of code for
+    the daemon's table and the probe's, so that they cannot drift apart. Each method returns the
+    reuses it judged lost (their old allocation's release never came)."""
+
+    def __init__(self) -> None:
+        self._reuses: dict[int, tuple[int, int]] = {}  # addr -> (the reuse's time, its correlation id)
+
+    def __bool__(self) -> bool:
+        return bool(self._reuses)
+
+    def addresses(self) -> KeysView[int]:
+        return self._reuses.keys()
+
+    def reused(self, addr: int, ts: int, corr: int) -> int:
+        """An allocation at ``addr`` while it was live."""
+        lost = 0
+        if addr in self._reuses:  # reused twice before the first late release came: that one is lost
+            lost = 1
+        elif len(self._reuses) >= MAX_DISPLACED:
+            del self._reuses[next(iter(self._reuses))]
+            lost = 1
+        self._reuses[addr] = (ts, corr)
+        return lost
+
+    def release(self, addr: int, ts: int, corr: int) -> tuple[bool, int]:
+        """A release of ``addr``: (whether it is a reuse's late release, to be absorbed; reuses lost)."""
+        reuse = self._reuses.get(addr)
+        if reuse is None:
+            return False, 0
+        if ts - reuse[0] > LATE_RELEASE_NS:
+            return False, self.expire(ts)
+        if is_late_release(corr, reuse[1]):
+            del self._reuses[addr]
+            return True, 0
+        return False, 0
+
+    def expire(self, now_ts: int) -> int:
+        """Reuses whose late release did not come within the window: that release was lost."""
+        expired = [a for a, (t, _) in self._reuses.items() if now_ts - t > LATE_RELEASE_NS]
+        for addr in expired:
+            del self._reuses[addr]
+        return len(expired)
+
+    def settle(self) -> int:
+        """The stream ended: no late release can come any more."""
+        lost = len(self._reuses)
+        self._reuses.clear()
+        return lost
 
 
 class MemoryKind(enum.IntEnum):

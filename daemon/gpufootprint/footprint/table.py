@@ -30,12 +30,10 @@ import numpy as np
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import (
     DEVICE_RESIDENT_KINDS,
-    LATE_RELEASE_NS,
-    MAX_DISPLACED,
     CopyKind,
     MemoryOp,
     PoolOp,
-    is_late_release,
+    ReusedAddresses,
     um_counter_values,
 )
 
@@ -101,9 +99,8 @@ class DeviceFootprint:
     # and trims only, while the pool grows silently as allocations need it; it cannot hold less than
     # what is allocated from it. The highest pool use since the last reported size (a lower bound).
     pool_floor: int = 0
-    # Allocations whose address was reused while they were live: addr -> (the entry, the reuse's time,
-    # the reusing allocation's correlation id).
-    displaced: dict[int, tuple[LiveAllocation, int, int]] = field(default_factory=dict)
+    # Addresses allocated again while live, for their old allocations' late releases (module doc).
+    reused: ReusedAddresses = field(default_factory=ReusedAddresses)
 
     # --- memory -------------------------------------------------------------
 
@@ -118,8 +115,8 @@ class DeviceFootprint:
         levels = self._apply_memory_bulk(recs, errors) if len(recs) >= _BULK_MIN else None
         if levels is None:
             levels = self._apply_memory_each(recs, errors)
-        if self.displaced:
-            self._expire_displaced(self.last_ts, errors)
+        if self.reused:
+            self._lost(self.reused.expire(self.last_ts), errors)
         self.pool_floor = max(self.pool_floor, self.async_device_bytes)
         return levels
 
@@ -153,7 +150,7 @@ class DeviceFootprint:
         live = self.live
         if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
             return None  # an allocation at an address that is already live
-        if self.displaced and not self.displaced.keys().isdisjoint(f_addr.tolist()):
+        if self.reused and not self.reused.addresses().isdisjoint(f_addr.tolist()):
             return None  # perhaps the late release of an allocation whose address was reused
         rel_first = fpos[f_op == 2]
         matched = [live.get(x) for x in a[rel_first].tolist()]
@@ -242,7 +239,7 @@ class DeviceFootprint:
                     # A second allocation at a live address: the old one was released first (the
                     # driver reuses only free addresses), its release lost or still to come stamped
                     # later. Released now, and remembered for its late release (module doc).
-                    self._displace(addr, old, ts_list[i], corrs[i], errors)
+                    self._lost(self.reused.reused(addr, ts_list[i], corrs[i]), errors)
                     by_kind[old.kind] -= old.bytes
                     self.releases[old.kind] += 1
                     self.released_bytes[old.kind] += old.bytes
@@ -259,12 +256,10 @@ class DeviceFootprint:
                 if _RESIDENT[kind]:
                     deltas[i] += size
             elif op == release_op:
-                gone = self.displaced.get(addr) if self.displaced else None
-                if gone is not None:
-                    if ts_list[i] - gone[1] > LATE_RELEASE_NS:
-                        self._expire_displaced(ts_list[i], errors)
-                    elif is_late_release(corrs[i], gone[2]):
-                        del self.displaced[addr]
+                if self.reused:
+                    late, lost = self.reused.release(addr, ts_list[i], corrs[i])
+                    self._lost(lost, errors)
+                    if late:
                         errors.repair("late_release_of_reused_address")
                         continue
                 entry = live.pop(addr, None)
@@ -289,25 +284,15 @@ class DeviceFootprint:
             self.last_ts = max(self.last_ts, ts_list[-1])
         return levels
 
-    def _displace(self, addr: int, old: LiveAllocation, ts: int, corr: int, errors: IngestErrors) -> None:
-        if addr in self.displaced:  # reused twice before the first late release came: that one is lost
-            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
-        elif len(self.displaced) >= MAX_DISPLACED:
-            del self.displaced[next(iter(self.displaced))]
-            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} (reused addresses past {MAX_DISPLACED})")
-        self.displaced[addr] = (old, ts, corr)
+    def _lost(self, n: int, errors: IngestErrors) -> None:
+        """Reuses whose old allocation's release never came: a lost release each."""
+        if n:
+            errors.add("double_allocation", f"pid={self.pid} dev={self.dev}: an address allocated again "
+                                            "while live, its release never came", n)
 
-    def settle_displaced(self, errors: IngestErrors) -> None:
+    def settle_reused(self, errors: IngestErrors) -> None:
         """The stream ended: no late release can come any more for the reused addresses."""
-        self._expire_displaced(-1 if not self.displaced else
-                               max(t for _, t, _ in self.displaced.values()) + LATE_RELEASE_NS + 1, errors)
-
-    def _expire_displaced(self, now_ts: int, errors: IngestErrors) -> None:
-        """Reused addresses whose late release did not come within the window: that release was lost."""
-        expired = [a for a, (_, t, _) in self.displaced.items() if now_ts - t > LATE_RELEASE_NS]
-        for addr in expired:
-            del self.displaced[addr]
-            errors.add("double_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
+        self._lost(self.reused.settle(), errors)
 
     def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> LevelChanges:
         """A resync: the probe's whole live table replaces ours as of ``ts``. Reused addresses stay
@@ -337,7 +322,7 @@ class DeviceFootprint:
 
     def release_all(self, ts: int) -> LevelChanges:
         """The process exited: the driver freed everything it held."""
-        self.displaced.clear()
+        self.reused.settle()  # counted already: the pipeline settles a stream before its exit
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0

@@ -85,7 +85,6 @@ class OomManager:
         self._pending: dict[int, _Pending] = {}
         self.counts: Counter[tuple[int, int, str]] = Counter()
         self.failed_calls: Counter[tuple[int, int, str]] = Counter()  # every failed call, repeats included
-        self.repeat_notices = 0  # notices counted into an event already made (no new capture)
         self.events: deque[dict[str, Any]] = deque(maxlen=_KEEP_EVENTS)
         self.captures_written = 0
         self.capture_errors = 0
@@ -129,7 +128,6 @@ class OomManager:
                 event["notices"] += 1
                 event["last_notice_ts"] = max(ts, int(event.get("last_notice_ts", ts)))
                 self.failed_calls[(pid, int(event["gpu"]), p.source)] += calls
-            self.repeat_notices += 1
             return
         p.notices.append(notice)
         proc = self.pipeline.processes.get(pid)

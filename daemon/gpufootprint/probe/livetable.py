@@ -21,12 +21,10 @@ import numpy as np
 
 from gpufootprint.records import (
     DEVICE_RESIDENT_KINDS,
-    LATE_RELEASE_NS,
-    MAX_DISPLACED,
     MEMORY_DTYPE,
     MemoryKind,
     MemoryOp,
-    is_late_release,
+    ReusedAddresses,
 )
 from gpufootprint.wire import cupti_layout
 
@@ -53,9 +51,8 @@ class LiveTable:
     stale_releases: int = 0
     _untracked: dict[int, Row] = field(default_factory=dict)  # device -> the UNTRACKED entry declared last
     range_splits: int = 0  # releases that cut a synthetic range: the daemon needs a fresh resync
-    # Entries whose address was reused while they were live: addr -> (their size, the reuse's time, the
-    # reusing allocation's correlation id).
-    displaced: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # Addresses allocated again while live, for their old entries' late releases (the daemon's rule).
+    reused: ReusedAddresses = field(default_factory=ReusedAddresses)
     late_release_repairs: int = 0  # releases taken as the late release of a reused address's old entry
     lost_releases: int = 0  # reused addresses whose old entry's release never came
 
@@ -179,7 +176,7 @@ class LiveTable:
         first_alloc = new_addr & ~released
         if (bool((~released[1:] & ~released[:-1] & ~new_addr[1:]).any())
                 or not rows.keys().isdisjoint(a[first_alloc].tolist())
-                or (self.displaced and not self.displaced.keys().isdisjoint(a[new_addr].tolist()))):
+                or (self.reused and not self.reused.addresses().isdisjoint(a[new_addr].tolist()))):
             return None
         # Releases of nothing: a first release of an address the table does not hold, or a release
         # right after another release of the same address.
@@ -192,34 +189,24 @@ class LiveTable:
 
     def _apply_each(self, recs: np.ndarray) -> None:
         rows = self.rows
-        displaced = self.displaced
+        reused = self.reused
         for row in recs.tolist():
             op, addr = row[OP], row[ADDR]
             if op == _ALLOC:
-                old = rows.get(addr)
-                if old is not None:
-                    if addr in displaced or len(displaced) >= MAX_DISPLACED:
-                        self.lost_releases += 1
-                        displaced.pop(addr if addr in displaced else next(iter(displaced)))
-                    displaced[addr] = (old[BYTES], row[TS], row[CORR])
+                if addr in rows:
+                    self.lost_releases += reused.reused(addr, row[TS], row[CORR])
                 rows[addr] = row
             elif op == _RELEASE:
-                gone = displaced.get(addr) if displaced else None
-                if gone is not None:
-                    if row[TS] - gone[1] > LATE_RELEASE_NS:
-                        del displaced[addr]
-                        self.lost_releases += 1
-                    elif is_late_release(row[CORR], gone[2]):
-                        del displaced[addr]
+                if reused:
+                    late, lost = reused.release(addr, row[TS], row[CORR])
+                    self.lost_releases += lost
+                    if late:
                         self.late_release_repairs += 1
                         continue
                 if rows.pop(addr, None) is None and not (self.ranges and self._cut_range(addr, row[BYTES])):
                     self.stale_releases += 1
-        if displaced and len(recs):
-            last = int(recs["ts"].max())
-            for addr in [a for a, (_, t, _) in displaced.items() if last - t > LATE_RELEASE_NS]:
-                del displaced[addr]
-                self.lost_releases += 1
+        if reused and len(recs):
+            self.lost_releases += reused.expire(int(recs["ts"].max()))
 
     def _cut_range(self, addr: int, size: int) -> bool:
         for start, row in self.ranges.items():
