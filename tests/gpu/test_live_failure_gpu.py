@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,29 +27,15 @@ from typing import Any
 
 import pytest
 from gpufootprint.probe.launcher import probe_env
-from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.test_daemon import _free_port as _port
+from tests.integration.test_daemon import _scrape as _metrics
 
 WORKLOAD = str(Path(__file__).with_name("survive_workload.py"))
 OUT = os.environ.get("GPUFOOTPRINT_GPU_OUT")
 RESULTS: dict[str, Any] = {}
 #: the recovery window (probe/oom.py RECOVERY_NS) and the bound after it
 EVENT_BOUND_S = 1.0 + 2.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
 
 
 def _api(port: int, path: str) -> Any:
