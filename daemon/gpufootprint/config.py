@@ -338,8 +338,8 @@ class OomConfig:
                                             "holding the most loses its oldest first)")
     coalesce_seconds: float = _spec(1.0, lo=0, hi=600,
                                     doc="OOM notices of one process within this long of the first are one event, made "
-                                        "then; later ones this close together count into it (a framework retries "
-                                        "after freeing its cache; PyTorch's observer adds its own notice)")
+                                        "then (a framework retries after freeing its cache; PyTorch's observer adds "
+                                        "its own notice)")
     episode_quiet_seconds: float = _spec(60.0, lo=0, hi=86_400,
                                          doc="after an event, OOM notices of the process count into it (no new "
                                              "event or capture) until it has been this long without one")
