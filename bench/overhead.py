@@ -89,6 +89,22 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_dense": {},
     "probe_launch_windows_dense": {},
     "probe_kernel_windows_off_b": {},  # a second worker without windows (a replica, as probe_b)
+    # Levers, one each (the cost table of docs/performance.md): no launch-call priming at CUDA's start
+    # (and so no launch windows); a 10x slower sender (drains, watermarks and heartbeats); no PyTorch
+    # hooks (the profiler hand-over and the OOM observer); no device discovery at start (cuInit and
+    # the device queries through cuda-bindings, before the workload's first CUDA call).
+    "probe_no_launch_windows": {"launch_windows": False},
+    "probe_quiet": {"flush_ms": 1000, "watermark_ms": 5000, "heartbeat_ms": 5000},
+    "probe_no_torch_hooks": {"torch_hook": False, "oom_torch_observer": False},
+    "probe_no_discover": {},
+}
+# Arguments of probe.start beside the settings.
+START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
+# The floor's variants: what CuptiFloor switches on, by the probe's settings ("bare": the floor of earlier runs).
+FLOOR_CONFIGS: dict[str, dict[str, Any]] = {
+    "cupti_floor": {}, "cupti_floor_b": {},
+    "cupti_floor_unprimed": {"launch_windows": False},  # the floor of probe_no_launch_windows
+    "cupti_floor_bare": {"bare": True},
 }
 # probe_*_windows*: the daemon's sampler.kernel_window_* per configuration. Every other probed
 # configuration runs the default daemon: since 2026-12-03 launch windows, 50 ms of the host's launch
@@ -113,46 +129,117 @@ DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
 # part compares the geometric means of the replica groups (none, none_b, none_c against probe,
 # probe_b) round by round, which averages that bias down.
 REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe",
-                            "probe_kernel_windows_off_b": "probe_kernel_windows_off"}
+                            "probe_kernel_windows_off_b": "probe_kernel_windows_off", "cupti_floor_b": "cupti_floor",
+                            "aa": "aa", "aa_b": "aa"}
 # Groups also compared with another group, round by round: the default's launch windows against none.
 VERSUS: dict[str, str] = {"probe": "probe_kernel_windows_off"}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
-CONFIGS = ["none", "none_b", "none_c", *PROBE_CONFIGS, "cupti_floor", "torch_profiler", "memory_history"]
+# aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
+# (what the method reads between two groups of the same code).
+CONFIGS = ["none", "none_b", "none_c", "aa", "aa_b", *PROBE_CONFIGS, *FLOOR_CONFIGS, "torch_profiler",
+           "memory_history"]
+# The verdict table's default set (--configs verdict): the probe's pair against the floor's pair and the A/A pair.
+VERDICT = ["none", "none_b", "aa", "aa_b", "probe", "probe_b", "cupti_floor", "cupti_floor_b"]
+LEVERS = [*VERDICT, "cupti_floor_unprimed", "probe_no_launch_windows", "probe_no_oom_records", "probe_daemon_away",
+          "probe_quiet", "probe_no_discover", "probe_no_torch_hooks", "probe_packed"]
 ALLOCATORS = {"caching": {}, "async": {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
               "nocache": {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}}
 
 
-def cupti_floor() -> Any:
-    """A CUPTI consumer that enables what the probe enables and reads nothing: the floor.
+class CuptiFloor:
+    """A CUPTI consumer that switches on exactly what the probe switches on and reads nothing: the floor.
 
-    The same activity kinds (MEMORY2, MEMORY_POOL), the same driver-API switch, CUPTI's
-    flush period and a forced flush every second from a thread of its own, as the probe
-    does; each completed buffer goes straight back to the pool, unread."""
-    from gpufootprint.probe.backend import FOOTPRINT_ONLY, CuptiBackend
-    from gpufootprint.probe.rawdelivery import RawDelivery
-    from gpufootprint.probe.settings import ProbeSettings
+    Built from the probe's own ``CuptiArming`` with the probe's default settings, in
+    ``Probe.start``'s order: CUPTI's device buffers, the per-thread buffer attribute, the raw
+    callbacks, the activity kinds, the driver-API switch, the OOM records' per-API switches,
+    CUPTI's flush period, CONCURRENT_KERNEL where ``kernels`` is set, and the launch calls'
+    per-API switches while CUDA starts (off at the first completed buffer of records, as the
+    probe's sender turns them off). A thread of its own forces a flush every ``watermark_ms``
+    as the sender does. Each completed buffer goes straight back to the pool, unread. What a
+    probe costs above this is its own work (tests/unit/test_bench_overhead.py checks that the
+    switches are the probe's, call for call).
 
-    s = ProbeSettings()
-    backend = CuptiBackend()
-    backend.configure(s.device_buffer_bytes, s.device_buffer_pool_limit)
-    holder: list[RawDelivery] = []
-    delivery = RawDelivery(s.cupti_buffer_bytes, s.raw_buffers, lambda addr, valid: holder[0].give_back(addr))
-    holder.append(delivery)
-    if not backend.register_raw(delivery):
-        raise SystemExit(f"cupti_floor: raw callbacks not registered: {backend.errors}")
-    for kind in FOOTPRINT_ONLY:
-        backend.enable(kind)
-    backend.driver_api_records(True)
-    backend.flush_period(s.flush_ms)
+    ``bare=True``: the floor of runs before 2026-12-04 (kinds, driver-API switch, flush
+    period and forced flushes only: no OOM records, no launch-call priming)."""
 
-    def flusher() -> None:
-        while True:
-            time.sleep(s.watermark_ms / 1000)
-            backend.flush(True)
+    def __init__(self, backend: Any = None, *, bare: bool = False, settings: Any = None) -> None:
+        from collections import Counter
 
-    threading.Thread(target=flusher, daemon=True, name="cupti-floor-flush").start()
-    return delivery
+        from gpufootprint.probe.arming import CuptiArming
+        from gpufootprint.probe.backend import FOOTPRINT_ONLY, CuptiBackend
+        from gpufootprint.probe.settings import ProbeSettings
+        from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL
+
+        s = settings if settings is not None else ProbeSettings()
+        self.settings = s
+        self.counters: Counter[str] = Counter()
+        self.records_seen = threading.Event()
+        self.arming = CuptiArming(s, self.counters, self._completed)
+        self.backend = backend if backend is not None else CuptiBackend(s.flush_nogil)
+        self.arming.backend = self.backend
+        self.backend.configure(s.device_buffer_bytes, s.device_buffer_pool_limit)
+        self.priming = False
+        if bare:
+            from gpufootprint.probe.rawdelivery import RawDelivery
+
+            delivery = RawDelivery(s.cupti_buffer_bytes, s.raw_buffers, self._completed)
+            self.arming.raw = delivery
+            if not self.backend.register_raw(delivery):
+                raise SystemExit(f"cupti_floor: raw callbacks not registered: {self.backend.errors}")
+            for kind in FOOTPRINT_ONLY:
+                self.backend.enable(kind)
+            self.backend.driver_api_records(True)
+            self.backend.flush_period(s.flush_ms)
+        else:
+            self.backend.per_thread_buffer({"on": True, "off": False}.get(s.per_thread_buffer))
+            self.arming.arm(self._objects_requested, self._objects_completed, s.flush_ms / 1000)
+            if self.arming.raw is None:
+                raise SystemExit(f"cupti_floor: raw callbacks not registered: {self.backend.errors}")
+            if s.kernels:
+                self.backend.enable(CONCURRENT_KERNEL)
+            if s.launch_windows and self.backend.launch_api_records(True):
+                self.priming = True
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="cupti-floor")
+        self.thread.start()
+
+    @property
+    def delivery(self) -> Any:
+        return self.arming.raw
+
+    def _completed(self, address: int, valid: int) -> None:
+        """A buffer of records (CUPTI's thread): back to the pool, unread."""
+        self.records_seen.set()
+        self.arming.raw.give_back(address)  # type: ignore[union-attr]
+
+    @staticmethod
+    def _objects_requested(*_: Any) -> Any:  # never registered: the floor needs raw delivery
+        raise AssertionError("cupti_floor registers raw callbacks only")
+
+    _objects_completed = _objects_requested
+
+    def _run(self) -> None:
+        s = self.settings
+        next_flush = time.monotonic() + s.watermark_ms / 1000
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self.priming and self.records_seen.is_set():
+                self.priming = False
+                self.backend.launch_api_records(False)
+            if now >= next_flush:
+                self.backend.flush(True)
+                next_flush = now + s.watermark_ms / 1000
+            wait = next_flush - time.monotonic()
+            if self.priming:
+                wait = min(wait, s.flush_ms / 1000)  # the sender looks for records at its drain cadence
+            self._stop.wait(max(0.0005, wait))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(2)
+
+
 HERE = Path(__file__).resolve()
 
 
@@ -164,12 +251,18 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         # Every worker on the same CPUs (they take turns): a worker's place on the machine
         # no longer differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5).
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-    floor = cupti_floor() if config == "cupti_floor" else None
+    floor = None
+    if config in FLOOR_CONFIGS:
+        from gpufootprint.probe.settings import ProbeSettings
+
+        opts = dict(FLOOR_CONFIGS[config])
+        bare = bool(opts.pop("bare", False))
+        floor = CuptiFloor(bare=bare, settings=ProbeSettings(**opts))
     if config.startswith("probe"):
         from gpufootprint import probe
 
         ok = probe.start(socket=socket_path + ".absent" if config == "probe_daemon_away" else socket_path,
-                         **PROBE_CONFIGS[config])
+                         **START_ARGS.get(config, {}), **PROBE_CONFIGS[config])
         if not ok:
             print(json.dumps({"error": "probe did not start", "status": probe.status()}), flush=True)
     import torch
@@ -241,7 +334,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         print(json.dumps({"a": a, "b": b}), flush=True)
     extra: dict[str, Any] = {}
     if floor is not None:
-        extra["cupti_floor"] = {"buffers_completed": floor.completed, "buffers_refused": floor.refused}
+        extra["cupti_floor"] = {"buffers_completed": floor.delivery.completed, "buffers_refused": floor.delivery.refused,
+                                "priming_ended": not floor.priming, "counters": dict(floor.counters)}
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -250,6 +344,25 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
 
 
 # --- parent -----------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    """Where and when this ran: host, GPU (name, UUID), driver, the code's commit, UTC time."""
+    out: dict[str, Any] = {"host": os.uname().nodename, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "cpus": len(os.sched_getaffinity(0))}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20, check=False)
+        out["gpus"] = [line.strip() for line in q.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        out["gpus"] = []
+    out["commit"] = os.environ.get("GPUFOOTPRINT_COMMIT")  # the device's copy of the tree has no .git
+    try:
+        out["commit"] = out["commit"] or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=HERE.parent, timeout=10, check=False).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["commit"] = None
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -311,8 +424,30 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
                 flo, fhi = bootstrap_ci(vs, seed)
                 row[w]["vs_cupti_floor"] = round(statistics.median(vs), 4)
                 row[w]["vs_cupti_floor_ci95"] = [round(flo, 4), round(fhi, 4)]
+                fflat = [t for c in floor for r in steps[c][w] for t in r]
+                row[w]["p99_vs_cupti_floor"] = round(pct(flat, 99) / pct(fflat, 99), 4)
         out[name] = row
     return out
+
+
+def verdict_table(pooled_rows: dict[str, Any]) -> str:
+    """One line per group: median step ratio against the uninstrumented pair with its 95 % interval, p99
+    ratio, and the same against the floor; the A/A group (aa) first: the noise any other ratio sits in."""
+    head = (f"{'config (workers)':28s} {'wl':2s} {'vs none':>8s} {'ci95':>17s} {'p99':>7s} | {'vs floor':>8s} "
+            f"{'ci95':>17s} {'p99':>7s}")
+    lines = [head, "-" * len(head)]
+    order = sorted(pooled_rows, key=lambda n: (n != "aa", not n.startswith("cupti_floor"), n != "probe", n))
+    for name in order:
+        row = pooled_rows[name]
+        label = f"{name} ({len(row['workers'])})"
+        for w in ("a", "b"):
+            r = row[w]
+            ci = "[{:.4f}, {:.4f}]".format(*r["median_ratio_ci95"])
+            fci = "[{:.4f}, {:.4f}]".format(*r["vs_cupti_floor_ci95"]) if "vs_cupti_floor_ci95" in r else ""
+            lines.append(f"{label if w == 'a' else '':28s} {w:2s} {r['median_ratio']:8.4f} {ci:>17s} {r['p99_ratio']:7.3f} | "
+                         f"{r.get('vs_cupti_floor', float('nan')):8.4f} {fci:>17s} "
+                         f"{r.get('p99_vs_cupti_floor', float('nan')):7.3f}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -323,7 +458,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps-a", type=int, default=15)
     ap.add_argument("--steps-b", type=int, default=100)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated, or 'verdict' (the probe's pair, the floor's pair, the A/A pair) or "
+                         "'levers' (verdict and one worker per lever)")
     ap.add_argument("--progress", action="store_true", help="a line per round on stderr")
     ap.add_argument("--out", default="-")
     ap.add_argument("--seed", type=int, default=0)
@@ -343,7 +480,7 @@ def main() -> int:
     if worker_cpus:
         os.sched_setaffinity(0, set(cpus) - set(worker_cpus))  # the daemons stay off the workers' CPUs
 
-    configs = args.configs.split(",")
+    configs = {"verdict": VERDICT, "levers": LEVERS}.get(args.configs) or args.configs.split(",")
     if args.alloc == "async" and "memory_history" in configs:
         # torch.cuda.memory._record_memory_history raises under cudaMallocAsync (H200, 2026-12-03).
         configs.remove("memory_history")
@@ -351,8 +488,8 @@ def main() -> int:
     worker_env = {**os.environ, **ALLOCATORS[args.alloc]}
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
     from gpufootprint.config import load_config
-    from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.pipeline import Pipeline
     from gpufootprint.sampler.hub import FeatureHub
 
     cfg = load_config(env={})
@@ -419,7 +556,7 @@ def main() -> int:
                       "resync_requests": server.resync_requests}
         server.stop()
 
-    summary: dict[str, Any] = {"rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+    summary: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
                                "alloc": args.alloc,
                                "interleave": args.interleave,
                                "worker_cpus": worker_cpus,
@@ -468,12 +605,7 @@ def main() -> int:
                                                      "bulk_fallbacks", "records_dropped", "resyncs",
                                                      "drop_resyncs", "forwarded_buffers", "table_seconds",
                                                      "forward_seconds")}, row.get("daemon"))
-    for name, row in summary["pooled"].items():
-        print(f"pooled {name:13s}", f"{len(row['workers'])} vs {len(row['baseline_workers'])} workers |",
-              " | ".join(f"{w}: x{row[w]['median_ratio']} ci95 {row[w]['median_ratio_ci95']} p99 x{row[w]['p99_ratio']}"
-                         f" vs floor x{row[w].get('vs_cupti_floor')}"
-                         + "".join(f" {k} x{v}" for k, v in row[w].items() if k.startswith("vs_probe"))
-                         for w in ("a", "b")))
+    print(verdict_table(summary["pooled"]))
     return 0
 
 

@@ -1,0 +1,96 @@
+"""bench/overhead.py's floor: what it switches on at CUPTI must be what the probe switches on.
+
+The probe's cost is published as a ratio to that floor (docs/performance.md); a floor that
+switched on less than the probe would charge CUPTI's own work to the probe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.settings import ProbeSettings
+
+from tests import probe_fakes as fk
+
+ROOT = Path(__file__).resolve().parents[2]
+SWITCHES = ("configure", "per_thread_buffer", "register_raw", "register", "enable", "disable", "driver_hooks",
+            "driver_api_records", "oom_api_records", "launch_api_records", "flush_period", "configure_unified_memory")
+
+
+def _overhead() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "bench" / "overhead.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Recorded(fk.FakeRawCupti):
+    """The raw fake CUPTI, with every switch call written down in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        for name in SWITCHES:
+            inner = getattr(self, name)
+
+            def logged(*args: Any, _name: str = name, _inner: Any = inner) -> Any:
+                self.calls.append((_name, tuple(a if isinstance(a, (int, bool, type(None))) else type(a).__name__
+                                                for a in args)))
+                return _inner(*args)
+
+            setattr(self, name, logged)
+
+
+def _wait(cond: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def _until_priming_ends(calls: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, tuple[Any, ...]]]:
+    end = calls.index(("launch_api_records", (False,)))
+    return calls[:end + 1]
+
+
+def test_the_floor_switches_on_at_cupti_exactly_what_the_probe_does_and_ends_priming_as_it_does(tmp_path: Path) -> None:
+    # GIVEN the probe's default settings (faster cadences so the test waits less: the same for both)
+    settings = ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, watermark_ms=20)
+    probe_cupti, floor_cupti = Recorded(), Recorded()
+    probe = Probe(settings, probe_cupti, discover_devices=False)
+    assert probe.start()
+    floor = _overhead().CuptiFloor(floor_cupti, settings=settings)
+    try:
+        # WHEN CUDA comes up in both processes (the first allocation record)
+        for cupti in (probe_cupti, floor_cupti):
+            cupti.alloc(0x1000, 4096)
+        assert _wait(lambda: ("launch_api_records", (False,)) in probe_cupti.calls)
+        assert _wait(lambda: ("launch_api_records", (False,)) in floor_cupti.calls)
+        # THEN the floor made the probe's CUPTI calls, in the probe's order, up to the priming's end
+        probe_calls = _until_priming_ends(probe_cupti.calls)
+        assert _until_priming_ends(floor_cupti.calls) == probe_calls
+        names = [c[0] for c in probe_calls]
+        for switch in ("register_raw", "enable", "driver_api_records", "oom_api_records", "flush_period"):
+            assert switch in names, switch
+        assert ("launch_api_records", (True,)) in probe_calls
+        # AND it reads nothing: every buffer it was handed went back to the pool
+        assert _wait(lambda: floor.delivery.completed >= 1 and floor.delivery.outstanding == 0)
+    finally:
+        floor.stop()
+        probe.stop()
+
+
+def test_the_bare_floor_of_earlier_runs_leaves_out_the_oom_records_and_the_priming() -> None:
+    cupti = Recorded()
+    floor = _overhead().CuptiFloor(cupti, bare=True, settings=ProbeSettings(socket="", watermark_ms=20))
+    try:
+        names = [c[0] for c in cupti.calls]
+        assert "oom_api_records" not in names and "launch_api_records" not in names
+        assert "register_raw" in names and "driver_api_records" in names
+    finally:
+        floor.stop()
