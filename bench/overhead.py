@@ -137,7 +137,7 @@ VERSUS: dict[str, str] = {"probe": "probe_kernel_windows_off"}
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
 # (what the method reads between two groups of the same code).
-CONFIGS = ["none", "none_b", "none_c", "aa", "aa_b", *PROBE_CONFIGS, *FLOOR_CONFIGS, "torch_profiler",
+CONFIGS = ["none", "none_b", "none_c", "aa", "aa_b", "none_discover", *PROBE_CONFIGS, *FLOOR_CONFIGS, "torch_profiler",
            "memory_history"]
 # The verdict table's default set (--configs verdict): the probe's pair against the floor's pair and the A/A pair.
 VERDICT = ["none", "none_b", "aa", "aa_b", "probe", "probe_b", "cupti_floor", "cupti_floor_b"]
@@ -246,11 +246,28 @@ HERE = Path(__file__).resolve()
 # --- worker ---------------------------------------------------------------------
 
 
+def base_of(config: str) -> str:
+    """``probe#3`` -> ``probe``: any configuration can be run by several workers, one process each."""
+    return config.split("#", 1)[0]
+
+
+def group_of(config: str) -> str:
+    base = base_of(config)
+    return REPLICAS.get(base, base)
+
+
 def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str) -> None:
+    config = base_of(config)
     if cpus:
         # Every worker on the same CPUs (they take turns): a worker's place on the machine
         # no longer differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5).
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    if config == "none_discover":
+        # Uninstrumented, but the probe's device discovery first (cuInit and device queries through
+        # cuda-bindings before the workload's own first CUDA call): does that alone move the step?
+        from gpufootprint.probe import hostinfo
+
+        hostinfo.cuda_devices()
     floor = None
     if config in FLOOR_CONFIGS:
         from gpufootprint.probe.settings import ProbeSettings
@@ -395,7 +412,7 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
     round by round (geometric means of the workers' round medians); p99 over all the steps."""
     groups: dict[str, list[str]] = {}
     for c in configs:
-        groups.setdefault(REPLICAS.get(c, c), []).append(c)
+        groups.setdefault(group_of(c), []).append(c)
     base = groups.get("none", [])
     out: dict[str, Any] = {}
     if len(base) < 2:
@@ -427,6 +444,15 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
                 fflat = [t for c in floor for r in steps[c][w] for t in r]
                 row[w]["p99_vs_cupti_floor"] = round(pct(flat, 99) / pct(fflat, 99), 4)
         out[name] = row
+    return out
+
+
+def expand(spec: str) -> list[str]:
+    """``none*3,probe*2`` -> ``none, none#2, none#3, probe, probe#2``: N workers (processes) of a configuration."""
+    out: list[str] = []
+    for item in spec.split(","):
+        name, _, n = item.strip().partition("*")
+        out += [name if k == 1 else f"{name}#{k}" for k in range(1, int(n or 1) + 1)]
     return out
 
 
@@ -480,7 +506,7 @@ def main() -> int:
     if worker_cpus:
         os.sched_setaffinity(0, set(cpus) - set(worker_cpus))  # the daemons stay off the workers' CPUs
 
-    configs = {"verdict": VERDICT, "levers": LEVERS}.get(args.configs) or args.configs.split(",")
+    configs = {"verdict": VERDICT, "levers": LEVERS}.get(args.configs) or expand(args.configs)
     if args.alloc == "async" and "memory_history" in configs:
         # torch.cuda.memory._record_memory_history raises under cudaMallocAsync (H200, 2026-12-03).
         configs.remove("memory_history")
@@ -495,8 +521,8 @@ def main() -> int:
     cfg = load_config(env={})
     servers: dict[str, IngestServer] = {}
     for c in configs:
-        if c.startswith("probe") and c != "probe_daemon_away":
-            hub = FeatureHub(cfg.features, dataclasses.replace(cfg.sampler, **DAEMON_SAMPLER.get(c, {})))
+        if c.startswith("probe") and base_of(c) != "probe_daemon_away":
+            hub = FeatureHub(cfg.features, dataclasses.replace(cfg.sampler, **DAEMON_SAMPLER.get(base_of(c), {})))
             servers[c] = IngestServer(cfg, Pipeline(cfg.footprint, hub=hub),
                                       socket_path=os.path.join(tmp, f"{c}.sock"))
             hub.control = servers[c].send_control  # as App wires it
@@ -581,7 +607,7 @@ def main() -> int:
                 row[w]["round_ratios"] = [round(r, 4) for r in ratios]
                 row[w]["p99_ratio"] = round(pct(flat, 99) / pct(bflat, 99), 4)
         row["final"] = finals.get(c)
-        row["settings"] = PROBE_CONFIGS.get(c)
+        row["settings"] = PROBE_CONFIGS.get(base_of(c))
         row["daemon"] = daemons.get(c)
         summary["configs"][c] = row
     summary["pooled"] = pooled(steps, configs, args.seed)
