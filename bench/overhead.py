@@ -350,7 +350,7 @@ def main() -> int:
         print("memory_history left out: PyTorch refuses it under cudaMallocAsync", file=sys.stderr)
     worker_env = {**os.environ, **ALLOCATORS[args.alloc]}
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
     from gpufootprint.sampler.hub import FeatureHub

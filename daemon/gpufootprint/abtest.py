@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from gpufootprint.config import Config, build_config
+from gpufootprint.config import Config
+from gpufootprint.configload import build_config
 from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
 from gpufootprint.errors import ConfigError, GpuFootprintError
 from gpufootprint.pipeline import Pipeline

@@ -20,7 +20,8 @@ from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
-from gpufootprint.config import Config, parse_listen
+from gpufootprint.config import Config
+from gpufootprint.configload import parse_listen
 from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
 from gpufootprint.exporter.collector import FootprintCollector, Postprocess
 from gpufootprint.exporter.decisions import engine_families
@@ -321,7 +322,7 @@ class App:
 
     def reload(self, load: Callable[[], Config] | None) -> bool:
         """Re-read the configuration; apply what can change live, keep the rest, refuse a bad one."""
-        from gpufootprint.config import config_to_dict
+        from gpufootprint.configload import config_to_dict
         from gpufootprint.errors import GpuFootprintError
         from gpufootprint.exporter.webconfig import load_web_config as _load_web
         from gpufootprint.log import setup_logging

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.sampler.hub import FeatureHub

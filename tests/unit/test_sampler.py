@@ -323,7 +323,7 @@ def test_two_devices_window_reports_the_device_that_moved_and_its_own_peak() -> 
 
 @pytest.mark.parametrize("bad", [{"steady_ms": 0}, {"burst_min_frames": 0}, {"volatile_rel_change": -1}])
 def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.errors import ConfigError
 
     key, value = next(iter(bad.items()))

@@ -19,7 +19,7 @@ from gpufootprint.cli.common import (
     setup,
     start_app,
 )
-from gpufootprint.config import config_to_dict
+from gpufootprint.configload import config_to_dict
 from gpufootprint.errors import ConfigError, TraceError
 
 log = logging.getLogger("gpufootprint.cli")  # one logger for every command, as before the split
