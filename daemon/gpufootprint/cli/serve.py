@@ -35,7 +35,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from gpufootprint.app import App, detect_gpu
+    from gpufootprint.app import App
+    from gpufootprint.nvml.pynvml_client import detect_gpu
 
     stop, hup = threading.Event(), threading.Event()
     App.install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
@@ -69,7 +70,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from gpufootprint.app import detect_gpu
+    from gpufootprint.nvml.pynvml_client import detect_gpu
 
     present, detail = detect_gpu()
     if present:
