@@ -270,3 +270,48 @@ def validate_engine_config(config: Config, origin: dict[str, str] | None = None)
                 ok = ok and isinstance(v, int)
             if not ok:
                 raise ConfigError(f"{where}.{model}: expected a non-negative {kind.__name__}, got {v!r}")
+
+
+# --- SIGHUP: what a reload changes without a restart ----------------------------
+
+# Configuration keys a SIGHUP applies without a restart: each is read where it is used, per event or per
+# tick, so a new value takes effect at once. The rest are reported as needing one.
+LIVE_PREFIXES = ("logging.",)
+LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
+                       "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
+                       "exporter.series_cap", "exporter.web_config_file", "exporter.render_interval_ms",
+                       # the bounds on what a local process can make the daemon hold (ingest/validate.py)
+                       "daemon.max_record_bytes", "daemon.max_devices_per_process", "daemon.max_device_footprints",
+                       "daemon.max_live_allocations_per_process", "daemon.max_live_allocations",
+                       "daemon.max_pending_records_per_process", "daemon.max_pending_records",
+                       "daemon.max_metadata_bytes", "daemon.max_retained_kernels", "daemon.max_processes",
+                       "daemon.max_resync_records", "daemon.max_string_bytes",
+                       "daemon.tick_stall_seconds"})
+
+
+def _flatten(tree: dict[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not prefix:  # sections only; tables (prices, rules) compare whole
+            out.update(_flatten(value, f"{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def live_changes(running: Config, new: Config) -> tuple[Config, list[str], list[str]]:
+    """What a reload to ``new`` does to the ``running`` configuration: the configuration to run with
+    (``new``'s values of the live keys, the running values of the rest), the live keys that changed,
+    and the changed keys that need a restart."""
+    old_flat, new_flat = _flatten(config_to_dict(running)), _flatten(config_to_dict(new))
+    changed = sorted(k for k in new_flat.keys() | old_flat.keys() if old_flat.get(k) != new_flat.get(k))
+    live = [k for k in changed if k.startswith(LIVE_PREFIXES) or k in LIVE_KEYS]
+    later = [k for k in changed if k not in live]
+    # Keep the running values of what needs a restart, so the config object tells the truth.
+    applied = running
+    for key in live:
+        section, name = key.split(".", 1)
+        applied = dataclasses.replace(applied, **{section: dataclasses.replace(getattr(applied, section),
+                                                                             **{name: getattr(getattr(new, section),
+                                                                                              name)})})
+    return applied, live, later
