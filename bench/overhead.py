@@ -353,7 +353,7 @@ def main() -> int:
     from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
-    from gpufootprint.sampler.hub import FeatureHub
+    from gpufootprint.hub import FeatureHub
 
     cfg = load_config(env={})
     servers: dict[str, IngestServer] = {}

@@ -24,7 +24,7 @@ from _harness import machine  # noqa: E402
 from gpufootprint.configload import load_config  # noqa: E402
 from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.records import KERNEL_DTYPE, MEMCPY_DTYPE, MEMORY_DTYPE, UNIFIED_MEMORY_DTYPE, RecordKind  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
+from gpufootprint.hub import FeatureHub  # noqa: E402
 
 
 def pipeline(retention: int = 0) -> Pipeline:

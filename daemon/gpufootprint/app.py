@@ -31,6 +31,7 @@ from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families, engine_error_families, http_families
 from gpufootprint.exporter.routes import json_routes
 from gpufootprint.exporter.webconfig import load_web_config
+from gpufootprint.hub import FeatureHub
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.k8s.attribution import Attributor
 from gpufootprint.nvml.client import NvmlClient
@@ -38,7 +39,6 @@ from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.proctime import process_start_wall
-from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
 from gpufootprint.statedir import default_oom_directory
 

@@ -16,7 +16,7 @@ import pytest
 from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from nvml_fake import FakeNvml

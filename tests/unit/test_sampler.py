@@ -12,7 +12,7 @@ import pytest
 from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -334,7 +334,7 @@ def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
 def test_past_history_tables_each_table_keeps_its_part_of_the_history() -> None:
     from gpufootprint.config import FeaturesConfig
     from gpufootprint.footprint.peaks import FramePeaks
-    from gpufootprint.sampler.hub import FeatureHub
+    from gpufootprint.hub import FeatureHub
 
     hub = FeatureHub(FeaturesConfig(keep_seconds=10.0, history_tables=4, reuse_tracked_addresses=100_000))
     for pid in range(4):
