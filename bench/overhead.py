@@ -130,7 +130,7 @@ def cupti_floor() -> Any:
     flush period and a forced flush every second from a thread of its own, as the probe
     does; each completed buffer goes straight back to the pool, unread."""
     from gpufootprint.probe.backend import FOOTPRINT_ONLY, CuptiBackend
-    from gpufootprint.probe.rawdelivery import RawDelivery
+    from gpufootprint.probe.rawcallbacks import RawDelivery
     from gpufootprint.probe.settings import ProbeSettings
 
     s = ProbeSettings()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gpufootprint.probe.core import Probe
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, Completed, Requested, copy_kinds
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 
 # The CUPTI_ActivityKind numbers are kept in one place.
 from gpufootprint.wire.cupti_layout import (

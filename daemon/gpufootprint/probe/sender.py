@@ -32,8 +32,8 @@ from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawbuffers import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.probe.windows import Windows
@@ -108,7 +108,7 @@ class Sender:
         return self._raw_reader.forward_seconds
 
     def _raw_buffer(self, address: int, valid: int) -> None:
-        """Read one CUPTI buffer (probe/rawbuffers.py) and give it back; its CPU time counts as callback time."""
+        """Read one CUPTI buffer (probe/rawreader.py) and give it back; its CPU time counts as callback time."""
         t0 = time.thread_time()
         try:
             link = self.link
