@@ -138,7 +138,8 @@ class FeaturesConfig:
 class SamplerConfig:
     enabled: bool = _spec(True, doc="run the adaptive sampler (False: fixed steady interval, no windows)")
     steady_ms: int = _spec(20, lo=1, hi=60_000, doc="interval when neither quiet nor volatile")
-    max_ms: int = _spec(200, lo=1, hi=60_000, doc="quiet intervals double up to this")
+    # At most the probe's longest flush interval (ProbeOptions.flush_ms): a longer one would be cut to it.
+    max_ms: int = _spec(200, lo=1, hi=1000, doc="quiet intervals double up to this (at least steady_ms)")
     burst_ms: int = _spec(5, lo=1, hi=60_000, doc="frame width inside a burst")
     burst_min_frames: int = _spec(3, lo=1, hi=10_000, doc="a burst lasts at least this many calm frames")
     burst_settle_ms: int = _spec(100, lo=0, hi=600_000,

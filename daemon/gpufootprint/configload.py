@@ -60,6 +60,7 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         _set_path(tree, dotted.split("."), value, origin, "command line")
     config: Config = _build(Config, tree, (), origin)
+    _check_relations(config, origin)
     validate_engine_config(config, origin)
     return config
 
@@ -67,11 +68,12 @@ def load_config(
 def build_config(tree: Mapping[str, Any], source: str) -> Config:
     """A configuration from one mapping, every key of which came from ``source`` (named in errors).
 
-    Only the schema is checked (unknown keys, types, ranges); ``load_config`` also checks the
-    engine tables (``validate_engine_config``), which a caller that needs them runs itself.
+    Only the schema is checked (unknown keys, types, ranges, keys bounded by each other); ``load_config``
+    also checks the engine tables (``validate_engine_config``), which a caller that needs them runs itself.
     """
     origin = {leaf: source for leaf in _leaf_paths(tree, ())}
     config: Config = _build(Config, tree, (), origin)
+    _check_relations(config, origin)
     return config
 
 
@@ -206,6 +208,14 @@ def _check_leaf(hint: Any, value: Any, meta: Mapping[str, Any], path: tuple[str,
         except ValueError:
             raise ConfigError(f"{where}: {value!r} is not an octal mode like 0600") from None
     return value
+
+
+def _check_relations(config: Config, origin: dict[str, str]) -> None:
+    """Keys whose bounds are each other: each alone is in range, together they must agree."""
+    sampler = config.sampler
+    if sampler.max_ms < sampler.steady_ms:
+        raise ConfigError(f"{_src(origin, ('sampler', 'max_ms'))}sampler.max_ms: {sampler.max_ms} is below "
+                          f"sampler.steady_ms ({sampler.steady_ms}): quiet intervals grow from steady_ms up to it")
 
 
 def parse_listen(value: str, where: str = "listen") -> tuple[str, int]:
