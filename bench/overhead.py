@@ -181,7 +181,7 @@ class CuptiFloor:
         self.backend.configure(s.device_buffer_bytes, s.device_buffer_pool_limit)
         self.priming = False
         if bare:
-            from gpufootprint.probe.rawdelivery import RawDelivery
+            from gpufootprint.probe.rawcallbacks import RawDelivery
 
             delivery = RawDelivery(s.cupti_buffer_bytes, s.raw_buffers, self._completed)
             self.arming.raw = delivery
@@ -513,10 +513,10 @@ def main() -> int:
         print("memory_history left out: PyTorch refuses it under cudaMallocAsync", file=sys.stderr)
     worker_env = {**os.environ, **ALLOCATORS[args.alloc]}
     tmp = tempfile.mkdtemp(prefix="gpufootprint-bench-")
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
+    from gpufootprint.hub import FeatureHub
     from gpufootprint.ingest.server import IngestServer
     from gpufootprint.pipeline import Pipeline
-    from gpufootprint.sampler.hub import FeatureHub
 
     cfg = load_config(env={})
     servers: dict[str, IngestServer] = {}

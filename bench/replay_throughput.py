@@ -188,7 +188,11 @@ def worker(src: str, path: str, footprint_only: bool) -> None:
     from gpufootprint.config import FootprintConfig
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.replay import replay_file
-    from gpufootprint.sampler.hub import FeatureHub
+
+    try:
+        from gpufootprint.hub import FeatureHub
+    except ImportError:  # a base revision from before the hub left sampler/
+        from gpufootprint.sampler.hub import FeatureHub  # type: ignore[no-redef]
 
     class FootprintOnlyHub(FeatureHub):
         def open_device(self, pid: int, dev: int, peaks: Any) -> None:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "daemon"))
 from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 from gpufootprint.sampler.state import ProcessSampler
 
 # CPU spent inside the sampler's own walk (ProcessSampler._run), measured around each call.

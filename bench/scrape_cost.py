@@ -30,7 +30,7 @@ from _harness import machine, percentile  # noqa: E402
 from load import probe  # noqa: E402
 
 from gpufootprint.app import App  # noqa: E402
-from gpufootprint.config import load_config  # noqa: E402
+from gpufootprint.configload import load_config  # noqa: E402
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # noqa: E402
 
 

@@ -24,7 +24,7 @@ from gpufootprint.config import Config  # noqa: E402
 from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.ingest.session import Session  # noqa: E402
 from gpufootprint.records import MEMORY_DTYPE, RecordKind  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
+from gpufootprint.hub import FeatureHub  # noqa: E402
 from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_watermark  # noqa: E402
 
 T0 = 1_796_000_000_000_000_000

@@ -36,7 +36,7 @@ from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 from gpufootprint.wire.framing import FrameDecoder, FrameType
 from gpufootprint.wire.sources import TraceFile
 

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import machine  # noqa: E402
 
-from gpufootprint.config import load_config  # noqa: E402
+from gpufootprint.configload import load_config  # noqa: E402
 from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.records import KERNEL_DTYPE, MEMCPY_DTYPE, MEMORY_DTYPE, UNIFIED_MEMORY_DTYPE, RecordKind  # noqa: E402
-from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
+from gpufootprint.hub import FeatureHub  # noqa: E402
 
 
 def pipeline(retention: int = 0) -> Pipeline:

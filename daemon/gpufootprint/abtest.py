@@ -17,12 +17,13 @@ from typing import Any
 
 import yaml
 
-from gpufootprint.config import Config, build_config
+from gpufootprint.config import Config
+from gpufootprint.configload import build_config
 from gpufootprint.engines.graph import CAPTURE, GraphDecision, GraphPolicy, advise, compute_stats
 from gpufootprint.errors import ConfigError, GpuFootprintError
+from gpufootprint.hub import FeatureHub
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
 
 OFFLINE_RETENTION = 1 << 22  # kernels kept per process when replaying a file
 

@@ -1,7 +1,10 @@
 """Wiring: config -> pipeline -> ingest thread -> snapshot -> collector -> HTTP.
 
 ``App`` is what ``daemon``, ``demo`` and ``replay --listen`` all run, so every
-command exports through the same path.
+command exports through the same path. It builds the parts and connects them;
+what each part does is its own room's: the JSON routes are exporter/routes.py's,
+which keys a reload changes live is configload.py's, the daemon process's signals
+are cli/serve.py's.
 """
 
 from __future__ import annotations
@@ -9,25 +12,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from types import FrameType as _PyFrame
 
 from prometheus_client import ProcessCollector
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
-from gpufootprint.config import Config, parse_listen
-from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines, engine_report
+from gpufootprint.config import Config
+from gpufootprint.configload import parse_listen
+from gpufootprint.engines.runner import EMPTY_OUTPUTS, EngineOutputs, Engines
 from gpufootprint.exporter.collector import FootprintCollector, Postprocess
 from gpufootprint.exporter.decisions import engine_families
 from gpufootprint.exporter.exposition import ExpositionCache
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.reliability import daemon_families, engine_error_families, http_families
+from gpufootprint.exporter.routes import json_routes
 from gpufootprint.exporter.webconfig import load_web_config
+from gpufootprint.hub import FeatureHub
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.k8s.attribution import Attributor
 from gpufootprint.nvml.client import NvmlClient
@@ -35,62 +39,13 @@ from gpufootprint.nvml.poller import NvmlPoller
 from gpufootprint.oom.manager import OomManager, oom_families
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.proctime import process_start_wall
-from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import PipelineSnapshot
 from gpufootprint.statedir import default_oom_directory
 
 log = logging.getLogger(__name__)
 
-# Configuration keys a SIGHUP applies without a restart: each is read where it is used, per event or per
-# tick, so a new value takes effect at once. The rest are reported as needing one.
-LIVE_PREFIXES = ("logging.",)
-LIVE_KEYS = frozenset({"daemon.tick_ms", "daemon.max_frame_bytes", "daemon.hello_timeout_seconds",
-                       "daemon.max_connections", "daemon.max_buffered_bytes", "daemon.max_future_seconds",
-                       "exporter.series_cap", "exporter.web_config_file", "exporter.render_interval_ms",
-                       # the bounds on what a local process can make the daemon hold (ingest/validate.py)
-                       "daemon.max_record_bytes", "daemon.max_devices_per_process", "daemon.max_device_footprints",
-                       "daemon.max_live_allocations_per_process", "daemon.max_live_allocations",
-                       "daemon.max_pending_records_per_process", "daemon.max_pending_records",
-                       "daemon.max_metadata_bytes", "daemon.max_retained_kernels", "daemon.max_processes",
-                       "daemon.max_resync_records", "daemon.max_string_bytes",
-                       "daemon.tick_stall_seconds"})
-
-
 #: The interpreter's thread switch interval while the daemon runs (Python's default is 5 ms).
 SWITCH_INTERVAL_S = 0.001
-
-
-def _flatten(tree: dict[str, object], prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and not prefix:  # sections only; tables (prices, rules) compare whole
-            out.update(_flatten(value, f"{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-def detect_gpu() -> tuple[bool, str]:
-    """Is there an NVIDIA driver with at least one GPU? Imports pynvml lazily."""
-    try:
-        import pynvml
-    except ImportError as exc:
-        return False, f"nvidia-ml-py is not installed ({exc})"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError subclasses, or a missing library
-        return False, f"NVML could not start ({exc})"
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-    except Exception as exc:  # noqa: BLE001
-        return False, f"NVML started but could not list devices ({exc})"
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001, S110 - the check's answer is already known; a failed shutdown changes nothing
-            pass
-    return count > 0, f"{count} GPU(s), driver {driver}"
 
 
 def _postprocess(config: Config, attributor: Attributor | None,
@@ -150,14 +105,15 @@ class App:
         self.registry.register(self.collector)
         # The daemon's own CPU, memory and file descriptors (process_*), as every exporter has them.
         ProcessCollector(registry=self.registry)
+        # The JSON routes beside /metrics (exporter/routes.py), built at request time.
+        self.routes = json_routes(lambda: self.ingest.snapshot, lambda: self.engine_outputs,
+                                  oom_events=self.oom.api, oom_counts=self.oom.counts_now,
+                                  pod_of=self._pod_labels if self.attributor is not None else None,
+                                  pcie_samples=self.nvml.pcie_samples if self.nvml is not None else None)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")
-            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.ready,
-                                      json_routes={"/api/anomalies": self.anomalies_json,
-                                                   "/api/migrations": self.migrations_json,
-                                                   "/api/processes": self.processes_json,
-                                                   "/api/oom": self.oom.api},
+            self.http = MetricsServer(self.registry, host, port, ready=self.ingest.ready, json_routes=self.routes,
                                       web_config=load_web_config(config.exporter.web_config_file),
                                       exposition=ExpositionCache(self.registry,
                                                                  config.exporter.render_interval_ms / 1000))
@@ -177,8 +133,6 @@ class App:
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick
-        if self.http is not None:
-            self.http.json_routes["/api/engines"] = lambda: engine_report(self.engine_outputs)
 
     def _engine_tick(self, snap: PipelineSnapshot) -> None:
         """Run the engines on the new snapshot (ingest thread): send actions, log events."""
@@ -225,35 +179,6 @@ class App:
     def _pod_labels(self, pid: int) -> dict[str, str]:
         return self.attributor.identify(pid).labels() if self.attributor is not None else {}
 
-    def processes_json(self) -> dict[str, object]:
-        """GET /api/processes: per GPU and per process, what ``gpufootprint top`` shows."""
-        from gpufootprint.exporter.processes import processes_document
-
-        return processes_document(self.ingest.snapshot, self.engine_outputs, oom_counts=self.oom.counts_now(),
-                                  pod_of=self._pod_labels if self.attributor is not None else None)
-
-    def anomalies_json(self) -> list[dict[str, object]]:
-        """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""
-        return [w.to_json() for w in self.ingest.snapshot.anomaly_windows]
-
-    def migrations_json(self) -> list[dict[str, object]]:
-        """GET /api/migrations: each (pid, gpu)'s page-migration windows of the last second, with the
-        NVML PCIe throughput sampled inside the same window (CUDA ordinal taken as the NVML index)."""
-        from gpufootprint.features.frames import align_pcie
-
-        out: list[dict[str, object]] = []
-        for f in self.ingest.snapshot.features:
-            if not f.migration_windows:
-                continue
-            samples = self.nvml.pcie_samples(f.dev) if self.nvml is not None else []
-            for w in align_pcie(list(f.migration_windows), samples):
-                out.append({"pid": f.pid, "gpu": f.dev, "start": w.start_ns, "end": w.start_ns + w.width_ns,
-                            "um_transfers": w.um_transfers, "um_bytes": w.um_bytes, "page_faults": w.page_faults,
-                            "copies": w.copies, "copy_bytes": w.copy_bytes, "frequency_hz": w.frequency_hz,
-                            "pcie_tx_bytes_per_second": w.pcie_tx_bytes_per_second,
-                            "pcie_rx_bytes_per_second": w.pcie_rx_bytes_per_second})
-        return out
-
     def start(self) -> None:
         # A scrape is a few short steps between socket calls, each waiting for the GIL
         # behind the ingest and render threads; at 1 ms instead of 5 the wait is bounded five times
@@ -283,45 +208,11 @@ class App:
             self.nvml.close()
         sys.setswitchinterval(self._switch_interval)
 
-    @staticmethod
-    def install_signal_handlers(stop: threading.Event, hup: threading.Event) -> None:
-        """SIGTERM/SIGINT set ``stop``, SIGHUP sets ``hup``. Call it first thing, before the
-        configuration is read and the daemon starts: until then a SIGHUP would kill the process."""
-
-        def _handler(signum: int, _frame: _PyFrame | None) -> None:
-            log.info("signal %s: shutting down", signal.Signals(signum).name)
-            stop.set()
-
-        def _hup(_signum: int, _frame: _PyFrame | None) -> None:
-            hup.set()  # the work happens on a reload thread, never in the handler
-
-        signal.signal(signal.SIGTERM, _handler)
-        signal.signal(signal.SIGINT, _handler)
-        signal.signal(signal.SIGHUP, _hup)
-
-    def wait_for_signal(self, stop: threading.Event, reload: Callable[[], Config] | None = None,
-                        hup: threading.Event | None = None) -> None:
-        """Until ``stop``: each SIGHUP reloads on a thread of its own (one at a time), so a reload
-        that hangs or grows (a hostile file) never delays SIGTERM, which this loop checks every 0.1 s."""
-        if hup is None:
-            hup = threading.Event()
-            self.install_signal_handlers(stop, hup)
-        worker: threading.Thread | None = None
-        while not stop.wait(0.1):
-            if hup.is_set() and (worker is None or not worker.is_alive()):
-                hup.clear()
-                if reload is None:
-                    continue
-                worker = threading.Thread(target=self.reload, args=(reload,), name="gpufootprint-reload", daemon=True)
-                worker.start()
-        if worker is not None and worker.is_alive():
-            log.warning("a configuration reload is still running at shutdown: abandoned")
-
     # --- SIGHUP ----------------------------------------------------------------------
 
     def reload(self, load: Callable[[], Config] | None) -> bool:
         """Re-read the configuration; apply what can change live, keep the rest, refuse a bad one."""
-        from gpufootprint.config import config_to_dict
+        from gpufootprint.configload import live_changes
         from gpufootprint.errors import GpuFootprintError
         from gpufootprint.exporter.webconfig import load_web_config as _load_web
         from gpufootprint.log import setup_logging
@@ -336,23 +227,11 @@ class App:
             self.ingest.config_last_reload_ok = 0.0
             log.error("config reload refused, keeping the previous configuration: %s", exc)
             return False
-        old_flat, new_flat = _flatten(config_to_dict(self.config)), _flatten(config_to_dict(new))
-        changed = sorted(k for k in new_flat.keys() | old_flat.keys() if old_flat.get(k) != new_flat.get(k))
-        live = [k for k in changed if k.startswith(LIVE_PREFIXES) or k in LIVE_KEYS]
-        later = [k for k in changed if k not in live]
-        # Keep the running values of what needs a restart, so the config object tells the truth.
-        applied = self.config
-        for key in live:
-            section, name = key.split(".", 1)
-            applied = dataclasses.replace(applied, **{section: dataclasses.replace(getattr(applied, section),
-                                                                                 **{name: getattr(getattr(new, section),
-                                                                                                  name)})})
+        applied, live, later = live_changes(self.config, new)
         self.config = applied
         self.ingest.config = applied  # daemon.* limits are read per event
         setup_logging(applied.logging.level, applied.logging.format)
-        cap = getattr(self.collector._postprocess, "cap", None)
-        if cap is not None:
-            cap.max_series = applied.exporter.series_cap
+        self.collector.set_series_cap(applied.exporter.series_cap)
         if self.http is not None and web is not None:
             self.http.set_web_config(web)
         if self.http is not None and self.http.exposition is not None:

@@ -193,7 +193,7 @@ def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Pat
         while not stop.is_set():
             if duration is not None and time.monotonic() - started >= duration:
                 break
-            screen = render(app.ingest.snapshot, url, started, app.processes_json())
+            screen = render(app.ingest.snapshot, url, started, app.routes["/api/processes"]())
             if notice and tty:
                 screen = notice + "\n\n" + screen
             if tty:

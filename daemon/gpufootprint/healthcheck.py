@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpufootprint.config import load_config, parse_listen
+from gpufootprint.configload import load_config, parse_listen
 from gpufootprint.errors import GpuFootprintError
 from gpufootprint.exporter.webconfig import load_web_config
 

@@ -4,9 +4,9 @@ It sits at the top of the package, not in a stage's folder, because it is the
 spine that joins the stages rather than one of them: the ingest server, replay,
 the demo and abtest feed it records; it owns every process's state and applies
 records to the footprint (``footprint/``), hands what was applied, the level
-changes included, down to the feature hub and sampler (``sampler/hub.py``), and
-builds the immutable snapshot the engines and the exporter read. It imports the
-stages after it (footprint, sampler hub, snapshot) and none of them imports it;
+changes included, to the feature hub (``hub.py``: the feature frames and the
+samplers), and builds the immutable snapshot the engines and the exporter read. It imports the
+stages after it (footprint, feature hub, snapshot) and none of them imports it;
 the sources before it (``ingest/``, replay) import it to feed it.
 
 Records arrive in delivery order, which is not timestamp order. Each process has
@@ -47,8 +47,8 @@ from gpufootprint.config import FootprintConfig
 from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
+from gpufootprint.hub import FeatureHub
 from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
-from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ import numpy as np
 
 from gpufootprint.config import Config
 from gpufootprint.errors import GpuFootprintError, TraceError
+from gpufootprint.hub import FeatureHub
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DEVICE_RESIDENT_KINDS, DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, MemoryOp, RecordKind
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
 from gpufootprint.wire.framing import Frame, FrameType
 
 

@@ -57,7 +57,7 @@ def run_cupy() -> dict[str, object]:
 def main() -> int:
     figures = run_torch() if sys.argv[1] == "torch" else run_cupy()
     cur = probe.current()
-    figures["probe"] = {**cur.oom.counters(), "oom_records_unavailable": cur.counters["oom_records_unavailable"]} \
+    figures["probe"] = {**cur.sender.oom.counters(), "oom_records_unavailable": cur.counters["oom_records_unavailable"]} \
         if cur is not None else None
     figures["probe_started"] = cur is not None
     print(json.dumps(figures), flush=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpufootprint.probe.launcher import probe_env
+from gpufootprint.launcher import probe_env
 
 from tests.integration.test_daemon import _free_port as _port
 from tests.integration.test_daemon import _scrape as _metrics

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.nvml.pynvml_client import PynvmlClient
 
 
@@ -59,7 +59,7 @@ def test_real_nvml_next_to_a_torch_process(tmp_path: Path) -> None:
     app.start()
     env = dict(os.environ)
     try:
-        from gpufootprint.probe.launcher import probe_env
+        from gpufootprint.launcher import probe_env
 
         env = probe_env(sock, GPUFOOTPRINT_PROBE_FLUSH_MS="50")
         seen["probe_importable"] = True

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.probe.launcher import probe_env
+from gpufootprint.launcher import probe_env
 from gpufootprint.replay import replay_file
 
 WORKLOAD = str(Path(__file__).with_name("oom_workload.py"))

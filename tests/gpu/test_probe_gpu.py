@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
-from gpufootprint.probe.launcher import probe_env
+from gpufootprint.launcher import probe_env
 from gpufootprint.records import MemoryKind, RecordKind
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 
 
 def _scrape(port: int, auth: str | None = None) -> dict[str, float]:

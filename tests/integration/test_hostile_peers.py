@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.records import RecordKind

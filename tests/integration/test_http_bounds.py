@@ -84,7 +84,7 @@ def test_five_hundred_concurrent_scrapes_are_all_answered(daemons) -> None:
 
 def test_a_request_dribbled_a_byte_at_a_time_is_cut_off_at_the_whole_request_deadline(tmp_path: Path) -> None:
     from gpufootprint.app import App
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
 
     app = App(load_config(env={}), socket_path=None, listen="127.0.0.1:0")
     app.start()

@@ -172,7 +172,7 @@ def test_live_allocations_past_the_bound_are_refused_and_the_rest_is_exact(live)
 
 
 def test_records_held_back_past_the_pending_bound_are_applied_not_hoarded(tmp_path: Path) -> None:
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
 
@@ -274,7 +274,7 @@ def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_mov
 def test_failing_ticks_make_readyz_fail_and_the_snapshot_age_grow_at_scrape_time(tmp_path: Path,
                                                                                monkeypatch) -> None:
     from gpufootprint.app import App
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
 
     config = load_config(env={}, overrides={"daemon.tick_stall_seconds": 1.0, "exporter.render_interval_ms": 100})
@@ -333,7 +333,7 @@ def test_a_second_daemon_refuses_to_start_on_a_live_daemons_socket_with_one_line
 
 
 def test_a_stopping_daemon_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -> None:
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
 
@@ -359,7 +359,7 @@ def test_a_stopping_daemon_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -
 
 
 def test_the_probe_socket_listens_with_the_systems_largest_backlog(tmp_path: Path) -> None:
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
 

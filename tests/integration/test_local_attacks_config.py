@@ -173,7 +173,7 @@ def test_record_onto_a_filling_disk_ends_on_a_whole_frame_and_counts_every_lost_
 
 
 def test_the_relay_of_record_survives_its_257th_probe(tmp_path: Path) -> None:
-    from gpufootprint.probe.launcher import Relay
+    from gpufootprint.launcher import Relay
     from gpufootprint.records import RecordKind
     from gpufootprint.wire.framing import PREAMBLE, encode_batch, encode_json
 

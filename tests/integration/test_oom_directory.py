@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gpufootprint.cli.common import check_oom_directory
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.errors import ConfigError
 from gpufootprint.statedir import SYSTEM_OOM_DIRECTORY, default_oom_directory
 from tests.conftest import cli_env

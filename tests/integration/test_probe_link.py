@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.wire import framing

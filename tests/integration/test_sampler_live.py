@@ -13,10 +13,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from nvml_fake import FakeNvml
@@ -156,7 +156,7 @@ def test_migrations_route_joins_migration_windows_with_the_pcie_sample_of_the_sa
     app.ingest.tick()
     last_window = (T0 + 39 * 50 * MS) // (50 * MS) * 50 * MS
     app.nvml.gpus[0].pcie.append((last_window - 50 * MS + 7 * MS, 5e9, 1e9))  # type: ignore[union-attr]
-    rows = app.migrations_json()
+    rows = app.routes["/api/migrations"]()
     assert rows and all(r["pid"] == 4242 and r["gpu"] == 0 for r in rows)
     assert all(r["frequency_hz"] == (1 + 1 + 1 + 2 + 1) / 0.05 for r in rows)
     with_pcie = [r for r in rows if r["pcie_tx_bytes_per_second"] is not None]

@@ -201,7 +201,7 @@ def test_the_image_healthcheck_speaks_tls_when_the_web_config_does(mode: str, pk
 
 def test_failed_handshakes_are_counted_in_the_daemons_metrics(pki: Path, tmp_path: Path) -> None:
     from gpufootprint.app import App
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
 
     (tmp_path / "server.crt").write_bytes((pki / "server.crt").read_bytes())
     (tmp_path / "server.key").write_bytes((pki / "server.key").read_bytes())

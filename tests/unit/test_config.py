@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gpufootprint.config import Config, load_config, parse_set_option
+from gpufootprint.config import Config
+from gpufootprint.configload import load_config, parse_set_option
 from gpufootprint.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind

@@ -22,7 +22,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

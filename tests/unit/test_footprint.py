@@ -212,7 +212,7 @@ def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() 
 
 def test_timestamps_beyond_int64_are_dropped_and_counted_not_fatal() -> None:
     from gpufootprint.ingest.session import Session
-    from gpufootprint.sampler.hub import FeatureHub
+    from gpufootprint.hub import FeatureHub
     from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch
 
     pipeline = Pipeline(FootprintConfig(reorder_window_ms=0), hub=FeatureHub())

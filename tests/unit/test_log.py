@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.log import JsonFormatter, LogfmtFormatter, split_fields
 from tests.conftest import cli_env
 

@@ -22,7 +22,7 @@ from gpufootprint.oom.recent import RecentRecords
 from gpufootprint.recording import load, series
 from gpufootprint.records import RecordKind
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
 from tests.conftest import ALLOC, FREE, mem, mem_batch

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gpufootprint.config import FootprintConfig, load_config
+from gpufootprint.config import FootprintConfig
+from gpufootprint.configload import load_config
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session

@@ -115,7 +115,7 @@ def test_raw_delivery_that_cannot_register_falls_back_to_objects_with_one_warnin
             probe.stop()
     st = probe.status()
     assert st["delivery"] == "objects" and st["raw_delivery_unavailable"] == 1
-    assert probe.table.live_by_kind(0) == {"device": 4096}  # nothing lost on the way
+    assert probe.sender.table.live_by_kind(0) == {"device": 4096}  # nothing lost on the way
     lines = [r.getMessage() for r in caplog.records if "raw delivery unavailable" in r.getMessage()]
     assert lines == ["gpufootprint probe: raw delivery unavailable (raw delivery: not exactly one libcupti mapped); "
                      "using cupti-python's record objects"]

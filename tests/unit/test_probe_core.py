@@ -28,16 +28,16 @@ def test_untracked_kind_is_nvml_used_minus_what_cupti_reported(tmp_path: Path) -
     fake = fk.FakeCupti()
     probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), untracked_ms=20, flush_ms=10), fake,
                   discover_devices=False, nvml_used=lambda pid, devs: dict(nvml))
-    probe.cuda_before = True
-    probe.devices = [{"index": 0}]
+    probe.sender.cuda_before = True
+    probe.sender.devices = [{"index": 0}]
     assert probe.start()
     try:
         fake.alloc(0x1000, 1200)
         time.sleep(0.15)
-        first = probe.table.live_by_kind(0)
+        first = probe.sender.table.live_by_kind(0)
         nvml[0] = 7000  # the process grew by something CUPTI cannot see
         time.sleep(0.15)
-        second = probe.table.live_by_kind(0)
+        second = probe.sender.table.live_by_kind(0)
     finally:
         probe.stop()
     assert first == {"device": 1200, "untracked": 3800}
@@ -143,12 +143,12 @@ def test_a_kernel_window_beside_always_on_kernels_switches_nothing_on_or_off(tmp
     try:
         before = set(fake.enabled)
         assert fk.CONCURRENT_KERNEL in before and fk.KERNEL not in before
-        p.open_kernel_window(50, 1)  # what a CONTROL kernel_window does
+        p.sender.open_kernel_window(50, 1)  # what a CONTROL kernel_window does
         assert fk.KERNEL not in fake.enabled
         deadline = time.monotonic() + 5
-        while p._kernel_window is not None and time.monotonic() < deadline:
+        while p.sender.windows.kernel_window is not None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert p._kernel_window is None and fake.enabled == before
+        assert p.sender.windows.kernel_window is None and fake.enabled == before
         assert p.counters["kernel_windows"] == 1
     finally:
         p.stop()
@@ -161,10 +161,10 @@ def test_a_serial_window_switches_on_and_off_only_its_own_kind(tmp_path: Path) -
     assert p.start()
     try:
         before = set(fake.enabled)
-        p.open_kernel_window(50, 1)
+        p.sender.open_kernel_window(50, 1)
         assert fake.enabled == before | {fk.KERNEL}
         deadline = time.monotonic() + 5
-        while p._kernel_window is not None and time.monotonic() < deadline:
+        while p.sender.windows.kernel_window is not None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert fake.enabled == before
     finally:

@@ -61,7 +61,7 @@ def test_a_subscriber_that_stays_is_counted_and_the_probe_records_on(caplog: pyt
         probe.mark("after")
         st = probe.status()
         assert st["driver_hooks"] == 0 and st["driver_hooks_unavailable"] == 1
-        assert probe.table.live_by_kind(0) == {"device": 4096}
+        assert probe.sender.table.live_by_kind(0) == {"device": 4096}
         time.sleep(0.1)  # several heartbeats ask again: still one warning, one count
         warnings = [r.getMessage() for r in caplog.records if "driver-API hooks" in r.getMessage()]
         assert len(warnings) == 1 and "\n" not in warnings[0]

@@ -58,7 +58,7 @@ def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_p
     p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
     assert p.start()
     try:
-        assert fake.launch_switch == [True] and p.hello["launch_windows"] == 1
+        assert fake.launch_switch == [True] and p.sender.hello["launch_windows"] == 1
         # a launch while CUDA starts is recorded by CUPTI but is no window's: not sent
         t = time.time_ns()
         assert fake.host_call(211, start=t, end=t + 1_000)
@@ -67,13 +67,13 @@ def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_p
         assert fake.launch_switch == [True, False]
         assert not fake.host_call(211, start=t + 3_000, end=t + 4_000)  # off between windows: nothing written
         # WHEN the daemon opens a launch window
-        p.open_kernel_window(200, 7, "launches")
+        p.sender.open_kernel_window(200, 7, "launches")
         assert fake.launch_switch == [True, False, True] and fk.CONCURRENT_KERNEL not in fake.enabled
         t = time.time_ns()
         for i in range(3):
             assert fake.host_call(211, start=t + i * 100, end=t + 50 + i * 100)
         assert fake.host_call(131, start=t + 400, end=t + 900)
-        _wait(lambda: p._kernel_window is None)
+        _wait(lambda: p.sender.windows.kernel_window is None)
         # a call CUPTI still records after the window closed (switching off takes it a while): not the window's
         assert fake.host_call(211, start=time.time_ns(), end=time.time_ns() + 10) is False  # off in this fake
         assert fake.launch_switch == [True, False, True, False]
@@ -95,12 +95,12 @@ def test_a_probe_started_after_cuda_opens_no_launch_window(tmp_path: Path) -> No
     # and leave launches slower for good (H200, 2026-12-03)
     fake = fk.FakeCupti()
     p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
-    p.cuda_before = True
+    p.sender.cuda_before = True
     assert p.start()
     try:
-        assert fake.launch_switch == [] and p.hello["launch_windows"] == 0
-        p.open_kernel_window(50, 1, "launches")
-        assert fake.launch_switch == [] and p._kernel_window is None
+        assert fake.launch_switch == [] and p.sender.hello["launch_windows"] == 0
+        p.sender.open_kernel_window(50, 1, "launches")
+        assert fake.launch_switch == [] and p.sender.windows.kernel_window is None
         assert p.counters["kernel_windows_refused"] == 1
     finally:
         p.stop()
@@ -113,15 +113,15 @@ def test_a_window_of_kernel_records_asked_for_during_a_launch_window_ends_it_and
     p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
     assert p.start()
     try:
-        p.open_kernel_window(5_000, 1, "launches")
+        p.sender.open_kernel_window(5_000, 1, "launches")
         assert fake.launch_switch[-1] is True
         # WHEN a window of kernel records is asked for
-        p.open_kernel_window(200, 7)
+        p.sender.open_kernel_window(200, 7)
         # THEN the launch window closed (its switches off) and the kernel window is open with its kind
         assert fake.launch_switch[-1] is False and fk.CONCURRENT_KERNEL in fake.enabled
-        assert p._kernel_window is not None and p._kernel_window["id"] == 7
-        assert p._kernel_window["records"] == "kernels"
-        _wait(lambda: p._kernel_window is None)
+        assert p.sender.windows.kernel_window is not None and p.sender.windows.kernel_window["id"] == 7
+        assert p.sender.windows.kernel_window["records"] == "kernels"
+        _wait(lambda: p.sender.windows.kernel_window is None)
         assert fk.CONCURRENT_KERNEL not in fake.enabled
     finally:
         p.stop()
@@ -141,19 +141,19 @@ def test_after_a_profiler_had_cupti_the_launch_switches_are_off_for_good(tmp_pat
     try:
         if when == "window":
             fake.alloc(0x1000, 4096)
-            _wait(lambda: not p.launch_priming)
-            p.open_kernel_window(60_000, 3, "launches")
+            _wait(lambda: not p.sender.windows.launch_priming)
+            p.sender.open_kernel_window(60_000, 3, "launches")
         assert fake.launch_switch[-1] is True
         p.takeover_begin()
         p.takeover_end([], lambda: [])
         _wait(lambda: not p.in_gap)
         # THEN they are off, and no launch window opens any more
-        assert fake.launch_switch[-1] is False and not p.launch_windows_ok
+        assert fake.launch_switch[-1] is False and not p.sender.windows.launch_windows_ok
         if when == "window":
-            _wait(lambda: p._kernel_window is None, 0.2)
-        p._kernel_window = None  # whatever was open: a new request must be refused
-        p.open_kernel_window(50, 4, "launches")
-        assert p._kernel_window is None and fake.launch_switch[-1] is False
+            _wait(lambda: p.sender.windows.kernel_window is None, 0.2)
+        p.sender.windows.kernel_window = None  # whatever was open: a new request must be refused
+        p.sender.open_kernel_window(50, 4, "launches")
+        assert p.sender.windows.kernel_window is None and fake.launch_switch[-1] is False
         assert p.counters["kernel_windows_refused"] >= 1
     finally:
         p.stop()

@@ -316,7 +316,7 @@ def test_a_cupti_that_refuses_the_switch_is_counted_not_fatal(tmp_path: Path) ->
     fake.alloc(0x1000, 4096)
     probe.stop()
     assert probe.counters["oom_records_unavailable"] == 1
-    assert probe.table.live_by_kind(0) == {"device": 4096}
+    assert probe.sender.table.live_by_kind(0) == {"device": 4096}
 
 
 def test_a_failed_call_names_its_gpu_as_known_only_where_the_process_sees_one_device() -> None:
@@ -332,7 +332,7 @@ def test_a_failed_call_names_its_gpu_as_known_only_where_the_process_sees_one_de
 def _probe_with_tee(tmp_path: Path, name: str) -> tuple[Any, Probe]:
     fake = fk.FakeCupti()
     probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / f"{name}.gfp")), fake, discover_devices=False)
-    probe.devices = [{"index": 0}]
+    probe.sender.devices = [{"index": 0}]
     assert probe.start()
     fake.alloc(0x1000, 4096)
     return fake, probe
@@ -354,8 +354,8 @@ def test_a_pytorch_notice_with_no_failed_call_before_it_goes_out_at_the_drain_ca
     _fake, probe = _probe_with_tee(tmp_path, "fraction")
     try:
         time.sleep(0.3)
-        probe.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
-        took = _until(lambda: probe.oom.marks_sent == 1, 5.0)
+        probe.sender.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
+        took = _until(lambda: probe.sender.oom.marks_sent == 1, 5.0)
         assert took is not None and took < 0.9, took
     finally:
         probe.stop()
@@ -368,8 +368,8 @@ def test_a_pytorch_notice_during_a_profiler_gap_goes_out_without_waiting_for_the
     try:
         time.sleep(0.3)
         probe.takeover_begin()
-        probe.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
-        assert _until(lambda: probe.oom.marks_sent == 1, 3.0) is not None
+        probe.sender.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
+        assert _until(lambda: probe.sender.oom.marks_sent == 1, 3.0) is not None
         probe.takeover_end([], lambda: [])
     finally:
         probe.stop()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from gpufootprint.probe.core import Probe
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout
@@ -52,7 +52,7 @@ def _workload(fake: fk.FakeCupti, probe: Probe) -> None:
     for rec in _RECORDS:
         fake.emit(rec)
     # a launch window: launches and waits of both APIs become API records (one call the window does not want)
-    probe.open_kernel_window(60_000, 1, "launches")
+    probe.sender.open_kernel_window(60_000, 1, "launches")
     t = time.time_ns() + 1_000_000  # inside the window (it keeps the calls made while it is open)
     for i, (cbid, kind) in enumerate([(211, fk.RUNTIME), (211, fk.RUNTIME), (307, fk.DRIVER), (165, fk.RUNTIME),
                                       (652, fk.DRIVER), (131, fk.RUNTIME), (311, fk.RUNTIME), (17, fk.DRIVER)]):
@@ -116,7 +116,7 @@ def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path:
     assert (api["tid"] == 7).all() and api["cbid"].tolist() == [211, 211, 307, 165, 652, 131, 311, 17]
     assert sorted(raw_names.values()) == sorted({"gemm", "softmax", "a" * 300})
     # every buffer went back to the pool
-    assert probe.raw is not None and probe.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))
+    assert probe.sender.raw is not None and probe.sender.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))
 
 
 def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_nothing() -> None:
@@ -137,7 +137,7 @@ def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_noth
         probe.stop()
     st = probe.status()
     assert st["raw_walk_fallbacks"] >= 1 and st["raw_buffers_unreadable"] == 0
-    assert probe.table.live_by_kind(0) == {"device": 1536}
+    assert probe.sender.table.live_by_kind(0) == {"device": 1536}
 
 
 def test_walk_refuses_unknown_kinds_and_records_past_the_end() -> None:
@@ -186,14 +186,14 @@ def test_records_cupti_dropped_in_a_contexts_own_queue_are_counted(tmp_path: Pat
     assert probe.start()
     try:
         # WHEN no buffer comes back while CUPTI writes 200 records (4 buffers hold 4 x 32 of them)
-        assert probe.raw is not None
+        assert probe.sender.raw is not None
         held: list[int] = []
-        give_back = probe.raw.give_back
-        probe.raw.give_back = held.append  # type: ignore[method-assign]
+        give_back = probe.sender.raw.give_back
+        probe.sender.raw.give_back = held.append  # type: ignore[method-assign]
         for i in range(200):
             fake.alloc(0x1000 + i * 0x100, 256)
         fake.flush(True)
-        probe.raw.give_back = give_back  # type: ignore[method-assign]
+        probe.sender.raw.give_back = give_back  # type: ignore[method-assign]
         probe.mark("end")
         for address in held:
             give_back(address)
@@ -235,14 +235,14 @@ def test_the_profiler_hand_over_re_registers_the_same_delivery(tmp_path: Path, d
     # THEN the probe took CUPTI back with the same delivery and saw the allocation after the gap
     assert (fake.delivery is not None) == (delivery == "raw")
     assert probe.status()["delivery"] == delivery
-    assert probe.table.live_by_kind(0) == {"device": 300}
+    assert probe.sender.table.live_by_kind(0) == {"device": 300}
 
 
 def test_records_cupti_stamped_beyond_2_63_are_counted_in_the_probe_not_sent() -> None:
     fake = fk.FakeRawCupti()
     sent: list[Any] = []
     probe = Probe(ProbeSettings(socket="", flush_ms=10, copies="always"), fake, discover_devices=False)
-    probe._emit = lambda frame, **kw: sent.append(frame) or True  # type: ignore[method-assign]
+    probe.sender._emit = lambda frame, **kw: sent.append(frame) or True  # type: ignore[method-assign]
     assert probe.start()
     try:
         fake.emit(fk.memset_record(64))
@@ -255,7 +255,7 @@ def test_records_cupti_stamped_beyond_2_63_are_counted_in_the_probe_not_sent() -
         probe.stop()
     st = probe.status()
     assert st["cupti_bad_timestamps"] == 1
-    assert st["records_sent"] == 2 and probe.table.live_by_kind(0) == {"device": 512}
+    assert st["records_sent"] == 2 and probe.sender.table.live_by_kind(0) == {"device": 512}
 
 
 def test_walk_and_gather_agree_with_a_record_by_record_reading_on_mixed_and_uniform_buffers() -> None:

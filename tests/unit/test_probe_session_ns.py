@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
 from gpufootprint.records import MEMORY_DTYPE, RecordKind

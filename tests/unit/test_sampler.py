@@ -12,7 +12,7 @@ import pytest
 from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.sampler.hub import FeatureHub
+from gpufootprint.hub import FeatureHub
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -323,7 +323,7 @@ def test_two_devices_window_reports_the_device_that_moved_and_its_own_peak() -> 
 
 @pytest.mark.parametrize("bad", [{"steady_ms": 0}, {"burst_min_frames": 0}, {"volatile_rel_change": -1}])
 def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
-    from gpufootprint.config import load_config
+    from gpufootprint.configload import load_config
     from gpufootprint.errors import ConfigError
 
     key, value = next(iter(bad.items()))
@@ -331,10 +331,26 @@ def test_sampler_config_bounds_name_the_key(bad: dict[str, Any]) -> None:
         load_config(env={}, overrides={f"sampler.{key}": value})
 
 
+def test_sampler_max_ms_stays_within_what_a_probe_takes_and_above_steady_ms() -> None:
+    from gpufootprint.configload import build_config, load_config
+    from gpufootprint.errors import ConfigError
+
+    # A probe cuts a flush interval to 1,000 ms (ProbeOptions.flush_ms): a longer max_ms is refused.
+    with pytest.raises(ConfigError, match=r"sampler\.max_ms: 1001 is above the maximum 1000"):
+        load_config(env={}, overrides={"sampler.max_ms": 1001})
+    assert load_config(env={}, overrides={"sampler.max_ms": 1000}).sampler.max_ms == 1000
+    with pytest.raises(ConfigError, match=r"command line: sampler\.max_ms: 10 is below sampler\.steady_ms \(20\)"):
+        load_config(env={}, overrides={"sampler.max_ms": 10})
+    with pytest.raises(ConfigError, match=r"policy\.yaml: sampler\.max_ms: 30 is below sampler\.steady_ms \(40\)"):
+        build_config({"sampler": {"steady_ms": 40, "max_ms": 30}}, "policy.yaml")
+    equal = load_config(env={}, overrides={"sampler.max_ms": 50, "sampler.steady_ms": 50}).sampler
+    assert (equal.steady_ms, equal.max_ms) == (50, 50)
+
+
 def test_past_history_tables_each_table_keeps_its_part_of_the_history() -> None:
     from gpufootprint.config import FeaturesConfig
     from gpufootprint.footprint.peaks import FramePeaks
-    from gpufootprint.sampler.hub import FeatureHub
+    from gpufootprint.hub import FeatureHub
 
     hub = FeatureHub(FeaturesConfig(keep_seconds=10.0, history_tables=4, reuse_tracked_addresses=100_000))
     for pid in range(4):

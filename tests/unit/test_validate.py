@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.validate import Guard, Limits, check_fields
 from gpufootprint.records import (KERNEL_DTYPE, MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, UNIFIED_MEMORY_DTYPE,

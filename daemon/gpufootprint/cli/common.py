@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpufootprint.config import Config, DaemonConfig, load_config, parse_set_option
+from gpufootprint.config import Config, DaemonConfig
+from gpufootprint.configload import load_config, parse_set_option
 from gpufootprint.errors import ConfigError, TraceError
 from gpufootprint.log import setup_logging
 from gpufootprint.outfile import atomic_output, probe_writable

@@ -8,14 +8,14 @@ from gpufootprint.cli.common import check_output, command_after_dashes, config_f
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gpufootprint.probe import launcher
+    from gpufootprint import launcher
 
     config = config_from_args(args, {"daemon.socket": getattr(args, "socket", None)})
     return launcher.run(command_after_dashes(args.cmd), socket_path=config.daemon.socket, probe_config=config.probe)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from gpufootprint.probe import launcher
+    from gpufootprint import launcher
 
     config = config_from_args(args)
     command = command_after_dashes(args.cmd)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType as _PyFrame
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -19,10 +23,16 @@ from gpufootprint.cli.common import (
     setup,
     start_app,
 )
-from gpufootprint.config import config_to_dict
+from gpufootprint.configload import config_to_dict
 from gpufootprint.errors import ConfigError, TraceError
 
+if TYPE_CHECKING:
+    from gpufootprint.app import App
+    from gpufootprint.config import Config
+
 log = logging.getLogger("gpufootprint.cli")  # one logger for every command, as before the split
+# The daemon's signal and reload lines keep the logger they were written under when app.py handled them.
+_signal_log = logging.getLogger("gpufootprint.app")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -35,10 +45,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from gpufootprint.app import App, detect_gpu
+    from gpufootprint.nvml.pynvml_client import detect_gpu
 
     stop, hup = threading.Event(), threading.Event()
-    App.install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
+    install_signal_handlers(stop, hup)  # before anything slow: a SIGHUP while starting must not kill us
     flags = {"exporter.listen": args.listen, "daemon.socket": args.socket,
              "exporter.web_config_file": getattr(args, "web_config_file", None)}
     config = config_from_args(args, flags)
@@ -62,14 +72,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     log.info("serving metrics url=%s", app.http.url if app.http else "-")
     try:
         # SIGHUP re-reads file, env, flags
-        app.wait_for_signal(stop, reload=lambda: config_from_args(args, flags), hup=hup)
+        wait_for_signal(app, stop, reload=lambda: config_from_args(args, flags), hup=hup)
     finally:
         app.stop()
     return 0
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from gpufootprint.app import detect_gpu
+    from gpufootprint.nvml.pynvml_client import detect_gpu
 
     present, detail = detect_gpu()
     if present:
@@ -107,3 +117,40 @@ def cmd_demo(args: argparse.Namespace, notice: str | None = None) -> int:
     except OSError as exc:
         raise ConfigError(f"exporter.listen {listen}: cannot serve ({reason(exc)})") from None
 
+
+# --- the daemon process's signals ------------------------------------------------
+
+
+def install_signal_handlers(stop: threading.Event, hup: threading.Event) -> None:
+    """SIGTERM/SIGINT set ``stop``, SIGHUP sets ``hup``. Call it first thing, before the
+    configuration is read and the daemon starts: until then a SIGHUP would kill the process."""
+
+    def _handler(signum: int, _frame: _PyFrame | None) -> None:
+        _signal_log.info("signal %s: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    def _hup(_signum: int, _frame: _PyFrame | None) -> None:
+        hup.set()  # the work happens on a reload thread, never in the handler
+
+    signal.signal(signal.SIGTERM, _handler)
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGHUP, _hup)
+
+
+def wait_for_signal(app: App, stop: threading.Event, reload: Callable[[], Config] | None = None,
+                    hup: threading.Event | None = None) -> None:
+    """Until ``stop``: each SIGHUP reloads on a thread of its own (one at a time), so a reload
+    that hangs or grows (a hostile file) never delays SIGTERM, which this loop checks every 0.1 s."""
+    if hup is None:
+        hup = threading.Event()
+        install_signal_handlers(stop, hup)
+    worker: threading.Thread | None = None
+    while not stop.wait(0.1):
+        if hup.is_set() and (worker is None or not worker.is_alive()):
+            hup.clear()
+            if reload is None:
+                continue
+            worker = threading.Thread(target=app.reload, args=(reload,), name="gpufootprint-reload", daemon=True)
+            worker.start()
+    if worker is not None and worker.is_alive():
+        _signal_log.warning("a configuration reload is still running at shutdown: abandoned")

@@ -57,7 +57,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             guard = app.ingest.lock
             print(f"serving {app.http.url if app.http else ''}", file=sys.stderr, flush=True)
         else:
-            from gpufootprint.sampler.hub import FeatureHub
+            from gpufootprint.hub import FeatureHub
 
             pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler))
         try:

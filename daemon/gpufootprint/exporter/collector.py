@@ -44,6 +44,12 @@ class FootprintCollector(Collector):
     def describe(self) -> list[Metric]:
         return []  # families depend on the snapshot; skip registration-time collection
 
+    def set_series_cap(self, max_series: int) -> None:
+        """A reloaded ``exporter.series_cap`` (the cap lives in the post-processing: exporter/cardinality.py)."""
+        cap = getattr(self._postprocess, "cap", None)
+        if cap is not None:
+            cap.max_series = max_series
+
     def collect(self) -> Iterator[Metric]:
         try:
             families = list(self._families(self._snapshot()))

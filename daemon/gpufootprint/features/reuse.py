@@ -12,7 +12,7 @@ having made some before (a warmed-up caching allocator serves every step from
 its own segments), has a fully static footprint: 1.0. No device allocation at
 all: unknown (None).
 
-``ReuseTracker`` counts per (pid, device) as batches arrive (the sampler hub
+``ReuseTracker`` counts per (pid, device) as batches arrive (the feature hub
 owns one per frame builder; ``abtest`` replays through the same hub), and keeps
 the newest allocations' (time, reused) pairs so ``steady_ratio`` can answer for
 any ``since`` at engine time from an immutable snapshot. CUPTI's release records

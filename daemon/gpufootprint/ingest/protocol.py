@@ -17,7 +17,7 @@ from gpufootprint.errors import FrameError
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DTYPES, RecordKind
-from gpufootprint.wire import cupti_layout as rawrecords
+from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import (
     CUPTI_BUFFERS_LEVEL,
     Frame,
@@ -209,8 +209,8 @@ def records_in(frame: Frame) -> int:
             _pid, data = cupti_buffer(frame)
         except FrameError:
             return 0
-        offsets = rawrecords.walk(data, len(data))
-        return sum(len(v) for k, v in offsets.items() if k in rawrecords.RECORD_KIND) if offsets else 0
+        offsets = cupti_layout.walk(data, len(data))
+        return sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND) if offsets else 0
     try:
         return len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
     except ValueError:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
-from gpufootprint.ingest import tick as ticks
 from gpufootprint.ingest.protocol import (
     ORDER_TEXT,
     SESSION_REASONS,
@@ -39,6 +38,7 @@ from gpufootprint.ingest.protocol import (
 )
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.tenants import Holder, make_room, tenant_of
+from gpufootprint.ingest.tick import TickRecord, advance_by_clock, bound_processes, gpu_states, pipeline_snapshot
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
@@ -92,7 +92,7 @@ class IngestServer:
         self._resyncs = ResyncRequests()
         self.guard = Guard(Limits.from_config(config.daemon))
         self.quarantines = 0
-        self._ticks = ticks.TickRecord()
+        self._ticks = TickRecord()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
 
@@ -194,10 +194,10 @@ class IngestServer:
         self._enforce_timeouts()
         now = self._clock_ns()
         mono = time.monotonic()
-        ticks.advance_by_clock(self.pipeline, now, mono, self.config.footprint.reorder_window_ms, self.quarantine)
+        advance_by_clock(self.pipeline, now, mono, self.config.footprint.reorder_window_ms, self.quarantine)
         self._resyncs.request(self.pipeline, self.send_control, mono)
         self.pipeline.expire()
-        ticks.bound_processes(self.pipeline, self.config.daemon.max_processes)
+        bound_processes(self.pipeline, self.config.daemon.max_processes)
         limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
         if limits != self.guard.limits:
             self.guard.limits = limits
@@ -212,8 +212,8 @@ class IngestServer:
             self._poll_nvml()
             nvml_snap = self.nvml.snapshot()
             extra["nvml"] = nvml_snap
-            extra["gpus"] = ticks.gpu_states(nvml_snap)
-        self.snapshot = dataclasses.replace(ticks.pipeline_snapshot(self.pipeline, now / 1e9, self.quarantine),
+            extra["gpus"] = gpu_states(nvml_snap)
+        self.snapshot = dataclasses.replace(pipeline_snapshot(self.pipeline, now / 1e9, self.quarantine),
                                             daemon=daemon_values, **extra)
         self._publish_stats()
         self.published.set()

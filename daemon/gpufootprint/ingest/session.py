@@ -21,7 +21,7 @@ from gpufootprint.errors import FrameError
 from gpufootprint.ingest.validate import Guard, Limits, bounded_metadata, check_fields
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
-from gpufootprint.wire import cupti_layout as rawrecords
+from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer
 
 log = logging.getLogger(__name__)
@@ -265,20 +265,20 @@ class Session:
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
         pid, data = cupti_buffer(frame)
-        offsets = rawrecords.walk(data, len(data))
+        offsets = cupti_layout.walk(data, len(data))
         if offsets is None:
             self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
                                              f"walked (an unknown record kind, or a record past its end): dropped")
             return
         u8 = np.frombuffer(data, dtype=np.uint8)
         for ck, offs in offsets.items():
-            kind = rawrecords.RECORD_KIND.get(ck)
+            kind = cupti_layout.RECORD_KIND.get(ck)
             if kind is None or kind is RecordKind.KERNEL:
                 continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
             # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
             # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
             for at in range(0, len(offs), DECODE_CHUNK):
-                recs = rawrecords.convert(ck, rawrecords.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
+                recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
                 self._records(kind, recs, frame.offset)
 
     def _batch(self, frame: Frame) -> None:

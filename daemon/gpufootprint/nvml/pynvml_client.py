@@ -140,3 +140,26 @@ class PynvmlClient:
             return int(self._nv.nvmlDeviceGetIndex(handle))
         except Exception:  # noqa: BLE001
             return -1
+
+
+def detect_gpu() -> tuple[bool, str]:
+    """Is there an NVIDIA driver with at least one GPU? Imports pynvml lazily."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        return False, f"nvidia-ml-py is not installed ({exc})"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError subclasses, or a missing library
+        return False, f"NVML could not start ({exc})"
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    except Exception as exc:  # noqa: BLE001
+        return False, f"NVML started but could not list devices ({exc})"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001, S110 - the check's answer is already known; a failed shutdown changes nothing
+            pass
+    return count > 0, f"{count} GPU(s), driver {driver}"

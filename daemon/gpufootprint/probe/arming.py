@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, Completed, Requested, copy_kinds
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 
@@ -77,7 +77,7 @@ class CuptiArming:
             self.counters["oom_records_unavailable"] += 1
 
     def hooks(self, on: bool) -> None:
-        """The driver-API hooks that keep CUPTI recording mappings on every thread (settings.py says how)."""
+        """The driver-API hooks that keep CUPTI recording mappings on every thread (wire/probe_options.py says how)."""
         if self.backend is None or not self.settings.driver_hooks:
             return
         hooks = (self.backend.driver_api_records if self.settings.driver_hooks_via == "activity"

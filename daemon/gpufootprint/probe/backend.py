@@ -13,8 +13,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from gpufootprint.probe.rawdelivery import RawDelivery
-from gpufootprint.probe.settings import copy_kind_names
+from gpufootprint.probe.rawcallbacks import RawDelivery
 
 # The CUPTI_ActivityKind numbers are kept in one place.
 from gpufootprint.wire.cupti_layout import (
@@ -25,6 +24,7 @@ from gpufootprint.wire.cupti_layout import (
     MEMSET,
     UNIFIED_MEMORY_COUNTER,
 )
+from gpufootprint.wire.probe_options import copy_kind_names
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
 
 
 class CounterSources(Protocol):

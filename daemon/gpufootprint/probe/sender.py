@@ -5,14 +5,14 @@ records to the probe's live table, encodes frames to the sinks (the daemon's soc
 the tee file), forces CUPTI flushes at the cadence the daemon asks for (then sends a
 watermark), sends heartbeats, opens and closes kernel windows, applies CONTROL frames,
 polls NVML for untracked memory, reconnects with backoff and resyncs after every
-connect. One thread owns all of this state: no locks. ``Probe`` (probe/core.py) is
-this sender plus its lifecycle and the workload's entry points.
+connect. One thread owns all of this state: no locks. ``Probe`` (probe/core.py) holds
+one sender and adds its lifecycle and the workload's entry points.
 
 Why about 500 lines in one module: the jobs with their own state went out (the intake
-queue, raw buffers, arming, control decoding, counters, untracked records, resync);
-what is left reads and moves the same few things on every step (the queue, the table's
-watermark, the gap state, the kernel window, the sinks), and split further each part
-would take all of them as arguments.
+queue, raw buffers, arming, control decoding, counters, untracked records, resync, the
+kernel and launch windows); what is left reads and moves the same few things on every
+step (the queue, the table's watermark, the gap state, the sinks), and split further
+each part would take all of them as arguments.
 """
 
 from __future__ import annotations
@@ -32,19 +32,16 @@ from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawbuffers import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
-from gpufootprint.probe.rawdelivery import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.probe.windows import Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
-from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
 from gpufootprint.wire.framing import Frame, FrameType
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
-
-#: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
-LAUNCH_WINDOW = "launches"
 
 
 class Sender:
@@ -84,14 +81,7 @@ class Sender:
         self.cuda_before = False
         self.devices: list[dict[str, Any]] = []
         self.hello: dict[str, Any] = {}
-        self._kernel_window: dict[str, Any] | None = None
-        self._kernel_window_end = 0.0
-        self._window_kind = KERNEL if settings.kernel_window_kind == "serial" else CONCURRENT_KERNEL
-        # What the open window switched on, if anything: a CUPTI kind, or LAUNCH_WINDOW (the per-API switches
-        # of probe/launches.py).
-        self.window_enabled: int | str | None = None
-        self.launch_priming = False  # the launch calls' per-API switches are on until CUDA is up (core.start)
-        self.launch_windows_ok = False  # they were on when CUDA started: launch windows record (core.start)
+        self.windows = Windows(self, settings.kernel_window_kind)  # kernel and launch windows (probe/windows.py)
         self.resyncs = ResyncSchedule()
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
@@ -118,7 +108,7 @@ class Sender:
         return self._raw_reader.forward_seconds
 
     def _raw_buffer(self, address: int, valid: int) -> None:
-        """Read one CUPTI buffer (probe/rawbuffers.py) and give it back; its CPU time counts as callback time."""
+        """Read one CUPTI buffer (probe/rawreader.py) and give it back; its CPU time counts as callback time."""
         t0 = time.thread_time()
         try:
             link = self.link
@@ -132,6 +122,15 @@ class Sender:
     def raw(self) -> RawDelivery | None:
         """Raw delivery, where it registered (None: cupti-python's record objects)."""
         return self.cupti.raw
+
+    def queue_and_wait(self, op: str, body: Any, timeout: float) -> None:
+        """From a workload's thread (probe/core.py): queue ``op`` behind every record already queued,
+        wake the sender at once and wait up to ``timeout`` for it to be done."""
+        done = threading.Event()
+        self.intake.q.append((op, body, done))
+        self._urgent.set()
+        self._wake.set()
+        done.wait(timeout)
 
     # --- the sender thread ------------------------------------------------------------------------
 
@@ -161,10 +160,10 @@ class Sender:
                     # window: forced flushes at the drain cadence until then, so its event comes about a
                     # flush after the window closes rather than up to two watermark periods later.
                     next_flush = min(next_flush, now + self.flush_s)
-                if self._kernel_window is not None and (now >= self._kernel_window_end or stopping):
-                    self._close_kernel_window()
-                if self.launch_priming and (stopping or self._records_seen()):
-                    self._end_launch_priming()
+                if self.windows.kernel_window is not None and (now >= self.windows.kernel_window_end or stopping):
+                    self.windows.close_kernel_window()
+                if self.windows.launch_priming and (stopping or self.windows.records_seen()):
+                    self.windows.end_launch_priming()
                 if now >= next_untracked:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
@@ -196,8 +195,8 @@ class Sender:
                 self._goodbye()
                 return
             wait = min(next_flush, next_hb, next_drain if self.period else next_flush) - time.monotonic()
-            if self._kernel_window is not None:
-                wait = min(wait, self._kernel_window_end - time.monotonic())
+            if self.windows.kernel_window is not None:
+                wait = min(wait, self.windows.kernel_window_end - time.monotonic())
             self._wake.wait(max(0.0005, wait))
             self._wake.clear()
 
@@ -450,68 +449,7 @@ class Sender:
             self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None:
-        """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
-        ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py)."""
-        ms = max(1, min(ms, 60_000))
-        if self._kernel_window is not None and self._kernel_window.get("records", "kernels") != records:
-            self._close_kernel_window()  # the other records were asked for: that window ends here
-        if self._kernel_window is None:
-            kind: int | str | None
-            if records == "launches":
-                if not self.launch_windows_ok:
-                    self.counters["kernel_windows_refused"] += 1  # CUDA was up before the probe (core.start)
-                    return
-                kind = LAUNCH_WINDOW
-            else:
-                # With kernels always on the records already flow: the window enables nothing more (a
-                # serial KERNEL beside CONCURRENT_KERNEL would serialise every kernel from then on).
-                kind = None if self.cupti.kernels_always else self._window_kind
-            if self.in_gap or self._backend is None or (kind is not None and not self._switch_window(kind, True)):
-                self.counters["kernel_windows_refused"] += 1
-                return
-            self.window_enabled = kind
-            self._kernel_window = {"id": wid, "start_ns": self._clock_ns(), "records": records}
-            if kind == LAUNCH_WINDOW:
-                self.packer.launch_span = (self._kernel_window["start_ns"], None)
-            self.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
-        else:
-            self._kernel_window["id"] = wid
-        self._kernel_window_end = time.monotonic() + ms / 1000
-        self._wake.set()
-
-    def _records_seen(self) -> bool:
-        """Whether any CUPTI record came in: CUDA is up."""
-        return self.intake.records_out > 0 or self.counters["raw_records"] > 0
-
-    def _end_launch_priming(self) -> None:
-        self.launch_priming = False
-        if self.window_enabled != LAUNCH_WINDOW and not self.in_gap and self._backend is not None:
-            self._backend.launch_api_records(False)
-
-    def _switch_window(self, kind: int | str, on: bool) -> bool:
-        assert self._backend is not None
-        if kind == LAUNCH_WINDOW:
-            return self._backend.launch_api_records(on)
-        assert isinstance(kind, int)
-        return self._backend.enable(kind) if on else self._backend.disable(kind)
-
-    def _close_kernel_window(self) -> None:
-        window, self._kernel_window = self._kernel_window, None
-        if window is None:
-            return
-        kind, self.window_enabled = self.window_enabled, None
-        window["end_ns"] = self._clock_ns()
-        if kind == LAUNCH_WINDOW:
-            # Calls until now are the window's; switching off takes CUPTI a while (calls made meanwhile
-            # are recorded but dropped: the window is exactly [start_ns, end_ns]).
-            self.packer.launch_span = (window["start_ns"], window["end_ns"])
-        if not self.in_gap and self._backend is not None and kind is not None:
-            self._switch_window(kind, False)  # exactly what the window switched on
-        self._flush_and_drain()
-        self.packer.launch_span = None  # the window's calls are in
-        body = self._heartbeat()
-        body["kernel_window"] = window
-        self._emit(framing.encode_json(FrameType.HEARTBEAT, body), must=True)
+        self.windows.open_kernel_window(ms, wid, records)
 
     # --- untracked memory (CUDA started before the probe) -----------------------------------------
 
@@ -554,8 +492,8 @@ class Sender:
                 self.cupti.quiesce()
                 self.counters["driver_hooks"] = hooks  # GOODBYE says how the process was recorded
             self._flush_and_drain()
-            if self._kernel_window is not None:
-                self._close_kernel_window()
+            if self.windows.kernel_window is not None:
+                self.windows.close_kernel_window()
             self._emit(framing.encode_json(FrameType.GOODBYE, self._heartbeat()), must=True)
             if self.link is not None:
                 self.link.drain(1.0)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from gpufootprint.nvml import processes
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.records import MEMORY_DTYPE
 
@@ -51,29 +52,7 @@ def nvml_used_bytes(pid: int, devices: list[dict[str, Any]]) -> dict[int, int] |
             log.info("untracked kind off: own pid namespace, NVML reports host pids (the daemon's "
                      "gpufootprint_nvml_process_used_bytes has the figure)")
         return None
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        if not _state.get("init"):
-            pynvml.nvmlInit()
-            _state["init"] = True
-        out: dict[int, int] = {}
-        for info in devices:
-            bus = info.get("pci_bus_id")
-            try:
-                handle = (pynvml.nvmlDeviceGetHandleByPciBusId(bus) if bus
-                          else pynvml.nvmlDeviceGetHandleByIndex(info["index"]))
-                procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            except pynvml.NVMLError:
-                continue
-            for p in procs:
-                if p.pid == pid and p.usedGpuMemory is not None:
-                    out[int(info["index"])] = int(p.usedGpuMemory)
-        return out
-    except Exception:  # noqa: BLE001 - NVML missing or broken: no untracked figure
-        return None
+    return processes.used_bytes_by_device(pid, devices)
 
 
 def untracked_records(table: LiveTable, used: Mapping[int, int], ts: int, pid: int) -> np.ndarray:

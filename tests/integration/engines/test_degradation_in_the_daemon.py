@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from nvml_fake import GIB, FakeNvml
 

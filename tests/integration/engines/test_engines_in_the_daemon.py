@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent

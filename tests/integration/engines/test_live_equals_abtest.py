@@ -18,7 +18,7 @@ import pytest
 import yaml
 from gpufootprint.abtest import load_policy, run_abtest
 from gpufootprint.app import App
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.replay import replay_file
 
 pytestmark = pytest.mark.integration

@@ -3,7 +3,8 @@ from __future__ import annotations
 import math
 
 from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
-from gpufootprint.config import BudgetsConfig, load_config
+from gpufootprint.config import BudgetsConfig
+from gpufootprint.configload import load_config
 from gpufootprint.engines.budgets import BudgetTracker
 from gpufootprint.snapshot import GpuState
 

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 from gpufootprint.errors import ConfigError
 
 

@@ -1,4 +1,5 @@
-"""One CUPTI buffer, as raw delivery hands it to the sender: walked, then packed here or forwarded.
+"""The ``raw`` delivery's side in the sender thread: one CUPTI buffer, as the callbacks (rawcallbacks.py)
+queued it, walked, then packed here or forwarded.
 
 A buffer is walked by ``cupti_layout.walk`` (by CUPTI's own walk where ours cannot, or
 to check ours: ``raw_verify_walk``). Its records are packed into our record batches,
@@ -21,7 +22,7 @@ from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
-from gpufootprint.probe.rawdelivery import view
+from gpufootprint.probe.rawcallbacks import view
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.records import MemoryKind
 from gpufootprint.wire import cupti_layout, framing

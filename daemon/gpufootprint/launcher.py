@@ -27,14 +27,14 @@ from typing import IO
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
-from gpufootprint.probe.settings import ProbeOptions
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder, FrameType
+from gpufootprint.wire.probe_options import ProbeOptions
 
 log = logging.getLogger(__name__)
 
-BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
+BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "probe" / "bootstrap")
 
 
 def probe_env(socket_path: str, base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:

@@ -1,4 +1,6 @@
-"""CUPTI's buffers handed to the sender thread untouched (the ``raw`` delivery).
+"""The ``raw`` delivery's side in CUPTI's thread: the callbacks that hand CUPTI buffers and take them back untouched.
+
+The sender thread reads each buffer afterwards (rawreader.py).
 
 cupti-python's buffer-completed wrapper builds one Python object per record on
 CUPTI's thread, holding the GIL, before our callback sees the list: on the H200

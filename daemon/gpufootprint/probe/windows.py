@@ -1,0 +1,112 @@
+"""Kernel and launch windows: what the daemon's CONTROL ``kernel_window`` switches on in CUPTI, and for how long.
+
+A window of kernel records switches on KERNEL or CONCURRENT_KERNEL (``kernel_window_kind``), one of
+launch records CUPTI's per-API switches of the launch and wait calls (probe/launches.py); at its end
+what it switched on goes off again, a flush takes its records out, and a HEARTBEAT carrying the
+window (id, start_ns, end_ns) tells the daemon the span its records cover. At most one window is open:
+asked for the other records, the open one ends first.
+
+The launch switches record only if they were on when CUDA started (H200, 2026-12-03), so a probe
+started before CUDA *primes* them (``launch_priming``, set by ``Probe.start``) until the first CUPTI
+record shows CUDA is up; a profiler's hand-back ends launch windows for good (``Probe.takeover_end``).
+
+Sender thread only, like the sender it belongs to (probe/sender.py): the window reads and moves the
+sender's backend, gap state, packer and sinks, so it holds the sender rather than copies of them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from gpufootprint.wire import framing
+from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
+from gpufootprint.wire.framing import FrameType
+
+if TYPE_CHECKING:
+    from gpufootprint.probe.sender import Sender
+
+#: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
+LAUNCH_WINDOW = "launches"
+
+
+class Windows:
+    def __init__(self, sender: Sender, kernel_window_kind: str) -> None:
+        self.sender = sender
+        self.kernel_window: dict[str, Any] | None = None
+        self.kernel_window_end = 0.0
+        self.window_kind = KERNEL if kernel_window_kind == "serial" else CONCURRENT_KERNEL
+        # What the open window switched on, if anything: a CUPTI kind, or LAUNCH_WINDOW (the per-API switches
+        # of probe/launches.py).
+        self.window_enabled: int | str | None = None
+        self.launch_priming = False  # the launch calls' per-API switches are on until CUDA is up (core.start)
+        self.launch_windows_ok = False  # they were on when CUDA started: launch windows record (core.start)
+
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None:
+        """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
+        ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py)."""
+        s = self.sender
+        ms = max(1, min(ms, 60_000))
+        if self.kernel_window is not None and self.kernel_window.get("records", "kernels") != records:
+            self.close_kernel_window()  # the other records were asked for: that window ends here
+        if self.kernel_window is None:
+            kind: int | str | None
+            if records == "launches":
+                if not self.launch_windows_ok:
+                    s.counters["kernel_windows_refused"] += 1  # CUDA was up before the probe (core.start)
+                    return
+                kind = LAUNCH_WINDOW
+            else:
+                # With kernels always on the records already flow: the window enables nothing more (a
+                # serial KERNEL beside CONCURRENT_KERNEL would serialise every kernel from then on).
+                kind = None if s.cupti.kernels_always else self.window_kind
+            if s.in_gap or s._backend is None or (kind is not None and not self.switch_window(kind, True)):
+                s.counters["kernel_windows_refused"] += 1
+                return
+            self.window_enabled = kind
+            self.kernel_window = {"id": wid, "start_ns": s._clock_ns(), "records": records}
+            if kind == LAUNCH_WINDOW:
+                s.packer.launch_span = (self.kernel_window["start_ns"], None)
+            s.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
+        else:
+            self.kernel_window["id"] = wid
+        self.kernel_window_end = time.monotonic() + ms / 1000
+        s._wake.set()
+
+    def records_seen(self) -> bool:
+        """Whether any CUPTI record came in: CUDA is up."""
+        s = self.sender
+        return s.intake.records_out > 0 or s.counters["raw_records"] > 0
+
+    def end_launch_priming(self) -> None:
+        s = self.sender
+        self.launch_priming = False
+        if self.window_enabled != LAUNCH_WINDOW and not s.in_gap and s._backend is not None:
+            s._backend.launch_api_records(False)
+
+    def switch_window(self, kind: int | str, on: bool) -> bool:
+        backend = self.sender._backend
+        assert backend is not None
+        if kind == LAUNCH_WINDOW:
+            return backend.launch_api_records(on)
+        assert isinstance(kind, int)
+        return backend.enable(kind) if on else backend.disable(kind)
+
+    def close_kernel_window(self) -> None:
+        s = self.sender
+        window, self.kernel_window = self.kernel_window, None
+        if window is None:
+            return
+        kind, self.window_enabled = self.window_enabled, None
+        window["end_ns"] = s._clock_ns()
+        if kind == LAUNCH_WINDOW:
+            # Calls until now are the window's; switching off takes CUPTI a while (calls made meanwhile
+            # are recorded but dropped: the window is exactly [start_ns, end_ns]).
+            s.packer.launch_span = (window["start_ns"], window["end_ns"])
+        if not s.in_gap and s._backend is not None and kind is not None:
+            self.switch_window(kind, False)  # exactly what the window switched on
+        s._flush_and_drain()
+        s.packer.launch_span = None  # the window's calls are in
+        body = s._heartbeat()
+        body["kernel_window"] = window
+        s._emit(framing.encode_json(FrameType.HEARTBEAT, body), must=True)
