@@ -293,3 +293,31 @@ def test_walk_and_gather_agree_with_a_record_by_record_reading_on_mixed_and_unif
             assert len(got_rows) == len(offs)
             for name in fancy.dtype.names or ():
                 assert np.array_equal(got_rows[name], fancy[name]), (trial, k, name)
+
+
+def test_an_idle_senders_wakes_are_its_watermarks_and_heartbeats_and_a_completed_buffer_wakes_it_at_once(
+        tmp_path: Path) -> None:
+    # GIVEN a probe with raw delivery in period mode: CUPTI's thread completes buffers by itself; the
+    # sender forces a flush (and a watermark) every 400 ms and sends a heartbeat every 400 ms
+    fake = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, watermark_ms=400,
+                                heartbeat_ms=400), fake, discover_devices=False)
+    assert probe.start()
+    try:
+        time.sleep(0.2)  # start-up wakes (the first flush, the priming's end) are over
+        # WHEN the process stays idle for 1.2 s
+        before = probe.status()["sender_wakeups"]
+        time.sleep(1.2)
+        idle = probe.status()["sender_wakeups"] - before
+        # THEN the sender woke for its flushes and heartbeats only (about 6), not at the 10 ms drain cadence (120)
+        assert 2 <= idle <= 15, idle
+        # WHEN CUPTI's thread completes a buffer between two forced flushes
+        buffers = probe.status()["raw_buffers"]
+        fake.deliver([fk.memory_record(1, 0x4000, 4096)])
+        # THEN the sender reads it at once, not at the next forced flush (up to 400 ms away)
+        deadline = time.monotonic() + 0.15
+        while probe.status()["raw_buffers"] == buffers and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert probe.status()["raw_buffers"] == buffers + 1
+    finally:
+        probe.stop()

@@ -65,7 +65,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(p.table_seconds, 6),
         "table_late_releases": p.table.late_release_repairs, "table_lost_releases": p.table.lost_releases,
         "forward_seconds": round(p.forward_seconds, 6),
-        "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9,
+        "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9, "sender_wakeups": c["sender_wakeups"],
         "buffers_completed": intake.buffers_completed + (raw.completed if raw else 0),
         "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,10 @@ import numpy as np
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
+
+
+def _nothing() -> None:
+    return None
 
 
 class Intake:
@@ -36,6 +41,8 @@ class Intake:
         self._max_queued = max(1024, settings.buffer_bytes // MEMORY_DTYPE.itemsize)
         self.packer = Packer(pid, self._sink, capacity=settings.capacity, bulk=settings.bulk_pack)
         self.callback_seconds = 0.0
+        # Set by the sender: wakes it (threading.Event.set: a lock held for a moment, never across CUPTI).
+        self.wake: Callable[[], None] = _nothing
         self.buffers_requested = 0
         self.buffers_completed = 0
 
@@ -54,8 +61,9 @@ class Intake:
         self.callback_seconds += time.thread_time() - t0
 
     def raw_completed(self, address: int, valid: int) -> None:
-        # CUPTI's thread: queue the buffer for the sender, nothing else.
+        # CUPTI's thread: queue the buffer for the sender and wake it, nothing else.
         self.q.append(("raw", address, valid))
+        self.wake()
 
     def _sink(self, chunk: tuple[RecordKind, np.ndarray]) -> None:
         kind, arr = chunk
