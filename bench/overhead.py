@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -137,7 +138,7 @@ VERSUS: dict[str, str] = {"probe": "probe_kernel_windows_off"}
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
 # (what the method reads between two groups of the same code).
-CONFIGS = ["none", "none_b", "none_c", "aa", "aa_b", "none_discover", *PROBE_CONFIGS, *FLOOR_CONFIGS, "torch_profiler",
+CONFIGS = ["none", "none_b", "none_c", "aa", "aa_b", "none_discover", "none_det", *PROBE_CONFIGS, *FLOOR_CONFIGS, "torch_profiler",
            "memory_history"]
 # The verdict table's default set (--configs verdict): the probe's pair against the floor's pair and the A/A pair.
 VERDICT = ["none", "none_b", "aa", "aa_b", "probe", "probe_b", "cupti_floor", "cupti_floor_b"]
@@ -532,10 +533,17 @@ def main() -> int:
     procs: dict[str, subprocess.Popen[str]] = {}
     for c in configs:
         sock = os.path.join(tmp, f"{c}.sock")
-        procs[c] = subprocess.Popen([sys.executable, str(HERE), "--worker", c, "--socket", sock,
+        env = worker_env
+        prefix: list[str] = []
+        if base_of(c) == "none_det":
+            # The same uninstrumented worker with Python's string hashing fixed and address-space
+            # randomisation off: is a worker's own bias (module above REPLICAS) set by either?
+            env = {**worker_env, "PYTHONHASHSEED": "0"}
+            prefix = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
+        procs[c] = subprocess.Popen([*prefix, sys.executable, str(HERE), "--worker", c, "--socket", sock,
                                      "--steps-a", str(args.steps_a), "--steps-b", str(args.steps_b),
                                      "--cpus", ",".join(map(str, worker_cpus))],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=worker_env)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     for c, p in procs.items():
         line = p.stdout.readline()  # type: ignore[union-attr]
         if "ready" not in line:
