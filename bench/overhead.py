@@ -257,12 +257,17 @@ def group_of(config: str) -> str:
     return REPLICAS.get(base, base)
 
 
+def pin_all_threads(cpus: set[int]) -> None:
+    """Every thread of this process on ``cpus`` (sched_setaffinity moves only the thread it names)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+
+
 def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str) -> None:
     config = base_of(config)
-    if cpus:
-        # Every worker on the same CPUs (they take turns): a worker's place on the machine
-        # no longer differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5).
-        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     if config == "none_discover":
         # Uninstrumented, but the probe's device discovery first (cuInit and device queries through
         # cuda-bindings before the workload's own first CUDA call): does that alone move the step?
@@ -317,6 +322,11 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
     for _ in range(3):
         step_a()
     timed(step_b, 20)
+    if cpus:
+        # Every worker on the same CPUs (they take turns): a worker's place on the machine no longer
+        # differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5). Pinned once warm, every
+        # thread (the probe's and CUPTI's included): start-up runs on all CPUs, many workers at once.
+        pin_all_threads({int(c) for c in cpus.split(",")})
     print(json.dumps({"ready": config}), flush=True)
     prof: Any = None
     for line in sys.stdin:
@@ -489,6 +499,9 @@ def main() -> int:
                     help="comma-separated, or 'verdict' (the probe's pair, the floor's pair, the A/A pair) or "
                          "'levers' (verdict and one worker per lever)")
     ap.add_argument("--progress", action="store_true", help="a line per round on stderr")
+    ap.add_argument("--max-seconds", type=float, default=0,
+                    help="stop starting rounds after this many seconds of rounds and summarise those done "
+                         "(a lent machine's call has a time limit)")
     ap.add_argument("--out", default="-")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interleave", choices=("step", "round"), default="step",
@@ -552,6 +565,9 @@ def main() -> int:
     steps: dict[str, dict[str, list[list[float]]]] = {c: {"a": [], "b": []} for c in configs}
     t_start = time.time()
     for rnd in range(args.rounds):
+        if args.max_seconds and rnd > 0 and time.time() - t_start > args.max_seconds:
+            print(f"stopped after {rnd} rounds: --max-seconds {args.max_seconds}", file=sys.stderr, flush=True)
+            break
         if args.progress:
             print(f"round {rnd} at {time.time() - t_start:.1f} s", file=sys.stderr, flush=True)
         if args.interleave == "round":
@@ -590,7 +606,7 @@ def main() -> int:
                       "resync_requests": server.resync_requests}
         server.stop()
 
-    summary: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "steps_a": args.steps_a, "steps_b": args.steps_b,
+    summary: dict[str, Any] = {"machine": machine(), "rounds": len(steps[configs[0]]["a"]), "steps_a": args.steps_a, "steps_b": args.steps_b,
                                "alloc": args.alloc,
                                "interleave": args.interleave,
                                "worker_cpus": worker_cpus,
