@@ -157,7 +157,8 @@ class App:
                                       json_routes={"/api/anomalies": self.anomalies_json,
                                                    "/api/migrations": self.migrations_json,
                                                    "/api/processes": self.processes_json,
-                                                   "/api/oom": self.oom.api},
+                                                   "/api/oom": self.oom.api,
+                                                   "/api/nvml": self.nvml_json},
                                       web_config=load_web_config(config.exporter.web_config_file),
                                       exposition=ExpositionCache(self.registry,
                                                                  config.exporter.render_interval_ms / 1000))
@@ -231,6 +232,17 @@ class App:
 
         return processes_document(self.ingest.snapshot, self.engine_outputs, oom_counts=self.oom.counts_now(),
                                   pod_of=self._pod_labels if self.attributor is not None else None)
+
+    def nvml_json(self) -> dict[str, object]:
+        """GET /api/nvml: NVML's per-process utilisation samples the daemon holds, per GPU and pid (what
+        the CUDA Graph advisor bounds launch windows with; ``abtest`` reads the same document saved beside
+        a trace as ``TRACE.nvml.json``)."""
+        snap = self.nvml.snapshot() if self.nvml is not None else None
+        if snap is None:
+            return {"state": "unavailable", "process_busy": {}}
+        return {"state": snap.state, "process_busy": {
+            str(g.index): {str(pid): [list(s) for s in samples] for pid, samples in g.process_busy.items()}
+            for g in snap.gpus}}
 
     def anomalies_json(self) -> list[dict[str, object]]:
         """GET /api/anomalies: recent anomaly windows, oldest first (Grafana annotations)."""

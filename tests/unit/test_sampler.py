@@ -239,20 +239,30 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
     for t in range(t0, t0 + 180 * 1000 * MS, 100 * MS):
         now[0] = t
         pipeline.advance(pid, t)
-    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones: 5 s in, then
-    # every 30 s, 50 ms each (a duty cycle of 1/600)
-    opened = [(t - t0) / 1e9 for t, _, b in sent if b["op"] == "kernel_window"]
-    assert all(b["ms"] == 50 and b["records"] == "launches" for _, _, b in sent if b["op"] == "kernel_window")
-    assert opened == pytest.approx([0.1, 5.1, 35.1, 65.1, 95.1, 125.1, 155.1], abs=0.11)
-    # AND a burst opens one at once, but never two within a second
-    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50))
+    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones, each held open lease by
+    # lease (2 s) while it has seen no step (this process launches nothing), closed at its bound (10 s), the
+    # next periodic one due 30 s after the last opened and at least 1 s after the last closed
+    windows: dict[int, list[tuple[float, int]]] = {}
+    for t, _, b in sent:
+        if b["op"] == "kernel_window":
+            assert b["records"] == "launches"
+            windows.setdefault(b["id"], []).append(((t - t0) / 1e9, b["ms"]))
+    opened = [w[0][0] for w in windows.values()]
+    assert opened == pytest.approx([0.1, 11.1, 41.1, 71.1, 101.1, 131.1, 161.1], abs=0.11)
+    for w in windows.values():
+        assert w[0][1] == 2000 and all(ms <= 2000 for _, ms in w)
+        if w[-1][0] < 170:
+            assert w[-1][1] == 1 and w[-1][0] - w[0][0] == pytest.approx(10.0, abs=0.11)  # closed at the bound
+    # AND a burst opens one at once, but never two within a second of the last one's close
+    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50, kernel_window_max_ms=500))
     got: list[dict[str, Any]] = []
     hub2.control = lambda pid, body: got.append(body) or True
     s = hub2.sampler(pid)
     for i, t in enumerate(range(t0, t0 + 3000 * MS, 100 * MS)):
         s.bursts = i  # a burst starts in every step
         hub2._after_step(s, "probe", t)
-    assert len([b for b in got if b["op"] == "kernel_window"]) == 3  # at 0, 1 and 2 s
+    # opened at 0, closed at 0.5 s (its bound), the next at 1.5 s, closed at 2.0 s, the last at 3.0 s is past the loop
+    assert [(b["id"], b["ms"]) for b in got if b["op"] == "kernel_window"] == [(1, 500), (1, 1), (2, 500), (2, 1)]
     # AND windows of kernel records say no "records" (what a probe from before launch windows reads)
     hub4 = FeatureHub(sampler=SamplerConfig(kernel_window_records="kernels"))
     kern: list[dict[str, Any]] = []
