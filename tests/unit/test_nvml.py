@@ -79,13 +79,13 @@ def test_field_unsupported_becomes_a_zero_metric_and_is_not_asked_again() -> Non
     assert g.field_supported["pcie"] is False and g.field_supported["power"] is False
     assert g.field_supported["memory"] is True and g.up
     assert g.pcie_tx_bytes_per_second is None and g.power_watts is None and g.energy_joules is None
-    # pcie, power, energy on 2 gpus once each, xid once: then never again
-    assert fake.unsupported_calls == 3 * 2 + 1
+    # pcie, power, energy, per-process utilisation on 2 gpus once each, xid once: then never again
+    assert fake.unsupported_calls == 4 * 2 + 1  # pcie, power, energy, per-process util on 2 GPUs; xid once
     m = scrape(with_nvml(p))
     assert m[("gpufootprint_nvml_field_supported", (("field", "pcie"), ("gpu", "0")))] == 0.0
     assert m[("gpufootprint_nvml_field_supported", (("field", "xid"), ("gpu", "1")))] == 0.0
     assert not any(k[0] == "gpufootprint_nvml_power_watts" for k in m)
-    assert m[("gpufootprint_nvml_errors_total", (("reason", "not_supported"),))] == 7
+    assert m[("gpufootprint_nvml_errors_total", (("reason", "not_supported"),))] == 9
 
 
 def test_gpu_lost_mid_run_marks_it_down_keeps_the_other_and_finds_it_again() -> None:
@@ -104,7 +104,7 @@ def test_gpu_lost_mid_run_marks_it_down_keeps_the_other_and_finds_it_again() -> 
     # while lost, the GPU is not hammered: no call on it until the retry time
     calls = fake.calls
     p.poll()
-    assert fake.calls - calls == 6  # gpu 0 only: memory, processes, util, pcie(1 call), power, energy
+    assert fake.calls - calls == 7  # gpu 0 only: memory, processes, util, per-process util, pcie(1 call), power, energy
     fake.recover()
     fake.scenario = "healthy"
     clock.t += 11
