@@ -55,6 +55,8 @@ WORKLOAD = str(HERE / "graph_workloads.py")
 EXPECTED = {"matmul": "capture", "tiny": "keep", "transformer": None}  # None: the kernel windows' verdict
 BUSY_ERROR = 0.2  # graph_advisor.busy_error's default: the candidate the daemon uses must be within it
 SLACK_NS = 500_000_000  # engines/busy.py SLACK_NS
+#: The requirement is a verdict within 2 minutes; the run allows 75 s so three loops fit the device time.
+LIVE_LIMIT_S = 75
 
 
 def _out(tmp_path: Path) -> Path:
@@ -81,10 +83,20 @@ class Candidates:
             "processes_utilization_info": [], "process_utilization": [], "device_utilization_rates": [],
             "device_samples": []}
         self.errors: dict[str, str] = {}
+        self.raw_stamp: dict[str, tuple[int, int]] = {}  # name -> (first NVML stamp in us, wall ns when read)
         self._seen = {k: 0 for k in self.samples}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _wall(ts_us: int) -> int:
+        """NVML's sample stamp on the wall clock (as nvml/poller.py moves a monotonic one)."""
+        ns, wall = ts_us * 1000, time.time_ns()
+        if abs(ns - wall) < 3600 * 10**9:
+            return ns
+        mono = time.monotonic_ns()
+        return ns + wall - mono if abs(ns - mono) < 3600 * 10**9 else ns
 
     def _per_process(self, name: str, fn: str) -> None:
         try:
@@ -96,7 +108,8 @@ class Candidates:
         for s in got:
             if s.timeStamp > self._seen[name]:
                 self._seen[name] = int(s.timeStamp)
-            self.samples[name].append((int(s.pid), int(s.timeStamp) * 1000, s.smUtil / 100.0))
+            self.samples[name].append((int(s.pid), self._wall(int(s.timeStamp)), s.smUtil / 100.0))
+            self.raw_stamp.setdefault(name, (int(s.timeStamp), time.time_ns()))
 
     def _loop(self) -> None:
         nv = self.nv
@@ -113,7 +126,9 @@ class Candidates:
                 for s in got:
                     if s.timeStamp > self._seen["device_samples"]:
                         self._seen["device_samples"] = int(s.timeStamp)
-                        self.samples["device_samples"].append((0, int(s.timeStamp) * 1000, s.sampleValue.uiVal / 100.0))
+                        self.samples["device_samples"].append((0, self._wall(int(s.timeStamp)),
+                                                               s.sampleValue.uiVal / 100.0))
+                        self.raw_stamp.setdefault("device_samples", (int(s.timeStamp), time.time_ns()))
             except Exception as exc:  # noqa: BLE001
                 if getattr(exc, "value", None) not in (0, 6):
                     self.errors["device_samples"] = repr(exc)
@@ -126,6 +141,9 @@ class Candidates:
     def estimate(self, name: str, pid: int, start: int, end: int) -> tuple[float | None, int]:
         vals = [r for p, ts, r in self.samples[name] if p in (0, pid) and start <= ts <= end + SLACK_NS]
         return (sum(vals) / len(vals) if vals else None), len(vals)
+
+    def pids(self, name: str) -> list[int]:
+        return sorted({p for p, _, _ in self.samples[name]})
 
     def period_ms(self, name: str, pid: int) -> float | None:
         ts = sorted({t for p, t, _ in self.samples[name] if p in (0, pid)})
@@ -155,8 +173,9 @@ class Run:
         self.started = time.monotonic()
         self.workload = subprocess.Popen([sys.executable, "-m", "gpufootprint", "run", "--socket", self.sock, "--",
                                           sys.executable, WORKLOAD, mode, str(seconds), str(self.steplog),
-                                          str(self.stopfile)], env=wenv, stdout=open(tmp / "workload.log", "w"),
-                                         stderr=subprocess.STDOUT)  # noqa: SIM115
+                                          str(self.stopfile)], env=wenv,
+                                         stdout=open(tmp / "workload.log", "w"),  # noqa: SIM115
+                                         stderr=subprocess.STDOUT)
 
     def graph(self) -> list[dict[str, Any]]:
         try:
@@ -191,22 +210,31 @@ class Run:
         return np.array([(int(a), float(b)) for a, b in rows], dtype=np.float64).reshape(-1, 2)
 
 
-def _trace(path: Path) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """The KERNEL records and the closed windows (kernel_window bodies) of a probe's recording."""
+def _trace(path: Path) -> tuple[np.ndarray, list[dict[str, Any]], int | None]:
+    """The KERNEL records, the closed windows (kernel_window bodies) and the pid of a probe's recording."""
     from gpufootprint.records import DTYPES, RecordKind
     from gpufootprint.wire.framing import FrameType
     from gpufootprint.wire.sources import TraceFile
 
-    kernels, windows = [], []
-    for f in TraceFile(path).frames():
-        if f.type is FrameType.BATCH and f.tag == RecordKind.KERNEL:
+    kernels, windows, pid = [], [], None
+    for f in (TraceFile(path).frames() if path.is_file() else ()):  # none: the probe did not start
+        if f.type is FrameType.HELLO and pid is None:
+            pid = f.json().get("pid")
+        elif f.type is FrameType.BATCH and f.tag == RecordKind.KERNEL:
             kernels.append(f.records())
         elif f.type in (FrameType.HEARTBEAT, FrameType.GOODBYE):
             w = f.json().get("kernel_window")
             if isinstance(w, dict) and "start_ns" in w and "end_ns" in w:
                 windows.append(w)
     k = np.concatenate(kernels) if kernels else np.zeros(0, DTYPES[RecordKind.KERNEL])
-    return k[np.argsort(k["start"], kind="stable")], windows
+    return k[np.argsort(k["start"], kind="stable")], windows, pid
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
 
 
 def _busy(k: np.ndarray) -> tuple[float, float, int]:
@@ -243,8 +271,9 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
         finally:
             truth.stop()
         result["kernel_window_verdict"] = kd
-        kernels, windows = _trace(ktee)
-        pid = int(kd["pid"]) if kd else -1
+        kernels, windows, tpid = _trace(ktee)
+        pid = int(tpid) if isinstance(tpid, int) else (int(kd["pid"]) if kd else -1)
+        result["truth_logs"] = {"workload": _tail(truth.tmp / "workload.log"), "daemon": _tail(truth.tmp / "daemon.log")}
         per_window = []
         for w in windows:
             k = kernels[(kernels["start"] >= w["start_ns"]) & (kernels["start"] <= w["end_ns"])]
@@ -260,45 +289,53 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
         result["truth_windows"] = per_window
         result["candidate_period_ms"] = {n: cands.period_ms(n, pid) for n in cands.samples}
         result["candidate_errors"] = dict(cands.errors)
+        result["candidate_first_stamp_us_and_wall_ns"] = dict(cands.raw_stamp)
+        result["truth_pid"] = pid
 
         # --- 2. live: a default daemon ---------------------------------------------------------------------
         tee = out / f"h200_graph_{mode}.gfp.gz"
         live = Run(tmp_path / "live", mode, 150.0, tee, [])
         verdict, waited = None, None
         try:
-            while time.monotonic() - live.started < 120 and live.workload.poll() is None:
+            while time.monotonic() - live.started < LIVE_LIMIT_S and live.workload.poll() is None:
                 d = _main(live.graph())
                 if d is not None and d["decision"] != "insufficient_data":
                     verdict, waited = d, time.monotonic() - live.started
                     break
                 time.sleep(0.5)
-            time.sleep(5.0)  # steps after the window, for the lasting-cost comparison
+            time.sleep(8.0)  # steps after the windows (the first periodic one comes 5 s in), for a lasting cost
             live.finish_workload()
             nvml_doc = _api(live.port, "/api/nvml")
             final = _main(live.graph(), verdict["pid"] if verdict else None)
         finally:
             live.stop()
         Path(str(tee) + ".nvml.json").write_text(json.dumps(nvml_doc))
+        result["nvml_pids"] = {"daemon": {g: sorted(per) for g, per in nvml_doc["process_busy"].items()},
+                               "test": cands.pids("processes_utilization_info") or cands.pids("process_utilization")}
         result.update(live_verdict=verdict, seconds_to_verdict=waited, live_final=final)
-        _, lwin = _trace(tee)
+        _, lwin, _ = _trace(tee)
+        result["live_logs"] = {"workload": _tail(live.tmp / "workload.log"), "daemon": _tail(live.tmp / "daemon.log")}
         result["launch_windows"] = [{"id": w.get("id"), "records": w.get("records"),
                                      "seconds": (w["end_ns"] - w["start_ns"]) / 1e9} for w in lwin]
         steps = live.steps()
-        if lwin and len(steps):
-            w0 = lwin[0]
-            before = steps[(steps[:, 0] >= w0["start_ns"] - 3e9) & (steps[:, 0] < w0["start_ns"]), 1]
-            after = steps[(steps[:, 0] > w0["end_ns"] + 1e9) & (steps[:, 0] <= w0["end_ns"] + 4e9), 1]
-            inside = steps[(steps[:, 0] >= w0["start_ns"]) & (steps[:, 0] <= w0["end_ns"]), 1]
-            result["step_seconds"] = {"before_first_window": float(np.median(before)) if len(before) else None,
-                                      "in_it": float(np.median(inside)) if len(inside) else None,
-                                      "after_it": float(np.median(after)) if len(after) else None,
-                                      "steps": [len(before), len(inside), len(after)]}
+        cost = []
+        for w in lwin:  # each window's steps: the 3 s before it, in it, and from 1 to 4 s after it
+            before = steps[(steps[:, 0] >= w["start_ns"] - 3e9) & (steps[:, 0] < w["start_ns"]), 1]
+            inside = steps[(steps[:, 0] >= w["start_ns"]) & (steps[:, 0] <= w["end_ns"]), 1]
+            after = steps[(steps[:, 0] > w["end_ns"] + 1e9) & (steps[:, 0] <= w["end_ns"] + 4e9), 1]
+            cost.append({"steps": [len(before), len(inside), len(after)],
+                         "median_before_s": float(np.median(before)) if len(before) else None,
+                         "median_in_s": float(np.median(inside)) if len(inside) else None,
+                         "median_after_s": float(np.median(after)) if len(after) else None,
+                         "after_over_before": (float(np.median(after) / np.median(before))
+                                               if len(before) >= 3 and len(after) >= 3 else None)})
+        result["step_seconds_around_windows"] = cost
 
         # --- 3. replay: abtest on the recording -----------------------------------------------------------
         policy = tmp_path / "default.yaml"
         policy.write_text("{}\n")
         ab = subprocess.run([sys.executable, "-m", "gpufootprint", "abtest", str(tee), "--policy", str(policy),
-                             "--json"], env=live.env, capture_output=True, text=True, timeout=120)
+                             "--json"], env=live.env, capture_output=True, text=True, timeout=120, check=False)
         rows = json.loads(ab.stdout)["rows"] if ab.returncode == 0 else []
         mine = [r for r in rows if verdict is not None and r["pid"] == verdict["pid"]]
         result["abtest"] = [{"stream": r["stream"], "evidence": r["evidence"],
@@ -307,24 +344,38 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
     finally:
         cands.close()
         (out / f"graph_advice_{mode}.json").write_text(json.dumps(result, indent=1, default=str))
-        print(json.dumps({k: result.get(k) for k in ("seconds_to_verdict", "step_seconds", "candidate_period_ms")},
+        print(json.dumps({k: result.get(k) for k in ("seconds_to_verdict", "step_seconds_around_windows",
+                                                     "candidate_period_ms")},
                          default=str))
 
-    # --- the assertions, after everything was written ------------------------------------------------------
-    assert verdict is not None, f"no verdict within 120 s: {result.get('live_final')}"
-    assert waited is not None and waited <= 120
-    want = EXPECTED[mode] if EXPECTED[mode] is not None else (kd or {}).get("decision")
-    assert verdict["decision"] == want, (verdict, kd)
-    assert verdict["evidence"] == "launches", verdict
-    ab_decisions = {r["decision"] for r in result["abtest"]} if isinstance(result["abtest"], list) else set()
-    assert ab_decisions == {verdict["decision"]}, result["abtest"]
+    # --- the checks, after everything was written: each one evaluated, all failures reported together ----------
+    failed: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            failed.append(what)
+
+    check(tee.is_file() and ktee.is_file(), f"the probe recorded nothing: {tee} {ktee}")
+    check(verdict is not None and waited is not None and waited <= LIVE_LIMIT_S,
+          f"no verdict within {LIVE_LIMIT_S} s: {result.get('live_final')}")
+    if verdict is not None:
+        want = EXPECTED[mode] if EXPECTED[mode] is not None else (kd or {}).get("decision")
+        check(verdict["decision"] == want, f"live {verdict['decision']} != {want}: {verdict['reasons']}")
+        check(verdict["evidence"] == "launches", f"evidence {verdict['evidence']}")
+        ab = {r["decision"] for r in result["abtest"]} if isinstance(result["abtest"], list) else set()
+        check(ab == {verdict["decision"]}, f"abtest {result['abtest']} != live {verdict['decision']}")
+        truth_mean = statistics.median(r["mean_kernel_s"] for r in per_window) if per_window else None
+        lo = verdict.get("mean_kernel_seconds_min")
+        result["lower_bound_vs_truth"] = {"mean_kernel_seconds_min": lo, "truth_mean_kernel_seconds": truth_mean}
+        check(lo is None or truth_mean is None or lo <= truth_mean,
+              f"the lower bound {lo} s is above the kernels' mean {truth_mean} s")
+        if mode == "matmul":
+            check(lo is not None, "no NVML lower bound for the matmul loop")
     # the candidate the daemon uses holds within graph_advisor.busy_error where it has samples
     errs = [r["processes_utilization_info"]["error"] for r in per_window
             if r["processes_utilization_info"]["error"] is not None]
     if not errs:
         errs = [r["process_utilization"]["error"] for r in per_window if r["process_utilization"]["error"] is not None]
-    assert errs and max(abs(e) for e in errs) <= BUSY_ERROR, per_window
-    if mode == "matmul":  # the lower bound is a lower bound of the kernels' true mean
-        truth_mean = statistics.median(r["mean_kernel_s"] for r in per_window)
-        assert verdict["mean_kernel_seconds_min"] is not None and verdict["mean_kernel_seconds_min"] <= truth_mean, \
-            (verdict, truth_mean)
+    check(bool(errs) and max(abs(e) for e in errs) <= BUSY_ERROR, f"per-process busy errors {errs}")
+    (out / f"graph_advice_{mode}.json").write_text(json.dumps({**result, "failed": failed}, indent=1, default=str))
+    assert not failed, failed

@@ -18,7 +18,11 @@ time. What that gives:
   is unknown, and a window of kernel records (``sampler.kernel_window_records: kernels``) would time
   the kernels themselves.
 
-The thread with the most launches speaks for the process (a training loop launches from one).
+The thread with the most launches speaks for the process (a training loop launches from one) when it
+waits for the GPU itself. When it never waits, the steps are read from every thread's calls together:
+PyTorch launches a step's backward kernels from autograd's device thread while the main thread
+launches the forward and the optimizer and waits (a step is then every launch between the main
+thread's waits; another thread's unrelated launches make the counts disagree, and no step is found).
 """
 
 from __future__ import annotations
@@ -96,6 +100,8 @@ def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3)
     tids, counts = np.unique(launching["tid"], return_counts=True)
     tid = int(tids[int(np.argmax(counts))])
     mine = api[api["tid"] == tid]
+    if np.count_nonzero(mine["role"] == ApiRole.SYNC) < 2:
+        mine = api  # the busiest thread never waits: the steps are read from all threads' calls
     mine = mine[np.argsort(mine["start"], kind="stable")][-MAX_ANALYSED:]
     dev = int(np.bincount(mine["dev"].astype(np.intp)).argmax())
     role = mine["role"]

@@ -35,6 +35,7 @@ FIELDS = ("memory", "memory_reserved", "processes", "utilization", "process_util
 BUSY_SAMPLES = 1024
 #: A process with no new sample for this long is forgotten (it exited, or stopped running kernels).
 BUSY_FORGET_US = 600_000_000
+_CLOCK_NEAR_NS = 3600 * 10**9
 
 
 class _Lost(Exception):
@@ -224,21 +225,32 @@ class NvmlPoller:
         gpu.values["power"] = self._field(gpu, "power", lambda: c.power_watts(i))
         gpu.values["energy"] = self._field(gpu, "energy", lambda: c.energy_joules(i))
 
-    @staticmethod
-    def _add_busy(gpu: _GpuState, samples: list[ProcessBusy]) -> None:
+    def _busy_offset_ns(self, ts_ns: int) -> int:
+        """What turns NVML's sample time into wall-clock ns. The samples are documented as CPU timestamps
+        in microseconds, which drivers take from the wall clock; should one count from boot instead
+        (the monotonic clock), its samples are moved onto the wall clock rather than never matching a
+        window."""
+        wall = self._wall_ns()
+        if abs(ts_ns - wall) < _CLOCK_NEAR_NS:
+            return 0
+        mono = time.monotonic_ns()
+        return wall - mono if abs(ts_ns - mono) < _CLOCK_NEAR_NS else 0
+
+    def _add_busy(self, gpu: _GpuState, samples: list[ProcessBusy]) -> None:
         changed = set()
+        offset = self._busy_offset_ns(max(b.ts_us for b in samples) * 1000)
         for b in samples:
             q = gpu.busy.get(b.pid)
             if q is None:
                 q = gpu.busy[b.pid] = deque(maxlen=BUSY_SAMPLES)
-            if q and q[-1][0] >= b.ts_us * 1000:
+            if q and q[-1][0] >= b.ts_us * 1000 + offset:
                 continue  # the driver's sample was seen already
-            q.append((b.ts_us * 1000, b.sm_ratio))
+            q.append((b.ts_us * 1000 + offset, b.sm_ratio))
             changed.add(b.pid)
             gpu.busy_seen_us = max(gpu.busy_seen_us, b.ts_us)
         for pid in changed:
             gpu.busy_view[pid] = tuple(gpu.busy[pid])
-        old = [pid for pid, q in gpu.busy.items() if q[-1][0] < (gpu.busy_seen_us - BUSY_FORGET_US) * 1000]
+        old = [pid for pid, q in gpu.busy.items() if q[-1][0] < (gpu.busy_seen_us - BUSY_FORGET_US) * 1000 + offset]
         for pid in old:
             del gpu.busy[pid]
             gpu.busy_view.pop(pid, None)
