@@ -2,7 +2,7 @@
 
 Scenarios:
 * ``healthy``: two H200s, driver 580, every field, processes with used memory.
-* ``field_unsupported``: PCIe, power, energy and Xid events are not supported.
+* ``field_unsupported``: PCIe, power, energy, per-process utilisation and Xid events are not supported.
 * ``gpu_lost``: GPU 1 falls off the bus at poll ``lose_at`` (every call on it fails with gpu_lost)
   and comes back after ``recover()``.
 * ``other_driver``: driver 470: no v2 memory call (no reserved), used memory per process hidden.
@@ -11,7 +11,7 @@ Scenarios:
 
 from __future__ import annotations
 
-from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError
+from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError, ProcessBusy
 
 GIB = 1 << 30
 SCENARIOS = ("healthy", "field_unsupported", "gpu_lost", "other_driver", "no_driver")
@@ -33,6 +33,8 @@ class FakeNvml:
         self.pending_xid: list[tuple[int, int]] = []
         self.unsupported_calls = 0
         self.util = [0.42] * gpus
+        # per GPU: the driver's per-process samples (pid, ts_us, ratio), as it keeps them
+        self.busy: list[list[ProcessBusy]] = [[] for _ in range(gpus)]
 
     # --- test controls ------------------------------------------------------------
     def add_process(self, gpu: int, pid: int, used: int) -> None:
@@ -40,6 +42,10 @@ class FakeNvml:
 
     def set_utilization(self, gpu: int, ratio: float) -> None:
         self.util[gpu] = ratio
+
+    def add_busy(self, gpu: int, pid: int, ts_us: int, ratio: float) -> None:
+        """The driver took a per-process sample: ``pid`` ran kernels ``ratio`` of the period ending ``ts_us``."""
+        self.busy[gpu].append(ProcessBusy(pid, ts_us, ratio))
 
     def set_used(self, gpu: int, used: int) -> None:
         self.used[gpu] = used
@@ -111,6 +117,17 @@ class FakeNvml:
     def utilization(self, index: int) -> float:
         self._check(index)
         return self.util[index]
+
+    def process_utilization(self, index: int, since_us: int) -> list[ProcessBusy]:
+        self._check(index)
+        if self.scenario == "field_unsupported":
+            self._unsupported("per-process utilisation")
+        # like the driver: only samples newer than the caller's last seen, and only the newest per process
+        newest: dict[int, ProcessBusy] = {}
+        for b in self.busy[index]:
+            if b.ts_us > since_us and (b.pid not in newest or b.ts_us > newest[b.pid].ts_us):
+                newest[b.pid] = b
+        return sorted(newest.values(), key=lambda b: b.ts_us)
 
     def pcie_throughput(self, index: int) -> tuple[float, float]:
         self._check(index)

@@ -6,11 +6,18 @@ live daemon's (``features.reuse``); then every policy judges every stream of
 every process with the advisor the daemon runs.
 A policy file is YAML: either the keys of ``graph_advisor`` at the top level, or
 a whole configuration with a ``graph_advisor:`` section.
+
+NVML's per-process utilisation samples, which bound a launch window's mean kernel
+duration from below (engines/busy.py), are no part of a probe's trace: the daemon
+polls them. A file ``TRACE.nvml.json`` beside a trace (the daemon's ``GET /api/nvml``
+document, saved while the workload ran) gives them to the replay; without one the
+advisor judges as a daemon without NVML would.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +59,19 @@ def load_policy(path: str) -> NamedPolicy:
     return NamedPolicy(p.stem, str(path), GraphPolicy.from_config(cfg.graph_advisor))
 
 
+def load_busy(trace: str) -> dict[tuple[int, int], tuple[tuple[int, float], ...]]:
+    """NVML's per-process utilisation samples saved beside ``trace`` (``TRACE.nvml.json``), by (pid, GPU)."""
+    path = Path(trace + ".nvml.json")
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+        return {(int(pid), int(gpu)): tuple((int(ts), float(r)) for ts, r in samples)
+                for gpu, per_pid in doc["process_busy"].items() for pid, samples in per_pid.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise GpuFootprintError(f"{path}: not an /api/nvml document ({exc})") from None
+
+
 def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
@@ -65,6 +85,7 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
         result = replay_file(trace, pipeline, max_frame_bytes=config.daemon.max_frame_bytes)
         problems.extend(result.problems)
         snap = pipeline.snapshot(wall_time=0.0)
+        busy = load_busy(trace)
         per_policy: list[tuple[NamedPolicy, tuple[GraphDecision, ...]]] = []
         cache: dict[tuple[float, ...], dict[int, Any]] = {}
         for np_ in policies:
@@ -72,7 +93,8 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
             if key not in cache:
                 cache[key] = {p.pid: compute_stats(p.recent_kernels, np_.policy) for p in snap.processes
                               if p.recent_kernels is not None}
-            per_policy.append((np_, advise(snap, np_.policy, stats=cache[key])))  # launch stats: computed inside
+            # launch stats: computed inside
+            per_policy.append((np_, advise(snap, np_.policy, stats=cache[key], busy=busy)))
         index: dict[tuple[int, int | None, int | None], dict[str, Any]] = {}
         for np_, decisions in per_policy:
             for d in decisions:
@@ -84,6 +106,9 @@ def run_abtest(traces: list[str], policies: list[NamedPolicy], config: Config) -
                            "mean_kernel_ms": None if d.mean_kernel_seconds is None else d.mean_kernel_seconds * 1e3,
                            "mean_kernel_ms_max": (None if d.mean_kernel_seconds_max is None
                                                   else d.mean_kernel_seconds_max * 1e3),
+                           "mean_kernel_ms_min": (None if d.mean_kernel_seconds_min is None
+                                                  else d.mean_kernel_seconds_min * 1e3),
+                           "gpu_busy_ratio": d.gpu_busy_ratio,
                            "reuse_ratio": d.reuse_ratio, "gap_share": d.gap_share,
                            "step_ms": None if d.step_seconds is None else d.step_seconds * 1e3, "policies": {}}
                     index[(d.pid, d.dev, d.stream)] = row

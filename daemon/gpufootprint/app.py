@@ -109,7 +109,8 @@ class App:
         self.routes = json_routes(lambda: self.ingest.snapshot, lambda: self.engine_outputs,
                                   oom_events=self.oom.api, oom_counts=self.oom.counts_now,
                                   pod_of=self._pod_labels if self.attributor is not None else None,
-                                  pcie_samples=self.nvml.pcie_samples if self.nvml is not None else None)
+                                  pcie_samples=self.nvml.pcie_samples if self.nvml is not None else None,
+                                  nvml_snapshot=self.nvml.snapshot if self.nvml is not None else None)
         self.http: MetricsServer | None = None
         if listen:
             host, port = parse_listen(listen, "exporter.listen")

@@ -159,13 +159,23 @@ class SamplerConfig:
     max_windows: int = _spec(1000, lo=1, hi=10_000_000, doc="recent anomaly windows kept (all processes)")
     control: bool = _spec(True, doc="send flush_interval to probes when the interval changes")
     kernel_window_ms: int = _spec(50, lo=0, hi=60_000,
-                                  doc="open a window of the probe's launch (or kernel) records this long, "
-                                      "periodically and at a burst (0: never; the CUDA Graph advisor reads them)")
+                                  doc="open a window of the probe's launch (or kernel) records, periodically and "
+                                      "at a burst (0: never; the CUDA Graph advisor reads them): kernel records "
+                                      "this long; launch records at least this long, then until "
+                                      "kernel_window_steps steps or a bound")
     kernel_window_records: str = _spec("launches", choices=("launches", "kernels"),
                                        doc="what a window records: launches (the launch and wait calls on the "
                                            "host; no lasting cost measured) or kernels (CUPTI's kernel records: "
                                            "exact kernel durations, but a lasting slowdown of about 10 % on "
                                            "launch-bound loops on the H200, docs/performance.md)")
+    kernel_window_steps: int = _spec(4, lo=1, hi=10_000,
+                                    doc="a launch window stays open until the daemon has seen this many whole steps "
+                                        "(launches between two waits for the GPU) in it")
+    kernel_window_max_ms: int = _spec(12_000, lo=1, hi=60_000,
+                                      doc="... or for this long at most (4 steps of 2 s, the one it opened in, and a lag)")
+    kernel_window_max_records: int = _spec(50_000, lo=1, hi=10_000_000,
+                                           doc="... or until the daemon has read this many of its calls (a "
+                                               "flush or two more may still come)")
     kernel_window_every_seconds: float = _spec(30.0, lo=0, hi=86_400,
                                                doc="a kernel window this often per process (0: only at bursts)")
     kernel_window_first_seconds: float = _spec(5.0, lo=0, hi=86_400,
@@ -225,6 +235,11 @@ class GraphAdvisorConfig:
     host_gap_ms: float = _spec(1.0, lo=0, hi=60_000,
                                doc="gaps longer than this are host work a graph does not remove")
     graph_gap_us: float = _spec(2.0, lo=0, hi=1_000_000, doc="gap between kernels of a replayed graph")
+    gpu_busy: bool = _spec(True, doc="bound the mean kernel duration of launch windows from below by NVML's "
+                                     "per-process utilisation over their steps (engines/busy.py)")
+    busy_error: float = _spec(0.2, lo=0, hi=1,
+                              doc="NVML's sampled busy share is taken as at least this much lower (its error "
+                                  "against kernel records, docs/engines.md)")
 
 
 @dataclass(frozen=True)

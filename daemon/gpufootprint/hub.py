@@ -10,7 +10,9 @@ nothing touches a record one at a time except the reuse set.
 
 The hub also turns sampler decisions into CONTROL messages for probes
 (``flush_interval`` when the interval changes, ``kernel_window`` periodically
-and when a burst starts) through ``control``, a callback ``App`` wires to the ingest
+and when a burst starts; a launch window is then kept open, lease by lease, until it
+has seen ``kernel_window_steps`` steps between waits or reached its bounds:
+``_follow_window``) through ``control``, a callback ``App`` wires to the ingest
 server's ``send_control``; what was sent and what failed is counted (``controls_sent``,
 exported as ``gpufootprint_sampler_controls_total``).
 """
@@ -27,7 +29,7 @@ import numpy as np
 from gpufootprint.config import FeaturesConfig, SamplerConfig
 from gpufootprint.features.frames import FrameBuilder
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
-from gpufootprint.records import TIME_FIELD, RecordKind
+from gpufootprint.records import TIME_FIELD, ApiRole, RecordKind
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.snapshot import AnomalyWindow, DeviceFeatures, SamplerState
 
@@ -35,6 +37,43 @@ log = logging.getLogger(__name__)
 
 ControlSend = Callable[[int, dict[str, Any]], bool]
 _MS = 1_000_000
+#: A launch window is asked to stay open this much longer each time (the probe closes it by itself when the
+#: daemon stops asking: a daemon gone leaves no window open longer than this).
+LEASE_MS = 2000
+#: ... and asked again once less than this is left of the last lease (watermarks lag the probe's clock).
+RENEW_BELOW_MS = 1000
+
+
+class _FollowedWindow:
+    """A launch window the hub keeps open until it has seen enough steps (``FeatureHub._follow_window``)."""
+
+    __slots__ = ("launches", "launches_at_wait", "lease_until_ns", "opened_ns", "records", "waits", "wid")
+
+    def __init__(self, wid: int, opened_ns: int, lease_ms: int) -> None:
+        self.wid = wid
+        self.opened_ns = opened_ns
+        self.lease_until_ns = opened_ns + lease_ms * _MS
+        self.records = 0
+        self.waits = 0  # waits for the GPU with a launch since the previous one: each ends a step
+        self.launches = 0
+        self.launches_at_wait = 0
+
+    def add(self, api: np.ndarray) -> None:
+        role = api["role"]
+        launch = (role == ApiRole.LAUNCH) | (role == ApiRole.GRAPH_LAUNCH)
+        sync_idx = np.flatnonzero(role == ApiRole.SYNC)
+        if len(sync_idx):
+            at = self.launches + np.cumsum(launch)[sync_idx]
+            before = np.r_[self.launches_at_wait, at[:-1]]
+            self.waits += int(np.count_nonzero(at > before))
+            self.launches_at_wait = int(at[-1])
+        self.launches += int(np.count_nonzero(launch))
+        self.records += len(api)
+
+    @property
+    def steps(self) -> int:
+        """Whole steps seen: the part before the first wait may be the end of one that began earlier."""
+        return max(0, self.waits - 1)
 
 
 class FeatureHub:
@@ -52,6 +91,7 @@ class FeatureHub:
         self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
         self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window
         self._kernel_window_id = 0
+        self._followed: dict[int, _FollowedWindow] = {}  # pid -> its open launch window
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
         self._history_part = 1.0  # of the configured history each table keeps (_share_history)
         self.taps: list[Callable[[int, int, RecordKind, np.ndarray], None]] = []
@@ -103,6 +143,12 @@ class FeatureHub:
             builder.on_unified(recs)
         self.sampler(pid).add_events(recs[TIME_FIELD[kind]])
 
+    def on_launches(self, pid: int, api: np.ndarray) -> None:
+        """A launch window's calls (RecordKind.API), applied: the open window counts its steps."""
+        w = self._followed.get(pid)
+        if w is not None and len(api):
+            w.add(api)
+
     def on_watermark(self, pid: int, ts: int, source: str) -> None:
         s = self.samplers.get(pid)
         if s is None:
@@ -123,6 +169,7 @@ class FeatureHub:
         self._bursts_seen.pop(pid, None)
         self._window_due.pop(pid, None)
         self._window_last.pop(pid, None)
+        self._followed.pop(pid, None)
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
             del self.builders[key]
@@ -174,7 +221,35 @@ class FeatureHub:
         if self._sent_interval.get(s.pid) != iv_ms and self._send(s.pid, {"op": "flush_interval", "ms": iv_ms}):
             self._sent_interval[s.pid] = iv_ms
         if self.config.kernel_window_ms and now_ns is not None:
+            if s.pid in self._followed:
+                self._follow_window(s.pid, now_ns)
             self._kernel_windows(s, now_ns)
+        else:
+            self._followed.pop(s.pid, None)
+
+    def _follow_window(self, pid: int, now_ns: int) -> None:
+        """Keep an open launch window open until it has seen ``kernel_window_steps`` whole steps between
+        waits (a training step lasts 50 ms to seconds; a window of fixed length holds none of the long
+        ones), bounded by ``kernel_window_max_ms`` from its opening and ``kernel_window_max_records``
+        calls; then close it. The probe holds it only as long as the last lease asked (``LEASE_MS``):
+        each call the daemon reads costs the workload only while the window is open (no lasting cost,
+        probe/launches.py), and a daemon that stops asking leaves none open."""
+        cfg = self.config
+        w = self._followed[pid]
+        elapsed_ms = (now_ns - w.opened_ns) // _MS
+        enough = (w.steps >= cfg.kernel_window_steps and elapsed_ms >= cfg.kernel_window_ms) \
+            or w.records >= cfg.kernel_window_max_records or elapsed_ms >= cfg.kernel_window_max_ms
+        if enough:
+            del self._followed[pid]
+            self._window_last[pid] = now_ns  # the gap to the next window counts from this one's end
+            # 1 ms: the probe closes it at its next step (a window of the same records only moves its end)
+            self._send(pid, {"op": "kernel_window", "ms": 1, "id": w.wid, "records": "launches"})
+            return
+        bound_ns = w.opened_ns + cfg.kernel_window_max_ms * _MS
+        if w.lease_until_ns < bound_ns and (w.lease_until_ns - now_ns) // _MS < RENEW_BELOW_MS:
+            ms = int(min(LEASE_MS, max(1, cfg.kernel_window_max_ms - elapsed_ms)))
+            if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, "records": "launches"}):
+                w.lease_until_ns = now_ns + ms * _MS
 
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
         """Open a short window of the probe's launch records (or kernel records): periodically (so every process with
@@ -193,13 +268,18 @@ class FeatureHub:
         last = self._window_last.get(s.pid)
         if last is not None and now_ns - last < cfg.kernel_window_min_gap_seconds * 1e9:
             return
+        if s.pid in self._followed:
+            return  # one is open: it follows the steps
         self._kernel_window_id += 1
         body: dict[str, Any] = {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}
-        if cfg.kernel_window_records == "launches":
+        launches = cfg.kernel_window_records == "launches"
+        if launches:
             body["records"] = "launches"  # a probe that does not open them is not sent one (ingest)
+            body["ms"] = max(cfg.kernel_window_ms, min(LEASE_MS, cfg.kernel_window_max_ms))
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
-        self._send(s.pid, body)
+        if self._send(s.pid, body) and launches:
+            self._followed[s.pid] = _FollowedWindow(self._kernel_window_id, now_ns, body["ms"])
         self._window_last[s.pid] = now_ns
         if periodic:
             self._window_due[s.pid] = now_ns + every_ns

@@ -367,6 +367,7 @@ class Pipeline:
                 if proc.launches is None:
                     proc.launches = KernelRetention(self.kernel_retention, RecordKind.API)
                 proc.launches.add(recs)
+            self.hub.on_launches(proc.pid, recs)
             return
         devs = recs["dev"]
         if devs[0] == devs[-1] and bool((devs == devs[0]).all()):

@@ -136,6 +136,9 @@ class NvmlGpu:
     field_supported: dict[str, bool]
     xid_errors: dict[int, int]
     processes: dict[int, int | None]  # host pid -> used bytes (None: the driver does not say)
+    # host pid -> NVML's per-process utilisation samples, oldest first: (end of the driver's sample period
+    # in wall-clock ns, share of it in which one or more of the process's kernels ran)
+    process_busy: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ test can stop and restart the daemon at known points.
          launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels and a wait, 1 ms
                               apart; CUPTI keeps the kernels only while the kernel activity is on,
                               the launch and wait calls only in a launch window)
+         long_steps:SECONDS:STEP_MS (a training loop of long kernels: 10 launches, then a synchronize that
+                                     waits STEP_MS for the GPU, per step)
          reuse_inverted:N (two threads: one reuses N addresses of 64 KiB the other frees, each old
                            release stamped up to 0.5 ms after the reuse; 4 KiB each before)
          apicall:CBID:RET (a driver call's API record)  faketorch (a stand-in torch module with
@@ -154,6 +156,17 @@ def main() -> int:
                 t = time.time_ns()
                 fake.host_call(131, start=t, end=t + 20_000)  # cudaStreamSynchronize: 20 us waiting for the GPU
                 time.sleep(0.001)
+        elif op == "long_steps":
+            secs, step_ms = arg.split(":")
+            end = time.monotonic() + float(secs)
+            while time.monotonic() < end:
+                for _ in range(10):
+                    t = time.time_ns()
+                    fake.emit(probe_fakes.kernel_record("sgemm_128x128"))
+                    fake.host_call(211, start=t, end=t + 10_000)  # cudaLaunchKernel
+                t = time.time_ns()
+                time.sleep(float(step_ms) / 1000)  # the host waits for the GPU's long kernels
+                fake.host_call(165, start=t, end=time.time_ns())  # cudaDeviceSynchronize
         elif op == "mark":
             probe.mark(arg)
         elif op == "apicall":

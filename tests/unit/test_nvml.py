@@ -79,13 +79,13 @@ def test_field_unsupported_becomes_a_zero_metric_and_is_not_asked_again() -> Non
     assert g.field_supported["pcie"] is False and g.field_supported["power"] is False
     assert g.field_supported["memory"] is True and g.up
     assert g.pcie_tx_bytes_per_second is None and g.power_watts is None and g.energy_joules is None
-    # pcie, power, energy on 2 gpus once each, xid once: then never again
-    assert fake.unsupported_calls == 3 * 2 + 1
+    # pcie, power, energy, per-process utilisation on 2 gpus once each, xid once: then never again
+    assert fake.unsupported_calls == 4 * 2 + 1  # pcie, power, energy, per-process util on 2 GPUs; xid once
     m = scrape(with_nvml(p))
     assert m[("gpufootprint_nvml_field_supported", (("field", "pcie"), ("gpu", "0")))] == 0.0
     assert m[("gpufootprint_nvml_field_supported", (("field", "xid"), ("gpu", "1")))] == 0.0
     assert not any(k[0] == "gpufootprint_nvml_power_watts" for k in m)
-    assert m[("gpufootprint_nvml_errors_total", (("reason", "not_supported"),))] == 7
+    assert m[("gpufootprint_nvml_errors_total", (("reason", "not_supported"),))] == 9
 
 
 def test_gpu_lost_mid_run_marks_it_down_keeps_the_other_and_finds_it_again() -> None:
@@ -104,7 +104,7 @@ def test_gpu_lost_mid_run_marks_it_down_keeps_the_other_and_finds_it_again() -> 
     # while lost, the GPU is not hammered: no call on it until the retry time
     calls = fake.calls
     p.poll()
-    assert fake.calls - calls == 6  # gpu 0 only: memory, processes, util, pcie(1 call), power, energy
+    assert fake.calls - calls == 7  # gpu 0 only: memory, processes, util, per-process util, pcie(1 call), power, energy
     fake.recover()
     fake.scenario = "healthy"
     clock.t += 11
@@ -216,3 +216,64 @@ def test_threaded_poller_polls_off_the_caller_thread_and_publishes_whole_snapsho
     snap = p.snapshot()
     assert len(snap.gpus) == 2 and all(g.memory_used_bytes is not None for g in snap.gpus)
     assert len(p.pcie_samples(0)) == p.polls
+
+
+def test_per_process_utilisation_samples_are_kept_per_pid_in_order_each_once() -> None:
+    # GIVEN a driver that samples two processes, and a poller polling faster than the driver's period
+    fake = FakeNvml("healthy", gpus=1)
+    wall = [1_700_000_000 * 10**9]
+    p = NvmlPoller(fake, NvmlConfig(), monotonic=Clock(), wall_ns=lambda: wall[0])
+    p.start()
+    t_us = wall[0] // 1000
+    fake.add_busy(0, 11, t_us, 0.9)
+    fake.add_busy(0, 22, t_us, 0.1)
+    p.poll()
+    p.poll()  # nothing newer: nothing added twice
+    fake.add_busy(0, 11, t_us + 166_667, 0.8)
+    p.poll()
+    busy = p.snapshot().gpus[0].process_busy
+    # THEN each sample once, per pid, oldest first, in wall-clock ns
+    assert busy[11] == ((t_us * 1000, 0.9), ((t_us + 166_667) * 1000, 0.8))
+    assert busy[22] == ((t_us * 1000, 0.1),)
+    assert p.snapshot().gpus[0].field_supported["process_utilization"] is True
+
+
+def test_per_process_samples_stamped_on_the_monotonic_clock_are_moved_onto_the_wall_clock() -> None:
+    import time
+
+    fake = FakeNvml("healthy", gpus=1)
+    p = NvmlPoller(fake, NvmlConfig(), monotonic=Clock())
+    p.start()
+    mono_us = time.monotonic_ns() // 1000
+    fake.add_busy(0, 11, mono_us, 0.5)
+    p.poll()
+    ((ts, ratio),) = p.snapshot().gpus[0].process_busy[11]
+    assert abs(ts - time.time_ns()) < 5 * 10**9 and ratio == 0.5
+
+
+def test_a_driver_without_per_process_utilisation_marks_it_unsupported_and_keeps_the_rest() -> None:
+    fake = FakeNvml("field_unsupported", gpus=1)
+    p = poller(fake)
+    p.poll()
+    g = p.snapshot().gpus[0]
+    assert g.field_supported["process_utilization"] is False and g.process_busy == {} and g.up
+
+
+def test_the_simulated_h200_gives_one_sample_per_process_and_period_like_the_driver() -> None:
+    from gpufootprint.nvml.simulated import SAMPLE_PERIOD_US, SimulatedNvml
+
+    wall = [1_700_000_000_000_000]
+    held = {5: 1 << 30, 6: 1 << 20}
+    sim = SimulatedNvml(lambda: held, clock=lambda: 30.0, wall_us=lambda: wall[0], busy=lambda pid: 1.0 if pid == 5 else 0.5)
+    sim.init()
+    first = sim.process_utilization(0, 0)
+    assert [b.pid for b in first] == [5, 6] and first[0].ts_us % SAMPLE_PERIOD_US == 0
+    assert first[0].sm_ratio == sim.utilization(0) and first[1].sm_ratio == round(sim.utilization(0) * 0.5, 2)
+    # within the same period nothing is newer; the next period brings one more sample per process
+    assert sim.process_utilization(0, first[0].ts_us) == []
+    wall[0] += SAMPLE_PERIOD_US
+    assert len(sim.process_utilization(0, first[0].ts_us)) == 2
+    # a process that is gone has no sample any more
+    del held[6]
+    wall[0] += SAMPLE_PERIOD_US
+    assert [b.pid for b in sim.process_utilization(0, 0)] == [5]

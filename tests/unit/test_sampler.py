@@ -239,20 +239,30 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
     for t in range(t0, t0 + 180 * 1000 * MS, 100 * MS):
         now[0] = t
         pipeline.advance(pid, t)
-    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones: 5 s in, then
-    # every 30 s, 50 ms each (a duty cycle of 1/600)
-    opened = [(t - t0) / 1e9 for t, _, b in sent if b["op"] == "kernel_window"]
-    assert all(b["ms"] == 50 and b["records"] == "launches" for _, _, b in sent if b["op"] == "kernel_window")
-    assert opened == pytest.approx([0.1, 5.1, 35.1, 65.1, 95.1, 125.1, 155.1], abs=0.11)
-    # AND a burst opens one at once, but never two within a second
-    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50))
+    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones, each held open lease by
+    # lease (2 s) while it has seen no step (this process launches nothing), closed at its bound (12 s), the
+    # next periodic one due 30 s after the last opened and at least 1 s after the last closed
+    windows: dict[int, list[tuple[float, int]]] = {}
+    for t, _, b in sent:
+        if b["op"] == "kernel_window":
+            assert b["records"] == "launches"
+            windows.setdefault(b["id"], []).append(((t - t0) / 1e9, b["ms"]))
+    opened = [w[0][0] for w in windows.values()]
+    assert opened == pytest.approx([0.1, 13.1, 43.1, 73.1, 103.1, 133.1, 163.1], abs=0.11)
+    for w in windows.values():
+        assert w[0][1] == 2000 and all(ms <= 2000 for _, ms in w)
+        if w[-1][0] < 170:
+            assert w[-1][1] == 1 and w[-1][0] - w[0][0] == pytest.approx(12.0, abs=0.11)  # closed at the bound
+    # AND a burst opens one at once, but never two within a second of the last one's close
+    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50, kernel_window_max_ms=500))
     got: list[dict[str, Any]] = []
     hub2.control = lambda pid, body: got.append(body) or True
     s = hub2.sampler(pid)
     for i, t in enumerate(range(t0, t0 + 3000 * MS, 100 * MS)):
         s.bursts = i  # a burst starts in every step
         hub2._after_step(s, "probe", t)
-    assert len([b for b in got if b["op"] == "kernel_window"]) == 3  # at 0, 1 and 2 s
+    # opened at 0, closed at 0.5 s (its bound), the next at 1.5 s, closed at 2.0 s, the last at 3.0 s is past the loop
+    assert [(b["id"], b["ms"]) for b in got if b["op"] == "kernel_window"] == [(1, 500), (1, 1), (2, 500), (2, 1)]
     # AND windows of kernel records say no "records" (what a probe from before launch windows reads)
     hub4 = FeatureHub(sampler=SamplerConfig(kernel_window_records="kernels"))
     kern: list[dict[str, Any]] = []
@@ -365,3 +375,48 @@ def test_past_history_tables_each_table_keeps_its_part_of_the_history() -> None:
     for pid in range(4, 64):
         hub.forget(pid)
     assert hub.builders[(0, 0)]._keep_frames == full  # back to the whole history
+
+
+def test_a_followed_window_counts_whole_steps_between_waits_across_batches() -> None:
+    from gpufootprint.records import API_DTYPE, ApiRole
+    from gpufootprint.sampler.hub import _FollowedWindow
+
+    def api(roles: str) -> np.ndarray:
+        a = np.zeros(len(roles), API_DTYPE)
+        a["role"] = [ApiRole.LAUNCH if c == "L" else ApiRole.SYNC for c in roles]
+        return a
+
+    w = _FollowedWindow(1, 0, 2000)
+    w.add(api("LLS"))  # the end of a step that began before the window: no whole step yet
+    assert w.steps == 0
+    w.add(api("LLLS"))
+    w.add(api("S"))  # a second wait with no launch since (a copy, then a synchronize): the same wait
+    assert w.steps == 1
+    w.add(api("LL"))
+    w.add(api("LSLLS"))  # split across batches: counted where the wait comes
+    assert w.steps == 3 and w.records == 15
+
+
+def test_a_launch_window_is_closed_once_it_has_seen_its_steps_and_the_next_waits_for_the_gap() -> None:
+    from gpufootprint.records import API_DTYPE, ApiRole
+
+    sent: list[tuple[int, dict[str, Any]]] = []
+    hub = FeatureHub(sampler=SamplerConfig(kernel_window_first_seconds=0.0))
+    now = [0]
+    hub.control = lambda pid, body: sent.append((now[0], body)) or True
+    s = hub.sampler(7)
+    t0 = 10**12
+    now[0] = t0
+    hub._after_step(s, "probe", t0)  # opens one (periodic, due at once)
+    def windows() -> list[dict[str, Any]]:
+        return [b for _, b in sent if b["op"] == "kernel_window"]
+
+    assert windows()[-1]["ms"] == 2000 and 7 in hub._followed
+    for k in range(5):  # 5 waits with launches between: 4 whole steps
+        a = np.zeros(3, API_DTYPE)
+        a["role"] = [ApiRole.LAUNCH, ApiRole.LAUNCH, ApiRole.SYNC]
+        hub.on_launches(7, a)
+        now[0] = t0 + (k + 1) * 300 * MS
+        hub._after_step(s, "probe", now[0])
+    assert 7 not in hub._followed
+    assert [b["ms"] for b in windows()] == [2000, 2000, 1]  # renewed once (1.2 s in), closed at 1.5 s

@@ -11,8 +11,10 @@ A process with no kernel records is judged from its launch windows instead (host
 launch and wait calls, engines/launches.py: the default, since windows of kernel records
 leave a lasting slowdown): one decision for the process (``stream`` None,
 ``evidence="launches"``), its op count the launches per step and its mean kernel
-duration known only to be at most a bound (kernels one at a time): a policy's
-minimum can fail but never pass; the rest is unknown.
+duration known only to be at most a bound (kernels one at a time) and, where NVML
+sampled the process's GPU busy time over the window's steps (engines/busy.py), at
+least that busy time over the launches, less ``busy_error``: with that lower bound a
+policy's minimum can pass; without it, it can only fail.
 
 Decisions: ``capture`` (every check passes), ``keep`` (a check fails),
 ``already_captured`` (the stream's kernels are replayed from a graph: graph id
@@ -23,13 +25,14 @@ input the policy needs).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from gpufootprint.config import GraphAdvisorConfig
 from gpufootprint.engines import inputs
+from gpufootprint.engines.busy import BusyEstimate, busy_over, kernel_seconds_min
 from gpufootprint.engines.kernels import StreamKernelStats, stream_stats
 from gpufootprint.engines.launches import LaunchStats, launch_stats
 from gpufootprint.snapshot import PipelineSnapshot
@@ -55,6 +58,8 @@ class GraphPolicy:
     analysis_kernels: int = 16384
     host_gap_ms: float = 1.0
     graph_gap_us: float = 2.0
+    gpu_busy: bool = True
+    busy_error: float = 0.2
 
     @classmethod
     def from_config(cls, cfg: GraphAdvisorConfig) -> GraphPolicy:
@@ -89,6 +94,10 @@ class GraphDecision:
     evidence: str = "kernels"
     thread: int | None = None  # launches: the thread whose steps were read
     mean_kernel_seconds_max: float | None = None  # launches: the mean kernel duration is at most this
+    # launches with NVML's busy samples near the window's steps: the mean kernel duration is at least this
+    mean_kernel_seconds_min: float | None = None
+    gpu_busy_ratio: float | None = None  # the sampled share of the steps' time the process's kernels ran
+    busy_samples: int = 0
 
 
 def compute_stats(kernels: object, policy: GraphPolicy) -> dict[tuple[int, int], StreamKernelStats]:
@@ -137,12 +146,21 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
 
 
 def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *, pid: int, source: str,
-                    exited: bool = False) -> GraphDecision:
+                    exited: bool = False, busy: BusyEstimate | None = None) -> GraphDecision:
     """The policy's verdict from a launch window's calls (engines/launches.py): the op count is the
-    launches per step, the mean kernel duration is known to lie in an interval."""
+    launches per step, the mean kernel duration is known to lie in an interval: at most the span of
+    the steps' launches and waits over their count, at least NVML's busy time over it (``busy``:
+    engines/busy.py) less ``policy.busy_error``."""
+    k_min = None
+    if busy is not None and st.period and st.step_seconds:
+        k_min = kernel_seconds_min(busy, st.step_seconds, st.period, policy.busy_error)
+        if st.kernel_seconds_max is not None:
+            k_min = min(k_min, st.kernel_seconds_max)  # the host's bound is exact; the estimate is not
     base = GraphDecision(pid=pid, source=source, dev=st.dev, stream=None, decision=INSUFFICIENT, reasons=(),
                          op_count=st.period, steps=st.steps, reuse_ratio=reuse, step_seconds=st.step_seconds,
-                         exited=exited, evidence="launches", thread=st.tid, mean_kernel_seconds_max=st.kernel_seconds_max)
+                         exited=exited, evidence="launches", thread=st.tid, mean_kernel_seconds_max=st.kernel_seconds_max,
+                         mean_kernel_seconds_min=k_min, gpu_busy_ratio=busy.ratio if busy is not None else None,
+                         busy_samples=busy.samples if busy is not None else 0)
 
     def verdict(decision: str, *reasons: str) -> GraphDecision:
         return dataclasses.replace(base, decision=decision, reasons=reasons)
@@ -167,14 +185,18 @@ def decide_launches(st: LaunchStats, reuse: float | None, policy: GraphPolicy, *
         text = ("mean kernel duration: every step replayed a graph besides its launches (kernels no launch call "
                 "counts); a kernel window (sampler.kernel_window_records: kernels) would time the kernels")
     else:
-        ok2, text = _at_most("mean kernel duration", st.kernel_seconds_max * 1e3, policy.min_mean_kernel_ms,
-                             policy.max_mean_kernel_ms)
+        ok2, text = _between("mean kernel duration", None if k_min is None else k_min * 1e3,
+                             st.kernel_seconds_max * 1e3, policy.min_mean_kernel_ms, policy.max_mean_kernel_ms)
     reasons.append({True: "pass: ", False: "fail: ", None: "unknown: "}[ok2] + text)
     failed |= ok2 is False
     unknown |= ok2 is None
     ok3 = _reuse_check(reuse, policy, reasons)
     failed |= ok3 is False
     unknown |= ok3 is None
+    if busy is not None:
+        reasons.append(f"info: NVML sampled the process's kernels running {busy.ratio:.0%} of the steps' time "
+                       f"({busy.samples} sample(s); taken as at least {max(0.0, busy.ratio - policy.busy_error):.0%}, "
+                       f"graph_advisor.busy_error {policy.busy_error})")
     if st.step_seconds and st.launch_seconds is not None and st.wait_seconds is not None:
         reasons.append(f"info: the host launched for {st.launch_seconds / st.step_seconds:.1%} and waited for the GPU "
                        f"{st.wait_seconds / st.step_seconds:.1%} of a {st.step_seconds * 1e3:.3f} ms step "
@@ -195,17 +217,24 @@ def _reuse_check(reuse: float | None, policy: GraphPolicy, reasons: list[str]) -
     return ok
 
 
-def _at_most(name: str, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
-    """A check of a value known only to be at most ``hi_v`` (ms): False when even that is below the
-    policy's lower bound, True when the policy asks nothing below and ``hi_v`` is within its upper
-    bound, None (unknown) otherwise."""
+def _between(name: str, lo_v: float | None, hi_v: float, lo: float, hi: float | None) -> tuple[bool | None, str]:
+    """A check of a value known only to lie in [``lo_v``, ``hi_v``] (ms; ``lo_v`` None: 0): False when
+    the whole interval is outside the policy's bounds, True when it is inside them, None (unknown)
+    otherwise."""
+    top = "inf" if hi is None else hi
     shown = f"{name} at most {hi_v:.3f} ms (kernels one at a time)"
+    if lo_v is not None:
+        shown = f"{name} at least {lo_v:.3f} ms (NVML busy time) and at most {hi_v:.3f} ms"
+    floor = lo_v if lo_v is not None else 0.0
     if hi_v < lo:
         return False, f"{shown} < {lo} ms"
-    if lo <= 0 and (hi is None or hi_v <= hi):
-        return True, f"{shown} <= {'inf' if hi is None else hi} ms"
-    return None, (f"{shown}, not known to be within [{lo}, {'inf' if hi is None else hi}] ms: a kernel window "
-                  f"(sampler.kernel_window_records: kernels) would time the kernels")
+    if hi is not None and floor > hi:
+        return False, f"{shown} > {hi} ms"
+    if floor >= lo and (hi is None or hi_v <= hi):
+        return True, f"{shown}: within [{lo}, {top}] ms"
+    return None, (f"{shown}, not known to be within [{lo}, {top}] ms: a kernel window "
+                  f"(sampler.kernel_window_records: kernels) would time the kernels"
+                  + ("" if lo_v is not None else ", NVML's per-process utilisation would bound it below"))
 
 
 def _bounded(name: str, value: float, unit: str, bound_unit: str, spec: str, lo: float,
@@ -229,6 +258,14 @@ def reuse_since(kernels: np.ndarray | None) -> int | None:
     return int(np.median(kernels["start"]))
 
 
+def busy_samples(snap: PipelineSnapshot) -> dict[tuple[int, int], tuple[tuple[int, float], ...]]:
+    """NVML's per-process utilisation samples in the snapshot by (pid, GPU index); the CUDA ordinal
+    is taken as the NVML index, as elsewhere in the daemon."""
+    if snap.nvml is None:
+        return {}
+    return {(pid, g.index): samples for g in snap.nvml.gpus for pid, samples in g.process_busy.items()}
+
+
 def compute_launch_stats(api: object, policy: GraphPolicy) -> LaunchStats | None:
     if api is None:
         return None
@@ -240,7 +277,8 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
            reuse: Mapping[tuple[int, int], float] | None = None,
            stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None,
            since: Mapping[int, int | None] | None = None,
-           launches: Mapping[int, LaunchStats | None] | None = None) -> tuple[GraphDecision, ...]:
+           launches: Mapping[int, LaunchStats | None] | None = None,
+           busy: Mapping[tuple[int, int], Sequence[tuple[int, float]]] | None = None) -> tuple[GraphDecision, ...]:
     """Decisions for every process whose kernels (or launch calls) the pipeline retains.
 
     Kernel records decide where there are any; a process with none is judged from its launch
@@ -248,8 +286,11 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
     test's what-if); otherwise the sampler's feature is read over the steady part (``reuse_since``),
     the same way live and in ``abtest``. ``stats`` lets a caller pass per-pid statistics it cached
     (they depend only on the kernels), ``since`` the per-pid ``reuse_since`` likewise, ``launches``
-    the per-pid launch statistics.
+    the per-pid launch statistics. ``busy``: NVML's per-process utilisation samples by (pid, GPU)
+    (``busy_samples``), which give launch evidence its lower bound; the snapshot's NVML ones by default.
     """
+    if busy is None:
+        busy = busy_samples(snap)
     out: list[GraphDecision] = []
     feats = inputs.features_of(snap)
     for proc in snap.processes:
@@ -264,7 +305,11 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
                 r = reuse.get((proc.pid, ls.dev)) if reuse is not None else None
                 if r is None:
                     r = inputs.reuse_ratio(feats.get((proc.pid, ls.dev)), reuse_since(proc.recent_launches))
-                out.append(decide_launches(ls, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited))
+                b = None
+                if policy.gpu_busy and ls.spans:
+                    b = busy_over(busy.get((proc.pid, ls.dev), ()), ls.spans)
+                out.append(decide_launches(ls, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited,
+                                           busy=b))
                 continue
             out.append(GraphDecision(pid=proc.pid, source=proc.source, dev=None, stream=None,
                                      decision=INSUFFICIENT, exited=proc.exited,

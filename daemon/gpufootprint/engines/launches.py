@@ -18,7 +18,11 @@ time. What that gives:
   is unknown, and a window of kernel records (``sampler.kernel_window_records: kernels``) would time
   the kernels themselves.
 
-The thread with the most launches speaks for the process (a training loop launches from one).
+The thread with the most launches speaks for the process (a training loop launches from one) when it
+waits for the GPU itself. When it never waits, the steps are read from every thread's calls together:
+PyTorch launches a step's backward kernels from autograd's device thread while the main thread
+launches the forward and the optimizer and waits (a step is then every launch between the main
+thread's waits; another thread's unrelated launches make the counts disagree, and no step is found).
 """
 
 from __future__ import annotations
@@ -51,11 +55,35 @@ class LaunchStats:
     launch_seconds: float | None  # of it, the host launching: first launch start to last launch end
     wait_seconds: float | None  # of it, the host waiting for the GPU
     kernel_seconds_max: float | None  # the mean kernel duration is at most this (kernels one at a time)
+    # (first start, last end) in ns of the steps read (those with ``period`` launches), per window: where
+    # the GPU's busy time is looked up (engines/busy.py)
+    spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def graph_share(self) -> float:
         calls = self.launches + self.graph_launches
         return self.graph_launches / calls if calls else 0.0
+
+
+def _steady(n: np.ndarray, win: np.ndarray, *, min_steps: int, min_match: float) -> tuple[int, float, int] | None:
+    """(launches per step, share of steps with it, first step used) over the longest run of the newest
+    steps that agrees: a window's first steps can be warm-up (lazy initialisation, autotuning) and an
+    old window another phase of the program, so runs starting at each window's start, or one to three
+    steps into it, are tried, longest first. ``n``: each step's launches, ``win``: its window."""
+    if len(n) < min_steps:
+        return None
+    heads = np.flatnonzero(np.r_[True, win[1:] != win[:-1]])
+    starts = sorted({int(h) + k for h in heads[-256:].tolist() for k in range(4) if int(h) + k < len(n)})
+    for first in starts:
+        sub = n[first:]
+        if len(sub) < min_steps:
+            break
+        values, freq = np.unique(sub, return_counts=True)
+        best = int(np.argmax(freq))
+        share = float(freq[best]) / len(sub)
+        if int(freq[best]) >= min_steps and share >= min_match:
+            return int(values[best]), share, first
+    return None
 
 
 def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3) -> LaunchStats | None:
@@ -72,6 +100,8 @@ def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3)
     tids, counts = np.unique(launching["tid"], return_counts=True)
     tid = int(tids[int(np.argmax(counts))])
     mine = api[api["tid"] == tid]
+    if np.count_nonzero(mine["role"] == ApiRole.SYNC) < 2:
+        mine = api  # the busiest thread never waits: the steps are read from all threads' calls
     mine = mine[np.argsort(mine["start"], kind="stable")][-MAX_ANALYSED:]
     dev = int(np.bincount(mine["dev"].astype(np.intp)).argmax())
     role = mine["role"]
@@ -93,6 +123,7 @@ def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3)
     n_waits = int(new_wait.sum())
     period = match = step_s = launch_s = wait_s = k_max = None
     n_steps = 0
+    spans: tuple[tuple[int, int], ...] = ()
     if n_waits >= 2:
         first = sync_idx[new_wait]  # each wait's first record: when it returns, nothing is queued
         last = np.zeros(n_waits, dtype=np.int64)
@@ -108,24 +139,26 @@ def launch_stats(api: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3)
         n = launches_cum[first1] - launches_cum[last0]
         graphs = graphs_cum[first1] - graphs_cum[last0]
         ok = same_window & (n > 0)
-        if int(ok.sum()) >= min_steps:
-            values, freq = np.unique(n[ok], return_counts=True)
-            best = int(np.argmax(freq))
-            share = float(freq[best]) / int(ok.sum())
-            if int(freq[best]) >= min_steps and share >= min_match:
-                period, match = int(values[best]), share
-                chosen = ok & (n == period)
-                n_steps = int(chosen.sum())
-                launch_idx = np.flatnonzero(is_launch)
-                first_launch = launch_idx[np.searchsorted(launch_idx, last0[chosen] + 1)]
-                last_launch = launch_idx[np.searchsorted(launch_idx, first1[chosen]) - 1]
-                e0, s1, e1 = w_end[:-1][chosen], w_start[1:][chosen], w_end[1:][chosen]
-                step_s = float((e1 - e0).mean()) / 1e9
-                launch_s = float((end[last_launch] - start[first_launch]).mean()) / 1e9
-                wait_s = float((e1 - s1).mean()) / 1e9
-                plain = graphs[chosen] == 0  # a step that replays a graph runs kernels no launch counts
-                if plain.any():
-                    k_max = float((e1 - start[first_launch])[plain].mean()) / period / 1e9
+        found = _steady(n[ok], window[first1][ok], min_steps=min_steps, min_match=min_match)
+        if found is not None:
+            period, match, first_ok = found
+            chosen = np.zeros(len(n), dtype=bool)
+            at = np.flatnonzero(ok)[first_ok:]
+            chosen[at] = n[at] == period
+            n_steps = int(chosen.sum())
+            launch_idx = np.flatnonzero(is_launch)
+            first_launch = launch_idx[np.searchsorted(launch_idx, last0[chosen] + 1)]
+            last_launch = launch_idx[np.searchsorted(launch_idx, first1[chosen]) - 1]
+            e0, s1, e1 = w_end[:-1][chosen], w_start[1:][chosen], w_end[1:][chosen]
+            step_s = float((e1 - e0).mean()) / 1e9
+            launch_s = float((end[last_launch] - start[first_launch]).mean()) / 1e9
+            wait_s = float((e1 - s1).mean()) / 1e9
+            plain = graphs[chosen] == 0  # a step that replays a graph runs kernels no launch counts
+            if plain.any():
+                k_max = float((e1 - start[first_launch])[plain].mean()) / period / 1e9
+            win = window[first1[chosen]]
+            spans = tuple((int(e0[win == w].min()), int(e1[win == w].max())) for w in np.unique(win).tolist())
     return LaunchStats(dev=dev, tid=tid, launches=int(is_launch.sum()), graph_launches=int(is_graph.sum()),
                        waits=n_waits, windows=int(window[-1]) + 1, period=period, steps=n_steps, match_ratio=match,
-                       step_seconds=step_s, launch_seconds=launch_s, wait_seconds=wait_s, kernel_seconds_max=k_max)
+                       step_seconds=step_s, launch_seconds=launch_s, wait_seconds=wait_s, kernel_seconds_max=k_max,
+                       spans=spans)

@@ -1,5 +1,5 @@
 """The daemon's JSON routes beside /metrics: ``/api/processes``, ``/api/engines``, ``/api/oom``,
-``/api/anomalies`` and ``/api/migrations``.
+``/api/anomalies``, ``/api/migrations`` and ``/api/nvml``.
 
 Each is a document built at request time from the latest snapshot and what the daemon's other
 parts hand in as callables (the engines' outputs, the OOM manager's events, NVML's PCIe samples,
@@ -22,9 +22,11 @@ PcieSamples = Callable[[int], list[tuple[int, float, float]]]
 
 def json_routes(snapshot: Callable[[], PipelineSnapshot], engine_outputs: Callable[[], EngineOutputs], *,
                 oom_events: Callable[[], Any], oom_counts: Callable[[], dict[tuple[int, int, str], int]],
-                pod_of: PodOf | None, pcie_samples: PcieSamples | None) -> dict[str, JsonRoute]:
+                pod_of: PodOf | None, pcie_samples: PcieSamples | None,
+                nvml_snapshot: Callable[[], Any] | None = None) -> dict[str, JsonRoute]:
     """Every JSON route by its path. ``pod_of`` None: no pod labels (kubernetes.mode off);
-    ``pcie_samples`` None: no NVML, so migration windows carry no PCIe figures."""
+    ``pcie_samples`` and ``nvml_snapshot`` None: no NVML, so migration windows carry no PCIe figures
+    and /api/nvml says unavailable."""
     return {
         "/api/anomalies": lambda: anomalies_document(snapshot()),
         "/api/migrations": lambda: migrations_document(snapshot(), pcie_samples),
@@ -32,7 +34,19 @@ def json_routes(snapshot: Callable[[], PipelineSnapshot], engine_outputs: Callab
                                                      pod_of=pod_of),
         "/api/oom": oom_events,
         "/api/engines": lambda: engine_report(engine_outputs()),
+        "/api/nvml": lambda: nvml_document(nvml_snapshot() if nvml_snapshot is not None else None),
     }
+
+
+def nvml_document(snap: Any) -> dict[str, object]:
+    """GET /api/nvml: NVML's per-process utilisation samples the daemon holds, per GPU and pid (what the
+    CUDA Graph advisor bounds launch windows with; ``abtest`` reads the same document saved beside a
+    trace as ``TRACE.nvml.json``)."""
+    if snap is None:
+        return {"state": "unavailable", "process_busy": {}}
+    return {"state": snap.state, "process_busy": {
+        str(g.index): {str(pid): [list(s) for s in samples] for pid, samples in g.process_busy.items()}
+        for g in snap.gpus}}
 
 
 def anomalies_document(snap: PipelineSnapshot) -> list[dict[str, object]]:

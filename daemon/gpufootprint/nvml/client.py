@@ -39,6 +39,17 @@ class MemoryInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ProcessBusy:
+    """One of NVML's per-process utilisation samples: the share of the driver's last sample period
+    (ending at ``ts_us``, CPU wall clock in microseconds) in which one or more kernels of ``pid``
+    ran on the GPU."""
+
+    pid: int
+    ts_us: int
+    sm_ratio: float  # 0..1
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceIdentity:
     index: int
     uuid: str
@@ -68,6 +79,11 @@ class NvmlClient(Protocol):
 
     def utilization(self, index: int) -> float:
         """GPU busy ratio 0..1 over the driver's last sample period."""
+        ...
+
+    def process_utilization(self, index: int, since_us: int) -> list[ProcessBusy]:
+        """NVML's per-process utilisation samples stamped after ``since_us`` (an empty list when
+        there are none: the driver returns one only for a process that ran kernels in its period)."""
         ...
 
     def pcie_throughput(self, index: int) -> tuple[float, float]:

@@ -22,13 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gpufootprint.config import NvmlConfig
-from gpufootprint.nvml.client import DeviceIdentity, NvmlCallError, NvmlClient
+from gpufootprint.nvml.client import DeviceIdentity, NvmlCallError, NvmlClient, ProcessBusy
 from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-FIELDS = ("memory", "memory_reserved", "processes", "utilization", "pcie", "power", "energy", "xid")
+FIELDS = ("memory", "memory_reserved", "processes", "utilization", "process_utilization", "pcie", "power", "energy",
+          "xid")
+#: Per-process utilisation samples kept per (GPU, pid): at the driver's six a second, about three minutes,
+#: which covers the launch windows the CUDA Graph advisor still reads (engines/busy.py).
+BUSY_SAMPLES = 1024
+#: A process with no new sample for this long is forgotten (it exited, or stopped running kernels).
+BUSY_FORGET_US = 600_000_000
+_CLOCK_NEAR_NS = 3600 * 10**9
 
 
 class _Lost(Exception):
@@ -46,6 +53,9 @@ class _GpuState:
     processes: dict[int, int | None] = field(default_factory=dict)
     xid: Counter[int] = field(default_factory=Counter)
     pcie: deque[tuple[int, float, float]] = field(default_factory=deque)
+    busy: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)  # pid -> (ts ns, sm ratio)
+    busy_seen_us: int = 0  # the newest sample's NVML timestamp: the next call asks for newer ones
+    busy_view: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)  # immutable copies
 
 
 class NvmlPoller:
@@ -200,6 +210,9 @@ class NvmlPoller:
         procs = self._field(gpu, "processes", lambda: c.processes(i))
         gpu.processes = procs if procs is not None else {}
         gpu.values["utilization"] = self._field(gpu, "utilization", lambda: c.utilization(i))
+        busy = self._field(gpu, "process_utilization", lambda: c.process_utilization(i, gpu.busy_seen_us))
+        if busy:
+            self._add_busy(gpu, busy)
         before = self._wall_ns()
         pcie = self._field(gpu, "pcie", lambda: c.pcie_throughput(i))
         gpu.values["pcie"] = pcie
@@ -211,6 +224,36 @@ class NvmlPoller:
                     gpu.pcie.popleft()
         gpu.values["power"] = self._field(gpu, "power", lambda: c.power_watts(i))
         gpu.values["energy"] = self._field(gpu, "energy", lambda: c.energy_joules(i))
+
+    def _busy_offset_ns(self, ts_ns: int) -> int:
+        """What turns NVML's sample time into wall-clock ns. The samples are documented as CPU timestamps
+        in microseconds, which drivers take from the wall clock; should one count from boot instead
+        (the monotonic clock), its samples are moved onto the wall clock rather than never matching a
+        window."""
+        wall = self._wall_ns()
+        if abs(ts_ns - wall) < _CLOCK_NEAR_NS:
+            return 0
+        mono = time.monotonic_ns()
+        return wall - mono if abs(ts_ns - mono) < _CLOCK_NEAR_NS else 0
+
+    def _add_busy(self, gpu: _GpuState, samples: list[ProcessBusy]) -> None:
+        changed = set()
+        offset = self._busy_offset_ns(max(b.ts_us for b in samples) * 1000)
+        for b in samples:
+            q = gpu.busy.get(b.pid)
+            if q is None:
+                q = gpu.busy[b.pid] = deque(maxlen=BUSY_SAMPLES)
+            if q and q[-1][0] >= b.ts_us * 1000 + offset:
+                continue  # the driver's sample was seen already
+            q.append((b.ts_us * 1000 + offset, b.sm_ratio))
+            changed.add(b.pid)
+            gpu.busy_seen_us = max(gpu.busy_seen_us, b.ts_us)
+        for pid in changed:
+            gpu.busy_view[pid] = tuple(gpu.busy[pid])
+        old = [pid for pid, q in gpu.busy.items() if q[-1][0] < (gpu.busy_seen_us - BUSY_FORGET_US) * 1000 + offset]
+        for pid in old:
+            del gpu.busy[pid]
+            gpu.busy_view.pop(pid, None)
 
     def _field(self, gpu: _GpuState, name: str, call: Callable[[], T]) -> T | None:
         if gpu.supported.get(name) is False:
@@ -285,6 +328,6 @@ class NvmlPoller:
                 pcie_rx_bytes_per_second=pcie[1] if pcie else None,
                 power_watts=g.values.get("power"), energy_joules=g.values.get("energy"),
                 field_supported={k: v for k, v in g.supported.items() if k in FIELDS},
-                xid_errors=dict(g.xid), processes=dict(g.processes)))
+                xid_errors=dict(g.xid), processes=dict(g.processes), process_busy=dict(g.busy_view)))
         return NvmlSnapshot(state=self.state, detail=self.detail, driver_version=self.driver, gpus=tuple(gpus),
                             errors=dict(self.errors), poll_interval_s=self.interval_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError
+from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError, ProcessBusy
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ class PynvmlClient:
         self._nv: Any = None
         self._handles: dict[int, Any] = {}
         self._events: Any = None
+        self._util_call = 0  # which per-process utilisation call answers (process_utilization)
 
     def _call(self, fn: str, *args: Any) -> Any:
         if self._nv is None:
@@ -94,6 +95,29 @@ class PynvmlClient:
 
     def utilization(self, index: int) -> float:
         return float(self._call("nvmlDeviceGetUtilizationRates", self._handle(index)).gpu) / 100.0
+
+    def process_utilization(self, index: int, since_us: int) -> list[ProcessBusy]:
+        # The v1 info call (driver 550 and later) first; the older call where it is missing. Both
+        # answer NOT_FOUND (or, in some drivers, SUCCESS on the sizing call) when no sample is newer.
+        h = self._handle(index)
+        calls = ("nvmlDeviceGetProcessesUtilizationInfo", "nvmlDeviceGetProcessUtilization")
+        for fn in calls[self._util_call:]:
+            try:
+                samples = getattr(self._nv, fn)(h, since_us)
+            except AttributeError:
+                self._util_call += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - NVMLError subclasses, ctypes errors
+                code = getattr(exc, "value", -1)
+                if code in (0, 6):  # SUCCESS on the sizing call, NOT_FOUND: no newer sample
+                    return []
+                if code in (2, 3, 13) and fn == calls[0]:  # INVALID_ARGUMENT, NOT_SUPPORTED, FUNCTION_NOT_FOUND
+                    self._util_call = 1
+                    continue
+                raise NvmlCallError(_reason(exc), f"{fn}: {exc}") from None
+            return [ProcessBusy(int(s.pid), int(s.timeStamp), min(1.0, max(0.0, float(s.smUtil) / 100.0)))
+                    for s in samples]
+        raise NvmlCallError("not_supported", "no per-process utilisation call in this nvidia-ml-py or driver")
 
     def pcie_throughput(self, index: int) -> tuple[float, float]:
         h = self._handle(index)

@@ -5,7 +5,10 @@ node fills: the NVML device line, utilisation, power, a priced GPU for the cost
 engine. This client answers NVML's calls for one "NVIDIA H200 (simulated)":
 memory used is what the demo's processes hold (read from the daemon's own
 snapshot) plus the CUDA contexts' share, utilisation follows a slow wave, power
-follows utilisation and energy integrates it. Every value is labelled simulated
+follows utilisation and energy integrates it. Per-process utilisation comes as the
+driver gives it: one sample per process and sample period (``SAMPLE_PERIOD_US``),
+only the newest after the caller's last seen, each process busy a share of the
+device's utilisation (``busy``: pid -> share, all of it by default). Every value is labelled simulated
 in its model name, so no one mistakes it for a measurement.
 """
 
@@ -15,11 +18,12 @@ import math
 import time
 from collections.abc import Callable
 
-from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError
+from gpufootprint.nvml.client import DeviceIdentity, MemoryInfo, NvmlCallError, ProcessBusy
 
 H200_TOTAL_BYTES = 150_754_820_096  # what NVML reports for an H200 (141 GiB class)
 CONTEXT_BYTES = 512 << 20  # per process: a CUDA context's device memory, outside CUPTI's records
 IDLE_WATTS, MAX_WATTS = 90.0, 700.0
+SAMPLE_PERIOD_US = 166_667  # the driver's per-process sample period (a sixth of a second)
 
 
 class SimulatedNvml:
@@ -28,8 +32,12 @@ class SimulatedNvml:
     model = "NVIDIA H200 (simulated)"
 
     def __init__(self, held: Callable[[], dict[int, int]], *, clock: Callable[[], float] = time.monotonic,
-                 period_s: float = 120.0) -> None:
+                 period_s: float = 120.0, wall_us: Callable[[], int] = lambda: time.time_ns() // 1000,
+                 busy: Callable[[int], float] | None = None) -> None:
         self._held = held
+        self._wall_us = wall_us
+        self._busy = busy
+        self._samples: dict[int, ProcessBusy] = {}  # pid -> the driver's newest sample of it
         self._clock = clock
         self._period = period_s
         self._t0 = clock()
@@ -84,6 +92,20 @@ class SimulatedNvml:
             return 0.0
         phase = 2 * math.pi * (self._clock() - self._t0) / self._period
         return round(0.45 + 0.4 * math.sin(phase), 2)  # 5% to 85%: busy, then idle enough to advise
+
+    def process_utilization(self, index: int, since_us: int) -> list[ProcessBusy]:
+        self._check(index)
+        held = self._held()
+        period_end = self._wall_us() // SAMPLE_PERIOD_US * SAMPLE_PERIOD_US
+        device = self.utilization(index)
+        for pid in held:
+            last = self._samples.get(pid)
+            if last is None or last.ts_us < period_end:
+                share = self._busy(pid) if self._busy is not None else 1.0
+                self._samples[pid] = ProcessBusy(pid, period_end, round(min(1.0, device * share), 2))
+        for pid in [p for p in self._samples if p not in held]:
+            del self._samples[pid]  # the driver keeps no sample of a process that is gone
+        return sorted((b for b in self._samples.values() if b.ts_us > since_us), key=lambda b: (b.ts_us, b.pid))
 
     def pcie_throughput(self, index: int) -> tuple[float, float]:
         u = self.utilization(index)

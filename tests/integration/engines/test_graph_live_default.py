@@ -108,3 +108,68 @@ def test_launch_records_name_the_gpu_the_process_allocates_on_when_buffers_are_f
     decided = [d for d in verdicts if d["decision"] != "insufficient_data"]
     # THEN the launch records were stamped with GPU 1 (before: 0), so the reuse ratio is GPU 1's
     assert decided and decided[0]["dev"] == 1 and decided[0]["reuse_ratio"] == 1.0, verdicts
+
+
+def test_a_default_daemon_follows_long_steps_and_captures_them_with_nvml_busy_time(tmp_path: Path) -> None:
+    """The real probe (fake CUPTI) in a loop of 10 launches and a 200 ms wait per step: a 50 ms window
+    never holds a step; the default daemon's window follows the steps, NVML's per-process samples (a
+    stateful fake driver: 97 % busy, six samples a second) bound the mean kernel from below, and the
+    seed's policy captures. ``abtest`` on the probe's recording, with ``/api/nvml`` saved beside it,
+    says the same."""
+    import subprocess
+    import sys
+    import threading
+
+    from tests.conftest import cli_env
+    from tests.nvml_fake import FakeNvml
+
+    config = load_config(None, env={})
+    fake = FakeNvml("healthy", gpus=1)
+    sock, tee = tmp_path / "probe.sock", tmp_path / "long_steps.gfp.gz"
+    app = App(config, socket_path=str(sock), listen="127.0.0.1:0", nvml_client=fake)
+    app.start()
+    child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "long_steps:12:200",
+                              GPUFOOTPRINT_PROBE_FLUSH_MS="100", GPUFOOTPRINT_PROBE_HEARTBEAT_MS="1000",
+                              GPUFOOTPRINT_PROBE_TEE=str(tee))
+    stop = threading.Event()
+
+    def driver() -> None:
+        while not stop.wait(1 / 6):
+            fake.add_busy(0, child.pid, time.time_ns() // 1000, 0.97)
+
+    threading.Thread(target=driver, daemon=True).start()
+    verdict: dict[str, Any] | None = None
+    try:
+        assert app.http is not None
+        url = app.http.url.replace("/metrics", "/api/engines")
+        started = time.monotonic()
+        while time.monotonic() - started < 30 and child.poll() is None and verdict is None:
+            graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
+            verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
+            time.sleep(0.3)
+        status = finish_probe_child(child)["status"]
+        nvml_doc = urllib.request.urlopen(app.http.url.replace("/metrics", "/api/nvml"), timeout=10).read()
+    finally:
+        stop.set()
+        if child.poll() is None:
+            child.kill()
+        app.stop()
+    assert verdict is not None, "no verdict"
+    assert verdict["decision"] == "capture" and verdict["evidence"] == "launches" and verdict["op_count"] == 10, verdict
+    assert 0.010 < verdict["mean_kernel_seconds_min"] <= verdict["mean_kernel_seconds_max"] < 0.025, verdict
+    assert status["launch_windows"] >= 1, status
+    # the probe's windows: held open past a step (leases), each closed again
+    from gpufootprint.wire.framing import FrameType
+    from gpufootprint.wire.sources import TraceFile
+
+    spans = [f.json()["kernel_window"] for f in TraceFile(tee).frames()
+             if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
+    assert spans and max(w["end_ns"] - w["start_ns"] for w in spans) > 800_000_000, spans
+    Path(str(tee) + ".nvml.json").write_bytes(nvml_doc)
+    policy = tmp_path / "default.yaml"
+    policy.write_text("{}\n")
+    ab = subprocess.run([sys.executable, "-m", "gpufootprint", "abtest", str(tee), "--policy", str(policy), "--json"],
+                        env=cli_env(), capture_output=True, text=True, timeout=120, check=False)
+    assert ab.returncode == 0, ab.stderr
+    rows = [r for r in json.loads(ab.stdout)["rows"] if r["pid"] == verdict["pid"]]
+    assert [r["policies"]["default"]["decision"] for r in rows] == ["capture"], rows

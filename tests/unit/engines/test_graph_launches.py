@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_support import dev, proc, snap
 from gpufootprint.engines.graph import GraphPolicy, advise
 from gpufootprint.engines.launches import WINDOW_GAP_NS, launch_stats
@@ -199,3 +200,92 @@ def test_a_wait_that_spans_a_watermark_is_kept_and_not_counted_late() -> None:
     (proc,) = pipeline.snapshot().processes
     assert pipeline.late_records == 0 and proc.late_records == 0
     assert proc.recent_launches is not None and len(proc.recent_launches) == len(api)
+
+
+def test_a_loop_whose_backward_launches_on_another_thread_is_read_from_all_threads() -> None:
+    # GIVEN PyTorch's shape of a training step: the main thread launches the forward (40) and the
+    # optimizer (20) and waits; autograd's device thread launches the backward (80) in between, and
+    # never waits. The busiest launching thread alone has no wait, hence no step.
+    spec_main: list[tuple[int, int, int]] = [(S, 0, 1 * US)]
+    spec_bwd: list[tuple[int, int, int]] = []
+    t = 1 * US
+    for _ in range(6):
+        t += 100 * US
+        for _ in range(40):
+            spec_main.append((L, t, 5 * US))
+            t += 5 * US
+        for _ in range(80):
+            spec_bwd.append((L, t, 5 * US))
+            t += 5 * US
+        for _ in range(20):
+            spec_main.append((L, t, 5 * US))
+            t += 5 * US
+        spec_main.append((S, t, 50 * US))
+        t += 50 * US
+    api = np.concatenate([calls(spec_main, tid=1), calls(spec_bwd, tid=2)])
+    st = launch_stats(api)
+    # THEN the step is every thread's launches between the main thread's waits
+    assert st is not None and st.period == 140 and st.steps == 6, st
+    assert st.tid == 2  # the busiest thread is still named
+    # AND a loop whose busiest thread waits itself is read from that thread alone, as before
+    both = np.concatenate([loop(20, 100), calls([(L, i * US, US) for i in range(30)], tid=2)])
+    st2 = launch_stats(both)
+    assert st2 is not None and st2.tid == 1 and st2.period == 100
+
+
+def test_warm_up_steps_at_a_windows_start_are_dropped_and_the_steady_steps_decide() -> None:
+    # GIVEN one window whose first two steps launch other counts (lazy init, autotuning), then 4 alike
+    spec: list[tuple[int, int, int]] = [(S, 0, 1 * US)]
+    t = 1 * US
+    for n in (37, 55, 10, 10, 10, 10):
+        t += 100 * US
+        for _ in range(n):
+            spec.append((L, t, 5 * US))
+            t += 5 * US
+        spec.append((S, t, 200 * US))
+        t += 200 * US
+    st = launch_stats(calls(spec))
+    # THEN the four steady steps are read (without dropping, 4 of 6 agree: below min_match)
+    assert st is not None and st.period == 10 and st.steps == 4 and st.match_ratio == 1.0, st
+    assert len(st.spans) == 1 and st.spans[0][1] - st.spans[0][0] == pytest.approx(4 * 350 * US, abs=2 * US)
+
+
+def test_nvml_busy_time_over_the_steps_lets_a_long_kernel_loop_pass_the_minimum() -> None:
+    from gpufootprint.engines.busy import busy_over
+
+    # GIVEN 10 launches per 266 ms step (the host waits for the GPU)
+    api = loop(5, 10, wait_ns=265_000 * US)
+    st = launch_stats(api)
+    assert st is not None and st.period == 10
+    s0, e0 = st.spans[0]
+    samples = ((s0 + 100_000 * US, 0.99), (s0 + 300_000 * US, 1.0), (e0 + 400_000 * US, 0.98),
+               (e0 + 900_000 * US, 0.0))  # the last is after the window and its slack: not counted
+    b = busy_over(samples, st.spans)
+    assert b is not None and b.samples == 3 and b.ratio == pytest.approx(0.99)
+    p = proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)
+    d = one(advise(snap(1.0, p), DEFAULT, reuse={(1, 0): 1.0}, busy={(1, 0): samples}))
+    # THEN the mean kernel lies in [(0.99 - 0.2) * step / 10, step / 10]: about 21 to 26.6 ms, and capture
+    assert d.decision == "capture", d.reasons
+    assert d.mean_kernel_seconds_min == pytest.approx(0.79 * d.step_seconds / 10, rel=1e-6)
+    assert d.mean_kernel_seconds_min <= d.mean_kernel_seconds_max
+    assert d.gpu_busy_ratio == pytest.approx(0.99) and d.busy_samples == 3
+    # AND with no sample near the steps, or the bound turned off, the minimum stays unknown
+    far = ((e0 + 10**10, 1.0),)
+    assert one(advise(snap(1.0, p), DEFAULT, reuse={(1, 0): 1.0}, busy={(1, 0): far})).decision == "insufficient_data"
+    off = GraphPolicy(gpu_busy=False)
+    assert one(advise(snap(1.0, p), off, reuse={(1, 0): 1.0}, busy={(1, 0): samples})).decision == "insufficient_data"
+    # AND a busy share so low the bound falls under the minimum decides nothing either (an interval across it)
+    low = tuple((ts, 0.2) for ts, _ in samples)
+    d_low = one(advise(snap(1.0, p), DEFAULT, reuse={(1, 0): 1.0}, busy={(1, 0): low}))
+    assert d_low.decision == "insufficient_data" and d_low.mean_kernel_seconds_min == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_lower_bound_above_the_policys_maximum_fails_it() -> None:
+    api = loop(5, 10, wait_ns=265_000 * US)
+    st = launch_stats(api)
+    assert st is not None
+    samples = ((st.spans[0][0] + 100_000 * US, 1.0),)
+    p = proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)
+    launch_bound_only = GraphPolicy(min_mean_kernel_ms=0.0, max_mean_kernel_ms=0.05)
+    d = one(advise(snap(1.0, p), launch_bound_only, reuse={(1, 0): 1.0}, busy={(1, 0): samples}))
+    assert d.decision == "keep" and any(r.startswith("fail: mean kernel duration at least") for r in d.reasons)
