@@ -94,3 +94,22 @@ def test_the_bare_floor_of_earlier_runs_leaves_out_the_oom_records_and_the_primi
         assert "register_raw" in names and "driver_api_records" in names
     finally:
         floor.stop()
+
+
+def test_replicas_pool_into_groups_and_the_verdict_reads_the_probe_against_the_floor_and_the_a_a_group() -> None:
+    ov = _overhead()
+    configs = ov.expand(ov.VERDICT_SPEC)
+    assert configs[:4] == ["none", "none#2", "none#3", "none#4"] and len(configs) == 16
+    # GIVEN steps where each worker has a bias of its own (+-2 %) and the probe is 1 % over the floor
+    bias = {c: 1.0 + 0.02 * ((i % 4) - 1.5) / 1.5 for i, c in enumerate(configs)}
+    factor = {"none": 1.0, "aa": 1.0, "cupti_floor": 1.004, "probe": 1.004 * 1.01}
+    steps = {c: {w: [[0.010 * bias[c] * factor[ov.group_of(c)] * (1 + 0.001 * r)] * 5 for r in range(20)]
+                 for w in ("a", "b")} for c in configs}
+    rows = ov.pooled(steps, configs, seed=0)
+    # THEN four workers make one group each, the A/A group reads 1, and the probe reads 1.01 against the floor
+    assert rows["probe"]["workers"] == ["probe", "probe#2", "probe#3", "probe#4"]
+    assert abs(rows["aa"]["a"]["median_ratio"] - 1.0) < 1e-3
+    assert abs(rows["probe"]["a"]["vs_cupti_floor"] - 1.01) < 1e-3
+    assert abs(rows["cupti_floor"]["a"]["median_ratio"] - 1.004) < 1e-3
+    table = ov.verdict_table(rows)
+    assert table.splitlines()[2].startswith("aa (4)")
