@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpufootprint.config import load_config
+from gpufootprint.configload import load_config
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from nvml_fake import FakeNvml
