@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to the committed traces and small record builders."""
+"""Shared fixtures: paths to the committed traces, small record builders, and daemons to run (``daemons``)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,25 @@ def cli_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT / "daemon") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("GPUFOOTPRINT_CONFIG", None)
     return env
+
+
+@pytest.fixture
+def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Starts ``gpufootprint daemon`` processes (tests/daemon_process.py); each is stopped when the test ends.
+
+    ``daemons(*args, config=None, nofile=None, env=None, cwd=None)``: ``args`` are its settings beyond
+    the socket and port it gets, e.g. ``"--set", "footprint.reorder_window_ms=0"``; call ``.ready()``
+    on the result to wait until it serves."""
+    from tests.daemon_process import DaemonProcess
+
+    made: list[DaemonProcess] = []
+
+    def start(*args: str, config: Path | None = None, nofile: int | None = None, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path, *args, config=config, nofile=nofile, env=env, cwd=cwd)
+        made.append(d)
+        return d
+
+    yield start
+    for d in made:
+        d.stop()

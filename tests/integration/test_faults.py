@@ -11,7 +11,6 @@ import grp
 import json
 import os
 import random
-import resource
 import signal
 import socket
 import ssl
@@ -29,7 +28,7 @@ from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.transport import bind_probe_socket
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
-from tests.integration.test_daemon import _free_port, _scrape
+from tests.daemon_process import DaemonProcess, free_port, scrape
 from gpufootprint.wire.sources import TraceFile
 
 from tests.conftest import ALLOC, DATA, ROOT, cli_env, mem, mem_batch
@@ -37,7 +36,7 @@ from tests.probe_process import CHILD, finish_probe_child, start_probe_child
 
 
 def _metrics(port: int, opener: Any = None, scheme: str = "http") -> dict[str, list[tuple[dict[str, str], float]]]:
-    return _scrape(port, opener=opener, scheme=scheme)
+    return scrape(port, opener=opener, scheme=scheme)
 
 
 def _value(m: dict[str, Any], name: str, **labels: str) -> float | None:
@@ -61,57 +60,18 @@ def _wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
     raise AssertionError(f"not reached in {timeout} s (last {last!r})")
 
 
-class DaemonProcess:
-    def __init__(self, tmp: Path, *args: str, config: Path | None = None, nofile: int | None = None) -> None:
-        self.port = _free_port()
-        self.sock = tmp / f"probe-{self.port}.sock"
-        cmd = [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(self.sock),
-               "--listen", f"127.0.0.1:{self.port}", "--set", "footprint.reorder_window_ms=0",
-               "--set", "nvml.enabled=false", *args]
-        if config is not None:
-            cmd += ["--config", str(config)]
-        self.err_path = tmp / f"daemon-{self.port}.log"
-        self.err = open(self.err_path, "w")  # noqa: SIM115
-        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-        self.proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=self.err, text=True,
-                                     preexec_fn=limit)
-
-    def ready(self, **kw: Any) -> DaemonProcess:
-        _wait(lambda: self.sock.exists() and self.metrics(**kw) is not None)
-        return self
-
-    def metrics(self, **kw: Any) -> dict[str, Any]:
-        return _metrics(self.port, **kw)
-
-    def log(self) -> str:
-        self.err.flush()
-        return self.err_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.err.close()
-        return int(self.proc.returncode)
+# What every daemon of these tests runs with: records applied as they come, no NVML.
+_SETTINGS = ("--set", "footprint.reorder_window_ms=0", "--set", "nvml.enabled=false")
 
 
 @pytest.fixture
-def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
-    made: list[DaemonProcess] = []
+def daemons(daemons):  # type: ignore[no-untyped-def]
+    """tests/conftest.py's daemons, with these tests' settings first."""
 
-    def start(*args: str, config: Path | None = None, nofile: int | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path, *args, config=config, nofile=nofile)
-        made.append(d)
-        return d
+    def start(*args: str, **kw: Any) -> DaemonProcess:
+        return daemons(*_SETTINGS, *args, **kw)
 
-    yield start
-    for d in made:
-        d.stop()
+    return start
 
 
 def probe_child(sock: str | Path, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
@@ -559,7 +519,7 @@ def test_a_bad_web_config_file_stops_the_daemon_at_start_naming_the_key(tmp_path
     web = tmp_path / "web.yaml"
     web.write_text(text)
     r = subprocess.run([sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(tmp_path / "s.sock"),
-                        "--listen", f"127.0.0.1:{_free_port()}", "--web.config.file", str(web)],
+                        "--listen", f"127.0.0.1:{free_port()}", "--web.config.file", str(web)],
                        env=cli_env(), capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and where in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.integration.test_faults import DaemonProcess, daemons  # noqa: F401
+from tests.integration.test_faults import daemons  # noqa: F401 - the fixture, with test_faults' settings
 
 
 def _scrape(port: int, method: str = "GET", path: str = "/metrics") -> tuple[int, bytes, dict[str, str]]:

@@ -20,7 +20,7 @@ import pytest
 from gpufootprint.errors import ConfigError
 from gpufootprint.wire.framing import FrameDecoder, FrameType
 from tests.conftest import ROOT, cli_env
-from tests.integration.test_faults import DaemonProcess, _metrics, _value, _wait, daemons  # noqa: F401
+from tests.integration.test_faults import _metrics, _value, _wait, daemons  # noqa: F401 - the fixture, with test_faults' settings
 from tests.probe_process import CHILD
 
 BOMB = """a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
@@ -104,10 +104,10 @@ def test_sigterm_is_honoured_while_a_reload_is_still_running(daemons, tmp_path: 
 
 
 def test_sighup_while_the_daemon_is_starting_does_not_kill_it(tmp_path: Path) -> None:
-    from tests.integration.test_faults import _free_port
+    from tests.daemon_process import free_port
 
     # GIVEN a daemon held inside its start-up: its config file is a FIFO nobody has written yet
-    port = _free_port()
+    port = free_port()
     sock = tmp_path / "p.sock"
     fifo = tmp_path / "c.yaml"
     os.mkfifo(fifo)
