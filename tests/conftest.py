@@ -16,7 +16,7 @@ SHARED_TRACES = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz")
 # Run the package from the source tree even when it is not installed.
 sys.path.insert(0, str(ROOT / "daemon"))
 
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp  # noqa: E402
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
 
 
 @pytest.fixture

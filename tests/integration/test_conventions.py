@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import FrameType
 from gpufootprint.wire.sources import TraceFile
+
 from tests.conftest import DATA, cli_env
 from tests.daemon_process import free_port, scrape, wait
 

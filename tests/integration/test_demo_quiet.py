@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.proctime import process_start_wall
+
 from tests.conftest import cli_env
 from tests.daemon_process import free_port, wait
 
@@ -31,7 +31,7 @@ def test_degradation_advice_is_logged_once_per_process_across_loops(tmp_path: Pa
     assert r.returncode == 0, r.stderr[-2000:]
     advice = [m.groups() for m in re.finditer(r'degradation advice"? gpu=(\d+) pid=(\d+) advice=(\w+)', r.stderr)]
     assert advice, r.stderr[-2000:]  # there is advice to log
-    loops = len(re.findall(r"^\s+855\s", r.stdout, flags=re.M))
+    loops = len(re.findall(r"^\s+855\s", r.stdout, flags=re.MULTILINE))
     assert loops >= 2  # the demo's screen came round more than once (and the traces looped many times)
     repeated = {k: n for k, n in Counter(advice).items() if n > 1}
     assert not repeated, repeated

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.cli.common import check_oom_directory
 from gpufootprint.configload import load_config
 from gpufootprint.errors import ConfigError
 from gpufootprint.statedir import SYSTEM_OOM_DIRECTORY, default_oom_directory
+
 from tests.conftest import cli_env
 from tests.daemon_process import scrape, wait
 

@@ -11,13 +11,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
-
 import gpufootprint
+import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
