@@ -18,6 +18,24 @@ sys.path.insert(0, str(ROOT / "daemon"))
 
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
 
+#: Workers when the command line names none. Most tests wait on subprocesses, sockets and timers
+#: rather than compute, so four keep two cores busy: on the 2-core development machine the suite
+#: took 10 minutes in one process and 5 with four workers.
+WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """``pytest -q`` runs the suite on WORKERS pytest-xdist workers (``--dist loadgroup``: the files
+    marked ``xdist_group`` stay on one worker). Nothing changes where xdist is not installed (the
+    GPU machines' images), where the command line says how many (``-n 0``: this process alone), or
+    inside a worker. Set here, not in addopts, so that a pytest without xdist still runs the tests."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is None and config.option.dist == "no":
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadgroup"
+
 
 @pytest.fixture
 def data_dir() -> Path:

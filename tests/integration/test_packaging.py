@@ -19,7 +19,8 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.integration
+# One worker runs this file's tests (pytest-xdist --dist loadgroup): its module fixture is built once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_packaging")]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+# One worker runs this file's tests (pytest-xdist --dist loadgroup): its module fixture is built once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_prometheus")]
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data"
