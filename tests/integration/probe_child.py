@@ -187,7 +187,11 @@ def main() -> int:
                 time.sleep(0.01)
             time.sleep(0.1)
         workload_s += time.perf_counter() - t
-    probe.stop()
+    # The final flush and GOODBYE before the status is read: probe.stop() waits 3 s for them, which a
+    # busy machine (a suite run on every core) can outlast; the status would then be read mid-way.
+    cur = probe.current()
+    if cur is not None:
+        cur.stop(timeout=60)
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes")
