@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,11 +31,22 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     marked ``xdist_group`` stay on one worker). Nothing changes where xdist is not installed (the
     GPU machines' images), where the command line says how many (``-n 0``: this process alone), or
     inside a worker. Set here, not in addopts, so that a pytest without xdist still runs the tests."""
-    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if hasattr(config, "workerinput"):
+        # A worker's options come from the command line alone: the grouping is passed on below.
+        if config.workerinput.get("gpufootprint_loadgroup"):
+            config.option.loadgroup = True
         return
     if config.option.numprocesses is None and config.option.dist == "no":
         config.option.numprocesses = WORKERS
         config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(pytest-xdist) Tell each worker to send its xdist_group names with its tests."""
+    node.workerinput["gpufootprint_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 @pytest.fixture
