@@ -61,7 +61,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     daemon = Daemon(sock)
     try:
         p = child(sock, tmp_path, "sleep:0.3", "touch:ready", "wait:go", "burst:20000", "touch:burst_done",
-                  "wait:resume", "sleep:3", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
+                  "wait:resume", "until:drop_resyncs:1", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
                   GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
         _wait_file(tmp_path / "ready")
         with daemon.server.lock:  # the ingest loop blocks at its next tick: nothing is read
