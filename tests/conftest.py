@@ -1,10 +1,11 @@
-"""Shared fixtures: paths to the committed traces and small record builders."""
+"""Shared fixtures: paths to the committed traces, small record builders, and daemons to run (``daemons``)."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,36 @@ SHARED_TRACES = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz")
 # Run the package from the source tree even when it is not installed.
 sys.path.insert(0, str(ROOT / "daemon"))
 
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp  # noqa: E402
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
+
+#: Workers when the command line names none. Most tests wait on subprocesses, sockets and timers
+#: rather than compute, so four keep two cores busy: on the 2-core development machine the suite
+#: took 10 minutes in one process and 5 with four workers.
+WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """``pytest -q`` runs the suite on WORKERS pytest-xdist workers (``--dist loadgroup``: the files
+    marked ``xdist_group`` stay on one worker). Nothing changes where xdist is not installed (the
+    GPU machines' images), where the command line says how many (``-n 0``: this process alone), or
+    inside a worker. Set here, not in addopts, so that a pytest without xdist still runs the tests."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if hasattr(config, "workerinput"):
+        # A worker's options come from the command line alone: the grouping is passed on below.
+        if config.workerinput.get("gpufootprint_loadgroup"):
+            config.option.loadgroup = True
+        return
+    if config.option.numprocesses is None and config.option.dist == "no":
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(pytest-xdist) Tell each worker to send its xdist_group names with its tests."""
+    node.workerinput["gpufootprint_loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 @pytest.fixture
@@ -51,3 +81,25 @@ def cli_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT / "daemon") + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("GPUFOOTPRINT_CONFIG", None)
     return env
+
+
+@pytest.fixture
+def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Starts ``gpufootprint daemon`` processes (tests/daemon_process.py); each is stopped when the test ends.
+
+    ``daemons(*args, config=None, nofile=None, env=None, cwd=None)``: ``args`` are its settings beyond
+    the socket and port it gets, e.g. ``"--set", "footprint.reorder_window_ms=0"``; call ``.ready()``
+    on the result to wait until it serves."""
+    from tests.daemon_process import DaemonProcess
+
+    made: list[DaemonProcess] = []
+
+    def start(*args: str, config: Path | None = None, nofile: int | None = None, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path, *args, config=config, nofile=nofile, env=env, cwd=cwd)
+        made.append(d)
+        return d
+
+    yield start
+    for d in made:
+        d.stop()

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 from gpufootprint.config import FootprintConfig
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.snapshot import DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
 from gpufootprint.wire.framing import FrameDecoder, FrameType
 from gpufootprint.wire.sources import TraceFile

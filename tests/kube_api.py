@@ -14,7 +14,7 @@ class FakeKubeApi:
         api = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 api.requests.append((self.path, self.headers.get("Authorization")))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -32,7 +32,7 @@ class FakeKubeApi:
     def paths(self) -> list[str]:
         return [path for path, _ in self.requests]
 
-    def __enter__(self) -> FakeKubeApi:
+    def __enter__(self) -> FakeKubeApi:  # noqa: PYI034 - a test helper, never subclassed
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
         return self
 

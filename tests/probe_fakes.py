@@ -340,7 +340,6 @@ class FakeRawCupti(FakeCupti):
         if self.delivery is None:
             super().flush(forced)
             return
-        import ctypes
 
         with self.lock:
             recs, self.pending = self.pending, []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import sys
 from pathlib import Path
 
@@ -186,7 +187,7 @@ def leak_trace(seconds: int = 1200) -> bytes:
     m1, m2 = memory_records(rows1, 5151), memory_records(rows2, 5252)
     # Deliver one second at a time with a watermark, as a probe flushing every second would.
     edges = [t0 + s * 1000 * MS for s in range(seconds + 1)]
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         for m in (m1, m2):
             part = m[(m["ts"] >= lo) & (m["ts"] < hi)]
             if len(part):

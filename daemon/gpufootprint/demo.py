@@ -127,14 +127,6 @@ def demo_gpu() -> tuple[SimulatedNvml, Callable[[App], None]]:
     return SimulatedNvml(held), holder.append
 
 
-def demo_app(config: Config, listen: str) -> App:
-    """The daemon the demo runs: its configuration and a simulated H200 in NVML's place."""
-    nvml, attach = demo_gpu()
-    app = App(demo_config(config), socket_path=None, listen=listen, nvml_client=nvml)
-    attach(app)
-    return app
-
-
 def render(snap: PipelineSnapshot, url: str, started: float, doc: dict[str, Any] | None = None) -> str:
     """The demo's screen. ``doc``: the daemon's ``/api/processes`` document, whose rows the table
     shows, so the demo lists exactly the (process, GPU) rows `gpufootprint top` lists (built

@@ -29,6 +29,11 @@ for a resync: its probe's own table then replaces ours, which repairs the state.
 A probe also sends, with each watermark, the totals of its own live table; they
 are compared with the footprint as of the same watermark (``verify``), so
 exactness is measured wherever the daemon runs, not only in tests.
+
+Why about 480 lines in one module: it is the one owner of every process's state and
+of the order records apply in; the footprint, the feature hub and the snapshot types
+went to their own rooms, and what is left reads and moves the reorder buffers and the
+watermarks together.
 """
 
 from __future__ import annotations

@@ -76,14 +76,6 @@ class Recording:
     def pids(self) -> list[int]:
         return sorted(set(self.memory) | set(self.resyncs))
 
-    def time_range(self) -> tuple[int, int] | None:
-        times = [c["ts"] for chunks in self.memory.values() for c in chunks if len(c)]
-        times += [np.array([ts], np.uint64) for rs in self.resyncs.values() for ts, _ in rs]
-        if not times:
-            return None
-        allt = np.concatenate(times)
-        return int(allt.min()), int(allt.max())
-
 
 def load(paths: Sequence[str | Path], config: Config | None = None) -> Recording:
     """Replay ``paths`` (native or CUPTI-JSONL, gzip or plain) and keep what the views need."""

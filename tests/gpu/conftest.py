@@ -51,6 +51,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
+            # One GPU, and timings measured on it: with pytest-xdist the GPU tests run one after another
+            # on a single worker (--dist loadgroup), never beside each other.
+            item.add_marker(pytest.mark.xdist_group("gpu"))
             if _REASON is not None:
                 item.add_marker(pytest.mark.skip(reason=_REASON))
             elif timeout_plugin and item.get_closest_marker("timeout") is None:

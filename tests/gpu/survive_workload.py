@@ -267,7 +267,7 @@ def main() -> int:
 
         out = os.environ.get("GPUFOOTPRINT_GPU_OUT") or str(SYNC)
         faulthandler.dump_traceback_later(float(dump_after), exit=False,
-                                          file=open(os.path.join(out, f"workload_stacks_{sys.argv[1]}.txt"), "w"))
+                                          file=open(os.path.join(out, f"workload_stacks_{sys.argv[1]}.txt"), "w"))  # noqa: SIM115 - dumped into at exit
     SCENARIOS[sys.argv[1]]()
     cur = probe.current()
     print(json.dumps({"probe": cur.status() if cur is not None else None}), flush=True)

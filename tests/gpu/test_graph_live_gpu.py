@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,15 +32,9 @@ from tests.conftest import cli_env
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("kind", ["default", "kernels"])
-def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path,
-                                                                                     kind: str) -> None:
+def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_minute(tmp_path: Path, kind: str,
+                                                                                     daemons: Any) -> None:
     # The source tree on PYTHONPATH (the lent machine has no installed package), nothing configured.
     env = {k: v for k, v in cli_env().items() if not k.startswith("GPUFOOTPRINT_")}
     out = os.environ.get("GPUFOOTPRINT_GPU_OUT")
@@ -49,10 +42,8 @@ def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_mi
         env["GPUFOOTPRINT_SAMPLER__KERNEL_WINDOW_RECORDS"] = "kernels"
     elif out:
         env["GPUFOOTPRINT_PROBE_TEE"] = str(Path(out, "graph_launches.gfp"))
-    sock, port = str(tmp_path / "probe.sock"), _free_port()
-    daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock,
-                               "--listen", f"127.0.0.1:{port}"], env=env, cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "daemon.log", "w"))
+    daemon = daemons(env=env, cwd=tmp_path)
+    sock, port = str(daemon.sock), daemon.port
     workload: subprocess.Popen[str] | None = None
     found: list[dict[str, Any]] = []
     waited = None
@@ -60,7 +51,7 @@ def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_mi
         api = f"http://127.0.0.1:{port}/api/engines"
         deadline = time.monotonic() + 30
         while not os.path.exists(sock):
-            assert time.monotonic() < deadline and daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+            assert time.monotonic() < deadline and daemon.proc.poll() is None, daemon.log()
             time.sleep(0.2)
         started = time.monotonic()
         workload = subprocess.Popen([sys.executable, "-m", "gpufootprint", "run", "--socket", sock, "--",
@@ -90,12 +81,11 @@ def test_default_daemon_gives_a_launch_bound_process_a_graph_verdict_within_a_mi
         if kind == "default":  # microsecond kernels: the bounds decide the default policy's 0.5 ms
             assert main["decision"] == "keep" and main["mean_kernel_seconds_max"] < 0.5e-3, main
     finally:
-        for proc in (workload, daemon):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in (workload, daemon):
-            if proc is not None:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        if workload is not None and workload.poll() is None:
+            workload.send_signal(signal.SIGTERM)
+        daemon.stop()
+        if workload is not None:
+            try:
+                workload.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                workload.kill()

@@ -28,8 +28,7 @@ from typing import Any
 import pytest
 from gpufootprint.launcher import probe_env
 
-from tests.integration.test_daemon import _free_port as _port
-from tests.integration.test_daemon import _scrape as _metrics
+from tests.daemon_process import scrape
 
 WORKLOAD = str(Path(__file__).with_name("survive_workload.py"))
 OUT = os.environ.get("GPUFOOTPRINT_GPU_OUT")
@@ -53,18 +52,13 @@ def _save() -> None:
         Path(OUT, "live_failure.json").write_text(json.dumps(RESULTS, indent=1, default=str))
 
 
-def _run(scenario: str, tmp_path: Path, env_extra: dict[str, str]) -> list[dict[str, Any]]:
-    port = _port()
-    sock = str(tmp_path / "probe.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock, "--listen",
-                               f"127.0.0.1:{port}", "--set", f"oom.directory={tmp_path / 'oom'}"],
-                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "daemon.log", "w"))
+def _run(scenario: str, tmp_path: Path, env_extra: dict[str, str], daemons: Any) -> list[dict[str, Any]]:
+    daemon = daemons("--set", f"oom.directory={tmp_path / 'oom'}")
+    port, sock = daemon.port, str(daemon.sock)
     looks: list[dict[str, Any]] = []
     RESULTS[scenario] = looks
     try:
-        deadline = time.monotonic() + 30
-        while not Path(sock).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        daemon.ready()
         sync = tmp_path / "sync"
         sync.mkdir()
         env = probe_env(sock, **env_extra)
@@ -93,9 +87,8 @@ def _run(scenario: str, tmp_path: Path, env_extra: dict[str, str]) -> list[dict[
         RESULTS[f"{scenario}_tail"] = out[-1500:]
         assert child.returncode == 0, out[-3000:]
     finally:
-        daemon.terminate()
-        daemon.wait(30)
-        RESULTS[f"{scenario}_daemon_log"] = (tmp_path / "daemon.log").read_text()[-3000:]
+        daemon.stop()
+        RESULTS[f"{scenario}_daemon_log"] = daemon.log()[-3000:]
         _save()
     return looks
 
@@ -112,7 +105,7 @@ def _look(port: int, body: dict[str, Any], child: subprocess.Popen[str]) -> dict
     events: list[dict[str, Any]] = []
     while time.monotonic() - t0 < 6 and (equal_after is None or (want_event and event_after is None)):
         if equal_after is None:
-            live = _device_bytes(_metrics(port), pid) or 0.0  # no series: nothing live of that kind
+            live = _device_bytes(scrape(port), pid) or 0.0  # no series: nothing live of that kind
             if live == held:
                 equal_after = round(time.monotonic() - t0, 3)
         if want_event and event_after is None:
@@ -124,7 +117,7 @@ def _look(port: int, body: dict[str, Any], child: subprocess.Popen[str]) -> dict
     if want_event:
         look["event_after_failure_s"] = event_after
         look["events"] = events
-    m = _metrics(port)
+    m = scrape(port)
     look["ingest_errors"] = {lab["reason"]: v for lab, v in m.get("gpufootprint_ingest_errors_total", []) if v}
     look["ingest_repairs"] = {lab["reason"]: v for lab, v in m.get("gpufootprint_ingest_repairs_total", []) if v}
     look["drift_mismatches"] = sum(v for lab, v in m.get("gpufootprint_footprint_drift_mismatches_total", [])
@@ -164,10 +157,11 @@ def _exact(looks: list[dict[str, Any]], library: bool) -> None:
 
 
 @pytest.mark.parametrize("scenario", list(OOM_SCENARIOS))
-def test_a_process_that_survives_its_oom_reads_exact_while_it_lives(scenario: str, tmp_path: Path) -> None:
+def test_a_process_that_survives_its_oom_reads_exact_while_it_lives(scenario: str, tmp_path: Path,
+                                                                   daemons: Any) -> None:
     pytest.importorskip({"oom_cupy": "cupy", "oom_numba": "numba", "oom_jax_platform": "jax",
                          "oom_jax_arena": "jax"}.get(scenario, "torch"))
-    looks = _run(scenario, tmp_path, OOM_SCENARIOS[scenario])
+    looks = _run(scenario, tmp_path, OOM_SCENARIOS[scenario], daemons)
     assert [x["label"] for x in looks] == ["baseline", "after_oom", "freed_half", "went_on", "end"]
     jax = scenario.startswith("oom_jax")
     _exact(looks, library=jax)
@@ -189,13 +183,14 @@ def test_a_process_that_survives_its_oom_reads_exact_while_it_lives(scenario: st
 
 
 @pytest.mark.parametrize("alloc", ["nocache", "async"])
-def test_four_threads_that_reuse_each_others_addresses_read_exact_while_they_run(alloc: str, tmp_path: Path) -> None:
+def test_four_threads_that_reuse_each_others_addresses_read_exact_while_they_run(alloc: str, tmp_path: Path,
+                                                                                 daemons: Any) -> None:
     """Exact at every quiet point; every reuse stamped before the release of its address repaired. A
     release CUPTI never wrote stays a counted ``double_allocation`` (one a run at most was seen: a
     tensor freed as its thread ended, docs/reliability.md), and the state is exact regardless."""
     env = ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"} if alloc == "async"
            else {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"})
-    looks = _run(f"threads_{alloc}", tmp_path, env)
+    looks = _run(f"threads_{alloc}", tmp_path, env, daemons)
     assert [x["label"] for x in looks] == ["round_0", "round_1", "round_2", "end"]
     assert looks[-1]["calls"] > 10_000, looks[-1]  # it was churn
     for x in looks:

@@ -25,7 +25,6 @@ from gpufootprint.app import App
 from gpufootprint.configload import load_config
 from gpufootprint.nvml.pynvml_client import PynvmlClient
 
-
 # tests/gpu/conftest.py marks this file `gpu` and skips it where NVML, a GPU, cupti-python or torch is missing.
 
 CHILD = r'''

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.launcher import probe_env
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MemoryKind, RecordKind
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile

@@ -138,11 +138,11 @@ def main(out: str, mode: str = "") -> None:
         if subscribed:
             # Which subscriber is enough: one with no callback enabled, or one with only the resource
             # domain (what a profiler typically keeps)? Not yet run on the GPU (written after 19:02 UTC).
-            for mode in ("no_callbacks", "resource_domain"):
+            for kind in ("no_callbacks", "resource_domain"):
                 other = cupti.subscribe(on_api, None)
-                if mode == "resource_domain":
+                if kind == "resource_domain":
                     cupti.enable_domain(1, other, cupti.CallbackDomain.RESOURCE)
-                result[f"subscribed_{mode}"] = mapping_round()
+                result[f"subscribed_{kind}"] = mapping_round()
                 cupti.unsubscribe(other)
             sub = cupti.subscribe(on_api, None)
             for cbid in (cupti.driver_api_trace_cbid.cuMemMap, cupti.driver_api_trace_cbid.cuMemUnmap):

@@ -51,7 +51,7 @@ def mark(label: str, **extra: object) -> None:
     try:
         body["torch_segments"] = [[int(s["device"]), int(s["address"]), int(s["total_size"])]
                                   for s in torch.cuda.memory_snapshot()]
-    except Exception:  # noqa: BLE001 - cudaMallocAsync has no segment list
+    except Exception:  # noqa: BLE001, S110 - cudaMallocAsync has no segment list
         pass
     body.update(extra)
     probe.mark(label, DEV, **body)
@@ -124,7 +124,7 @@ def scenario_threads() -> None:
         mark(f"thread_{i}")
     mlp_steps(3)
     mark("after_mlp_steps")
-    del held
+    held.clear()
     torch.cuda.empty_cache()
     mark("end")
 
@@ -367,7 +367,7 @@ def main() -> int:
 
         out = os.environ.get("GPUFOOTPRINT_GPU_OUT") or "/tmp"
         faulthandler.dump_traceback_later(float(dump_after), exit=False,
-                                          file=open(os.path.join(out, f"workload_stacks_{name}.txt"), "w"))
+                                          file=open(os.path.join(out, f"workload_stacks_{name}.txt"), "w"))  # noqa: SIM115 - dumped into at exit
     fn = globals()[f"scenario_{name}"]
     if name == "restart":
         fn(sys.argv[2])

@@ -25,11 +25,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "daemon"))
 
-import numpy as np  # noqa: E402
-
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
-from gpufootprint.wire import cupti_layout as cl  # noqa: E402
-from gpufootprint.wire.framing import (  # noqa: E402
+import numpy as np
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind
+from gpufootprint.wire import cupti_layout as cl
+from gpufootprint.wire.framing import (
     PREAMBLE,
     FrameType,
     encode,

@@ -8,6 +8,7 @@ test can stop and restart the daemon at known points.
   python probe_child.py SYNC_DIR STEP [STEP ...]
   steps: alloc:ADDR:SIZE[:KIND[:DEV]]  free:ADDR:SIZE  copy:N  kernel:NAME  mark:LABEL
          wait:NAME  touch:NAME  sleep:SECONDS  burst:N (N allocations and frees)  connected
+         until:COUNTER:N (waits, up to 30 s, until the probe's status counts N of COUNTER)
          launch_loop:SECONDS (a launch-bound training loop: steps of 10 tiny kernels and a wait, 1 ms
                               apart; CUPTI keeps the kernels only while the kernel activity is on,
                               the launch and wait calls only in a launch window)
@@ -192,6 +193,11 @@ def main() -> int:
             open(os.path.join(sync, arg), "w").close()
         elif op == "sleep":
             time.sleep(float(arg))
+        elif op == "until":  # until:COUNTER:N waits (up to 30 s) for the probe's status to count N of COUNTER
+            key, n = arg.split(":")
+            end = time.monotonic() + 30
+            while probe.status().get(key, 0) < int(n) and time.monotonic() < end:
+                time.sleep(0.01)
         elif op == "connected":
             end = time.monotonic() + 20
             before = probe.status()["resyncs"]
@@ -200,7 +206,11 @@ def main() -> int:
                 time.sleep(0.01)
             time.sleep(0.1)
         workload_s += time.perf_counter() - t
-    probe.stop()
+    # The final flush and GOODBYE before the status is read: probe.stop() waits 3 s for them, which a
+    # busy machine (a suite run on every core) can outlast; the status would then be read mid-way.
+    cur = probe.current()
+    if cur is not None:
+        cur.stop(timeout=60)
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes")

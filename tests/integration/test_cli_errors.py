@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.cli import build_parser
+
 from tests.conftest import DATA, cli_env
 
 pytestmark = pytest.mark.integration
@@ -69,7 +69,7 @@ CASES = [
          "address already in use"),
     Case("daemon", "busy port by the exporters' flag",
          lambda t, p: ["--web.listen-address", f"127.0.0.1:{p}", "--socket", str(t / "p.sock")], 2,
-         f"exporter.listen 127.0.0.1:"),
+         "exporter.listen 127.0.0.1:"),
     Case("daemon", "missing socket directory", lambda t, p: ["--listen", "127.0.0.1:0", "--socket",
                                                              str(t / "no" / "dir" / "p.sock")], 2,
          "/no/dir does not exist"),

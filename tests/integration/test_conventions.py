@@ -13,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import FrameType
 from gpufootprint.wire.sources import TraceFile
+
 from tests.conftest import DATA, cli_env
-from tests.integration.test_daemon import _free_port, _scrape, _wait
+from tests.daemon_process import free_port, scrape, wait
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +31,12 @@ def _cli(tmp: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_web_listen_address_is_accepted_as_listen(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--web.listen-address", f"127.0.0.1:{port}",
                           "--duration", "20"], env=cli_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait(lambda: _scrape(port).get("gpufootprint_device_bytes"), timeout=30)
+        assert wait(lambda: scrape(port).get("gpufootprint_device_bytes"), timeout=30)
     finally:
         p.terminate()
         p.wait(30)

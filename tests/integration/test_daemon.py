@@ -9,64 +9,16 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import cli_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _scrape(port: int, *, timeout: float = 5.0, opener: Any = None,
-            scheme: str = "http") -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Every sample of the daemon's /metrics, by name: [(labels, value), ...]."""
-    url = f"{scheme}://127.0.0.1:{port}/metrics"
-    with (opener.open(url, timeout=timeout) if opener else urllib.request.urlopen(url, timeout=timeout)) as resp:
-        text = resp.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
-
-
-def _wait(pred, timeout: float = 10.0, step: float = 0.1):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-            if last:
-                return last
-        except OSError:
-            pass
-        time.sleep(step)
-    raise AssertionError(f"condition not met in {timeout} s (last: {last!r})")
+from tests.daemon_process import free_port, scrape, wait
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
-    port = _free_port()
-    sock = tmp_path / "probe.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
-         "--set", "footprint.reorder_window_ms=0", "--set", "footprint.process_grace_seconds=1"],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait(lambda: sock.exists() and _scrape(port) is not None)
-        yield proc, port, sock
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def daemon(daemons):  # type: ignore[no-untyped-def]
+    return daemons("--set", "footprint.reorder_window_ms=0", "--set", "footprint.process_grace_seconds=1").ready()
 
 
 # A real child process speaking the wire protocol, as a probe would.
@@ -105,39 +57,39 @@ def _child(sock: Path, *, claimed_pid: int = 0, goodbye: bool = True) -> subproc
 
 
 def _live(port: int, pid: int) -> dict[str, float]:
-    return {lab["kind"]: v for lab, v in _scrape(port).get("gpufootprint_live_bytes", []) if lab["pid"] == str(pid)}
+    return {lab["kind"]: v for lab, v in scrape(port).get("gpufootprint_live_bytes", []) if lab["pid"] == str(pid)}
 
 
 def test_probe_process_footprint_and_spike_reach_metrics_and_vanish_after_exit(daemon) -> None:  # type: ignore[no-untyped-def]
-    _proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     assert oct(sock.stat().st_mode & 0o777) == "0o600"
     child = _child(sock)
     pid = child.pid
-    assert _wait(lambda: _live(port, pid) == {"device": 64 << 20})
-    peaks = {lab["pid"]: v for lab, v in _scrape(port)["gpufootprint_window_peak_bytes"]}
+    assert wait(lambda: _live(port, pid) == {"device": 64 << 20})
+    peaks = {lab["pid"]: v for lab, v in scrape(port)["gpufootprint_window_peak_bytes"]}
     assert peaks[str(pid)] == (64 + 900) << 20, "the 1 ms spike is in the window peak"
     child.communicate("\n", timeout=10)
     # After the goodbye, the process holds nothing, then its series go (grace 1 s).
-    _wait(lambda: _live(port, pid) == {})
-    _wait(lambda: all(lab["pid"] != str(pid) for lab, _ in _scrape(port).get("gpufootprint_device_bytes", [])))
+    wait(lambda: _live(port, pid) == {})
+    wait(lambda: all(lab["pid"] != str(pid) for lab, _ in scrape(port).get("gpufootprint_device_bytes", [])))
 
 
 def test_a_probe_cannot_report_for_another_pid(daemon) -> None:  # type: ignore[no-untyped-def]
-    _proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     # The child says it is pid 1 (as a probe in a container's pid namespace could) and also
     # sends records for pid 2. What it says of "itself" lands on its kernel pid (SO_PEERCRED);
     # records for any other pid are dropped and counted.
     child = _child(sock, claimed_pid=1)
-    errors = _wait(lambda: {lab["reason"]: v for lab, v in _scrape(port).get("gpufootprint_ingest_errors_total", [])
+    errors = wait(lambda: {lab["reason"]: v for lab, v in scrape(port).get("gpufootprint_ingest_errors_total", [])
                             if lab["reason"] == "pid_mismatch"})
     assert errors["pid_mismatch"] >= 1
-    assert _wait(lambda: _live(port, child.pid) == {"device": 64 << 20})
+    assert wait(lambda: _live(port, child.pid) == {"device": 64 << 20})
     assert _live(port, 1) == {} and _live(port, 2) == {}
     child.communicate("\n", timeout=10)
 
 
 def test_garbage_peer_is_cut_off_alone_and_a_good_peer_is_untouched(daemon) -> None:  # type: ignore[no-untyped-def]
-    proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     good = _child(sock, goodbye=False)
     bad = socket.socket(socket.AF_UNIX)
     bad.connect(str(sock))
@@ -145,23 +97,23 @@ def test_garbage_peer_is_cut_off_alone_and_a_good_peer_is_untouched(daemon) -> N
     bad.settimeout(5)
     assert bad.recv(1) == b"", "the daemon closes the bad peer"
     bad.close()
-    assert _wait(lambda: _live(port, good.pid) == {"device": 64 << 20})
-    assert proc.poll() is None
+    assert wait(lambda: _live(port, good.pid) == {"device": 64 << 20})
+    assert daemon.proc.poll() is None
     # The count reaches /metrics with the next snapshot (every daemon.tick_ms).
-    bad_frames = _wait(lambda: {lab["reason"]: v for lab, v in
-                                _scrape(port).get("gpufootprint_ingest_errors_total", [])}.get("bad_frame"))
+    bad_frames = wait(lambda: {lab["reason"]: v for lab, v in
+                                scrape(port).get("gpufootprint_ingest_errors_total", [])}.get("bad_frame"))
     assert bad_frames >= 1
     good.communicate("\n", timeout=10)
 
 
 def test_demo_serves_non_zero_live_bytes_within_10_seconds() -> None:
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
                              "--duration", "30"], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        live = _wait(lambda: [v for lab, v in _scrape(port).get("gpufootprint_live_bytes", [])
+        live = wait(lambda: [v for lab, v in scrape(port).get("gpufootprint_live_bytes", [])
                               if lab["kind"] == "device" and v > 0], timeout=10)
         assert live and time.monotonic() - started < 10
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
@@ -173,13 +125,13 @@ def test_demo_serves_non_zero_live_bytes_within_10_seconds() -> None:
 
 
 def test_daemon_without_gpu_says_so_once_and_keeps_serving(daemon) -> None:  # type: ignore[no-untyped-def]
-    proc, port, _sock = daemon
-    metrics = _scrape(port)
+    port = daemon.port
+    metrics = scrape(port)
     present = metrics["gpufootprint_daemon_gpu_present"][0][1]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
         assert resp.status == 200
-    proc.terminate()
-    _out, err = proc.communicate(timeout=10)
+    returncode = daemon.stop()
+    err = daemon.log()
     if present == 0:
         assert err.count("no GPU") == 1, err
-    assert proc.returncode == 0
+    assert returncode == 0

@@ -14,10 +14,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.proctime import process_start_wall
+
 from tests.conftest import cli_env
-from tests.integration.test_daemon import _free_port, _wait
+from tests.daemon_process import free_port, wait
 
 pytestmark = pytest.mark.integration
 
@@ -31,14 +31,14 @@ def test_degradation_advice_is_logged_once_per_process_across_loops(tmp_path: Pa
     assert r.returncode == 0, r.stderr[-2000:]
     advice = [m.groups() for m in re.finditer(r'degradation advice"? gpu=(\d+) pid=(\d+) advice=(\w+)', r.stderr)]
     assert advice, r.stderr[-2000:]  # there is advice to log
-    loops = len(re.findall(r"^\s+855\s", r.stdout, flags=re.M))
+    loops = len(re.findall(r"^\s+855\s", r.stdout, flags=re.MULTILINE))
     assert loops >= 2  # the demo's screen came round more than once (and the traces looped many times)
     repeated = {k: n for k, n in Counter(advice).items() if n > 1}
     assert not repeated, repeated
 
 
 def test_the_cost_ledger_starts_with_the_process(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
                           "--duration", "30"], env=cli_env(), cwd=tmp_path, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
@@ -50,7 +50,7 @@ def test_the_cost_ledger_starts_with_the_process(tmp_path: Path) -> None:
             gpus = (doc.get("cost") or {}).get("gpus") or []
             return {"taken_at": doc["taken_at"], "wall": gpus[0]["wall_seconds"]} if gpus else None
 
-        got = _wait(cost, timeout=30)
+        got = wait(cost, timeout=30)
         time.sleep(0.5)
         got = cost() or got
     finally:

@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from gpufootprint.app import App
 from gpufootprint.configload import load_config
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def _if(value: Any, pred: Any) -> Any:
+    """``value`` where ``pred(value)`` holds, else None (what a wait polls for)."""
+    return value if pred(value) else None
+
 
 
 def _scrape(port: int, auth: str | None = None) -> dict[str, float]:
@@ -86,8 +91,8 @@ def test_refused_credentials_are_counted_in_metrics(tmp_path: Path) -> None:
             with pytest.raises(urllib.error.HTTPError) as exc:
                 _scrape(port, auth)
             assert exc.value.code == 401
-        m = _until(lambda: (lambda m: m if m.get("gpufootprint_exporter_auth_failures_total") == 3 else None)(
-            _scrape(port, "prometheus:s3cret")))
+        m = _until(lambda: _if(_scrape(port, "prometheus:s3cret"), lambda m: (
+                m.get("gpufootprint_exporter_auth_failures_total") == 3)))
         assert m["gpufootprint_exporter_renders_total"] >= 1
         assert m["gpufootprint_exporter_render_errors_total"] == 0
         assert m["gpufootprint_exporter_http_accept_errors_total"] == 0

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, cli_env
-from tests.integration.test_faults import DaemonProcess, _value, _wait
+from tests.daemon_process import DaemonProcess
+from tests.integration.test_faults import _SETTINGS, _value, _wait
 from tests.integration.test_local_attacks import _status
 from tests.probe_process import finish_probe_child, start_probe_child
 
@@ -42,7 +43,7 @@ class Node:
         args = ["--set", "daemon.socket_mode=0666", "--set", "exporter.render_interval_ms=100"]
         for s in settings:
             args += ["--set", s]
-        self.daemon = DaemonProcess(tmp, *args).ready()
+        self.daemon = DaemonProcess(tmp, *_SETTINGS, *args).ready()
         self.sock = str(self.daemon.sock)
         self.procs: list[subprocess.Popen[str]] = []
 

@@ -11,7 +11,6 @@ import grp
 import json
 import os
 import random
-import resource
 import signal
 import socket
 import ssl
@@ -29,15 +28,21 @@ from gpufootprint.errors import ConfigError
 from gpufootprint.ingest.transport import bind_probe_socket
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json
-from tests.integration.test_daemon import _free_port, _scrape
 from gpufootprint.wire.sources import TraceFile
 
 from tests.conftest import ALLOC, DATA, ROOT, cli_env, mem, mem_batch
+from tests.daemon_process import free_port, scrape
 from tests.probe_process import CHILD, finish_probe_child, start_probe_child
 
 
+def _if(value: Any, pred: Any) -> Any:
+    """``value`` where ``pred(value)`` holds, else None (what a wait polls for)."""
+    return value if pred(value) else None
+
+
+
 def _metrics(port: int, opener: Any = None, scheme: str = "http") -> dict[str, list[tuple[dict[str, str], float]]]:
-    return _scrape(port, opener=opener, scheme=scheme)
+    return scrape(port, opener=opener, scheme=scheme)
 
 
 def _value(m: dict[str, Any], name: str, **labels: str) -> float | None:
@@ -61,57 +66,8 @@ def _wait(pred, timeout: float = 15.0):  # type: ignore[no-untyped-def]
     raise AssertionError(f"not reached in {timeout} s (last {last!r})")
 
 
-class DaemonProcess:
-    def __init__(self, tmp: Path, *args: str, config: Path | None = None, nofile: int | None = None) -> None:
-        self.port = _free_port()
-        self.sock = tmp / f"probe-{self.port}.sock"
-        cmd = [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(self.sock),
-               "--listen", f"127.0.0.1:{self.port}", "--set", "footprint.reorder_window_ms=0",
-               "--set", "nvml.enabled=false", *args]
-        if config is not None:
-            cmd += ["--config", str(config)]
-        self.err_path = tmp / f"daemon-{self.port}.log"
-        self.err = open(self.err_path, "w")  # noqa: SIM115
-        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-        self.proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=self.err, text=True,
-                                     preexec_fn=limit)
-
-    def ready(self, **kw: Any) -> DaemonProcess:
-        _wait(lambda: self.sock.exists() and self.metrics(**kw) is not None)
-        return self
-
-    def metrics(self, **kw: Any) -> dict[str, Any]:
-        return _metrics(self.port, **kw)
-
-    def log(self) -> str:
-        self.err.flush()
-        return self.err_path.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.err.close()
-        return int(self.proc.returncode)
-
-
-@pytest.fixture
-def daemons(tmp_path: Path):  # type: ignore[no-untyped-def]
-    made: list[DaemonProcess] = []
-
-    def start(*args: str, config: Path | None = None, nofile: int | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path, *args, config=config, nofile=nofile)
-        made.append(d)
-        return d
-
-    yield start
-    for d in made:
-        d.stop()
+# What every daemon of these tests runs with: records applied as they come, no NVML.
+_SETTINGS = ("--set", "footprint.reorder_window_ms=0", "--set", "nvml.enabled=false")
 
 
 def probe_child(sock: str | Path, sync: Path, *steps: str, **env: str) -> subprocess.Popen[str]:
@@ -130,7 +86,7 @@ def _touch_when(path: Path, timeout: float = 30) -> None:
 
 
 def test_sigterm_shuts_down_cleanly_applies_what_is_pending_and_removes_the_socket(daemons, tmp_path: Path) -> None:
-    d = daemons("--set", "footprint.reorder_window_ms=600000").ready()
+    d = daemons(*_SETTINGS, "--set", "footprint.reorder_window_ms=600000").ready()
     s = socket.socket(socket.AF_UNIX)
     s.connect(str(d.sock))
     pid = os.getpid()
@@ -156,12 +112,12 @@ def _write_config(path: Path, text: str) -> None:
 def test_sighup_applies_a_new_config_and_refuses_an_invalid_one_keeping_the_old(daemons, tmp_path: Path) -> None:
     cfg = tmp_path / "gpufootprint.yaml"
     _write_config(cfg, "daemon:\n  max_connections: 50\n")
-    d = daemons(config=cfg).ready()
+    d = daemons(*_SETTINGS, config=cfg).ready()
     # GIVEN a valid change: at most one connection
     _write_config(cfg, "daemon:\n  max_connections: 1\n  socket_mode: '0666'\n")
     d.proc.send_signal(signal.SIGHUP)
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_daemon_config_reloads_total", result="applied") == 1
-                       else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_daemon_config_reloads_total", result="applied") == 1)))
     assert _value(m, "gpufootprint_daemon_config_last_reload_successful") == 1
     first, second = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
     first.connect(str(d.sock))
@@ -176,8 +132,8 @@ def test_sighup_applies_a_new_config_and_refuses_an_invalid_one_keeping_the_old(
     # WHEN the file becomes invalid
     _write_config(cfg, "daemon:\n  max_connections: -5\n")
     d.proc.send_signal(signal.SIGHUP)
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_daemon_config_reloads_total", result="refused") == 1
-                       else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_daemon_config_reloads_total", result="refused") == 1)))
     # THEN it is refused in one log line, the old configuration stays, the daemon serves on
     assert _value(m, "gpufootprint_daemon_config_last_reload_successful") == 0
     refused = [ln for ln in d.log().splitlines() if "config reload refused" in ln]
@@ -216,15 +172,15 @@ time.sleep(60)
 
 
 def test_a_probe_killed_in_the_middle_of_a_large_frame_is_counted_and_forgotten(daemons) -> None:
-    d = daemons("--set", "footprint.process_grace_seconds=0.5").ready()
+    d = daemons(*_SETTINGS, "--set", "footprint.process_grace_seconds=0.5").ready()
     code = _MID_FRAME.format(root=str(ROOT), daemon=str(ROOT / "daemon"), sock=str(d.sock))
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=cli_env())
     assert child.stdout is not None and int(child.stdout.readline()) > 8 << 20
     _wait(lambda: _value(d.metrics(), "gpufootprint_daemon_buffered_bytes") > 4 << 20)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_daemon_disconnects_total", reason="truncated_frame")
-                       == 1 else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_daemon_disconnects_total", reason="truncated_frame") == 1)))
     assert _value(m, "gpufootprint_daemon_buffered_bytes") == 0
     # Its pid is gone, so it is marked exited and, after the grace, forgotten.
     _wait(lambda: all(lab.get("pid") != str(child.pid) for lab, _ in d.metrics().get("gpufootprint_device_bytes", [])
@@ -235,7 +191,7 @@ def test_a_probe_killed_in_the_middle_of_a_large_frame_is_counted_and_forgotten(
 def test_probe_sent_and_dropped_reconcile_with_what_the_daemon_received_across_a_stall(daemons,
                                                                                         tmp_path: Path) -> None:
     # GIVEN a probe with a small (1 MiB) send buffer reporting to a daemon that stalls (SIGSTOP) mid-run
-    d = daemons().ready()
+    d = daemons(*_SETTINGS).ready()
     sync = tmp_path / "sync"
     sync.mkdir()
     p = probe_child(d.sock, sync, "burst:500", "sleep:0.5", "touch:ready", "wait:stopped", "burst:20000",
@@ -253,9 +209,9 @@ def test_probe_sent_and_dropped_reconcile_with_what_the_daemon_received_across_a
     assert st["records_sent"] + st["records_dropped"] == made
     assert st["records_dropped"] > 0, "the stall made the probe shed records (counted)"
     # ... and what the probe counts as sent is exactly what the daemon received
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_probe_records_sent_total", pid=str(p.pid))
-                       == st["records_sent"] and _value(m, "gpufootprint_daemon_disconnects_total", reason="goodbye")
-                       else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_probe_records_sent_total", pid=str(p.pid)) == st["records_sent"]
+            and _value(m, "gpufootprint_daemon_disconnects_total", reason="goodbye"))))
     assert _value(m, "gpufootprint_daemon_records_received_total", pid=str(p.pid)) == st["records_sent"]
     assert _value(m, "gpufootprint_probe_records_dropped_total", pid=str(p.pid)) == st["records_dropped"]
     assert _value(m, "gpufootprint_daemon_disconnects_total", reason="goodbye") == 1
@@ -302,7 +258,7 @@ def test_out_of_file_descriptors_the_daemon_keeps_a_reserve_counts_accept_errors
 
     # GIVEN a daemon allowed 128 descriptors (more probe connections than that are allowed by
     # daemon.max_connections) and a good probe connected to it
-    d = daemons("--set", "daemon.hello_timeout_seconds=0", nofile=NOFILE).ready()
+    d = daemons(*_SETTINGS, "--set", "daemon.hello_timeout_seconds=0", nofile=NOFILE).ready()
     good = GoodPeer(str(d.sock))
     blocks = good.blocks
 
@@ -322,8 +278,8 @@ def test_out_of_file_descriptors_the_daemon_keeps_a_reserve_counts_accept_errors
     assert len(flood) == NOFILE + 40
     # THEN the daemon keeps descriptors in reserve: the connections past it are refused and counted,
     # /metrics still answers during the flood and the good probe goes on reporting
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_daemon_connections_refused_total",
-                                             reason="fd_limit") else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_daemon_connections_refused_total", reason="fd_limit"))))
     held = _value(m, "gpufootprint_daemon_probe_connections")
     assert held is not None and NOFILE // 2 < held < NOFILE - 8, held
     blocks = good.step()
@@ -362,8 +318,8 @@ def test_out_of_file_descriptors_the_daemon_keeps_a_reserve_counts_accept_errors
         s.close()
     _wait(lambda: _value(d.metrics(), "gpufootprint_daemon_probe_connections") == 1, timeout=30)
     newcomer = GoodPeer(str(d.sock))
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_device_bytes", pid=str(newcomer.pid)) == 1 << 20
-                       else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_device_bytes", pid=str(newcomer.pid)) == 1 << 20)))
     assert _value(m, "gpufootprint_daemon_probe_connections") == 2
     assert _value(m, "gpufootprint_daemon_records_received_total", pid=str(newcomer.pid)) == 1
     good.close()
@@ -417,7 +373,7 @@ def _mutate(rng: random.Random, frames: list[bytes]) -> bytes:
 
 def test_fuzzed_real_frames_never_crash_the_daemon_and_a_good_probe_keeps_reporting(daemons,
                                                                                     tmp_path: Path) -> None:
-    d = daemons("--set", "daemon.hello_timeout_seconds=2").ready()
+    d = daemons(*_SETTINGS, "--set", "daemon.hello_timeout_seconds=2").ready()
     sync = tmp_path / "sync"
     sync.mkdir()
     good = probe_child(d.sock, sync, "alloc:0x1000:1000", "mark:m", "touch:up", "wait:fuzzed",
@@ -441,10 +397,10 @@ def test_fuzzed_real_frames_never_crash_the_daemon_and_a_good_probe_keeps_report
     st = finish(good)["status"]
     assert st["records_dropped"] == 0 and st["reconnects"] == 0, "the good probe was never disturbed"
     # (fuzzed peers may end with a valid GOODBYE too: wait for the good probe's own end)
-    m = _wait(lambda: (lambda m: m if _value(m, "gpufootprint_live_bytes", pid=str(good.pid)) is None
-                       and _value(m, "gpufootprint_daemon_records_received_total", pid=str(good.pid))
-                       == st["records_sent"] and sum(v for _, v in m.get("gpufootprint_daemon_disconnects_total", []))
-                       == n + 1 else None)(d.metrics()))
+    m = _wait(lambda: _if(d.metrics(), lambda m: (
+            _value(m, "gpufootprint_live_bytes", pid=str(good.pid)) is None
+            and _value(m, "gpufootprint_daemon_records_received_total", pid=str(good.pid)) == st["records_sent"]
+            and sum(v for _, v in m.get("gpufootprint_daemon_disconnects_total", [])) == n + 1)))
     assert d.proc.poll() is None
     disc = {lab["reason"]: v for lab, v in m["gpufootprint_daemon_disconnects_total"]}
     assert sum(disc.values()) == n + 1, disc  # every connection ended exactly once, with a reason
@@ -519,13 +475,13 @@ def _opener(cert: Path, user: str | None = None, password: str | None = None) ->
 def test_web_config_file_serves_tls_with_basic_auth_and_sighup_rotates_the_users(daemons, tmp_path: Path) -> None:
     import bcrypt
 
-    cert, key = _self_signed(tmp_path)
+    cert, _key = _self_signed(tmp_path)
     web = tmp_path / "web.yaml"
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=10)).decode().replace("$2b$", "$2y$", 1)
     web.write_text(f"tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
                    f"http_server_config:\n  headers:\n    X-Content-Type-Options: nosniff\n"
                    f"basic_auth_users:\n  prometheus: {hashed}\n")
-    d = daemons("--web.config.file", str(web))
+    d = daemons(*_SETTINGS, "--web.config.file", str(web))
     ok = _opener(cert, "prometheus", "s3cret")
     d.ready(opener=ok, scheme="https")
     assert "gpufootprint_build_info" in d.metrics(opener=ok, scheme="https")
@@ -559,7 +515,7 @@ def test_a_bad_web_config_file_stops_the_daemon_at_start_naming_the_key(tmp_path
     web = tmp_path / "web.yaml"
     web.write_text(text)
     r = subprocess.run([sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(tmp_path / "s.sock"),
-                        "--listen", f"127.0.0.1:{_free_port()}", "--web.config.file", str(web)],
+                        "--listen", f"127.0.0.1:{free_port()}", "--web.config.file", str(web)],
                        env=cli_env(), capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and where in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode, encode_batch, encode_json, encode_watermark
+from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
+
 from tests.conftest import ALLOC, FREE, ROOT, cli_env, mem, mem_batch
 
 
@@ -106,24 +106,6 @@ class GoodPeer:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.communicate("", timeout=10)
-
-
-@pytest.fixture
-def live(tmp_path: Path):  # type: ignore[no-untyped-def]
-    made: list[tuple[LiveServer, GoodPeer]] = []
-
-    def start(**daemon: Any) -> tuple[LiveServer, GoodPeer]:
-        path = str(tmp_path / f"d{len(made)}.sock")
-        srv = LiveServer(path, **daemon)
-        good = GoodPeer(path)
-        srv.wait(lambda: srv.device_bytes(good.pid) == 1 << 20)
-        made.append((srv, good))
-        return srv, good
-
-    yield start
-    for srv, good in made:
-        good.close()
-        srv.stop()
 
 
 def _good_still_reports(srv: LiveServer, good: GoodPeer) -> None:
@@ -330,9 +312,8 @@ def test_heartbeat_counter_names_and_hello_fields_are_bounded_before_they_reach_
 
 
 def test_label_values_are_cut_with_a_hash_and_cleaned_at_scrape_time() -> None:
-    from prometheus_client.core import GaugeMetricFamily
-
     from gpufootprint.exporter.cardinality import safe_label_value, sanitize_label_values
+    from prometheus_client.core import GaugeMetricFamily
 
     a, b = "x" * 300 + "a", "x" * 300 + "b"
     assert len(safe_label_value(a, 64)) == 64 and safe_label_value(a, 64) != safe_label_value(b, 64)
@@ -383,7 +364,7 @@ def test_control_frames_to_a_probe_that_does_not_read_are_never_torn(tmp_path: P
 
 
 def test_a_probe_that_exits_after_goodbye_with_control_frames_unread_ends_cleanly(live) -> None:
-    srv, good = live()
+    srv, _good = live()
     s = _connect(srv.server.socket_path)
     s.sendall(PREAMBLE + _hello(os.getpid()) + encode_json(FrameType.GOODBYE, {}))
     srv.wait(lambda: any(c.goodbye for c in list(srv.server._conns.values())))

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.integration.test_faults import DaemonProcess, daemons  # noqa: F401
+from tests.integration.test_faults import _SETTINGS
 
 
 def _scrape(port: int, method: str = "GET", path: str = "/metrics") -> tuple[int, bytes, dict[str, str]]:
@@ -47,7 +47,7 @@ def _slow_sockets(port: int, n: int) -> list[socket.socket]:
 def test_scrapes_are_answered_with_three_thousand_slow_header_sockets_open(daemons) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
-    d = daemons().ready()
+    d = daemons(*_SETTINGS).ready()
     held = _slow_sockets(d.port, 3000)
     try:
         for _ in range(20):
@@ -65,7 +65,7 @@ def test_scrapes_are_answered_with_three_thousand_slow_header_sockets_open(daemo
 
 
 def test_five_hundred_concurrent_scrapes_are_all_answered(daemons) -> None:
-    d = daemons().ready()
+    d = daemons(*_SETTINGS).ready()
     results: list[int] = []
     lock = threading.Lock()
 
@@ -130,7 +130,7 @@ def test_a_request_dribbled_a_byte_at_a_time_is_cut_off_at_the_whole_request_dea
 
 
 def test_head_answers_like_get_without_a_body_and_keep_alive_serves_several_requests(daemons) -> None:
-    d = daemons().ready()
+    d = daemons(*_SETTINGS).ready()
     status, body, headers = _scrape(d.port, "HEAD")
     assert status == 200 and body == b"" and int(headers["content-length"]) > 0
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=20)

@@ -20,13 +20,12 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
-from tests.conftest import ALLOC, cli_env, mem, mem_batch
-from tests.integration.test_daemon import _free_port, _scrape, _wait
-from tests.integration.test_hostile_peers import GoodPeer, LiveServer, _connect, _good_still_reports, live  # noqa: F401
+
+from tests.conftest import ALLOC, cli_env
+from tests.daemon_process import free_port, scrape, wait
+from tests.integration.test_hostile_peers import GoodPeer, LiveServer, _connect, _good_still_reports
 
 ME = os.getpid()
 
@@ -173,8 +172,8 @@ def test_live_allocations_past_the_bound_are_refused_and_the_rest_is_exact(live)
 
 def test_records_held_back_past_the_pending_bound_are_applied_not_hoarded(tmp_path: Path) -> None:
     from gpufootprint.configload import load_config
-    from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.pipeline import Pipeline
 
     # a long reorder window: records wait for the watermark, as they do in the daemon's default
     cfg = load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000,
@@ -224,7 +223,7 @@ def test_metadata_a_process_keeps_is_bounded(live) -> None:
 
 
 def _metrics(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
-    return _scrape(port, timeout=10)  # a longer wait: the daemon is under attack here
+    return scrape(port, timeout=10)  # a longer wait: the daemon is under attack here
 
 
 def _status(port: int, path: str) -> int:
@@ -236,15 +235,12 @@ def _status(port: int, path: str) -> int:
 
 
 def _until(pred, timeout: float = 20.0):  # type: ignore[no-untyped-def]
-    return _wait(pred, timeout)  # longer than its default: the daemon is under attack here
+    return wait(pred, timeout)  # longer than its default: the daemon is under attack here
 
 
-def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_moving_metrics(tmp_path: Path) -> None:
-    port, sock = _free_port(), str(tmp_path / "probe.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock, "--listen",
-                               f"127.0.0.1:{port}", "--set", "footprint.reorder_window_ms=0",
-                               "--set", "exporter.render_interval_ms=100"],
-                              env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_moving_metrics(daemons) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemons("--set", "footprint.reorder_window_ms=0", "--set", "exporter.render_interval_ms=100")
+    port, sock = daemon.port, str(daemon.sock)
     good = None
     try:
         _until(lambda: Path(sock).exists() and _status(port, "/readyz") == 200)
@@ -256,7 +252,7 @@ def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_mov
                            if lab.get("reason") == "bad_size"))
         for _ in range(3):
             n = good.step()
-            _until(lambda: any(v == n << 20 for lab, v in _metrics(port).get("gpufootprint_live_bytes", [])
+            _until(lambda n=n: any(v == n << 20 for lab, v in _metrics(port).get("gpufootprint_live_bytes", [])
                                if lab.get("pid") == str(good.pid) and lab.get("kind") == "device"))
         m = _metrics(port)
         assert m["gpufootprint_daemon_snapshot_age_seconds"][0][1] < 5
@@ -266,9 +262,8 @@ def test_the_daemon_process_survives_the_overflow_batch_with_true_health_and_mov
     finally:
         if good is not None:
             good.close()
-        daemon.terminate()
-        _, err = daemon.communicate(timeout=20)
-    assert daemon.returncode == 0, err[-2000:]
+        returncode = daemon.stop()
+    assert returncode == 0, daemon.log()[-2000:]
 
 
 def test_failing_ticks_make_readyz_fail_and_the_snapshot_age_grow_at_scrape_time(tmp_path: Path,
@@ -304,7 +299,7 @@ def test_failing_ticks_make_readyz_fail_and_the_snapshot_age_grow_at_scrape_time
 
 def _daemon(sock: str, **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock, "--listen",
-                             f"127.0.0.1:{_free_port()}"], env=cli_env(), stdout=subprocess.DEVNULL,
+                             f"127.0.0.1:{free_port()}"], env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]
 
 
@@ -315,8 +310,8 @@ def test_a_second_daemon_refuses_to_start_on_a_live_daemons_socket_with_one_line
         _until(lambda: Path(sock).exists())
         ino = os.stat(sock).st_ino
         second = subprocess.run([sys.executable, "-m", "gpufootprint", "daemon", "--socket", sock, "--listen",
-                                 f"127.0.0.1:{_free_port()}"], env=cli_env(), capture_output=True, text=True,
-                                timeout=60)
+                                 f"127.0.0.1:{free_port()}"], env=cli_env(), capture_output=True, text=True,
+                                timeout=60, check=False)
         assert second.returncode != 0
         assert "in use by another gpufootprint daemon" in second.stderr and f"pid {first.pid}" in second.stderr
         errors = [ln for ln in second.stderr.splitlines() if "error:" in ln]
@@ -334,8 +329,8 @@ def test_a_second_daemon_refuses_to_start_on_a_live_daemons_socket_with_one_line
 
 def test_a_stopping_daemon_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -> None:
     from gpufootprint.configload import load_config
-    from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.pipeline import Pipeline
 
     path = str(tmp_path / "probe.sock")
     cfg = load_config(env={})
@@ -360,8 +355,8 @@ def test_a_stopping_daemon_leaves_a_socket_that_is_not_its_own(tmp_path: Path) -
 
 def test_the_probe_socket_listens_with_the_systems_largest_backlog(tmp_path: Path) -> None:
     from gpufootprint.configload import load_config
-    from gpufootprint.pipeline import Pipeline
     from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.pipeline import Pipeline
 
     path = str(tmp_path / "probe.sock")
     cfg = load_config(env={})

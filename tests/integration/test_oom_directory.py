@@ -5,30 +5,20 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.cli.common import check_oom_directory
 from gpufootprint.configload import load_config
 from gpufootprint.errors import ConfigError
 from gpufootprint.statedir import SYSTEM_OOM_DIRECTORY, default_oom_directory
+
 from tests.conftest import cli_env
-from tests.integration.test_daemon import _free_port, _scrape, _wait
+from tests.daemon_process import scrape, wait
 
 pytestmark = pytest.mark.integration
-
-
-def _daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "gpufootprint", "daemon", "--listen", f"127.0.0.1:{port}",
-                          "--socket", str(tmp / "p.sock"), *extra], env=env or cli_env(), cwd=tmp,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    p.port = port  # type: ignore[attr-defined]
-    return p
 
 
 def test_an_unwritable_oom_directory_set_on_purpose_stops_the_daemon_at_start(tmp_path: Path) -> None:
@@ -41,16 +31,15 @@ def test_an_unwritable_oom_directory_set_on_purpose_stops_the_daemon_at_start(tm
                                                    "cannot write there"), r.stderr
 
 
-def test_a_writable_oom_directory_is_made_at_start_before_any_oom(tmp_path: Path) -> None:
+def test_a_writable_oom_directory_is_made_at_start_before_any_oom(tmp_path: Path, daemons) -> None:  # type: ignore[no-untyped-def]
     where = tmp_path / "captures" / "oom"
-    p = _daemon(tmp_path, "--set", f"oom.directory={where}")
+    p = daemons("--set", f"oom.directory={where}", cwd=tmp_path)
     try:
-        assert _wait(lambda: _scrape(p.port).get("gpufootprint_up") is not None or where.is_dir(), timeout=30)  # type: ignore[attr-defined]
+        assert wait(lambda: scrape(p.port).get("gpufootprint_up") is not None or where.is_dir(), timeout=30)
         assert where.is_dir() and list(where.iterdir()) == []  # made, and the write check left nothing behind
     finally:
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=30)
-    assert "oom captures disabled" not in err, err
+        p.stop()
+    assert "oom captures disabled" not in p.log(), p.log()
 
 
 def test_the_default_is_var_lib_for_root_and_the_xdg_state_directory_otherwise(tmp_path: Path) -> None:
@@ -61,18 +50,17 @@ def test_the_default_is_var_lib_for_root_and_the_xdg_state_directory_otherwise(t
     assert load_config(None, env={}).oom.directory == ""  # empty: the default for whoever runs the daemon
 
 
-def test_without_root_the_default_is_written_under_the_users_state_directory(tmp_path: Path) -> None:
+def test_without_root_the_default_is_written_under_the_users_state_directory(tmp_path: Path, daemons) -> None:  # type: ignore[no-untyped-def]
     if os.geteuid() == 0:
         pytest.skip("running as root here, where the default is /var/lib/gpufootprint/oom (checked above); "
                     "the interpreter of this venv is not readable by another user, so no non-root daemon can run")
     env = {**cli_env(), "XDG_STATE_HOME": str(tmp_path / "state")}
-    p = _daemon(tmp_path, env=env)
+    p = daemons(env=env, cwd=tmp_path)
     try:
-        assert _wait(lambda: (tmp_path / "state" / "gpufootprint" / "oom").is_dir(), timeout=30)
+        assert wait(lambda: (tmp_path / "state" / "gpufootprint" / "oom").is_dir(), timeout=30)
     finally:
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=30)
-    assert "oom captures disabled" not in err, err
+        p.stop()
+    assert "oom captures disabled" not in p.log(), p.log()
 
 
 def test_an_unwritable_default_is_one_warning_line_and_the_daemon_runs(monkeypatch: pytest.MonkeyPatch,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import cli_env
-from tests.integration.test_daemon import _free_port, _scrape, _wait
+from tests.daemon_process import scrape, wait
 from tests.probe_process import finish_probe_child, start_probe_child
 
 pytestmark = pytest.mark.integration
@@ -25,32 +25,15 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
-    yield from _daemon(tmp_path, "--set", "footprint.reorder_window_ms=0", "--set", "oom.coalesce_seconds=0.5")
+def daemon(daemons, tmp_path: Path):  # type: ignore[no-untyped-def]
+    return daemons("--set", f"oom.directory={tmp_path / 'oom'}", "--set", "footprint.reorder_window_ms=0",
+                   "--set", "oom.coalesce_seconds=0.5").ready()
 
 
 @pytest.fixture
-def default_daemon(tmp_path: Path):  # type: ignore[no-untyped-def]
+def default_daemon(daemons, tmp_path: Path):  # type: ignore[no-untyped-def]
     """The daemon as deployed: every timing at its default."""
-    yield from _daemon(tmp_path)
-
-
-def _daemon(tmp_path: Path, *settings: str):  # type: ignore[no-untyped-def]
-    port = _free_port()
-    sock = tmp_path / "probe.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpufootprint", "daemon", "--socket", str(sock), "--listen", f"127.0.0.1:{port}",
-         "--set", f"oom.directory={tmp_path / 'oom'}", *settings],
-        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait(lambda: sock.exists() and _scrape(port) is not None)
-        yield proc, port, sock
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return daemons("--set", f"oom.directory={tmp_path / 'oom'}").ready()
 
 
 def _get(port: int, path: str) -> Any:
@@ -60,11 +43,11 @@ def _get(port: int, path: str) -> Any:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpufootprint", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
 
 
 def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tmp_path: Path) -> None:
-    proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     # GIVEN a process holding 3 MiB that then fails cuMemAlloc_v2 twice (a framework's retry)
     child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "alloc:0x400000:1048576",
                               "sleep:0.2", "apicall:243:2", "apicall:243:2", "sleep:1.5")
@@ -74,11 +57,11 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     # the daemon reads CUPTI's buffers itself (they are forwarded unread): the probe still saw the failures
     assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 2
     # THEN one event in /metrics, for that pid
-    events = _wait(lambda: [v for labels, v in _scrape(port).get("gpufootprint_oom_events_total", [])
+    events = wait(lambda: [v for labels, v in scrape(port).get("gpufootprint_oom_events_total", [])
                             if labels["pid"] == str(pid)], timeout=20)
     assert events == [1.0]
     # AND /api/oom lists its capture, with the footprint at the failure
-    (event,) = _wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("report")], timeout=30)
+    (event,) = wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("report")], timeout=30)
     assert event["footprint_bytes"] == 3 * MiB and event["failed_calls"] == 2 and event["seen_by"] == ["cupti"]
     capture = tmp_path / "oom" / event["capture"]
     assert capture.exists() and (tmp_path / "oom" / event["report"]).exists()
@@ -93,8 +76,8 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     (line,) = [ln for ln in lines if ln.split()[:1] == [str(pid)]]
     assert line.rstrip().endswith(" 1")  # the OOM column
     # AND the daemon logged one line for it
-    proc.terminate()
-    _, err = proc.communicate(timeout=20)
+    daemon.stop()
+    err = daemon.log()
     oom_lines = [ln for ln in err.splitlines() if f"oom pid={pid} " in ln]
     assert len(oom_lines) == 1 and "footprint_bytes=3145728" in oom_lines[0] and "requested_bytes=unknown" in oom_lines[0]
     # AND the capture replays to its own mark and exports for PyTorch's memory viewer
@@ -112,32 +95,32 @@ def test_a_runtime_oom_is_seen_with_the_defaults_while_buffers_are_forwarded(dae
     """CuPy's way to an OOM: cudaMalloc fails; only the runtime's API record says so (the driver
     call inside writes none). Buffers holding those RUNTIME records go to the daemon unread, and
     the daemon must step over them without losing the memory records beside them."""
-    proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "sleep:0.2",
                               "rtcall:20:0", "alloc:0x400000:1048576", "rtcall:20:2", "sleep:1.5")
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 1
-    (event,) = _wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("capture")], timeout=30)
+    (event,) = wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("capture")], timeout=30)
     # the footprint at the failure holds both allocations: the records beside the RUNTIME ones were read
     assert event["footprint_bytes"] == 3 * MiB and event["seen_by"] == ["cupti"] and event["failed_calls"] == 1
-    drift = _scrape(port).get("gpufootprint_footprint_drift_mismatches_total", [])
+    drift = scrape(port).get("gpufootprint_footprint_drift_mismatches_total", [])
     assert not [v for labels, v in drift if labels.get("pid") == str(pid) and v]
 
 
 def test_pytorchs_oom_observer_adds_the_requested_size(daemon: Any, tmp_path: Path) -> None:
-    proc, port, sock = daemon
+    port, sock = daemon.port, daemon.sock
     child = start_probe_child(sock, tmp_path, "faketorch", "sleep:0.3", "alloc:0x1000:4194304", "sleep:0.2",
                               "apicall:243:2", "torchoom:1073741824", "sleep:1.5", GPUFOOTPRINT_PROBE_OOM_RECORDS="1")
     finish_probe_child(child)
-    (event,) = _wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == child.pid and e.get("capture")],
+    (event,) = wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == child.pid and e.get("capture")],
                      timeout=30)
     assert event["requested_bytes"] == 1 << 30 and event["seen_by"] == ["cupti", "torch"]
     assert event["footprint_bytes"] == 4 * MiB and event["notices"] == 2
 
 
 def _live_device(port: int, pid: int) -> float | None:
-    for labels, v in _scrape(port).get("gpufootprint_live_bytes", []):
+    for labels, v in scrape(port).get("gpufootprint_live_bytes", []):
         if labels["pid"] == str(pid) and labels["kind"] == "device":
             return v
     return None
@@ -148,7 +131,7 @@ def _oom_events(port: int, pid: int) -> list[dict[str, Any]]:
 
 
 def _metric(port: int, name: str, pid: int) -> list[float]:
-    return [v for labels, v in _scrape(port).get(name, []) if labels.get("pid") == str(pid)]
+    return [v for labels, v in scrape(port).get(name, []) if labels.get("pid") == str(pid)]
 
 
 @pytest.mark.parametrize("failure", ["rtcall:20:2", "apicall:243:2"])
@@ -157,33 +140,33 @@ def test_a_process_that_survives_its_oom_keeps_streaming_and_gets_its_event_whil
     """CuPy, Numba, JAX and PyTorch each catch an out-of-memory error and go on. The daemon's live view
     must follow the survivor after the failure, and the OOM event must come while it lives, within
     2 s after the failure's 1 s recovery window closes, not at exit."""
-    proc, port, sock = default_daemon
+    port, sock = default_daemon.port, default_daemon.sock
     child = start_probe_child(sock, tmp_path, "sleep:0.5", "alloc:0x1000:2097152", "touch:first", "wait:checked_first",
                               "sleep:0.2", "touch:failing", failure, "sleep:0.3", "alloc:0x400000:1048576", "touch:second",
                               "wait:checked_second", "free:0x1000:2097152", "touch:third", "wait:checked_third")
     try:
         pid = child.pid
-        _wait(lambda: (tmp_path / "first").exists(), timeout=20)
-        assert _wait(lambda: _live_device(port, pid) == 2 * MiB, timeout=5)
+        wait(lambda: (tmp_path / "first").exists(), timeout=20)
+        assert wait(lambda: _live_device(port, pid) == 2 * MiB, timeout=5)
         (tmp_path / "checked_first").touch()
-        _wait(lambda: (tmp_path / "failing").exists(), timeout=20)
+        wait(lambda: (tmp_path / "failing").exists(), timeout=20)
         failed_at = time.monotonic()
-        _wait(lambda: (tmp_path / "second").exists(), timeout=20)
+        wait(lambda: (tmp_path / "second").exists(), timeout=20)
         # WHEN the process allocates after its failure, THEN the daemon shows it within the usual delay
-        assert _wait(lambda: _live_device(port, pid) == 3 * MiB, timeout=3)
+        assert wait(lambda: _live_device(port, pid) == 3 * MiB, timeout=3)
         # AND the OOM event, its metric and its capture come while it still runs, on time
-        (event,) = _wait(lambda: _oom_events(port, pid), timeout=6)
-        assert _wait(lambda: _metric(port, "gpufootprint_oom_events_total", pid), timeout=3) == [1.0]
+        (event,) = wait(lambda: _oom_events(port, pid), timeout=6)
+        assert wait(lambda: _metric(port, "gpufootprint_oom_events_total", pid), timeout=3) == [1.0]
         assert time.monotonic() - failed_at < 1.0 + 2.0 + 0.5  # the window, the bound, the scrape's own step
         assert child.poll() is None
         assert event["footprint_bytes"] == 2 * MiB and event["failed_calls"] == 1 and event["gpu"] == 0
-        assert _wait(lambda: [e for e in _oom_events(port, pid) if e.get("capture")], timeout=5)
+        assert wait(lambda: [e for e in _oom_events(port, pid) if e.get("capture")], timeout=5)
         assert (tmp_path / "oom" / event["capture"]).exists()
         assert child.poll() is None
         (tmp_path / "checked_second").touch()
-        _wait(lambda: (tmp_path / "third").exists(), timeout=20)
+        wait(lambda: (tmp_path / "third").exists(), timeout=20)
         # AND the stream goes on after the event
-        assert _wait(lambda: _live_device(port, pid) == 1 * MiB, timeout=3)
+        assert wait(lambda: _live_device(port, pid) == 1 * MiB, timeout=3)
         assert child.poll() is None
         (tmp_path / "checked_third").touch()
         status = finish_probe_child(child)
@@ -200,7 +183,7 @@ def test_a_program_that_fails_frees_and_fails_again_in_a_loop_gets_one_capture_a
     """A loop that catches its OOM, frees something and tries again, every 1.2 s (a training step that
     retries with a smaller batch; longer than ``oom.coalesce_seconds``) for 7 s: one event and one
     capture, made on time while the loop still runs, and every failed call counted."""
-    proc, port, sock = default_daemon
+    port, sock = default_daemon.port, default_daemon.sock
     loop = []
     for i in range(6):
         loop += ["rtcall:20:2", f"alloc:{0x100000 * (i + 1):#x}:4096", f"free:{0x100000 * (i + 1):#x}:4096",
@@ -209,19 +192,19 @@ def test_a_program_that_fails_frees_and_fails_again_in_a_loop_gets_one_capture_a
                               *loop, "touch:done", "wait:checked")
     try:
         pid = child.pid
-        _wait(lambda: (tmp_path / "failing").exists(), timeout=20)
+        wait(lambda: (tmp_path / "failing").exists(), timeout=20)
         # THEN the event comes while the loop still fails
-        (event,) = _wait(lambda: _oom_events(port, pid), timeout=4)
+        (event,) = wait(lambda: _oom_events(port, pid), timeout=4)
         assert not (tmp_path / "done").exists()
-        _wait(lambda: (tmp_path / "done").exists(), timeout=20)
+        wait(lambda: (tmp_path / "done").exists(), timeout=20)
         # AND once the episode is over every failure is counted, in one event with one capture
-        assert _wait(lambda: _metric(port, "gpufootprint_oom_failed_calls_total", pid) == [6.0], timeout=6)
+        assert wait(lambda: _metric(port, "gpufootprint_oom_failed_calls_total", pid) == [6.0], timeout=6)
         assert _metric(port, "gpufootprint_oom_events_total", pid) == [1.0]
         (event,) = _oom_events(port, pid)
         assert event["failed_calls"] == 6
-        assert _wait(lambda: _oom_events(port, pid)[0].get("capture"), timeout=5)
+        assert wait(lambda: _oom_events(port, pid)[0].get("capture"), timeout=5)
         assert len(list((tmp_path / "oom").glob("oom-*"))) == 1
-        assert [v for _, v in _scrape(port)["gpufootprint_oom_captures_total"]] == [1.0]
+        assert [v for _, v in scrape(port)["gpufootprint_oom_captures_total"]] == [1.0]
         assert child.poll() is None
     finally:
         (tmp_path / "checked").touch()

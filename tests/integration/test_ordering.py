@@ -61,7 +61,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     daemon = Daemon(sock)
     try:
         p = child(sock, tmp_path, "sleep:0.3", "touch:ready", "wait:go", "burst:20000", "touch:burst_done",
-                  "wait:resume", "sleep:3", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
+                  "wait:resume", "until:drop_resyncs:1", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
                   GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
         _wait_file(tmp_path / "ready")
         with daemon.server.lock:  # the ingest loop blocks at its next tick: nothing is read
@@ -83,25 +83,26 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
 
 
 @pytest.mark.parametrize("forward", ["1", "0"], ids=["buffers_forwarded", "buffers_read_in_the_probe"])
-def test_threads_that_reuse_each_others_addresses_read_exact_while_the_process_lives(tmp_path: Path,
-                                                                                      forward: str) -> None:
+def test_threads_that_reuse_each_others_addresses_read_exact_while_the_process_lives(tmp_path: Path, forward: str,
+                                                                                      daemons) -> None:  # type: ignore[no-untyped-def]
     """A release stamped after the reuse of its address (two threads around the driver's lock) retires
     the old allocation, in the daemon's table and the probe's alike: the live view, read while the
     process still runs, is the truth; no ingest error, no drift, every repair counted."""
-    from tests.integration.test_daemon import _scrape, _wait
-    from tests.integration.test_oom_live import _daemon, _live_device
+    from tests.daemon_process import scrape, wait
+    from tests.integration.test_oom_live import _live_device
     from tests.probe_process import finish_probe_child, start_probe_child
 
-    gen = _daemon(tmp_path)
-    _proc, port, sock = next(gen)
+    # the daemon as deployed (every timing at its default), its OOM captures kept in the test's folder
+    daemon = daemons("--set", f"oom.directory={tmp_path / 'oom'}").ready()
+    port, sock = daemon.port, daemon.sock
     try:
         p = start_probe_child(sock, tmp_path, "sleep:0.3", "alloc:0x1000:1048576", "reuse_inverted:300",
                               "touch:reused", "wait:checked", FAKE_BUFFER_RECORDS="64",
                               GPUFOOTPRINT_PROBE_FORWARD_BUFFERS=forward)
         _wait_file(tmp_path / "reused")
         truth = (1 << 20) + 300 * 65536
-        assert _wait(lambda: _live_device(port, p.pid) == truth, timeout=5)
-        metrics = _scrape(port)
+        assert wait(lambda: _live_device(port, p.pid) == truth, timeout=5)
+        metrics = scrape(port)
         errors = {labels["reason"]: v for labels, v in metrics.get("gpufootprint_ingest_errors_total", [])}
         repairs = {labels["reason"]: v for labels, v in metrics.get("gpufootprint_ingest_repairs_total", [])}
         assert errors.get("double_allocation", 0) == 0 and errors.get("release_without_allocation", 0) == 0
@@ -116,7 +117,3 @@ def test_threads_that_reuse_each_others_addresses_read_exact_while_the_process_l
         assert status["status"]["table_late_releases"] == 300 and status["status"]["table_lost_releases"] == 0
     finally:
         (tmp_path / "checked").touch()
-        try:
-            next(gen)
-        except StopIteration:
-            pass

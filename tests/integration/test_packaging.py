@@ -11,16 +11,16 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
-
 import gpufootprint
+import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.integration
+# One worker runs this file's tests (pytest-xdist --dist loadgroup): its module fixture is built once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_packaging")]
 
 
 @pytest.fixture(scope="module")

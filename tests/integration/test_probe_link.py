@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameType
 

@@ -8,6 +8,7 @@ Here the daemon's pipeline must reproduce the same footprint from the file.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,7 @@ def test_driver_api_mappings_on_every_thread_are_seen() -> None:
     marks, _ = replay("h200_probe_vmm_threads.gfp.gz")
     device = [marks[k]["live_bytes"].get("device", 0) for k in
               ("start", "main_thread", "thread_no_context", "thread_with_context", "unmapped")]
-    deltas = [b - a for a, b in zip(device, device[1:])]
+    deltas = [b - a for a, b in itertools.pairwise(device)]
     assert deltas == [2 * MiB, 4 * MiB, 6 * MiB, -12 * MiB]
     assert [marks[k]["mapped_bytes"] for k in ("main_thread", "thread_no_context", "thread_with_context")] == \
         [2 * MiB, 4 * MiB, 6 * MiB]
@@ -166,7 +167,7 @@ def test_allocation_churn_recordings_replay_exact_with_every_check_matching(allo
     assert pipeline.verify_results["match"] >= 10 and pipeline.verify_results["mismatch"] == 0
     for label, m in marks.items():
         if alloc == "async":
-            (proc,) = pipeline.processes.values()
+            (_proc,) = pipeline.processes.values()
             assert m["live_bytes"].get("device", 0) >= m["torch_memory_allocated"], label
         else:
             assert m["live_bytes"].get("device", 0) == m["torch_memory_reserved"] + library_bytes(m), label

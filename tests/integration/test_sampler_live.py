@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
-from gpufootprint.ingest.server import IngestServer
 from gpufootprint.hub import FeatureHub
+from gpufootprint.ingest.server import IngestServer
+from gpufootprint.pipeline import Pipeline
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from nvml_fake import FakeNvml

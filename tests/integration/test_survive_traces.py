@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
+
 from tests.conftest import DATA, cli_env
 
 pytestmark = pytest.mark.integration
@@ -81,7 +81,7 @@ def test_threads_that_reuse_each_others_addresses_replay_exact_with_every_invers
 def test_the_cli_replays_a_survivor_with_every_mark_equal(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     report = subprocess.run([sys.executable, "-m", "gpufootprint", "replay", str(DATA / "h200_survive_oom_cupy.gfp.gz"),
-                             "--report-json", str(out)], env=cli_env(), capture_output=True, text=True, timeout=120)
+                             "--report-json", str(out)], env=cli_env(), capture_output=True, text=True, timeout=120, check=False)
     assert report.returncode == 0, report.stderr
     assert "0 differ" in report.stderr, report.stderr
     body = json.loads(out.read_text())

@@ -13,23 +13,22 @@ from typing import Any
 
 import pyte
 import pytest
-
 from gpufootprint.top import HEADER, WIDTH, gpu_line, render, size
 
 from tests.conftest import cli_env
-from tests.integration.test_daemon import _free_port, _scrape, _wait
+from tests.daemon_process import free_port, scrape, wait
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def demo():  # type: ignore[no-untyped-def]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
                              "--duration", "120"], env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: _scrape(port).get("gpufootprint_device_bytes"), timeout=30)
+        wait(lambda: scrape(port).get("gpufootprint_device_bytes"), timeout=30)
         yield port
     finally:
         proc.terminate()
@@ -41,7 +40,7 @@ def demo():  # type: ignore[no-untyped-def]
 
 def _top(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gpufootprint", "top", *args], env=cli_env(), capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=60, check=False)
 
 
 def test_once_prints_one_frame_of_80_columns_with_every_process(demo: int) -> None:
@@ -62,17 +61,17 @@ def test_api_processes_agrees_with_metrics(demo: int) -> None:
     # the demo replays in a loop: compare one process's device bytes from two reads that agree in time
     def same() -> Any:
         a = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{demo}/api/processes", timeout=10).read())
-        m = {(lb["pid"], lb["gpu"]): v for lb, v in _scrape(demo)["gpufootprint_device_bytes"]}
+        m = {(lb["pid"], lb["gpu"]): v for lb, v in scrape(demo)["gpufootprint_device_bytes"]}
         b = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{demo}/api/processes", timeout=10).read())
         rows = {(str(r["pid"]), str(r["gpu"])): r["device_bytes"] for r in a["processes"] if not r["exited"]}
         rows_b = {(str(r["pid"]), str(r["gpu"])): r["device_bytes"] for r in b["processes"] if not r["exited"]}
         return rows if rows == rows_b and rows and all(m.get(k) == v for k, v in rows.items()) else None
 
-    assert _wait(same, timeout=30)
+    assert wait(same, timeout=30)
 
 
 def test_an_unreachable_daemon_is_a_one_line_error(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     r = _top("--once", "--url", f"http://127.0.0.1:{port}")
     assert r.returncode == 1
     assert r.stderr.strip().startswith(f"gpufootprint top: error: http://127.0.0.1:{port}/api/processes: cannot connect")
@@ -126,13 +125,13 @@ def test_the_gpu_line_fits_and_never_cuts_inside_parentheses(model: str | None) 
 
 def test_the_demo_table_lists_the_processes_top_lists(tmp_path: Path) -> None:
     """The demo's own screen and `top --once` against it show the same (process, GPU) rows."""
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "demo.out"
     with open(out, "w") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "gpufootprint", "demo", "--listen", f"127.0.0.1:{port}",
                                  "--duration", "16"], env=cli_env(), stdout=fh, stderr=subprocess.DEVNULL, text=True)
         try:
-            _wait(lambda: len(_scrape(port).get("gpufootprint_device_bytes", [])) >= 3, timeout=30)
+            wait(lambda: len(scrape(port).get("gpufootprint_device_bytes", [])) >= 3, timeout=30)
             time.sleep(3)
             r = _top("--once", "--url", f"http://127.0.0.1:{port}", "--sort", "pid")
         finally:

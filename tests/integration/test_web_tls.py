@@ -21,13 +21,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.exporter import webconfig
 from gpufootprint.exporter.http import MetricsServer
 from gpufootprint.exporter.webconfig import load_web_config
+from prometheus_client.registry import CollectorRegistry
 
-pytestmark = pytest.mark.integration
+# One worker runs this file's tests (pytest-xdist --dist loadgroup): its module fixture is built once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("test_web_tls")]
 
 Key = ec.EllipticCurvePrivateKey
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.config import Config
 from gpufootprint.configload import load_config, parse_set_option
 from gpufootprint.errors import ConfigError

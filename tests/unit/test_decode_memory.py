@@ -9,7 +9,6 @@ import tracemalloc
 from typing import Any
 
 import numpy as np
-
 from gpufootprint.configload import load_config
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline

@@ -5,15 +5,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
 from gpufootprint.snapshot import PipelineSnapshot
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
 from tests.conftest import DATA, SHARED_TRACES
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"

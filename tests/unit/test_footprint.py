@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import POOL_DTYPE, MemoryKind, PoolOp, RecordKind
+
 from tests.conftest import ALLOC, FREE, mem, mem_batch
 
 MS = 1_000_000
@@ -211,8 +211,8 @@ def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() 
 
 
 def test_timestamps_beyond_int64_are_dropped_and_counted_not_fatal() -> None:
-    from gpufootprint.ingest.session import Session
     from gpufootprint.hub import FeatureHub
+    from gpufootprint.ingest.session import Session
     from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch
 
     pipeline = Pipeline(FootprintConfig(reorder_window_ms=0), hub=FeatureHub())

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from gpufootprint.config import FeaturesConfig, FootprintConfig
 from gpufootprint.features.frames import MigrationWindow, align_pcie
+from gpufootprint.hub import FeatureHub
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.hub import FeatureHub
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from tracegen import MS, T0, cpy, mem, mset, read_jsonl, um, write_jsonl

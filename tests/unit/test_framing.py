@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from gpufootprint.errors import FrameError
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire.framing import (
@@ -15,6 +14,7 @@ from gpufootprint.wire.framing import (
     encode_watermark,
     iter_frames,
 )
+
 from tests.conftest import ALLOC, mem, mem_batch
 
 WIRE_SIZES = {RecordKind.MEMORY: 80, RecordKind.MEMORY_POOL: 64, RecordKind.MEMCPY: 60, RecordKind.MEMSET: 48,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from gpufootprint.config import Config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.server import IngestServer
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
+
 from tests.conftest import ALLOC, mem, mem_batch
 
 S = 1_000_000_000

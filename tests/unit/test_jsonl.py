@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.jsonl import write_jsonl
 from gpufootprint.wire.sources import TraceFile
+
 from tests.conftest import DATA, SHARED_TRACES
 
 
@@ -21,7 +21,7 @@ def _frames(path: Path) -> list:
 
 @pytest.mark.parametrize("name", SHARED_TRACES)
 def test_jsonl_to_native_and_back_keeps_every_line(name: str, tmp_path: Path) -> None:
-    original = [json.loads(line) for line in gzip.open(DATA / name, "rt")]
+    original = [json.loads(line) for line in gzip.decompress((DATA / name).read_bytes()).decode().splitlines()]
     out = io.StringIO()
     n = write_jsonl(_frames(DATA / name), out)
     back = [json.loads(line) for line in out.getvalue().splitlines()]

@@ -10,10 +10,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from gpufootprint.app import App
 from gpufootprint.configload import load_config
 from gpufootprint.log import JsonFormatter, LogfmtFormatter, split_fields
+
 from tests.conftest import cli_env
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 import random
 
 import numpy as np
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.exporter.collector import FootprintCollector
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMCPY_DTYPE, CopyKind, RecordKind
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
+
 from tests.conftest import ALLOC, FREE, mem, mem_batch
 
 MS = 1_000_000

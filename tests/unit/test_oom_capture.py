@@ -12,17 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.config import Config, OomConfig
-from gpufootprint.pipeline import Pipeline
+from gpufootprint.hub import FeatureHub
 from gpufootprint.ingest.session import Session
 from gpufootprint.oom.capture import Entry, roll_back
 from gpufootprint.oom.manager import CAPTURE_FILE, META_FILE, REPORT_FILE, OomManager, oom_families
 from gpufootprint.oom.recent import RecentRecords
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.recording import load, series
 from gpufootprint.records import RecordKind
 from gpufootprint.replay import replay_file
-from gpufootprint.hub import FeatureHub
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
 from tests.conftest import ALLOC, FREE, mem, mem_batch
@@ -97,7 +96,7 @@ def _workload(session: Session) -> None:
 
 
 def test_one_event_per_oom_and_a_capture_that_replays_to_the_footprint_at_the_failure(tmp_path: Path) -> None:
-    pipeline, session, manager, clock = _setup(tmp_path, seconds=60, coalesce_seconds=2)
+    _pipeline, session, manager, clock = _setup(tmp_path, seconds=60, coalesce_seconds=2)
     _workload(session)
     # GIVEN two failed calls (the framework retries after freeing a 10 MiB cache block), then the
     # PyTorch notice with the requested size, all within the coalescing window
@@ -156,7 +155,7 @@ def test_a_process_that_dies_of_its_oom_is_captured_as_it_was(tmp_path: Path) ->
 
 
 def test_separate_ooms_are_separate_events_and_old_captures_are_removed(tmp_path: Path) -> None:
-    pipeline, session, manager, clock = _setup(tmp_path, coalesce_seconds=0, max_captures=2, report=False)
+    pipeline, session, manager, _clock = _setup(tmp_path, coalesce_seconds=0, max_captures=2, report=False)
     _workload(session)
     for i in range(3):
         _feed(session, _oom_mark(T0 + (120 + i) * S))
@@ -173,7 +172,7 @@ def test_separate_ooms_are_separate_events_and_old_captures_are_removed(tmp_path
 def test_an_unwritable_directory_still_counts_and_logs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    pipeline, session, manager, clock = _setup(tmp_path, coalesce_seconds=0)
+    _pipeline, session, manager, _clock = _setup(tmp_path, coalesce_seconds=0)
     manager.config = dataclasses.replace(manager.config, directory=str(blocker / "oom"))
     _workload(session)
     with caplog.at_level("WARNING"):
@@ -190,7 +189,7 @@ def test_an_unwritable_directory_still_counts_and_logs(tmp_path: Path, caplog: p
 
 
 def test_records_of_processes_that_are_gone_are_forgotten(tmp_path: Path) -> None:
-    pipeline, session, manager, clock = _setup(tmp_path)
+    pipeline, session, manager, _clock = _setup(tmp_path)
     _workload(session)
     assert manager.buffered_bytes() > 0
     del pipeline.processes[42]

@@ -5,16 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from gpufootprint.config import FootprintConfig
 from gpufootprint.configload import load_config
 from gpufootprint.footprint.peaks import FramePeaks
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MemoryKind, RecordKind
 from gpufootprint.replay import replay_file
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameType, iter_frames
+
 from tests.conftest import ALLOC, FREE, mem, mem_batch
 
 MS = 1_000_000
@@ -180,7 +180,7 @@ def test_advance_applies_exactly_the_due_records_in_time_then_arrival_order() ->
         p = pipeline()
         p.process(7, "probe").watermarked = True
         applied: list[int] = []
-        p.hub.taps.append(lambda pid, dev, kind, recs: applied.extend(recs["corr"].tolist()))
+        p.hub.taps.append(lambda pid, dev, kind, recs, applied=applied: applied.extend(recs["corr"].tolist()))
         waiting: list[tuple[int, int]] = []  # (time, arrival number) of records not yet applied
         corr = 0
         wm = 0

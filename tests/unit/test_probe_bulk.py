@@ -13,13 +13,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import pytest
-
+from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
 from gpufootprint.probe import packing
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout
-
-from cupti import cupti  # a pinned dependency: its absence is a failure, not a skip
 
 
 class Rec:

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import RecordKind
 from gpufootprint.wire.framing import FrameType, iter_frames
 from gpufootprint.wire.sources import TraceFile
+
 from tests import probe_fakes as fk
 
 
@@ -117,5 +117,5 @@ def test_raw_delivery_that_cannot_register_falls_back_to_objects_with_one_warnin
     assert st["delivery"] == "objects" and st["raw_delivery_unavailable"] == 1
     assert probe.sender.table.live_by_kind(0) == {"device": 4096}  # nothing lost on the way
     lines = [r.getMessage() for r in caplog.records if "raw delivery unavailable" in r.getMessage()]
-    assert lines == ["gpufootprint probe: raw delivery unavailable (raw delivery: not exactly one libcupti mapped); "
-                     "using cupti-python's record objects"]
+    assert lines == [("gpufootprint probe: raw delivery unavailable (raw delivery: not exactly one libcupti mapped); "
+                     "using cupti-python's record objects")]

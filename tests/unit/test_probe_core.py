@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-
 from gpufootprint.probe import takeover
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings

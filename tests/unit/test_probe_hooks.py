@@ -14,7 +14,6 @@ import logging
 import time
 
 import pytest
-
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from gpufootprint.probe import launches
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
@@ -145,7 +144,7 @@ def test_after_a_profiler_had_cupti_the_launch_switches_are_off_for_good(tmp_pat
             p.sender.open_kernel_window(60_000, 3, "launches")
         assert fake.launch_switch[-1] is True
         p.takeover_begin()
-        p.takeover_end([], lambda: [])
+        p.takeover_end([], list)
         _wait(lambda: not p.in_gap)
         # THEN they are off, and no launch window opens any more
         assert fake.launch_switch[-1] is False and not p.sender.windows.launch_windows_ok

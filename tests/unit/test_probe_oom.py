@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.oom import (
     ALLOCATION_CBIDS,
@@ -370,6 +369,6 @@ def test_a_pytorch_notice_during_a_profiler_gap_goes_out_without_waiting_for_the
         probe.takeover_begin()
         probe.sender.oom.torch_observer(0, 1 << 30, 80 << 30, 1 << 20)
         assert _until(lambda: probe.sender.oom.marks_sent == 1, 3.0) is not None
-        probe.takeover_end([], lambda: [])
+        probe.takeover_end([], list)
     finally:
         probe.stop()

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings

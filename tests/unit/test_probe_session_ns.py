@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameDecoder, FrameType

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from gpufootprint.ingest.protocol import Connection, control_allowed, order_violation, verify_request
 from gpufootprint.probe import control
 from gpufootprint.wire import framing

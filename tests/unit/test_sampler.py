@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 from gpufootprint.config import FootprintConfig, SamplerConfig
+from gpufootprint.hub import FeatureHub
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.hub import FeatureHub
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))

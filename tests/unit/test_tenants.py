@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gpufootprint.ingest.tenants import CEILING, Census, Holder, Room, make_room, share, tenant_of
 from gpufootprint.ingest.validate import METADATA_VALUE_CHARGE, bounded_metadata, metadata_charge
+
 from tests.conftest import DATA
 
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
 from gpufootprint.configload import load_config
-from gpufootprint.pipeline import Pipeline
 from gpufootprint.ingest.validate import Guard, Limits, check_fields
-from gpufootprint.records import (KERNEL_DTYPE, MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, UNIFIED_MEMORY_DTYPE,
-                                  RecordKind)
+from gpufootprint.pipeline import Pipeline
+from gpufootprint.records import KERNEL_DTYPE, MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, UNIFIED_MEMORY_DTYPE, RecordKind
 
 
 def _counter() -> tuple[dict[str, int], object]:

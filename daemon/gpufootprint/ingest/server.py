@@ -1,5 +1,8 @@
 """The ingest loop: probe connections on a Unix socket, injected streams, ticks.
 
+(About 460 lines: the one loop and the connection state it owns; the socket setup, the frame
+order, the tick's steps and the per-stream decoding are their own modules already.)
+
 Everything that mutates the pipeline runs on this one thread, so the footprint
 needs no locks. Sockets are non-blocking under a selector; a peer that breaks
 the wire format is cut off alone, with a counted reason. Other threads (the

@@ -5,6 +5,11 @@ who is speaking, its kernel-name table, a resync in progress, and the problems
 it met. Damage inside one frame (an unknown record kind, bad JSON) is counted and
 skipped; the stream goes on, since the length prefix still tells where the next
 frame starts.
+
+Why about 510 lines in one module: every method reads and moves the same per-stream
+state (the speaker's pid, the kernel-name table, the resync in progress, the problem
+counts) as frames of every type arrive; what needs none of it went out already (field
+and size checks to validate.py, bounds shared across streams to tenants.py).
 """
 
 from __future__ import annotations

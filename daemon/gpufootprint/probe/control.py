@@ -29,34 +29,33 @@ class ControlTarget(Protocol):
 
 
 def apply_control(frame: Frame, target: ControlTarget) -> None:
+    body: dict[str, Any] = {}  # not a CONTROL frame, or not JSON: no op, counted as unknown below
     try:
-        body = frame.json() if frame.type is FrameType.CONTROL else None
+        if frame.type is FrameType.CONTROL:
+            body = frame.json()
     except Exception:  # noqa: BLE001
-        body = None
-    op = body.get("op") if body else None
+        body = {}
+    op = body.get("op")
     counters = target.counters
     try:
         if op == "flush_interval":
-            target.set_flush_interval(int(body["ms"]))  # type: ignore[index]
-            counters["control_flush_interval"] += 1
+            target.set_flush_interval(int(body["ms"]))
         elif op == "kernel_window":
-            records = body.get("records", "kernels")  # type: ignore[union-attr]
-            target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)),  # type: ignore[index,union-attr]
+            records = body.get("records", "kernels")
+            target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)),
                                       "launches" if records == "launches" else "kernels")
         elif op == "resync":
             target.request_resync()
             counters["resyncs_requested"] += 1
         elif op == "verify":
             # Levels are cumulative: a later daemon's higher level still means "at least 2".
-            target.send_totals(framing.cupti_buffers_level(body))  # type: ignore[arg-type]
+            target.send_totals(framing.cupti_buffers_level(body))
         elif op == "torch_empty_cache":
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
-            counters["control_empty_cache"] += 1
         elif op == "torch_memory_fraction":
-            _torch_memory_fraction(body)  # type: ignore[arg-type]
-            counters["control_memory_fraction"] += 1
+            _torch_memory_fraction(body)
         else:
             counters["control_unknown"] += 1
     except Exception:  # noqa: BLE001 - a bad control message is counted, never raised

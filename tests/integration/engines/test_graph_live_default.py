@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from gpufootprint.app import App
 from gpufootprint.config import Config
 from gpufootprint.configload import load_config
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.probe_process import finish_probe_child, start_probe_child
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from engine_support import DATA, replay_snapshots
-
 from gpufootprint.abtest import load_policy, run_abtest
 from gpufootprint.config import Config
 from gpufootprint.engines.graph import DECISIONS, GraphPolicy, advise

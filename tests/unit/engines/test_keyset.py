@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from gpufootprint.features.keyset import KeySet
 
 

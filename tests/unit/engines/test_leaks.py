@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
 from gpufootprint.config import LeaksConfig
-import pytest
 from gpufootprint.engines.leaks import LeakStatus, LeakTracker
 from gpufootprint.footprint.device_snapshot import LIVE_TABLE_DTYPE
 from gpufootprint.records import MemoryKind
@@ -135,7 +135,7 @@ def test_real_start_up_stretched_to_minutes_then_flat_is_never_suspected() -> No
     import gzip
     import json
 
-    lines = [json.loads(x) for x in gzip.open(DATA / "h200_caching.jsonl.gz")]
+    lines = [json.loads(x) for x in gzip.decompress((DATA / "h200_caching.jsonl.gz").read_bytes()).splitlines()]
     mem = [o for o in lines if o["k"] == "mem" and o["mk"] == 3]
     t0 = mem[0]["ts"]
     events = [((o["ts"] - t0) / 1e9 * 60 + 0.5, o["bytes"] if o["op"] == 1 else -o["bytes"], o["addr"]) for o in mem]

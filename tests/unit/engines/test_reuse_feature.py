@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from gpufootprint.features.reuse import ReuseTracker, steady_ratio
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind
 
