@@ -378,8 +378,8 @@ def test_past_history_tables_each_table_keeps_its_part_of_the_history() -> None:
 
 
 def test_a_followed_window_counts_whole_steps_between_waits_across_batches() -> None:
-    from gpufootprint.records import API_DTYPE, ApiRole
     from gpufootprint.hub import _FollowedWindow
+    from gpufootprint.records import API_DTYPE, ApiRole
 
     def api(roles: str) -> np.ndarray:
         a = np.zeros(len(roles), API_DTYPE)
