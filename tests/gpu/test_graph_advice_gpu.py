@@ -48,7 +48,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import cli_env
-from tests.integration.test_daemon import _free_port
+from tests.daemon_process import free_port as _free_port
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = str(HERE / "graph_workloads.py")
