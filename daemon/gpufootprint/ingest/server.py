@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
+#: While the ingest loop is busy (``_Load``), a probe's watermarks may wait this long so that several of
+#: its flushes are applied as one, and the snapshot is rebuilt this often instead of at every tick.
+COALESCE_S = 1.0
 
 
 class IngestServer:
@@ -95,6 +98,8 @@ class IngestServer:
         self._ticks = ticks.TickRecord()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
+        self.load = ticks.LoopLoad()
+        self._snapshot_at = -1e9  # monotonic seconds of the last snapshot built
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -136,7 +141,9 @@ class IngestServer:
     def _iterate(self, next_tick: float, tick_s: float) -> float:
         wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
         timeout = max(0.0, wake - time.monotonic())
-        for key, _ in self._sel.select(timeout):
+        events = self._sel.select(timeout)
+        woke = time.monotonic()
+        for key, _ in events:
             if key.data == "listen":
                 self._accept()
             elif key.data == "wake":
@@ -149,6 +156,7 @@ class IngestServer:
             next_tick = time.monotonic() + tick_s
         elif self.nvml is not None:
             self._poll_nvml()  # between ticks, at the sampler's cadence
+        self.load.worked(time.monotonic() - woke)
         return next_tick
 
     def stop(self) -> None:
@@ -161,6 +169,8 @@ class IngestServer:
             self._close(conn, "daemon_shutdown")
         if self._listener is not None:
             self._listener.close()
+        self.pipeline.coalesce_s = 0.0
+        self._snapshot_at = -1e9
         self.tick()  # the final flush: what the closed sessions applied is in the last snapshot
         log.info("shut down cleanly connections_closed=%d pending_records=%d", closed,
                  sum(p.pending_records for p in self.pipeline.processes.values()))
@@ -195,6 +205,9 @@ class IngestServer:
         now = self._clock_ns()
         mono = time.monotonic()
         ticks.advance_by_clock(self.pipeline, now, mono, self.config.footprint.reorder_window_ms, self.quarantine)
+        busy = self.load.busy(mono)
+        self.pipeline.coalesce_s = COALESCE_S if busy else 0.0
+        self.pipeline.apply_due(failed=self.quarantine)
         self._resyncs.request(self.pipeline, self.send_control, mono)
         self.pipeline.expire()
         ticks.bound_processes(self.pipeline, self.config.daemon.max_processes)
@@ -213,6 +226,12 @@ class IngestServer:
             nvml_snap = self.nvml.snapshot()
             extra["nvml"] = nvml_snap
             extra["gpus"] = ticks.gpu_states(nvml_snap)
+        if busy and mono - self._snapshot_at < COALESCE_S and self.published.is_set():
+            # Busy: most tables changed since the last snapshot only if a second has passed (their
+            # watermarks wait that long), and 2,048 of them cost a tenth of a second to build.
+            self._publish_stats()
+            return
+        self._snapshot_at = mono
         self.snapshot = dataclasses.replace(ticks.pipeline_snapshot(self.pipeline, now / 1e9, self.quarantine),
                                             daemon=daemon_values, **extra)
         self._publish_stats()

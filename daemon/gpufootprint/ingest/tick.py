@@ -107,6 +107,32 @@ def gpu_states(nvml: NvmlSnapshot) -> tuple[GpuState, ...]:
                           utilization_ratio=g.utilization_ratio) for g in nvml.gpus)
 
 
+class LoopLoad:
+    """How busy the ingest loop is: the share of wall time it spent working (not waiting in select),
+    measured between ticks. Busy from ``BUSY_ON`` of the time until it falls under ``BUSY_OFF``: what
+    busy mode saves must not switch it off at once."""
+
+    BUSY_ON = 0.6
+    BUSY_OFF = 0.3
+
+    def __init__(self) -> None:
+        self._work = 0.0
+        self._since = time.monotonic()
+        self.share = 0.0  # of the last period between ticks
+        self.is_busy = False
+
+    def worked(self, seconds: float) -> None:
+        self._work += seconds
+
+    def busy(self, now: float) -> bool:
+        period = now - self._since
+        if period > 0:
+            self.share = min(1.0, self._work / period)
+        self._work, self._since = 0.0, now
+        self.is_busy = self.share >= (self.BUSY_OFF if self.is_busy else self.BUSY_ON)
+        return self.is_busy
+
+
 class TickRecord:
     """How the ticks went: failures counted, the time of the last one that published."""
 
