@@ -334,6 +334,13 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
     releases = recs["op"] == MemoryOp.RELEASE
     if not releases.any():
         return 0
+    if len(recs) <= 256:
+        # A flush's batch: (device, address) pairs in Python sets cost a tenth of numpy's unique and isin
+        # per device (a process on 8 GPUs sends a dozen records to each).
+        devs, addrs = recs["dev"].tolist(), recs["addr"].tolist()
+        made = {(devs[i], addrs[i]) for i in np.flatnonzero(allocs).tolist()}
+        gone = {(devs[i], addrs[i]) for i in np.flatnonzero(releases).tolist()}
+        return len(gone & made)
     freed = 0
     for dev in np.unique(recs["dev"]).tolist():
         on = recs["dev"] == dev

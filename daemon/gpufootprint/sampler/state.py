@@ -280,6 +280,8 @@ class ProcessSampler:
         win = self.window
         assert win is not None
         cfg = self.config
+        # The window closes by burst_max_ms at the latest: a long gap is not judged frame by frame.
+        frames = max(1, min(frames, -(-(win.start + cfg.burst_max_ms * _MS - cursor) // iv)))
         f = np.arange(frames, dtype=np.int64)
         ends = cursor + iv * (f + 1)
         jm = np.searchsorted(mem_ts, ends, "left")
