@@ -338,9 +338,9 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
         # A flush's batch: (device, address) pairs in Python sets cost a tenth of numpy's unique and isin
         # per device (a process on 8 GPUs sends a dozen records to each).
         devs, addrs = recs["dev"].tolist(), recs["addr"].tolist()
-        made = {(devs[i], addrs[i]) for i in np.flatnonzero(allocs).tolist()}
-        gone = {(devs[i], addrs[i]) for i in np.flatnonzero(releases).tolist()}
-        return len(gone & made)
+        made_here = {(devs[i], addrs[i]) for i in np.flatnonzero(allocs).tolist()}
+        gone_here = {(devs[i], addrs[i]) for i in np.flatnonzero(releases).tolist()}
+        return len(gone_here & made_here)
     freed = 0
     for dev in np.unique(recs["dev"]).tolist():
         on = recs["dev"] == dev
