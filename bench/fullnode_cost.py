@@ -22,11 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+# --src: the package of another revision (a ``git worktree add`` of it), for a side-by-side run.
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(Path(__file__).resolve().parents[1] / "daemon")
+sys.path.insert(0, _SRC)
 
 from gpufootprint.config import Config  # noqa: E402
 from gpufootprint.ingest import tick as ticks  # noqa: E402
-from gpufootprint.ingest.server import COALESCE_S  # noqa: E402
+try:
+    from gpufootprint.ingest.server import COALESCE_S  # noqa: E402
+except ImportError:  # a revision before busy mode
+    COALESCE_S = 0.0
 from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
 from gpufootprint.sampler.hub import FeatureHub  # noqa: E402
@@ -85,7 +90,8 @@ def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
                 c0 = time.process_time()
                 if prof is not None:
                     prof.enable()
-                pipeline.apply_due()
+                if hasattr(pipeline, "apply_due"):
+                    pipeline.apply_due()
                 if prof is not None:
                     prof.disable()
                 apply_s += time.process_time() - c0
@@ -100,7 +106,8 @@ def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
                     prof.disable()
                 snap_s += time.process_time() - c0
                 snapshots += 1
-    pipeline.apply_due(every=True)
+    if hasattr(pipeline, "apply_due"):
+        pipeline.apply_due(every=True)
     assert pipeline.late_records == 0, pipeline.late_records
     return {"probes": probes, "devices_per_probe": devices, "records": records, "simulated_s": seconds,
             "apply_cpu_s": round(apply_s, 3), "snapshot_cpu_s": round(snap_s, 3),
@@ -121,9 +128,11 @@ def main() -> int:
     ap.add_argument("--busy", action="store_true",
                     help="as the ingest loop runs while busy: watermarks wait up to COALESCE_S, snapshots that often")
     ap.add_argument("--profile")
+    ap.add_argument("--src", help="the daemon/ folder of the revision to measure (default: this tree's)")
     args = ap.parse_args()
     prof = cProfile.Profile() if args.profile else None
     res = run(args.probes, args.devices_per_probe, args.gpus, args.rate, args.seconds, prof, int(args.flush_ms * 1e6), args.busy)
+    res["src"] = _SRC
     print(json.dumps(res))
     if prof is not None:
         prof.dump_stats(args.profile)

@@ -84,3 +84,25 @@ def test_offenders_are_counted_by_a_bounded_set_of_uids_and_logged_once_a_minute
     assert off.refused[("0", "device_limit")] == 11
     lines = [r.getMessage() for r in caplog.records if "uid/0 " in r.getMessage()]
     assert len(lines) == 2 and "device_limit=11" in lines[1], lines
+
+
+def test_past_max_processes_the_tenant_holding_the_most_forgets_its_own_exited_processes_first() -> None:
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.ingest.tick import bound_processes
+    from gpufootprint.pipeline import Pipeline
+
+    p = Pipeline(FootprintConfig())
+    owner = {}
+    # an honest tenant: 3 processes, 2 of them exited long ago; a churning tenant: 9 processes, all
+    # exited more recently
+    for pid, t, exited in [(1, "honest", 10.0), (2, "honest", 11.0), (3, "honest", None)] + [
+            (100 + i, "churn", 50.0 + i) for i in range(9)]:
+        p.process(pid, "probe").exited_at = exited
+        owner[pid] = t
+    bound_processes(p, 8, owner.__getitem__)
+    # 4 over the bound: all four are the churning tenant's, its oldest exits first
+    assert sorted(p.processes) == [1, 2, 3, 104, 105, 106, 107, 108]
+    assert p.errors.counts["process_limit"] == 4
+    # once the churning tenant holds no more than the honest one, they take turns
+    bound_processes(p, 4, owner.__getitem__)
+    assert sorted(p.processes) == [2, 3, 107, 108]

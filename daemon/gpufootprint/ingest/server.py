@@ -210,7 +210,7 @@ class IngestServer:
         self.pipeline.apply_due(failed=self.quarantine)
         self._resyncs.request(self.pipeline, self.send_control, mono)
         self.pipeline.expire()
-        ticks.bound_processes(self.pipeline, self.config.daemon.max_processes)
+        ticks.bound_processes(self.pipeline, self.config.daemon.max_processes, self.guard.census.tenant)
         limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
         if limits != self.guard.limits:
             self.guard.limits = limits

@@ -9,6 +9,7 @@ for /readyz and the snapshot's age at scrape time. The ingest loop (``server.py`
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -66,18 +67,36 @@ def advance_by_clock(pipeline: Pipeline, now_ns: int, mono: float, reorder_windo
                 quarantine(pid, exc)
 
 
-def bound_processes(pipeline: Pipeline, max_processes: int) -> None:
-    """Past daemon.max_processes, forget the processes that exited longest ago first."""
+def bound_processes(pipeline: Pipeline, max_processes: int,
+                    tenant: Callable[[int], str] = lambda pid: "") -> None:
+    """Past daemon.max_processes, forget exited processes: each time one of the tenant that holds the
+    most processes (live and exited), the one that exited longest ago. A tenant that starts and ends
+    processes by the thousand then forgets its own, not another tenant's (whose exited processes keep
+    their final footprint for ``footprint.process_grace_seconds``)."""
     procs = pipeline.processes
     excess = len(procs) - max_processes
     if excess <= 0:
         return
-    exited = sorted((p.exited_at, pid) for pid, p in procs.items() if p.exited_at is not None)
-    for _, pid in exited[:excess]:
+    held: Counter[str] = Counter()
+    exited: dict[str, list[tuple[float, int]]] = {}
+    for pid, p in procs.items():
+        t = tenant(pid)
+        held[t] += 1
+        if p.exited_at is not None:
+            exited.setdefault(t, []).append((p.exited_at, pid))
+    heaps = {t: sorted(v, reverse=True) for t, v in exited.items()}  # oldest exit last: popped first
+    forgotten = 0
+    while forgotten < excess and heaps:
+        t = max(heaps, key=lambda k: (held[k], -heaps[k][-1][0]))
+        _, pid = heaps[t].pop()
+        if not heaps[t]:
+            del heaps[t]
+        held[t] -= 1
         del procs[pid]
         pipeline.hub.forget(pid)
+        forgotten += 1
     pipeline.errors.add("process_limit", f"more than daemon.max_processes={max_processes} processes: "
-                        f"{min(excess, len(exited))} exited ones forgotten early", min(excess, len(exited)))
+                        f"{forgotten} exited ones forgotten early", forgotten)
 
 
 def pipeline_snapshot(pipeline: Pipeline, wall: float, quarantine: Quarantine) -> PipelineSnapshot:
