@@ -150,6 +150,19 @@ def main() -> None:
                 break
         time.sleep(0.5)
         hold(socks, path, reopen=True)
+    elif attack == "churn":
+        # processes one after another, each with a footprint of its own, each gone at once (a job that
+        # starts workers by the thousand): exited processes the daemon keeps for their grace period
+        for _ in range(args[0]):
+            pid = os.fork()
+            if pid == 0:
+                s = connect(path)
+                s.sendall(encode_batch(RecordKind.MEMORY, allocations(4)) + encode_watermark(time.time_ns()))
+                time.sleep(0.05)
+                s.close()
+                os._exit(0)
+            os.waitpid(pid, 0)
+        hold([], path)
     elif attack == "strings":
         s = connect(path)
         per = args[1] * (1 << 20) // 14  # '"12345678":"",' is 14 bytes at most

@@ -103,6 +103,14 @@ def test_past_max_processes_the_tenant_holding_the_most_forgets_its_own_exited_p
     # 4 over the bound: all four are the churning tenant's, its oldest exits first
     assert sorted(p.processes) == [1, 2, 3, 104, 105, 106, 107, 108]
     assert p.errors.counts["process_limit"] == 4
-    # once the churning tenant holds no more than the honest one, they take turns
+    # with a bound of 4 (2 a tenant) both are past their share: the churning one gives up its own down to
+    # its share, then the honest one its oldest
     bound_processes(p, 4, owner.__getitem__)
     assert sorted(p.processes) == [2, 3, 107, 108]
+    # while the churning tenant's processes are alive, nothing of the honest one (within its share of 4)
+    # is forgotten: the churning tenant's exited ones go, then the table waits over the bound
+    for pid in range(200, 210):
+        p.process(pid, "probe")
+        owner[pid] = "churn"
+    bound_processes(p, 8, owner.__getitem__)
+    assert sorted(p.processes) == [2, 3, *range(200, 210)]

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from gpufootprint.ingest.tenants import share
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import TickHealth
 from gpufootprint.snapshot import GpuState, NvmlSnapshot, PipelineSnapshot
@@ -70,9 +71,11 @@ def advance_by_clock(pipeline: Pipeline, now_ns: int, mono: float, reorder_windo
 def bound_processes(pipeline: Pipeline, max_processes: int,
                     tenant: Callable[[int], str] = lambda pid: "") -> None:
     """Past daemon.max_processes, forget exited processes: each time one of the tenant that holds the
-    most processes (live and exited), the one that exited longest ago. A tenant that starts and ends
-    processes by the thousand then forgets its own, not another tenant's (whose exited processes keep
-    their final footprint for ``footprint.process_grace_seconds``)."""
+    most processes (live and exited) past its share of the bound, the one that exited longest ago. A
+    tenant that starts and ends processes by the thousand then forgets its own, never those of a tenant
+    within its share (whose exited processes keep their final footprint for
+    ``footprint.process_grace_seconds``); while its processes are still alive, the table waits over the
+    bound for them to exit."""
     procs = pipeline.processes
     excess = len(procs) - max_processes
     if excess <= 0:
@@ -85,9 +88,15 @@ def bound_processes(pipeline: Pipeline, max_processes: int,
         if p.exited_at is not None:
             exited.setdefault(t, []).append((p.exited_at, pid))
     heaps = {t: sorted(v, reverse=True) for t, v in exited.items()}  # oldest exit last: popped first
+    fair = share(max_processes, len(held))
     forgotten = 0
-    while forgotten < excess and heaps:
-        t = max(heaps, key=lambda k: (held[k], -heaps[k][-1][0]))
+    while forgotten < excess:
+        # Only a tenant past its share gives up its exited processes: one whose live processes fill the
+        # table waits until they exit, and takes nobody else's room meanwhile.
+        over = [t for t in heaps if held[t] > fair]
+        if not over:
+            break
+        t = max(over, key=lambda k: (held[k], -heaps[k][-1][0]))
         _, pid = heaps[t].pop()
         if not heaps[t]:
             del heaps[t]
