@@ -150,6 +150,12 @@ class IngestServer:
                 self._wake.drain()
             else:
                 self._read(key.data)
+                if not self.load.is_busy and time.monotonic() - woke > tick_s:
+                    # One round over the connections already took longer than a tick: busy now, not
+                    # at the next tick (a node's probes starting together can make that round last
+                    # seconds, each watermark applied on its own).
+                    self.load.is_busy = True
+                    self.pipeline.coalesce_s = COALESCE_S
         self._drain_inbox()
         if time.monotonic() >= next_tick:
             self.tick()
