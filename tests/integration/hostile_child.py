@@ -36,6 +36,7 @@ from gpufootprint.wire.framing import (  # noqa: E402
     encode_batch,
     encode_cupti_buffer,
     encode_json,
+    encode_watermark,
 )
 
 

@@ -224,7 +224,7 @@ def test_coalesced_watermarks_leave_the_state_that_applying_each_at_once_leaves(
     rng = np.random.default_rng(5)
     for trial in range(8):
         now = [0.0]
-        eager, lazy = pipeline(), Pipeline(FootprintConfig(), monotonic=lambda: now[0])
+        eager, lazy = pipeline(), Pipeline(FootprintConfig(), monotonic=lambda now=now: now[0])
         lazy.coalesce_s = 1.0
         for p in (eager, lazy):
             p.process(7, "probe")

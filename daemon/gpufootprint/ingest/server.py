@@ -175,7 +175,6 @@ class IngestServer:
             self._close(conn, "daemon_shutdown")
         if self._listener is not None:
             self._listener.close()
-        self.pipeline.coalesce_s = 0.0
         self._snapshot_at = -1e9
         self.tick()  # the final flush: what the closed sessions applied is in the last snapshot
         log.info("shut down cleanly connections_closed=%d pending_records=%d", closed,
@@ -211,7 +210,7 @@ class IngestServer:
         now = self._clock_ns()
         mono = time.monotonic()
         ticks.advance_by_clock(self.pipeline, now, mono, self.config.footprint.reorder_window_ms, self.quarantine)
-        busy = self.load.busy(mono)
+        busy = self.load.busy(mono) and not self.stop_event.is_set()  # the last tick applies everything
         self.pipeline.coalesce_s = COALESCE_S if busy else 0.0
         self.pipeline.apply_due(failed=self.quarantine)
         self._resyncs.request(self.pipeline, self.send_control, mono)
