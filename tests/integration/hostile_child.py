@@ -151,6 +151,19 @@ def main() -> None:
                 break
         time.sleep(0.5)
         hold(socks, path, reopen=True)
+    elif attack == "metadata":
+        # processes each holding fields up to its own bound (HELLO, then META after META): together
+        # past the node's metadata total
+        def fields() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            pad = {"x": "y" * (args[1] // 2)}
+            s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": os.getpid(), "start_time": 3, "pad": pad}))
+            for i in range(4):
+                s.sendall(encode_json(FrameType.META, {"pid": os.getpid(), f"m{i}": {"x": "z" * (args[1] // 4)}}))
+            return s
+
+        in_children(args[0], fields)
     elif attack == "churn":
         # processes one after another, each with a footprint of its own, each gone at once (a job that
         # starts workers by the thousand): exited processes the daemon keeps for their grace period

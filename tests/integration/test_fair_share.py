@@ -308,3 +308,16 @@ def test_a_tenant_that_churns_processes_past_max_processes_forgets_its_own_exite
         assert time.monotonic() < end, "the churn never went past the bound"
         time.sleep(0.1)
     assert hostile.poll() is None
+
+
+def test_a_tenant_filling_the_nodes_metadata_leaves_an_honest_probe_its_fields_and_an_exact_footprint(node) -> None:
+    # 4 KiB of fields a process, 1 MiB for the node
+    n = node("daemon.max_metadata_bytes=4096")
+    # GIVEN another uid whose 300 processes each hold fields up to their own bound (together past the node's)
+    hostile = n.hostile("metadata", 300, 3600)
+    _wait(lambda: _refused(n.metrics(), "metadata_limit") > 0, 60)
+    # THEN an honest probe is exact at every scrape, its HELLO taken whole, nothing of it refused
+    p = _run_honest(n)
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)
+    assert hostile.poll() is None

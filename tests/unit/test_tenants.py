@@ -114,3 +114,26 @@ def test_past_max_processes_the_tenant_holding_the_most_forgets_its_own_exited_p
         owner[pid] = "churn"
     bound_processes(p, 8, owner.__getitem__)
     assert sorted(p.processes) == [2, 3, *range(200, 210)]
+
+
+def test_the_nodes_metadata_is_shared_by_tenant_a_tenant_alone_cannot_keep_a_later_one_out() -> None:
+    from gpufootprint.ingest.validate import METADATA_PROCESSES, Guard, Limits
+
+    guard = Guard(Limits(max_metadata_bytes=1024))
+    total = 1024 * METADATA_PROCESSES
+    # GIVEN a tenant alone whose processes hold the node's whole metadata total
+    for pid in range(1, METADATA_PROCESSES + 1):
+        guard.census.connect(pid, 65534, "uid/65534")
+        assert guard.take_metadata(pid, 1024)
+    guard.census.connect(999, 65534, "uid/65534")
+    assert not guard.take_metadata(999, 1024)  # its next process finds no room: the total is used
+    assert guard.metadata.used == total
+    # WHEN another tenant's process arrives
+    guard.census.connect(5000, 0, "uid/0")
+    # THEN it takes its fields (the ceiling's room), while the first cannot grow past its share
+    assert guard.take_metadata(5000, 1024)
+    assert not guard.take_metadata(1, 2048)
+    # ... a process may shrink its fields, and a forced identity is always kept (and counted)
+    assert guard.take_metadata(1, 100)
+    assert guard.take_metadata(999, 300, force=True)
+    assert guard.metadata.by_pid[999] == 300
