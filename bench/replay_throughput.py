@@ -1,7 +1,7 @@
 """Replay throughput, side by side with a baseline revision: records per CPU-second of the replaying process.
 
 Every figure is a ratio measured in one run: the working tree ("new") against a git revision
-("base", default HEAD; checked out with ``git worktree add`` into a temporary directory), with
+("base", default HEAD; unpacked with ``git archive`` into a temporary directory), with
 an A/A control (the working tree against itself) that shows how noisy the machine was. Each
 (case, variant) runs in its own subprocess that imports ``gpufootprint`` from that variant's
 tree and replays the file with ``gpufootprint.replay.replay_file`` exactly as ``gpufootprint
@@ -225,8 +225,12 @@ def run_worker(src: Path, path: Path, footprint_only: bool) -> dict[str, Any]:
 
 
 def checkout(rev: str, tmp: Path) -> Path:
+    """The revision's files, unpacked with ``git archive`` (a ``git worktree add`` would register a
+    worktree in the repository others share while the bench runs)."""
     where = tmp / "base"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(where), rev], check=True)
+    where.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(where)], input=archive, check=True)
     return where
 
 
@@ -295,8 +299,6 @@ def main() -> int:
             Path(args.json).write_text(json.dumps({"date": stamp, "machine": machine, "base": base_rev,
                                                    "command": " ".join(sys.argv), "results": results}, indent=1))
     finally:
-        if base_src is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_src)], check=False)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

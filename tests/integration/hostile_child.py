@@ -35,6 +35,7 @@ from gpufootprint.wire.framing import (
     encode_batch,
     encode_cupti_buffer,
     encode_json,
+    encode_watermark,
 )
 
 
@@ -149,6 +150,32 @@ def main() -> None:
                 break
         time.sleep(0.5)
         hold(socks, path, reopen=True)
+    elif attack == "metadata":
+        # processes each holding fields up to its own bound (HELLO, then META after META): together
+        # past the node's metadata total
+        def fields() -> socket.socket:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            pad = {"x": "y" * (args[1] // 2)}
+            s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": os.getpid(), "start_time": 3, "pad": pad}))
+            for i in range(4):
+                s.sendall(encode_json(FrameType.META, {"pid": os.getpid(), f"m{i}": {"x": "z" * (args[1] // 4)}}))
+            return s
+
+        in_children(args[0], fields)
+    elif attack == "churn":
+        # processes one after another, each with a footprint of its own, each gone at once (a job that
+        # starts workers by the thousand): exited processes the daemon keeps for their grace period
+        for _ in range(args[0]):
+            pid = os.fork()
+            if pid == 0:
+                s = connect(path)
+                s.sendall(encode_batch(RecordKind.MEMORY, allocations(4)) + encode_watermark(time.time_ns()))
+                time.sleep(0.05)
+                s.close()
+                os._exit(0)
+            os.waitpid(pid, 0)
+        hold([], path)
     elif attack == "strings":
         s = connect(path)
         per = args[1] * (1 << 20) // 14  # '"12345678":"",' is 14 bytes at most

@@ -280,3 +280,45 @@ def test_the_attacks_combined_by_two_other_uids_keep_the_daemon_under_its_memory
     peak = _peak_mib(n)
     print(f"combined attack: daemon VmHWM {peak:.0f} MiB, VmRSS {n.rss_mib():.0f} MiB")
     assert peak < limit_mib, peak
+
+
+# --- the process table ----------------------------------------------------------------------------------
+
+
+def _pids(m: dict[str, Any]) -> set[str]:
+    return {labels["pid"] for samples in m.values() for labels, _ in samples if "pid" in labels}
+
+
+def test_a_tenant_that_churns_processes_past_max_processes_forgets_its_own_exited_ones_not_anothers(node) -> None:
+    n = node("daemon.max_processes=16", "footprint.process_grace_seconds=600")
+    # GIVEN an honest probe, exact at every scrape, that ended: its process is kept, exited, for its grace
+    p = _run_honest(n)
+    _honest_clean(n, p)
+    _wait(lambda: str(p.pid) in _pids(n.metrics()))
+    # WHEN another uid starts and ends 40 processes, each with a footprint, past daemon.max_processes
+    hostile = n.hostile("churn", 40)
+    # THEN at every scrape the honest process is still there, with its final footprint, while the daemon
+    # forgets the churning tenant's own exited processes to stay within the bound
+    end = time.monotonic() + 30
+    while True:
+        m = n.metrics()
+        assert str(p.pid) in _pids(m), "the honest exited process was forgotten"
+        assert _honest_bytes(m, p.pid) == 0  # released at its exit, as before the churn
+        if (_value(m, "gpufootprint_ingest_errors_total", reason="process_limit") or 0) >= 40 + 1 - 16:
+            break
+        assert time.monotonic() < end, "the churn never went past the bound"
+        time.sleep(0.1)
+    assert hostile.poll() is None
+
+
+def test_a_tenant_filling_the_nodes_metadata_leaves_an_honest_probe_its_fields_and_an_exact_footprint(node) -> None:
+    # 4 KiB of fields a process, 1 MiB for the node
+    n = node("daemon.max_metadata_bytes=4096")
+    # GIVEN another uid whose 300 processes each hold fields up to their own bound (together past the node's)
+    hostile = n.hostile("metadata", 300, 3600)
+    _wait(lambda: _refused(n.metrics(), "metadata_limit") > 0, 60)
+    # THEN an honest probe is exact at every scrape, its HELLO taken whole, nothing of it refused
+    p = _run_honest(n)
+    _nothing_of_the_honest_refused(n)
+    _honest_clean(n, p)
+    assert hostile.poll() is None

@@ -40,3 +40,16 @@ def test_a_probe_without_a_declared_cadence_falls_back_to_the_reorder_window() -
     now[0] += S
     server.tick()
     assert proc.applied_to == now[0] - Config().footprint.reorder_window_ms * 1_000_000
+
+
+def test_the_loop_is_busy_from_60_percent_of_its_time_until_it_falls_under_30() -> None:
+    from gpufootprint.ingest.tick import LoopLoad
+
+    load = LoopLoad()
+    t = load._since
+    seq = []
+    for share in (0.1, 0.5, 0.7, 0.5, 0.35, 0.25, 0.5):
+        load.worked(share * 0.1)
+        t += 0.1
+        seq.append(load.busy(t))
+    assert seq == [False, False, True, True, True, False, False]

@@ -420,3 +420,42 @@ def test_a_launch_window_is_closed_once_it_has_seen_its_steps_and_the_next_waits
         hub._after_step(s, "probe", now[0])
     assert 7 not in hub._followed
     assert [b["ms"] for b in windows()] == [2000, 2000, 1]  # renewed once (1.2 s in), closed at 1.5 s
+
+
+def _sampler_state(s: ProcessSampler) -> tuple[Any, ...]:
+    return (s.intervals(), s.closed_windows, s.last_peak, s.level_dev, s.level, s.mode, s.interval_ns,
+            s.cursor, s.bursts, s.rate_ewma, s.range_ewma, s.window)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_burst_frames_judged_together_leave_what_walking_them_one_by_one_leaves(seed: int) -> None:
+    # GIVEN sparse bursty traffic over several devices (long calm stretches inside windows, spikes,
+    # settles) fed in random watermark pieces, with the bulk pass on and off
+    rng = np.random.default_rng(seed)
+    cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 30, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                        burst_max_ms=int(rng.choice([40, 300, 2000])))
+    bulk, walk = ProcessSampler(1, cfg), ProcessSampler(1, cfg)
+    walk.bulk_bursts = False
+    t = 10**12
+    levels = {0: 0, 1: 0, 2: 0}
+    for _ in range(60):
+        n = int(rng.integers(1, 12))
+        ts = t + np.sort(rng.integers(0, int(rng.choice([5, 50, 400])) * MS, n))
+        dev = int(rng.integers(0, 3))
+        deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n)
+        other = rng.random() < 0.2
+        for s in (bulk, walk):
+            s.add_levels(ts, deltas, dev)
+            if other:
+                s.add_events(ts[:1])
+        levels[dev] += int(deltas.sum())
+        t = int(ts[-1]) + int(rng.integers(1, 600)) * MS
+        mark = t - int(rng.integers(0, 50)) * MS
+        bulk.advance(mark)
+        walk.advance(mark)
+        # THEN after every watermark both hold the same intervals, windows, peaks, levels and mode
+        assert _sampler_state(bulk) == _sampler_state(walk)
+    bulk.finish(t + 5000 * MS)
+    walk.finish(t + 5000 * MS)
+    assert _sampler_state(bulk) == _sampler_state(walk)
+    assert walk.bursts > 0  # the traffic did burst (the bulk pass had frames to pass)

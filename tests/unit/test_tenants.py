@@ -85,3 +85,56 @@ def test_offenders_are_counted_by_a_bounded_set_of_uids_and_logged_once_a_minute
     assert off.refused[("0", "device_limit")] == 11
     lines = [r.getMessage() for r in caplog.records if "uid/0 " in r.getMessage()]
     assert len(lines) == 2 and "device_limit=11" in lines[1], lines
+
+
+def test_past_max_processes_the_tenant_holding_the_most_forgets_its_own_exited_processes_first() -> None:
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.ingest.tick import bound_processes
+    from gpufootprint.pipeline import Pipeline
+
+    p = Pipeline(FootprintConfig())
+    owner = {}
+    # an honest tenant: 3 processes, 2 of them exited long ago; a churning tenant: 9 processes, all
+    # exited more recently
+    for pid, t, exited in [(1, "honest", 10.0), (2, "honest", 11.0), (3, "honest", None)] + [
+            (100 + i, "churn", 50.0 + i) for i in range(9)]:
+        p.process(pid, "probe").exited_at = exited
+        owner[pid] = t
+    bound_processes(p, 8, owner.__getitem__)
+    # 4 over the bound: all four are the churning tenant's, its oldest exits first
+    assert sorted(p.processes) == [1, 2, 3, 104, 105, 106, 107, 108]
+    assert p.errors.counts["process_limit"] == 4
+    # with a bound of 4 (2 a tenant) both are past their share: the churning one gives up its own down to
+    # its share, then the honest one its oldest
+    bound_processes(p, 4, owner.__getitem__)
+    assert sorted(p.processes) == [2, 3, 107, 108]
+    # while the churning tenant's processes are alive, nothing of the honest one (within its share of 4)
+    # is forgotten: the churning tenant's exited ones go, then the table waits over the bound
+    for pid in range(200, 210):
+        p.process(pid, "probe")
+        owner[pid] = "churn"
+    bound_processes(p, 8, owner.__getitem__)
+    assert sorted(p.processes) == [2, 3, *range(200, 210)]
+
+
+def test_the_nodes_metadata_is_shared_by_tenant_a_tenant_alone_cannot_keep_a_later_one_out() -> None:
+    from gpufootprint.ingest.validate import METADATA_PROCESSES, Guard, Limits
+
+    guard = Guard(Limits(max_metadata_bytes=1024))
+    total = 1024 * METADATA_PROCESSES
+    # GIVEN a tenant alone whose processes hold the node's whole metadata total
+    for pid in range(1, METADATA_PROCESSES + 1):
+        guard.census.connect(pid, 65534, "uid/65534")
+        assert guard.take_metadata(pid, 1024)
+    guard.census.connect(999, 65534, "uid/65534")
+    assert not guard.take_metadata(999, 1024)  # its next process finds no room: the total is used
+    assert guard.metadata.used == total
+    # WHEN another tenant's process arrives
+    guard.census.connect(5000, 0, "uid/0")
+    # THEN it takes its fields (the ceiling's room), while the first cannot grow past its share
+    assert guard.take_metadata(5000, 1024)
+    assert not guard.take_metadata(1, 2048)
+    # ... a process may shrink its fields, and a forced identity is always kept (and counted)
+    assert guard.take_metadata(1, 100)
+    assert guard.take_metadata(999, 300, force=True)
+    assert guard.metadata.by_pid[999] == 300

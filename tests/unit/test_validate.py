@@ -113,3 +113,20 @@ def test_the_one_comparison_memory_check_agrees_with_the_field_by_field_one() ->
         assert _memory_in_range(recs, limits) == in_range
         kept = check_fields(RecordKind.MEMORY, recs, limits, lambda *a: None)
         assert (len(kept) == len(recs)) == in_range
+
+
+def test_releases_of_the_batchs_own_allocations_counted_alike_for_small_and_large_batches() -> None:
+    from gpufootprint.ingest.validate import _released_here
+    from gpufootprint.records import MEMORY_DTYPE, MemoryOp
+
+    rng = np.random.default_rng(3)
+    for n in [1, 2, 7, 40, 200, 256, 257, 600]:
+        recs = np.zeros(n, MEMORY_DTYPE)
+        recs["op"] = rng.choice([MemoryOp.ALLOCATION, MemoryOp.RELEASE, MemoryOp.ALLOCATION + 5], n)
+        recs["addr"] = rng.integers(0, 12, n) << 20
+        recs["dev"] = rng.integers(0, 3, n)
+        allocs = recs["op"] == MemoryOp.ALLOCATION
+        pairs = {(int(d), int(a)) for d, a, o in zip(recs["dev"], recs["addr"], recs["op"]) if o == MemoryOp.ALLOCATION}
+        gone = {(int(d), int(a)) for d, a, o in zip(recs["dev"], recs["addr"], recs["op"]) if o == MemoryOp.RELEASE}
+        assert _released_here(recs, allocs) == len(pairs & gone), n
+        assert _released_here(recs[::-1].copy(), allocs[::-1].copy()) == len(pairs & gone), n

@@ -41,7 +41,14 @@ from gpufootprint.ingest.protocol import (
 )
 from gpufootprint.ingest.session import MarkCallback, Session
 from gpufootprint.ingest.tenants import Holder, make_room, tenant_of
-from gpufootprint.ingest.tick import TickRecord, advance_by_clock, bound_processes, gpu_states, pipeline_snapshot
+from gpufootprint.ingest.tick import (
+    LoopLoad,
+    TickRecord,
+    advance_by_clock,
+    bound_processes,
+    gpu_states,
+    pipeline_snapshot,
+)
 from gpufootprint.ingest.transport import RECV_BYTES, ProbeListener, RateLimitedLog, pid_alive, send_whole
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
@@ -56,6 +63,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
+#: While the ingest loop is busy (``_Load``), a probe's watermarks may wait this long so that several of
+#: its flushes are applied as one, and the snapshot is rebuilt this often instead of at every tick.
+COALESCE_S = 1.0
 
 
 class IngestServer:
@@ -98,6 +108,8 @@ class IngestServer:
         self._ticks = TickRecord()
         # Called on the ingest thread with each new snapshot (the engines); may call send().
         self.on_snapshot: Callable[[PipelineSnapshot], None] | None = None
+        self.load = LoopLoad()
+        self._snapshot_at = -1e9  # monotonic seconds of the last snapshot built
 
     # --- lifecycle ----------------------------------------------------------------
 
@@ -139,19 +151,28 @@ class IngestServer:
     def _iterate(self, next_tick: float, tick_s: float) -> float:
         wake = next_tick if self.nvml is None or self.nvml.threaded else min(next_tick, self.nvml.next_due())
         timeout = max(0.0, wake - time.monotonic())
-        for key, _ in self._sel.select(timeout):
+        events = self._sel.select(timeout)
+        woke = time.monotonic()
+        for key, _ in events:
             if key.data == "listen":
                 self._accept()
             elif key.data == "wake":
                 self._wake.drain()
             else:
                 self._read(key.data)
+                if not self.load.is_busy and time.monotonic() - woke > tick_s:
+                    # One round over the connections already took longer than a tick: busy now, not
+                    # at the next tick (a node's probes starting together can make that round last
+                    # seconds, each watermark applied on its own).
+                    self.load.is_busy = True
+                    self.pipeline.coalesce_s = COALESCE_S
         self._drain_inbox()
         if time.monotonic() >= next_tick:
             self.tick()
             next_tick = time.monotonic() + tick_s
         elif self.nvml is not None:
             self._poll_nvml()  # between ticks, at the sampler's cadence
+        self.load.worked(time.monotonic() - woke)
         return next_tick
 
     def stop(self) -> None:
@@ -164,6 +185,7 @@ class IngestServer:
             self._close(conn, "daemon_shutdown")
         if self._listener is not None:
             self._listener.close()
+        self._snapshot_at = -1e9
         self.tick()  # the final flush: what the closed sessions applied is in the last snapshot
         log.info("shut down cleanly connections_closed=%d pending_records=%d", closed,
                  sum(p.pending_records for p in self.pipeline.processes.values()))
@@ -198,9 +220,12 @@ class IngestServer:
         now = self._clock_ns()
         mono = time.monotonic()
         advance_by_clock(self.pipeline, now, mono, self.config.footprint.reorder_window_ms, self.quarantine)
+        busy = self.load.busy(mono) and not self.stop_event.is_set()  # the last tick applies everything
+        self.pipeline.coalesce_s = COALESCE_S if busy else 0.0
+        self.pipeline.apply_due(failed=self.quarantine)
         self._resyncs.request(self.pipeline, self.send_control, mono)
         self.pipeline.expire()
-        bound_processes(self.pipeline, self.config.daemon.max_processes)
+        bound_processes(self.pipeline, self.config.daemon.max_processes, self.guard.census.tenant)
         limits = Limits.from_config(self.config.daemon)  # SIGHUP may have changed them
         if limits != self.guard.limits:
             self.guard.limits = limits
@@ -216,6 +241,12 @@ class IngestServer:
             nvml_snap = self.nvml.snapshot()
             extra["nvml"] = nvml_snap
             extra["gpus"] = gpu_states(nvml_snap)
+        if busy and mono - self._snapshot_at < COALESCE_S and self.published.is_set():
+            # Busy: most tables changed since the last snapshot only if a second has passed (their
+            # watermarks wait that long), and 2,048 of them cost a tenth of a second to build.
+            self._publish_stats()
+            return
+        self._snapshot_at = mono
         self.snapshot = dataclasses.replace(pipeline_snapshot(self.pipeline, now / 1e9, self.quarantine),
                                             daemon=daemon_values, **extra)
         self._publish_stats()

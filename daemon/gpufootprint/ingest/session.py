@@ -23,7 +23,14 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.errors import FrameError
-from gpufootprint.ingest.validate import Guard, Limits, bounded_metadata, check_fields
+from gpufootprint.ingest.validate import (
+    METADATA_PROCESSES,
+    Guard,
+    Limits,
+    bounded_metadata,
+    check_fields,
+    metadata_charge,
+)
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import cupti_layout
@@ -168,12 +175,15 @@ class Session:
                     return
                 proc = self._own(self.peer_pid)
                 update = clean_info({k: v for k, v in meta.items() if k not in ("k", "pid")})
-                if not bounded_metadata(proc.info, update, self.limits.max_metadata_bytes):
+                if not bounded_metadata(proc.info, update, self.limits.max_metadata_bytes) or (
+                        self.guard is not None and not self.guard.take_metadata(
+                            self.peer_pid, metadata_charge({**proc.info, **update}))):
                     self.problem("metadata_limit", f"{self.name}: META would take pid {self.peer_pid}'s fields past "
-                                                   f"daemon.max_metadata_bytes={self.limits.max_metadata_bytes}: "
-                                                   f"dropped")
+                                                   f"daemon.max_metadata_bytes={self.limits.max_metadata_bytes} "
+                                                   f"or its share of the node's metadata: dropped")
                     if self.guard is not None:
-                        self.guard.refuse(self.peer_pid, "metadata_limit", 1)
+                        self.guard.refuse(self.peer_pid, "metadata_limit", 1, self.guard.metadata,
+                                          self.limits.max_metadata_bytes * METADATA_PROCESSES)
                     return
                 proc.info.update(update)
             elif isinstance(meta_pid, int):
@@ -408,11 +418,19 @@ class Session:
         proc.source = self.source
         if self.peer_pid is not None:
             info = clean_info(hello)
-            if not bounded_metadata({}, info, self.limits.max_metadata_bytes):
+            fits = bounded_metadata({}, info, self.limits.max_metadata_bytes)
+            if fits and self.guard is not None:
+                fits = self.guard.take_metadata(key, metadata_charge({**proc.info, **info}))
+            if not fits:
                 # Keep the identity (scalars); nested values are what can be large.
                 info = {k: v for k, v in info.items() if not isinstance(v, (dict, list))}
                 self.problem("metadata_limit", f"{self.name}: HELLO past daemon.max_metadata_bytes="
-                                               f"{self.limits.max_metadata_bytes}: nested fields dropped")
+                                               f"{self.limits.max_metadata_bytes} or its share of the node's "
+                                               f"metadata: nested fields dropped")
+                if self.guard is not None:
+                    self.guard.take_metadata(key, metadata_charge({**proc.info, **info}), force=True)
+                    self.guard.refuse(key, "metadata_limit", 1, self.guard.metadata,
+                                      self.limits.max_metadata_bytes * METADATA_PROCESSES)
             proc.info.update(info)
         else:
             proc.info.update(hello)

@@ -9,9 +9,11 @@ for /readyz and the snapshot's age at scrape time. The ingest loop (``server.py`
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from gpufootprint.ingest.tenants import share
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import TickHealth
 from gpufootprint.snapshot import GpuState, NvmlSnapshot, PipelineSnapshot
@@ -66,18 +68,44 @@ def advance_by_clock(pipeline: Pipeline, now_ns: int, mono: float, reorder_windo
                 quarantine(pid, exc)
 
 
-def bound_processes(pipeline: Pipeline, max_processes: int) -> None:
-    """Past daemon.max_processes, forget the processes that exited longest ago first."""
+def bound_processes(pipeline: Pipeline, max_processes: int,
+                    tenant: Callable[[int], str] = lambda pid: "") -> None:
+    """Past daemon.max_processes, forget exited processes: each time one of the tenant that holds the
+    most processes (live and exited) past its share of the bound, the one that exited longest ago. A
+    tenant that starts and ends processes by the thousand then forgets its own, never those of a tenant
+    within its share (whose exited processes keep their final footprint for
+    ``footprint.process_grace_seconds``); while its processes are still alive, the table waits over the
+    bound for them to exit."""
     procs = pipeline.processes
     excess = len(procs) - max_processes
     if excess <= 0:
         return
-    exited = sorted((p.exited_at, pid) for pid, p in procs.items() if p.exited_at is not None)
-    for _, pid in exited[:excess]:
+    held: Counter[str] = Counter()
+    exited: dict[str, list[tuple[float, int]]] = {}
+    for pid, p in procs.items():
+        t = tenant(pid)
+        held[t] += 1
+        if p.exited_at is not None:
+            exited.setdefault(t, []).append((p.exited_at, pid))
+    heaps = {t: sorted(v, reverse=True) for t, v in exited.items()}  # oldest exit last: popped first
+    fair = share(max_processes, len(held))
+    forgotten = 0
+    while forgotten < excess:
+        # Only a tenant past its share gives up its exited processes: one whose live processes fill the
+        # table waits until they exit, and takes nobody else's room meanwhile.
+        over = [t for t in heaps if held[t] > fair]
+        if not over:
+            break
+        t = max(over, key=lambda k: (held[k], -heaps[k][-1][0]))
+        _, pid = heaps[t].pop()
+        if not heaps[t]:
+            del heaps[t]
+        held[t] -= 1
         del procs[pid]
         pipeline.hub.forget(pid)
+        forgotten += 1
     pipeline.errors.add("process_limit", f"more than daemon.max_processes={max_processes} processes: "
-                        f"{min(excess, len(exited))} exited ones forgotten early", min(excess, len(exited)))
+                        f"{forgotten} exited ones forgotten early", forgotten)
 
 
 def pipeline_snapshot(pipeline: Pipeline, wall: float, quarantine: Quarantine) -> PipelineSnapshot:
@@ -105,6 +133,32 @@ def gpu_states(nvml: NvmlSnapshot) -> tuple[GpuState, ...]:
     """The engines' view of each GPU (model for prices, size, utilisation for advice)."""
     return tuple(GpuState(index=g.index, model=g.model, uuid=g.uuid, total_bytes=g.memory_total_bytes,
                           utilization_ratio=g.utilization_ratio) for g in nvml.gpus)
+
+
+class LoopLoad:
+    """How busy the ingest loop is: the share of wall time it spent working (not waiting in select),
+    measured between ticks. Busy from ``BUSY_ON`` of the time until it falls under ``BUSY_OFF``: what
+    busy mode saves must not switch it off at once."""
+
+    BUSY_ON = 0.6
+    BUSY_OFF = 0.3
+
+    def __init__(self) -> None:
+        self._work = 0.0
+        self._since = time.monotonic()
+        self.share = 0.0  # of the last period between ticks
+        self.is_busy = False
+
+    def worked(self, seconds: float) -> None:
+        self._work += seconds
+
+    def busy(self, now: float) -> bool:
+        period = now - self._since
+        if period > 0:
+            self.share = min(1.0, self._work / period)
+        self._work, self._since = 0.0, now
+        self.is_busy = self.share >= (self.BUSY_OFF if self.is_busy else self.BUSY_ON)
+        return self.is_busy
 
 
 class TickRecord:

@@ -164,6 +164,8 @@ class Guard:
         self.kernels = Room("retained_kernels")
         # Held by the sessions themselves (not in the pipeline): moved by them only.
         self.strings = Room("kernel_names")
+        self.metadata = Room("metadata")  # HELLO and META fields, charged (``metadata_charge``)
+        self._metadata_of: dict[int, int] = {}  # pid -> its charged fields
         self.resyncs = Room("resync_records")
         self.quarantined: dict[int, str] = {}  # pid -> why its state was dropped
         self.offenders = Offenders()
@@ -182,6 +184,18 @@ class Guard:
         self.strings.add(pid, n, self.census)
         return True
 
+    def take_metadata(self, pid: int, charge: int, force: bool = False) -> bool:
+        """``pid``'s fields would now be charged ``charge``: taken if the growth fits its share of the
+        node's metadata (``max_metadata_bytes`` for each of ``METADATA_PROCESSES`` processes, shared by
+        tenant, then process); ``force``: taken whatever the share (a process's identity)."""
+        held = self._metadata_of.get(pid, 0)
+        total = self.limits.max_metadata_bytes * METADATA_PROCESSES
+        if not force and charge > held and charge - held > self.metadata.room(pid, total, self.census):
+            return False
+        self.metadata.add(pid, charge - held, self.census)
+        self._metadata_of[pid] = charge
+        return True
+
     def take_resync(self, pid: int, n: int) -> int:
         """How many of ``n`` records an open resync of ``pid`` may still hold; taken."""
         lim = self.limits
@@ -197,6 +211,8 @@ class Guard:
         kernels: dict[int, int] = {}
         for pid in [p for p in self._new_devices if p not in processes]:
             del self._new_devices[pid]
+        for pid in [p for p in self._metadata_of if p not in processes]:
+            del self._metadata_of[pid]  # a forgotten process's fields are gone with it
         for pid, proc in processes.items():
             waiting = self._new_devices.get(pid)
             if waiting:
@@ -210,7 +226,7 @@ class Guard:
             kernels[pid] = (len(proc.kernels.array()) if proc.kernels is not None else 0) \
                 + (len(proc.launches.array()) if proc.launches is not None else 0)
         for room, usage in ((self.devices, devices), (self.live, live), (self.pending, pending),
-                            (self.kernels, kernels)):
+                            (self.kernels, kernels), (self.metadata, self._metadata_of)):
             room.recount(usage, self.census)
         self.census.forget(processes)
 
@@ -334,6 +350,13 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
     releases = recs["op"] == MemoryOp.RELEASE
     if not releases.any():
         return 0
+    if len(recs) <= 256:
+        # A flush's batch: (device, address) pairs in Python sets cost a tenth of numpy's unique and isin
+        # per device (a process on 8 GPUs sends a dozen records to each).
+        devs, addrs = recs["dev"].tolist(), recs["addr"].tolist()
+        made_here = {(devs[i], addrs[i]) for i in np.flatnonzero(allocs).tolist()}
+        gone_here = {(devs[i], addrs[i]) for i in np.flatnonzero(releases).tolist()}
+        return len(gone_here & made_here)
     freed = 0
     for dev in np.unique(recs["dev"]).tolist():
         on = recs["dev"] == dev
@@ -342,6 +365,10 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
         freed += int(np.isin(gone, made, assume_unique=True).sum())
     return freed
 
+
+#: The node's metadata in all: each of this many processes may hold its whole ``max_metadata_bytes``
+#: (256 processes, a full node's, at 8 KiB: 2 MiB charged); past it, by fair shares.
+METADATA_PROCESSES = 256
 
 #: What one HELLO/META value costs beyond its JSON text (a dict entry, a Python object): many empty
 #: values are not free.

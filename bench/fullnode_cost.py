@@ -1,0 +1,146 @@
+"""The daemon's per-batch cost on a full node, in one process, without sockets.
+
+  python bench/fullnode_cost.py [--probes 256] [--devices-per-probe 8] [--rate 32000] [--seconds 2]
+                                [--profile out.pstats]
+
+What ``bench/load.py`` puts through a real daemon, fed straight into the daemon's own
+``Pipeline`` and ``FeatureHub`` at the default configuration: every probe flushes every 100 ms a
+batch of allocation/release pairs spread over its GPUs, then a watermark; every ``daemon.tick_ms``
+the snapshot is built as the ingest loop builds it. Time is simulated (``--seconds`` of it), so the
+figure is CPU time per simulated second: below 1.0 the daemon's ingest thread keeps up on one core.
+Reports CPU-seconds spent in batches+watermarks and in snapshots, and records per CPU-second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# --src: the package of another revision (a ``git worktree add`` of it), for a side-by-side run.
+_SRC = sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(Path(__file__).resolve().parents[1] / "daemon")
+sys.path.insert(0, _SRC)
+
+from gpufootprint.config import Config  # noqa: E402
+from gpufootprint.ingest import tick as ticks  # noqa: E402
+try:
+    from gpufootprint.ingest.server import COALESCE_S  # noqa: E402
+except ImportError:  # a revision before busy mode
+    COALESCE_S = 0.0
+from gpufootprint.pipeline import Pipeline  # noqa: E402
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
+try:
+    from gpufootprint.hub import FeatureHub  # noqa: E402
+except ImportError:  # a revision from before the hub left sampler/
+    from gpufootprint.sampler.hub import FeatureHub  # type: ignore[no-redef]  # noqa: E402
+
+FLUSH_NS = 100_000_000
+
+
+def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
+        prof: cProfile.Profile | None, flush_ns: int = FLUSH_NS, busy: bool = False) -> dict[str, float]:
+    config = Config()
+    clock = [0.0]
+    pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler),
+                        monotonic=lambda: clock[0])
+    if busy:  # what the ingest loop does while it is busy: watermarks wait, the snapshot is rebuilt less often
+        pipeline.coalesce_s = COALESCE_S
+    tick_ns = config.daemon.tick_ms * 1_000_000
+    per_batch = max(2, round(rate / probes * flush_ns / 1e9 / 2) * 2)
+    pairs = per_batch // 2
+    t0 = 1_700_000_000 * 10**9
+    batches: list[np.ndarray] = []
+    for i in range(probes):
+        recs = np.zeros(per_batch, MEMORY_DTYPE)
+        pair_dev = (i + np.arange(pairs) % max(1, devices)) % gpus
+        recs["pid"], recs["mk"], recs["bytes"] = 10_000 + i, MemoryKind.DEVICE, 2 << 20
+        recs["dev"][0::2], recs["dev"][1::2] = pair_dev, pair_dev
+        recs["op"][0::2], recs["op"][1::2] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
+        pipeline.process(10_000 + i, "probe").watermarked = True
+        batches.append(recs)
+    apply_s = snap_s = 0.0
+    snapshots = 0
+    records = 0
+    flushes = int(seconds * 1e9 / flush_ns)
+    next_tick = t0
+    next_snapshot = t0
+    for k in range(flushes):
+        start = t0 + k * flush_ns
+        for i, recs in enumerate(batches):
+            # probes spread over the flush period, as in bench/load.py
+            now = start + (i % 10) * flush_ns // 10
+            last = now - flush_ns
+            recs["addr"][0::2] = recs["addr"][1::2] = 0x7F00_0000_0000 + (
+                (np.arange(pairs) + k * pairs) % 4096) * (2 << 20)
+            recs["ts"] = last + 1 + (np.arange(per_batch, dtype=np.uint64) * (flush_ns - 1)) // per_batch
+            clock[0] = (now - t0) / 1e9
+            c0 = time.process_time()
+            if prof is not None:
+                prof.enable()
+            pipeline.submit(RecordKind.MEMORY, recs.copy())
+            pipeline.watermark(10_000 + i, now)
+            if prof is not None:
+                prof.disable()
+            apply_s += time.process_time() - c0
+            records += per_batch
+            if now >= next_tick:
+                next_tick = now + tick_ns
+                c0 = time.process_time()
+                if prof is not None:
+                    prof.enable()
+                if hasattr(pipeline, "apply_due"):
+                    pipeline.apply_due()
+                if prof is not None:
+                    prof.disable()
+                apply_s += time.process_time() - c0
+                if now < next_snapshot:
+                    continue
+                next_snapshot = now + (int(COALESCE_S * 1e9) if busy else tick_ns)
+                c0 = time.process_time()
+                if prof is not None:
+                    prof.enable()
+                ticks.pipeline_snapshot(pipeline, now / 1e9, lambda pid, exc: None)
+                if prof is not None:
+                    prof.disable()
+                snap_s += time.process_time() - c0
+                snapshots += 1
+    if hasattr(pipeline, "apply_due"):
+        pipeline.apply_due(every=True)
+    assert pipeline.late_records == 0, pipeline.late_records
+    return {"probes": probes, "devices_per_probe": devices, "records": records, "simulated_s": seconds,
+            "apply_cpu_s": round(apply_s, 3), "snapshot_cpu_s": round(snap_s, 3),
+            "cores_needed": round((apply_s + snap_s) / seconds, 3),
+            "records_per_apply_cpu_s": round(records / apply_s),
+            "us_per_batch": round(1e6 * apply_s / (flushes * probes), 1),
+            "snapshots": snapshots, "ms_per_snapshot": round(1e3 * snap_s / max(1, snapshots), 2), "busy": busy}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--probes", type=int, default=256)
+    ap.add_argument("--devices-per-probe", type=int, default=8)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=32000.0)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--flush-ms", type=float, default=100.0, help="each probe's flush period")
+    ap.add_argument("--busy", action="store_true",
+                    help="as the ingest loop runs while busy: watermarks wait up to COALESCE_S, snapshots that often")
+    ap.add_argument("--profile")
+    ap.add_argument("--src", help="the daemon/ folder of the revision to measure (default: this tree's)")
+    args = ap.parse_args()
+    prof = cProfile.Profile() if args.profile else None
+    res = run(args.probes, args.devices_per_probe, args.gpus, args.rate, args.seconds, prof, int(args.flush_ms * 1e6), args.busy)
+    res["src"] = _SRC
+    print(json.dumps(res))
+    if prof is not None:
+        prof.dump_stats(args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
