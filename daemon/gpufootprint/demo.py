@@ -2,7 +2,11 @@
 
 Each bundled trace plays one process. At every loop the process "restarts" (a new
 HELLO with a new start time), so its footprint starts from nothing, exactly as a
-workload restarted under the daemon would.
+workload restarted under the daemon would. The training trace is the exception: a
+training job runs for hours, so it plays once and then repeats its recorded steady
+steps (their kernels, copies and memsets, no allocation) with their timestamps moved
+on, as one process that never restarts. Its CUDA Graph advice then holds for the
+whole demo instead of going each time the trace loops.
 
 What the bundled traces show, so that every panel of the shipped dashboard has
 data within a minute:
@@ -47,6 +51,11 @@ log = logging.getLogger(__name__)
 BUNDLED = ("h200_caching.jsonl.gz", "h200_expandable.jsonl.gz", "h200_kernels_train.gfp.gz",
            "h200_probe_pinned_managed.gfp.gz", "synth_leak.gfp.gz")
 DEMO_PIDS = (855, 856)
+#: Traces that play once and then repeat the frames between two of their marks (steady
+#: steps, recorded after warm-up) for as long as the demo runs.
+STEADY_STEPS = {"h200_kernels_train.gfp.gz": ("step_1", "step_4")}
+#: What a repeated step may carry: records that leave the footprint as it is.
+STEADY_KINDS = (RecordKind.KERNEL, RecordKind.MEMCPY, RecordKind.MEMSET)
 #: Traces of several processes play one of them (the demo gives each trace one pid).
 ONLY_PID = {"synth_leak.gfp.gz": 5151}
 #: Budgets the demo sets when the configuration has none: both panels then have data.
@@ -76,12 +85,47 @@ def _own_process(frames: list[Frame], only: int | None) -> list[Frame]:
     return out
 
 
+def steady_block(frames: list[Frame], first: str, last: str) -> tuple[list[Frame], int]:
+    """The batches of ``STEADY_KINDS`` between the marks labelled ``first`` and ``last``, and the
+    trace time from one mark to the other (what one repetition of the block advances)."""
+    marks = {f.json().get("label"): (i, f.json().get("ts")) for i, f in enumerate(frames) if f.type is FrameType.MARK}
+    (lo, t_lo), (hi, t_hi) = marks[first], marks[last]
+    if not isinstance(t_lo, int) or not isinstance(t_hi, int) or t_hi <= t_lo:
+        raise ValueError(f"steady steps {first}..{last}: marks without increasing timestamps")
+    block = [f for f in frames[lo + 1:hi] if f.type is FrameType.BATCH and RecordKind(f.tag) in STEADY_KINDS]
+    if not block:
+        raise ValueError(f"steady steps {first}..{last}: no kernel, copy or memset between the marks")
+    return block, t_hi - t_lo
+
+
+def _last_time_ns(frame: Frame) -> int | None:
+    recs = frame.records()
+    return int(recs["end"].max()) if len(recs) and "end" in (recs.dtype.names or ()) else frame_time_ns(frame)
+
+
+def _repeat_steady(app: App, session: Session, block: list[Frame], period_ns: int, delta: int, pid: int,
+                   pacer: Pacer, stop: threading.Event) -> None:
+    """The steady block again and again, each time ``period_ns`` later in trace time. A batch is
+    handed on whole once its last record is due (as a probe forwards a completed buffer): a few
+    frames a step, not one per millisecond of records."""
+    rounds = 0
+    while not stop.is_set():
+        rounds += 1
+        for frame in block:
+            moved = shift_frame(frame, delta + rounds * period_ns, pid=pid)
+            pacer.wait_for(_last_time_ns(moved))
+            if stop.is_set():
+                return
+            app.ingest.inject(session, moved)
+
+
 def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event) -> None:
     frames, problems = load_frames(path)
     for problem in problems:
         log.error("%s", problem)
     frames = _own_process(frames, ONLY_PID.get(path.name))
     own_hello = next((f.json() for f in frames if f.type is FrameType.HELLO), None)
+    steady = steady_block(frames, *STEADY_STEPS[path.name]) if path.name in STEADY_STEPS else None
     loop = 0
     while not stop.is_set():
         loop += 1
@@ -95,7 +139,7 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
         delta = time.time_ns() - first
         pacer = Pacer(speed, stop)
         for whole in frames:
-            if whole.type is FrameType.HELLO:
+            if whole.type is FrameType.HELLO or (steady is not None and whole.type is FrameType.GOODBYE):
                 continue
             for frame in paced(shift_frame(whole, delta, pid=pid), pacer):
                 if stop.is_set():
@@ -103,6 +147,9 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
                 app.ingest.inject(session, frame)
             if stop.is_set():
                 break
+        if steady is not None:
+            # At real time whatever ``speed``: a faster replay of the same steps would only cost more.
+            _repeat_steady(app, session, steady[0], steady[1], delta, pid, Pacer(min(speed, 1.0), stop), stop)
         app.ingest.inject(session, None)
         stop.wait(1.0 / speed)
 

@@ -2,7 +2,11 @@
 
 A real Prometheus (Debian's `prometheus` package) scrapes the demo every second; every
 panel query of deploy/grafana/gpufootprint.json must return data within 60 s of the
-demo's start, NVML's line included (the demo's simulated H200), with no exemption.
+demo's start, NVML's line included (the demo's simulated H200), with no exemption, and
+then keep it: evaluated at every second from the demo's 60th to its 80th second (a range
+query, step 1 s), no panel may have a second without data. A panel that has data only
+now and then (a series that goes each time a trace loops) shows "No data" to a user
+who opens the dashboard at the wrong moment.
 Without Prometheus the test skips on a developer's machine and FAILS under CI=true.
 """
 
@@ -34,6 +38,15 @@ from tests.integration.test_prometheus import (
 
 pytestmark = pytest.mark.integration
 DEADLINE_S = 60.0
+#: Every panel must have data at every step of [started + HELD_FROM_S, started + HELD_TO_S].
+HELD_FROM_S, HELD_TO_S = 60.0, 80.0
+
+
+def _seconds_without_data(prom: Prom, expr: str, start: float, end: float) -> list[float]:
+    """The steps (1 s apart) of [start, end] at which ``expr`` returns nothing."""
+    r = _assert_ok(prom.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="1"), expr)
+    have = {round(float(t) - start) for series in r for t, _ in series["values"]}
+    return [start + i for i in range(int(end - start) + 1) if i not in have]
 
 
 def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> None:
@@ -68,6 +81,18 @@ def test_demo_fills_every_dashboard_query_within_a_minute(tmp_path: Path) -> Non
         waited = time.monotonic() - started
         assert not empty, f"after {waited:.0f} s, panels without data:\n" + "\n".join(empty)
         assert waited <= DEADLINE_S + 15  # one more round of queries at most past the minute
+        # Held: after the first minute, every panel has data at every second.
+        wall_started = time.time() - (time.monotonic() - started)
+        while time.monotonic() - started < HELD_TO_S + 3:  # +3: the last scrape is in and evaluated
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()[-3000:]
+            time.sleep(1)
+        gaps = []
+        for title, raw, _ in queries:
+            expr = _substitute(raw)
+            missing = _seconds_without_data(prom, expr, wall_started + HELD_FROM_S, wall_started + HELD_TO_S)
+            if missing:
+                gaps.append(f"{title}: {len(missing)} of {int(HELD_TO_S - HELD_FROM_S) + 1} s without data: {expr}")
+        assert not gaps, "panels that lose their data after the first minute:\n" + "\n".join(gaps)
         # The series of the NVML rules exist here (the simulated H200), which the replay test
         # (test_prometheus.py, no GPU) cannot check; no alert fires on a healthy demo: in
         # particular memory is far from 90% of the device.

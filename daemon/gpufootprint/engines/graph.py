@@ -119,14 +119,17 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     def verdict(decision: str, *reasons: str) -> GraphDecision:
         return dataclasses.replace(base, decision=decision, reasons=reasons)
 
+    untimed = (f"{stats.untimed} kernel record(s) without start or end time left out (CUPTI wrote zero)"
+               if stats.untimed else None)
     if stats.kernels == 0:
-        return verdict(INSUFFICIENT, "no kernel records on this stream")
+        return verdict(INSUFFICIENT, untimed or "no kernel records on this stream")
     if stats.graph_kernels and stats.graph_share >= policy.captured_share:
         return verdict(ALREADY, f"{stats.graph_kernels} of {stats.kernels} kernels were replayed from a captured "
                                 f"CUDA graph (share {stats.graph_share:.2f} >= {policy.captured_share})")
     if stats.period is None:
         return verdict(INSUFFICIENT, f"no kernel sequence repeats at least {policy.min_steps} times with "
-                                     f"{policy.min_match:.0%} of kernels matching (in {stats.kernels} kernels)")
+                                     f"{policy.min_match:.0%} of kernels matching (in {stats.kernels} kernels)",
+                       *([untimed] if untimed else []))
     reasons: list[str] = []
     failed = unknown = False
     mean_ms = stats.mean_kernel_seconds * 1e3
@@ -142,6 +145,11 @@ def decide_stream(stats: StreamKernelStats, reuse: float | None, policy: GraphPo
     if stats.gap_share is not None and stats.saveable_seconds is not None and stats.step_seconds is not None:
         reasons.append(f"info: launch gaps {stats.gap_share:.1%} of a {stats.step_seconds * 1e3:.3f} ms step; "
                        f"capture would save about {stats.saveable_seconds * 1e6:.1f} us per step")
+    if stats.steps_from_gaps:
+        reasons.append(f"info: steps read from the idle gaps above {policy.host_gap_ms:g} ms between them "
+                       f"({stats.steps} steps of {stats.period} kernels; the kernel names repeat more often)")
+    if untimed:
+        reasons.append("info: " + untimed)
     return verdict(KEEP if failed else (INSUFFICIENT if unknown else CAPTURE), *reasons)
 
 

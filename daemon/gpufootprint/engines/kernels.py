@@ -6,6 +6,16 @@ how much of the step the GPU waits between them. Kernels on one stream run one
 after another, so the time between one kernel's end and the next one's start is
 time the stream was starved: by CPU launch overhead (what a graph removes) or by
 host work (what it does not; gaps above ``host_gap_ns`` are counted as that).
+
+A loop of one kernel launched again and again (ten matmuls and a synchronize per
+step) repeats its name every kernel: the name sequence says "one kernel a step".
+Where the idle gaps above ``host_gap_ns`` (the host's wait and work between steps)
+recur at one spacing that is a multiple of the name period, that spacing is the
+step, and steps run from gap to gap.
+
+CUPTI sometimes leaves a kernel record's start or end at zero; such a record has no
+place in time, so it is left out (and counted) rather than read as a kernel that
+started in 1970.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ class StreamKernelStats:
     step_gap_seconds: float | None  # mean time per step the stream sat idle between kernels
     launch_gap_seconds: float | None  # of that, gaps short enough to be launch overhead
     saveable_seconds: float | None  # launch overhead per step a graph would remove
+    untimed: int = 0  # records left out: start or end zero
+    steps_from_gaps: bool = False  # the step is the spacing of the idle gaps, not the name period
 
     @property
     def graph_share(self) -> float:
@@ -114,6 +126,23 @@ def detect_recent_period(seq: np.ndarray, *, min_match: float = 0.9, min_steps: 
     return None
 
 
+def steps_from_gaps(gaps: np.ndarray, period: int, *, host_gap_ns: int, min_match: float, min_steps: int,
+                    max_period: int) -> tuple[int, np.ndarray] | None:
+    """(kernels a step, index of each step's first kernel) where the idle gaps above ``host_gap_ns``
+    recur at one spacing ``q`` (at least ``min_match`` of the spacings), a multiple of ``period`` and
+    longer than it, with at least ``min_steps`` steps; None otherwise. ``gaps[i]`` is the idle time
+    after kernel i. The first step starts after the first such gap (the window may open mid-step)."""
+    starts = np.flatnonzero(gaps > host_gap_ns) + 1
+    if len(starts) < min_steps:
+        return None
+    spacing = np.diff(starts)
+    values, counts = np.unique(spacing, return_counts=True)
+    q = int(values[np.argmax(counts)])
+    if q <= period or q % period or q > max_period or counts.max() < min_match * len(spacing):
+        return None
+    return q, starts
+
+
 def stream_stats(kernels: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3, max_period: int = 4096,
                  analysis_kernels: int = 16384, host_gap_ns: int = 1_000_000,
                  graph_gap_ns: int = 2_000) -> dict[tuple[int, int], StreamKernelStats]:
@@ -122,10 +151,14 @@ def stream_stats(kernels: np.ndarray, *, min_match: float = 0.9, min_steps: int 
     if len(kernels) == 0:
         return out
     keys = kernels["dev"].astype(np.uint64) << np.uint64(32) | kernels["stream"].astype(np.uint64)
+    start = kernels["start"]
+    one_key = bool((keys == keys[0]).all())
     for key in np.unique(keys).tolist():
-        sub = kernels[keys == key]
-        order = np.argsort(sub["start"], kind="stable")
-        sub = sub[order][-analysis_kernels:]
+        # Indices first, records last: only the analysed kernels of a stream are copied (the
+        # retained window holds up to graph_advisor.kernel_retention of them, re-read at every tick).
+        idx = np.arange(len(kernels)) if one_key else np.flatnonzero(keys == key)
+        idx = idx[np.argsort(start[idx], kind="stable")][-analysis_kernels:]
+        sub = kernels[idx]
         out[(key >> 32, key & 0xFFFFFFFF)] = _one_stream(
             sub, key >> 32, key & 0xFFFFFFFF, min_match=min_match, min_steps=min_steps, max_period=max_period,
             host_gap_ns=host_gap_ns, graph_gap_ns=graph_gap_ns)
@@ -134,22 +167,41 @@ def stream_stats(kernels: np.ndarray, *, min_match: float = 0.9, min_steps: int 
 
 def _one_stream(k: np.ndarray, dev: int, stream: int, *, min_match: float, min_steps: int, max_period: int,
                 host_gap_ns: int, graph_gap_ns: int) -> StreamKernelStats:
+    timed = (k["start"] != 0) & (k["end"] != 0)
+    untimed = len(k) - int(np.count_nonzero(timed))
+    k = k[timed]
+    n = len(k)
+    if n == 0:
+        return StreamKernelStats(dev=int(dev), stream=int(stream), kernels=0, graph_kernels=0, span_seconds=0.0,
+                                 busy_seconds=0.0, mean_kernel_seconds=0.0, period=None, steps=0, match_ratio=None,
+                                 step_seconds=None, step_gap_seconds=None, launch_gap_seconds=None,
+                                 saveable_seconds=None, untimed=untimed)
     start = k["start"].astype(np.int64)
     end = np.maximum(k["end"].astype(np.int64), start)
     dur = end - start
-    n = len(k)
     found = detect_recent_period(k["name_id"], min_match=min_match, min_steps=min_steps, max_period=max_period)
     period = match = step_s = gap_s = launch_s = save_s = None
     steps = 0
+    by_gaps = False
     if found is not None:
         period, match, used = found
-        steps = used // period
-        lo = n - steps * period
-        n_full = steps - 1  # steps whose following step's first kernel is in the window
         # gaps[i]: idle time between kernel i and kernel i+1 (overlaps count as none)
         gaps = np.clip(start[1:] - np.maximum.accumulate(end)[:-1], 0, None)
-        g = gaps[lo: lo + n_full * period]
-        span = int(start[lo + n_full * period] - start[lo])
+        gap_steps = steps_from_gaps(gaps[n - used:], period, host_gap_ns=host_gap_ns, min_match=min_match,
+                                    min_steps=min_steps, max_period=max_period)
+        if gap_steps is not None:
+            by_gaps = True
+            period, starts = gap_steps[0], gap_steps[1] + (n - used)
+            lo, hi = int(starts[0]), int(starts[-1])  # the whole steps between the first and the last gap
+            n_full = len(starts) - 1
+            steps = n_full + (1 if n - hi >= period else 0)
+        else:
+            steps = used // period
+            lo = n - steps * period
+            n_full = steps - 1  # steps whose following step's first kernel is in the window
+            hi = lo + n_full * period
+        g = gaps[lo:hi]
+        span = int(start[hi] - start[lo])
         step_s = span / n_full / 1e9
         gap_s = float(g.sum()) / n_full / 1e9
         short = g[g <= host_gap_ns]
@@ -160,4 +212,5 @@ def _one_stream(k: np.ndarray, dev: int, stream: int, *, min_match: float, min_s
         span_seconds=float(end.max() - start.min()) / 1e9, busy_seconds=float(dur.sum()) / 1e9,
         mean_kernel_seconds=float(dur.mean()) / 1e9, period=period, steps=steps, match_ratio=match,
         step_seconds=step_s, step_gap_seconds=gap_s, launch_gap_seconds=launch_s, saveable_seconds=save_s,
+        untimed=untimed, steps_from_gaps=by_gaps,
     )

@@ -115,3 +115,56 @@ def test_mixed_stream_is_already_captured_only_above_the_share() -> None:
     assert d.decision != "already_captured"  # 20 of 50 < 0.5
     d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=mixed)), GraphPolicy(captured_share=0.4)))
     assert d.decision == "already_captured"
+
+
+def _one_kernel_loop(n_steps: int, per_step: int, dur_ns: int, launch_gap_ns: int, sync_gap_ns: int) -> np.ndarray:
+    """``per_step`` launches of one kernel back to back, then the host waits and works (``sync_gap_ns``
+    of idle GPU) before the next step: the H200 matmul loop of issue 28 (ten 8192x8192 matmuls and a
+    synchronize per step)."""
+    recs = np.zeros(n_steps * per_step, KERNEL_DTYPE)
+    t = 1_000_000_000
+    for i in range(len(recs)):
+        recs[i] = (t, t + dur_ns, 0, 1, 0, 7, i, 0, 42)
+        t += dur_ns + (sync_gap_ns if i % per_step == per_step - 1 else launch_gap_ns)
+    return recs
+
+
+def test_a_loop_of_one_repeated_kernel_takes_its_steps_from_the_idle_gaps_between_them() -> None:
+    # GIVEN ten 21 ms matmuls a step, 3 us apart, and 40 ms of host work after each step's synchronize
+    k = _one_kernel_loop(8, 10, 21_000_000, 3_000, 40_000_000)
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    # THEN a step is ten kernels (not one), of about 250 ms, and the default policy captures it; the
+    # steps counted are the whole ones after the first idle gap (the window may open mid-step)
+    assert d.op_count == 10 and d.steps == 7, d
+    assert d.decision == "capture", d.reasons
+    assert 0.245 < d.step_seconds < 0.255, d  # type: ignore[operator]
+    # what capture saves is the launch gaps (9 x 3 us less the graph's 2 us each), not the host's 40 ms
+    assert 5e-6 < d.launch_overhead_seconds < 15e-6, d  # type: ignore[operator]
+
+
+def test_steps_of_a_short_period_follow_the_idle_gaps_only_where_every_step_has_one() -> None:
+    # GIVEN kernels A, B repeated with no step-level gap pattern (idle gaps at irregular places)
+    k = steps(20, [1, 2], 100_000, 5_000)
+    k = k.copy()
+    for after, ms in ((7, 5), (15, 9), (30, 14)):  # host work after kernels 7, 15 and 30
+        k["start"][after + 1:] += np.uint64(ms * 10**6)
+        k["end"][after + 1:] += np.uint64(ms * 10**6)
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    # THEN the period stays the name sequence's (2): gaps must recur at one spacing to define a step
+    assert d.op_count == 2, d
+
+
+def test_kernel_records_without_timestamps_are_left_out_and_said() -> None:
+    # GIVEN the one-kernel loop with two records whose start (or end) CUPTI left at zero
+    k = _one_kernel_loop(30, 10, 21_000_000, 3_000, 40_000_000)
+    k["start"][5] = 0
+    k["end"][33] = 0
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    # THEN the step is still 10 kernels of ~250 ms (a zero start made it 4,091,886 s on the H200)
+    assert d.op_count == 10 and 0.2 < d.step_seconds < 0.3, d  # type: ignore[operator]
+    assert d.kernels == 298 and d.steps >= 28 and abs(d.mean_kernel_seconds - 0.021) < 1e-6, d  # type: ignore[operator]
+    assert any("2 kernel record(s) without start or end time left out" in r for r in d.reasons), d.reasons
+    # AND a stream whose records all lack times gets no verdict, with the reason
+    k["start"] = 0
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    assert d.decision == "insufficient_data" and "without start or end time" in d.reasons[0], d

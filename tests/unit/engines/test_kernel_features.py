@@ -4,12 +4,14 @@ import numpy as np
 from gpufootprint.engines.kernels import detect_period, detect_recent_period, stream_stats
 from gpufootprint.records import KERNEL_DTYPE
 
+T0 = 1_000_000_000  # CUPTI's clock is never at zero: a zero start or end is a record without a time
+
 
 def kernels(spec: list[tuple[int, int, int]], *, stream: int = 7, graph: int = 0) -> np.ndarray:
-    """spec: (start ns, end ns, name id)"""
+    """spec: (start ns, end ns, name id), from T0"""
     recs = np.zeros(len(spec), KERNEL_DTYPE)
     for i, (s, e, n) in enumerate(spec):
-        recs[i] = (s, e, 0, 1, 0, stream, i, graph, n)
+        recs[i] = (T0 + s, T0 + e, 0, 1, 0, stream, i, graph, n)
     return recs
 
 
