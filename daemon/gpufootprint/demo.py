@@ -26,13 +26,14 @@ rules of its own the demo sets two (a process budget and 90% of each GPU).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,11 @@ def _own_process(frames: list[Frame], only: int | None) -> list[Frame]:
     return out
 
 
-def steady_block(frames: list[Frame], first: str, last: str) -> tuple[list[Frame], int]:
-    """The batches of ``STEADY_KINDS`` between the marks labelled ``first`` and ``last``, and the
-    trace time from one mark to the other (what one repetition of the block advances)."""
+def steady_block(frames: list[Frame], first: str, last: str) -> tuple[list[Frame], int, int]:
+    """The batches of ``STEADY_KINDS`` between the marks labelled ``first`` and ``last``, the trace
+    time from one mark to the other (what one repetition of the block advances), and the index of
+    the ``last`` mark: the recording plays up to it, and the repetitions follow on from there
+    (what the recording holds after it, a final mark, would put them behind time)."""
     marks = {f.json().get("label"): (i, f.json().get("ts")) for i, f in enumerate(frames) if f.type is FrameType.MARK}
     (lo, t_lo), (hi, t_hi) = marks[first], marks[last]
     if not isinstance(t_lo, int) or not isinstance(t_hi, int) or t_hi <= t_lo:
@@ -95,7 +98,7 @@ def steady_block(frames: list[Frame], first: str, last: str) -> tuple[list[Frame
     block = [f for f in frames[lo + 1:hi] if f.type is FrameType.BATCH and RecordKind(f.tag) in STEADY_KINDS]
     if not block:
         raise ValueError(f"steady steps {first}..{last}: no kernel, copy or memset between the marks")
-    return block, t_hi - t_lo
+    return block, t_hi - t_lo, hi
 
 
 def _last_time_ns(frame: Frame) -> int | None:
@@ -103,20 +106,18 @@ def _last_time_ns(frame: Frame) -> int | None:
     return int(recs["end"].max()) if len(recs) and "end" in (recs.dtype.names or ()) else frame_time_ns(frame)
 
 
-def _repeat_steady(app: App, session: Session, block: list[Frame], period_ns: int, delta: int, pid: int,
-                   pacer: Pacer, stop: threading.Event) -> None:
-    """The steady block again and again, each time ``period_ns`` later in trace time. A batch is
-    handed on whole once its last record is due (as a probe forwards a completed buffer): a few
-    frames a step, not one per millisecond of records."""
-    rounds = 0
-    while not stop.is_set():
-        rounds += 1
-        for frame in block:
-            moved = shift_frame(frame, delta + rounds * period_ns, pid=pid)
-            pacer.wait_for(_last_time_ns(moved))
-            if stop.is_set():
-                return
-            app.ingest.inject(session, moved)
+def play_order(frames: list[Frame], steady: tuple[list[Frame], int, int] | None) -> Iterator[tuple[Frame, int]]:
+    """What one run of a trace's process sends, in order: (frame, how much later in trace time than
+    recorded). The recording once (its HELLO left out: the demo writes its own); a trace with
+    ``steady`` steps (``steady_block``) then plays up to their last mark and repeats them forever,
+    each repetition one ``period`` later."""
+    if steady is None:
+        yield from ((f, 0) for f in frames if f.type is not FrameType.HELLO)
+        return
+    block, period, last = steady
+    yield from ((f, 0) for f in frames[:last + 1] if f.type is not FrameType.HELLO)
+    for rounds in itertools.count(1):
+        yield from ((f, rounds * period) for f in block)
 
 
 def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event) -> None:
@@ -138,18 +139,24 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event)
         first = next((t for t in map(frame_time_ns, frames) if t is not None), 0)
         delta = time.time_ns() - first
         pacer = Pacer(speed, stop)
-        for whole in frames:
-            if whole.type is FrameType.HELLO or (steady is not None and whole.type is FrameType.GOODBYE):
-                continue
-            for frame in paced(shift_frame(whole, delta, pid=pid), pacer):
-                if stop.is_set():
-                    break
-                app.ingest.inject(session, frame)
+        repeats: Pacer | None = None
+        for whole, later in play_order(frames, steady):
+            moved = shift_frame(whole, delta + later, pid=pid)
+            if later == 0:
+                for frame in paced(moved, pacer):
+                    if stop.is_set():
+                        break
+                    app.ingest.inject(session, frame)
+            else:
+                # Repeated steps play at real time whatever ``speed`` (faster would only cost more), a
+                # batch handed on whole once its last record is due, as a probe forwards a completed
+                # buffer: a few frames a step, not one per millisecond of records.
+                repeats = repeats or Pacer(min(speed, 1.0), stop)
+                repeats.wait_for(_last_time_ns(moved))
+                if not stop.is_set():
+                    app.ingest.inject(session, moved)
             if stop.is_set():
                 break
-        if steady is not None:
-            # At real time whatever ``speed``: a faster replay of the same steps would only cost more.
-            _repeat_steady(app, session, steady[0], steady[1], delta, pid, Pacer(min(speed, 1.0), stop), stop)
         app.ingest.inject(session, None)
         stop.wait(1.0 / speed)
 

@@ -1,0 +1,49 @@
+"""The demo's training process: its recording, then its steady steps again and again.
+
+The repetitions must read as one process that goes on training: nothing late, no ingest error,
+and a footprint that stays where the recording left it (a repeated step allocates nothing).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from gpufootprint.config import FootprintConfig
+from gpufootprint.demo import STEADY_KINDS, STEADY_STEPS, bundled_traces, play_order, steady_block
+from gpufootprint.hub import FeatureHub
+from gpufootprint.ingest.session import Session
+from gpufootprint.pipeline import Pipeline
+from gpufootprint.records import RecordKind
+from gpufootprint.replay import frame_time_ns, load_frames, shift_frame
+from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_json
+
+PID = 857
+
+
+def test_the_steady_steps_repeat_on_time_without_late_records_and_leave_the_footprint_as_recorded() -> None:
+    (path,) = [p for p in bundled_traces() if p.name in STEADY_STEPS]
+    frames, problems = load_frames(path)
+    assert problems == []
+    block, period, last = steady_block(frames, *STEADY_STEPS[path.name])
+    assert {RecordKind(f.tag) for f in block} <= set(STEADY_KINDS)
+    assert sum(len(f.records()) for f in block if RecordKind(f.tag) is RecordKind.KERNEL) == 3 * 99
+    assert 60e6 < period < 70e6  # three steps of about 22 ms
+    mark = frames[last].json()
+    pipeline = Pipeline(FootprintConfig(), hub=FeatureHub(), kernel_retention=200_000)
+    session = Session(pipeline, source="trace", name="demo")
+    hello = encode_json(FrameType.HELLO, {"pid": PID, "start_time": 1})
+    session.handle(Frame(FrameType.HELLO, 0, hello[HEADER_SIZE:], 0))
+    first = next(t for t in map(frame_time_ns, frames) if t is not None)
+    delta = 1_800_000_000 * 10**9 - first
+    rounds = 300  # 20 s of training after the recording
+    sent = len([f for f in frames[:last + 1] if f.type is not FrameType.HELLO]) + rounds * len(block)
+    for f, later in itertools.islice(play_order(frames, (block, period, last)), sent):
+        session.handle(shift_frame(f, delta + later, pid=PID))
+    pipeline.advance(PID, delta + mark["ts"] + (rounds + 1) * period)
+    assert pipeline.late_records == 0 and sum(pipeline.errors.counts.values()) == 0
+    state = pipeline.device_state(PID, 0)
+    assert state is not None
+    assert state.live_bytes.get("device") == mark["expect_live_bytes"]["device"], state.live_bytes
+    # the graph advisor reads the kernels of one process that never restarted
+    kernels = pipeline.processes[PID].kernels
+    assert kernels is not None and len(kernels.array()) >= rounds * 3 * 99
