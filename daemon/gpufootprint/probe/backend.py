@@ -83,6 +83,9 @@ class CuptiBackend:
         self._flush_nogil = flush_nogil
         self._lib_flush: Any = None
         self._lib_api_switches: Any = None  # cuptiActivityEnable{Driver,Runtime}Api through ctypes, or False
+        # cuptiActivityEnable, cuptiActivityDisable, cuptiActivityGetNumDroppedRecords through ctypes, looked up
+        # once (False: not possible, cupti-python's wrappers instead)
+        self._lib_calls: Any = None
         self._hooks: tuple[Any, int, list[int]] | None = None  # libcupti, domain, callback ids
         self._hooks_looked_up = False
         self._subscriber: ctypes.c_void_p | None = None
@@ -100,11 +103,46 @@ class CuptiBackend:
         if not self._call("activity_register_callbacks", self._c.activity_register_callbacks, requested, completed):
             raise RuntimeError(self.errors[-1])
 
+    def _nogil_calls(self) -> Any:
+        """(enable, disable, dropped) bound on the one mapped libcupti, or False.
+
+        The sender thread calls these while the workload runs CUDA (kernel windows, the drop count of
+        every heartbeat). cupti-python's wrappers hold the GIL for the whole call; CUPTI may hold its
+        own lock while it calls our buffer callbacks, which are Python and need the GIL, on the
+        workload's thread: a call that waits for that lock while holding the GIL would never return,
+        and neither would the workload. Through ctypes the GIL is released for the call."""
+        if self._lib_calls is None:
+            self._lib_calls = False
+            lib = _libcupti()
+            if lib is not None:
+                try:
+                    enable, disable = lib.cuptiActivityEnable, lib.cuptiActivityDisable
+                    dropped = lib.cuptiActivityGetNumDroppedRecords
+                    for fn in (enable, disable):
+                        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_uint32]
+                    dropped.restype = ctypes.c_int
+                    dropped.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_size_t)]
+                    self._lib_calls = (enable, disable, dropped)
+                except AttributeError:
+                    pass
+        return self._lib_calls
+
+    def _switch(self, what: str, index: int, kind: int) -> bool:
+        calls = self._nogil_calls()
+        if calls:
+            status = int(calls[index](kind))
+            if status != 0:
+                self._note(f"{what}({kind}): status {status}")
+                log.debug("cupti %s(%d) failed: status %d", what, kind, status)
+            return status == 0
+        fn = self._c.activity_enable if index == 0 else self._c.activity_disable
+        return self._call(f"activity_{'enable' if index == 0 else 'disable'}({kind})", fn, kind)
+
     def enable(self, kind: int) -> bool:
-        return self._call(f"activity_enable({kind})", self._c.activity_enable, kind)
+        return self._switch("cuptiActivityEnable", 0, kind)
 
     def disable(self, kind: int) -> bool:
-        return self._call(f"activity_disable({kind})", self._c.activity_disable, kind)
+        return self._switch("cuptiActivityDisable", 1, kind)
 
     def flush(self, forced: bool) -> None:
         # cupti-python's wrapper holds the GIL for the whole flush (measured: ~3 ms on
@@ -351,6 +389,13 @@ class CuptiBackend:
         stream that CUPTI passes with each completed buffer.
         """
         v = ctypes.c_size_t(0)
+        calls = self._nogil_calls()
+        if calls:  # from the sender thread at every heartbeat: without the GIL (``_nogil_calls``)
+            status = int(calls[2](ctypes.c_void_p(ctx or None), ctypes.c_uint32(stream), ctypes.byref(v)))
+            if status != 0:
+                self._note(f"cuptiActivityGetNumDroppedRecords: status {status}")
+                return 0
+            return int(v.value)
         ok = self._call("activity_get_num_dropped_records", self._c.activity_get_num_dropped_records, ctx, stream,
                         ctypes.addressof(v))
         return int(v.value) if ok else 0

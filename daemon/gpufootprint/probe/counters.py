@@ -7,7 +7,6 @@ host and device bytes the probe holds, CUPTI's own drops, raw-delivery and hook 
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from typing import Any, Protocol
 
@@ -104,18 +103,3 @@ def cupti_dropped(backend: Backend | None, raw: RawDelivery | None, counters: Co
     except Exception:  # noqa: BLE001, S110 - a heartbeat goes out with the drops counted so far
         pass
     return int(counters["cupti_dropped_records"])
-
-
-def torch_numbers() -> dict[str, Any]:
-    """PyTorch's allocator figures by device, where the workload has initialised CUDA through it."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return {}
-    try:
-        if not torch.cuda.is_initialized():
-            return {}
-        n = torch.cuda.device_count()
-        return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
-                "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
-    except Exception:  # noqa: BLE001
-        return {}

@@ -36,6 +36,7 @@ from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.probe.torchnumbers import TorchNumbers
 from gpufootprint.probe.windows import Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
@@ -60,6 +61,7 @@ class Sender:
         self.table = LiveTable()
         # Failed allocations (CUPTI's API records) and PyTorch's OOM notices: probe/oom.py.
         self.oom = OomWatch(clock_ns)
+        self.torch_numbers = TorchNumbers()
         self.packer.on_api_rows = self.oom.api_rows
         self.packer.on_api_objects = self.oom.api_objects
         self.link: SocketLink | None = None
@@ -492,9 +494,8 @@ class Sender:
 
     def _heartbeat(self) -> dict[str, Any]:
         body: dict[str, Any] = {"ts": self._clock_ns(), "pid": self.pid, "counters": self._counter_values()}
-        torch_numbers = counters.torch_numbers()
-        if torch_numbers:
-            body["torch"] = torch_numbers
+        if self.torch_numbers.hook() and self.torch_numbers.latest:
+            body["torch"] = self.torch_numbers.latest  # read on the workload's thread (torchnumbers.py)
         return body
 
     def _goodbye(self) -> None:

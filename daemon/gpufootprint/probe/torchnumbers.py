@@ -1,0 +1,67 @@
+"""PyTorch's allocator figures (allocated and reserved bytes by device), read on the workload's thread.
+
+``torch.cuda.memory_allocated`` takes the caching allocator's mutex while it holds the GIL
+(PyTorch releases the GIL for ``empty_cache``, not for its statistics). Read from the
+probe's own thread it can hang the workload for good: the workload's thread, inside
+``cudaMalloc`` with that mutex held, may be in CUPTI's buffer callback, which is Python
+(ctypes) and waits for the GIL the probe's thread holds while it waits for the mutex.
+
+So the figures are read only where the workload's thread already runs Python outside the
+allocator: after an optimizer step (PyTorch's global optimizer step hook), at most once per
+``min_interval_s``. The heartbeat sends the last reading. A workload that never steps an
+optimizer (inference) sends none.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+class TorchNumbers:
+    def __init__(self, min_interval_s: float = 0.5) -> None:
+        self.min_interval_s = min_interval_s
+        self.latest: dict[str, Any] = {}
+        self.readings = 0
+        self._read_at = -float("inf")
+        self._hooked = False
+
+    def hook(self) -> bool:
+        """Register the optimizer step hook once torch is imported (safe from any thread: a dict
+        insert); True once registered."""
+        if self._hooked:
+            return True
+        torch = sys.modules.get("torch")
+        optim = getattr(torch, "optim", None) if torch is not None else None
+        register = getattr(getattr(optim, "optimizer", None), "register_optimizer_step_post_hook", None)
+        if register is None:
+            return False
+        try:
+            register(self._after_step)
+        except Exception:  # noqa: BLE001 - an older torch: no figures
+            return False
+        self._hooked = True
+        return True
+
+    def _after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        """On the workload's thread, after ``optimizer.step()``: never raises into it."""
+        now = time.monotonic()
+        if now - self._read_at < self.min_interval_s:
+            return
+        self._read_at = now
+        try:
+            self.latest = read_now()
+            self.readings += 1
+        except Exception:  # noqa: BLE001, S110 - the figures are optional
+            pass
+
+
+def read_now() -> dict[str, Any]:
+    """The figures, read on the calling thread (only the workload's own: see the module's doc)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    n = torch.cuda.device_count()
+    return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
+            "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
