@@ -16,7 +16,9 @@ data within a minute:
 * h200_probe_pinned_managed: a probe recording with its counters (probe overhead
   and drops) and unified memory (page migrations and faults);
 * synth_leak (its leaking process only): steady growth, so budgets predict an
-  exhaustion time and, after a few minutes, the leak engine suspects it.
+  exhaustion time and, after a few minutes, the leak engine suspects it. It is 20 minutes
+  long and played by two processes, the second starting ten minutes after the first, so that
+  after each loop one of them still has its trend.
 
 Beside them a simulated H200 (``nvml.simulated``) plays NVML's part: device
 memory, utilisation, power, and the model that prices the GPU. Without budget
@@ -57,6 +59,10 @@ DEMO_PIDS = (855, 856)
 STEADY_STEPS = {"h200_kernels_train.gfp.gz": ("step_1", "step_4")}
 #: What a repeated step may carry: records that leave the footprint as it is.
 STEADY_KINDS = (RecordKind.KERNEL, RecordKind.MEMCPY, RecordKind.MEMSET)
+#: Traces played by two processes, the second starting when the first is half-way through: a slow
+#: leak restarts at each loop and its trend (hence the budgets' time to exhaustion) needs minutes
+#: of growth again, so one copy is always mature while the other starts over.
+STAGGERED = ("synth_leak.gfp.gz",)
 #: Traces of several processes play one of them (the demo gives each trace one pid).
 ONLY_PID = {"synth_leak.gfp.gz": 5151}
 #: Budgets the demo sets when the configuration has none: both panels then have data.
@@ -120,7 +126,24 @@ def play_order(frames: list[Frame], steady: tuple[list[Frame], int, int] | None)
         yield from ((f, rounds * period) for f in block)
 
 
-def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event) -> None:
+def trace_seconds(path: Path) -> float:
+    """Trace time from a trace's first timestamp to its last."""
+    frames, _ = load_frames(path)
+    times = [t for t in map(frame_time_ns, _own_process(frames, ONLY_PID.get(path.name))) if t is not None]
+    return (max(times) - min(times)) / 1e9 if times else 0.0
+
+
+def feeders(traces: list[Path], speed: float) -> list[tuple[Path, int, float]]:
+    """(trace, pid, seconds before it starts) of every demo process: one per trace, and a second for
+    each trace in ``STAGGERED``, starting half its length later."""
+    plan = [(path, 0.0) for path in traces]
+    plan += [(path, trace_seconds(path) / 2 / speed) for path in traces if path.name in STAGGERED]
+    return [(path, DEMO_PIDS[i % 2] + 2 * (i // 2), after) for i, (path, after) in enumerate(plan)]
+
+
+def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event, start_after: float = 0.0) -> None:
+    if stop.wait(start_after):
+        return
     frames, problems = load_frames(path)
     for problem in problems:
         log.error("%s", problem)
@@ -229,8 +252,9 @@ def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Pat
     app.start()
     url = app.http.url if app.http else "(no --listen)"
     print(f"gpufootprint demo serving {url}", flush=True)
-    threads = [threading.Thread(target=_feeder, args=(app, path, DEMO_PIDS[i % 2] + 2 * (i // 2), speed, stop),
-                                name=f"demo-feeder-{i}", daemon=True) for i, path in enumerate(traces)]
+    threads = [threading.Thread(target=_feeder, args=(app, path, pid, speed, stop, after),
+                                name=f"demo-feeder-{i}", daemon=True)
+               for i, (path, pid, after) in enumerate(feeders(traces, speed))]
     for t in threads:
         t.start()
     started = time.monotonic()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from gpufootprint.config import FootprintConfig
-from gpufootprint.demo import STEADY_KINDS, STEADY_STEPS, bundled_traces, play_order, steady_block
+from gpufootprint.demo import STEADY_KINDS, STEADY_STEPS, bundled_traces, feeders, play_order, steady_block
 from gpufootprint.hub import FeatureHub
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
@@ -47,3 +48,13 @@ def test_the_steady_steps_repeat_on_time_without_late_records_and_leave_the_foot
     # the graph advisor reads the kernels of one process that never restarted
     kernels = pipeline.processes[PID].kernels
     assert kernels is not None and len(kernels.array()) >= rounds * 3 * 99
+
+
+def test_the_slow_leak_is_played_twice_half_a_trace_apart_so_one_copy_always_has_its_trend() -> None:
+    traces = bundled_traces()
+    plan = feeders(traces, speed=1.0)
+    leak = [(pid, after) for path, pid, after in plan if path.name == "synth_leak.gfp.gz"]
+    assert len(leak) == 2 and leak[0][1] == 0.0
+    assert 590 < leak[1][1] < 610  # half of its 1,199 s
+    assert len({pid for _, pid, _ in plan}) == len(plan) == len(traces) + 1  # every process its own pid
+    assert feeders(traces, speed=10.0)[-1][2] == pytest.approx(leak[1][1] / 10)
