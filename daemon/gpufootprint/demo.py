@@ -171,10 +171,14 @@ def _feeder(app: App, path: Path, pid: int, speed: float, stop: threading.Event,
                         break
                     app.ingest.inject(session, frame)
             else:
-                # Repeated steps play at real time whatever ``speed`` (faster would only cost more), a
-                # batch handed on whole once its last record is due, as a probe forwards a completed
-                # buffer: a few frames a step, not one per millisecond of records.
-                repeats = repeats or Pacer(min(speed, 1.0), stop)
+                # Repeated steps play at real time whatever ``speed`` (faster would only cost more),
+                # on from the recording's last mark, which is due now; a batch is handed on whole
+                # once its last record is due, as a probe forwards a completed buffer: a few frames a
+                # step, not one per millisecond of records.
+                if repeats is None:
+                    assert steady is not None
+                    last_mark = frames[steady[2]].json()["ts"]
+                    repeats = Pacer(1.0, stop, origin=(time.monotonic(), delta + last_mark))
                 repeats.wait_for(_last_time_ns(moved))
                 if not stop.is_set():
                     app.ingest.inject(session, moved)

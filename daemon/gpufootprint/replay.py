@@ -49,10 +49,13 @@ class Pacer:
     #: Records due within this much wall time of each other are handed on together.
     RESOLUTION_S = 0.001
 
-    def __init__(self, speed: float, stop: threading.Event | None = None) -> None:
+    def __init__(self, speed: float, stop: threading.Event | None = None,
+                 origin: tuple[float, int] | None = None) -> None:
+        """``origin``: (monotonic time, trace time) that are due together; by default the first
+        timestamp waited for is due at once."""
         self.speed = speed
         self.stop = stop or threading.Event()
-        self._origin: tuple[float, int] | None = None
+        self._origin: tuple[float, int] | None = origin
 
     def wait_for(self, ts_ns: int | None) -> None:
         if ts_ns is None:

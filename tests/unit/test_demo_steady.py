@@ -7,6 +7,9 @@ and a footprint that stays where the recording left it (a repeated step allocate
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 from gpufootprint.config import FootprintConfig
@@ -58,3 +61,41 @@ def test_the_slow_leak_is_played_twice_half_a_trace_apart_so_one_copy_always_has
     assert 590 < leak[1][1] < 610  # half of its 1,199 s
     assert len({pid for _, pid, _ in plan}) == len(plan) == len(traces) + 1  # every process its own pid
     assert feeders(traces, speed=10.0)[-1][2] == pytest.approx(leak[1][1] / 10)
+
+
+@pytest.mark.parametrize("speed", [20.0, 0.5])
+def test_repeated_steps_are_handed_on_at_real_time_once_their_last_record_is_due(speed: float) -> None:
+    # GIVEN the training trace's feeder with an ingest that notes when each repeated batch comes
+    from gpufootprint.demo import _feeder, _last_time_ns
+
+    (path,) = [p for p in bundled_traces() if p.name in STEADY_STEPS]
+    frames, _ = load_frames(path)
+    block, _, _ = steady_block(frames, *STEADY_STEPS[path.name])
+    repeated_kinds = {(RecordKind(f.tag), len(f.records())) for f in block}
+    handed: list[tuple[float, int]] = []
+    recording_done = threading.Event()
+
+    class Ingest:
+        def inject(self, _session: object, frame: Frame | None) -> None:
+            if frame is not None and frame.type is FrameType.MARK and frame.json().get("label") == "step_4":
+                recording_done.set()
+            elif recording_done.is_set() and frame is not None and frame.type is FrameType.BATCH:
+                assert (RecordKind(frame.tag), len(frame.records())) in repeated_kinds
+                handed.append((time.monotonic(), _last_time_ns(frame) or 0))
+
+    app = SimpleNamespace(pipeline=Pipeline(FootprintConfig()), ingest=Ingest())
+    stop = threading.Event()
+    feeder = threading.Thread(target=_feeder, args=(app, path, PID, speed, stop), daemon=True)
+    feeder.start()
+    assert recording_done.wait(8.4 / speed + 10)
+    time.sleep(1.5)
+    stop.set()
+    feeder.join(5)
+    # THEN about 135 batches a second (three a 22 ms step), each at or after its last record's time on
+    # a clock that runs at real time from the recording's end, whatever the recording's speed
+    assert 150 <= len(handed) <= 260, len(handed)
+    (w0, t0), *rest = handed
+    for w, t in rest:
+        early = (t - t0) / 1e9 - (w - w0)
+        assert early < 0.005, (speed, early)  # never more than the pacer's resolution early
+        assert early > -0.25, (speed, early)  # nor lagging behind real time

@@ -9,9 +9,10 @@ host work (what it does not; gaps above ``host_gap_ns`` are counted as that).
 
 A loop of one kernel launched again and again (ten matmuls and a synchronize per
 step) repeats its name every kernel: the name sequence says "one kernel a step".
-Where the idle gaps above ``host_gap_ns`` (the host's wait and work between steps)
-recur at one spacing that is a multiple of the name period, that spacing is the
-step, and steps run from gap to gap.
+For such a loop the idle gaps above ``host_gap_ns`` (the host's wait and work between
+steps) tell the step: their most common spacing, counted from gap to gap at one phase
+(``steps_from_gaps``). A longer name period is left alone: gaps every few steps are
+host work (logging), not a longer step.
 
 CUPTI sometimes leaves a kernel record's start or end at zero; such a record has no
 place in time, so it is left out (and counted) rather than read as a kernel that
@@ -126,21 +127,30 @@ def detect_recent_period(seq: np.ndarray, *, min_match: float = 0.9, min_steps: 
     return None
 
 
-def steps_from_gaps(gaps: np.ndarray, period: int, *, host_gap_ns: int, min_match: float, min_steps: int,
-                    max_period: int) -> tuple[int, np.ndarray] | None:
-    """(kernels a step, index of each step's first kernel) where the idle gaps above ``host_gap_ns``
-    recur at one spacing ``q`` (at least ``min_match`` of the spacings), a multiple of ``period`` and
-    longer than it, with at least ``min_steps`` steps; None otherwise. ``gaps[i]`` is the idle time
-    after kernel i. The first step starts after the first such gap (the window may open mid-step)."""
+def steps_from_gaps(gaps: np.ndarray, *, host_gap_ns: int, min_match: float, min_steps: int,
+                    max_period: int) -> tuple[int, int, int] | None:
+    """(kernels a step ``q``, first kernel of the first step, first kernel after the last whole step)
+    for a loop of one repeated kernel, read from its idle gaps above ``host_gap_ns``; None when they
+    do not make steps. ``gaps[i]`` is the idle time after kernel i.
+
+    ``q`` is the most common spacing between such gaps; the gaps that count are those at the most
+    common position modulo ``q`` (the step's end), so a stray stall inside a step neither splits it
+    nor moves the others. Steps run from the first such gap to the last (the window may open
+    mid-step); one must be found after at least ``min_match`` of them, and at least ``min_steps``."""
     starts = np.flatnonzero(gaps > host_gap_ns) + 1
     if len(starts) < min_steps:
         return None
-    spacing = np.diff(starts)
-    values, counts = np.unique(spacing, return_counts=True)
+    values, counts = np.unique(np.diff(starts), return_counts=True)
     q = int(values[np.argmax(counts)])
-    if q <= period or q % period or q > max_period or counts.max() < min_match * len(spacing):
+    if q <= 1 or q > max_period:
         return None
-    return q, starts
+    phases, at = np.unique(starts % q, return_counts=True)
+    ends = starts[starts % q == phases[np.argmax(at)]]
+    lo, hi = int(ends[0]), int(ends[-1])
+    n_steps = (hi - lo) // q
+    if n_steps < max(1, min_steps - 1) or len(ends) - 1 < min_match * n_steps:
+        return None
+    return q, lo, hi
 
 
 def stream_stats(kernels: np.ndarray, *, min_match: float = 0.9, min_steps: int = 3, max_period: int = 4096,
@@ -187,13 +197,14 @@ def _one_stream(k: np.ndarray, dev: int, stream: int, *, min_match: float, min_s
         period, match, used = found
         # gaps[i]: idle time between kernel i and kernel i+1 (overlaps count as none)
         gaps = np.clip(start[1:] - np.maximum.accumulate(end)[:-1], 0, None)
-        gap_steps = steps_from_gaps(gaps[n - used:], period, host_gap_ns=host_gap_ns, min_match=min_match,
-                                    min_steps=min_steps, max_period=max_period)
+        # A loop of one repeated kernel: its name repeats every kernel, so only the host's gaps tell
+        # the step (a longer name period is a step already; gaps every few of them are host work).
+        gap_steps = steps_from_gaps(gaps[n - used:], host_gap_ns=host_gap_ns, min_match=min_match,
+                                    min_steps=min_steps, max_period=max_period) if period == 1 else None
         if gap_steps is not None:
             by_gaps = True
-            period, starts = gap_steps[0], gap_steps[1] + (n - used)
-            lo, hi = int(starts[0]), int(starts[-1])  # the whole steps between the first and the last gap
-            n_full = len(starts) - 1
+            period, lo, hi = gap_steps[0], gap_steps[1] + (n - used), gap_steps[2] + (n - used)
+            n_full = (hi - lo) // period
             steps = n_full + (1 if n - hi >= period else 0)
         else:
             steps = used // period

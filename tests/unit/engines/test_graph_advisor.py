@@ -162,9 +162,37 @@ def test_kernel_records_without_timestamps_are_left_out_and_said() -> None:
     d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
     # THEN the step is still 10 kernels of ~250 ms (a zero start made it 4,091,886 s on the H200)
     assert d.op_count == 10 and 0.2 < d.step_seconds < 0.3, d  # type: ignore[operator]
-    assert d.kernels == 298 and d.steps >= 28 and abs(d.mean_kernel_seconds - 0.021) < 1e-6, d  # type: ignore[operator]
+    # (a left-out record moves the later steps' ends one kernel back: the steps are read at the phase
+    # most of them share, here those after the second one)
+    assert d.kernels == 298 and d.steps >= 25 and abs(d.mean_kernel_seconds - 0.021) < 1e-6, d  # type: ignore[operator]
     assert any("2 kernel record(s) without start or end time left out" in r for r in d.reasons), d.reasons
     # AND a stream whose records all lack times gets no verdict, with the reason
     k["start"] = 0
     d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
     assert d.decision == "insufficient_data" and "without start or end time" in d.reasons[0], d
+
+
+def test_host_work_every_few_steps_does_not_turn_several_steps_into_one() -> None:
+    # GIVEN 40 steps of 101 distinct kernels, and 3 ms of host work (logging) after every 4th step
+    k = steps(40, list(range(101)), 5_000, 10_000)
+    k = k.copy()
+    for after in range(4 * 101 - 1, len(k) - 1, 4 * 101):
+        k["start"][after + 1:] += np.uint64(3_000_000)
+        k["end"][after + 1:] += np.uint64(3_000_000)
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    # THEN the step is the name sequence's (101 kernels), not four steps read from the gaps
+    assert d.op_count == 101 and not any("idle gaps" in r for r in d.reasons), d.reasons
+
+
+def test_a_few_stray_stalls_inside_steps_neither_skew_nor_undo_the_steps_read_from_gaps() -> None:
+    # GIVEN the one-kernel loop (ten 21 ms kernels a step, 40 ms of host work), 40 steps, and 5 ms
+    # stalls inside three steps (after kernels 104, 204 and 304)
+    k = _one_kernel_loop(40, 10, 21_000_000, 3_000, 40_000_000)
+    for after in (104, 204, 304):
+        k["start"][after + 1:] += np.uint64(5_000_000)
+        k["end"][after + 1:] += np.uint64(5_000_000)
+    d = one(advise(snap(1.0, proc(1, dev(), recent_kernels=k)), DEFAULT, reuse={(1, 0): 1.0}))
+    # THEN still 10 kernels a step, and the mean step is the true one (three stalls of 5 ms in 38
+    # steps of 250 ms: 250.4 ms), not 2.5 % low
+    assert d.op_count == 10 and d.decision == "capture", d.reasons
+    assert abs(d.step_seconds - (38 * 0.250 + 0.015) / 38) < 0.0005, d  # type: ignore[operator]
