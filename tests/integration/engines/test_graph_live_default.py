@@ -148,7 +148,18 @@ def test_a_default_daemon_follows_long_steps_and_captures_them_with_nvml_busy_ti
             verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
             time.sleep(0.3)
         status = finish_probe_child(child)["status"]
-        nvml_doc = urllib.request.urlopen(app.http.url.replace("/metrics", "/api/nvml"), timeout=10).read()
+        # Saved once the daemon's poller has read NVML past the workload's end (it polls once a second
+        # when quiet): a document saved sooner lacks the samples of the last window, and abtest then
+        # rightly finds no lower bound there.
+        ended_ns = time.time_ns()
+        nvml_url = app.http.url.replace("/metrics", "/api/nvml")
+        until = time.monotonic() + 20
+        while True:
+            nvml_doc = urllib.request.urlopen(nvml_url, timeout=10).read()
+            samples = json.loads(nvml_doc)["process_busy"].get("0", {}).get(str(child.pid), [])
+            if (samples and samples[-1][0] >= ended_ns) or time.monotonic() > until:
+                break
+            time.sleep(0.2)
     finally:
         stop.set()
         if child.poll() is None:
