@@ -184,3 +184,51 @@ def test_a_default_daemon_follows_long_steps_and_captures_them_with_nvml_busy_ti
     assert ab.returncode == 0, ab.stderr
     rows = [r for r in json.loads(ab.stdout)["rows"] if r["pid"] == verdict["pid"]]
     assert [r["policies"]["default"]["decision"] for r in rows] == ["capture"], rows
+
+
+def test_the_real_probe_in_a_loop_of_2s_steps_gets_a_verdict_from_a_default_daemon_within_two_minutes(
+        tmp_path: Path) -> None:
+    """The longest steps the advice promises to follow (2 s), the real probe (fake CUPTI) at its own
+    defaults and the daemon at the shipped ones: the window must stay open across steps longer than its
+    2 s lease (renewed while the probe's sender sleeps between its flushes), and /api/engines must give
+    the verdict while the loop still runs, within two minutes of its start."""
+    import threading
+
+    from tests.nvml_fake import FakeNvml
+
+    config = load_config(None, env={})
+    fake = FakeNvml("healthy", gpus=1)
+    sock = tmp_path / "probe.sock"
+    app = App(config, socket_path=str(sock), listen="127.0.0.1:0", nvml_client=fake)
+    app.start()
+    child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "long_steps:150:2000")
+    stop = threading.Event()
+
+    def driver() -> None:
+        while not stop.wait(1 / 6):
+            fake.add_busy(0, child.pid, time.time_ns() // 1000, 0.97)
+
+    threading.Thread(target=driver, daemon=True).start()
+    verdict: dict[str, Any] | None = None
+    started = time.monotonic()
+    try:
+        assert app.http is not None
+        url = app.http.url.replace("/metrics", "/api/engines")
+        while time.monotonic() - started < 120 and child.poll() is None and verdict is None:
+            graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
+            verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
+            time.sleep(0.5)
+        waited = time.monotonic() - started
+        running = child.poll() is None
+    finally:
+        stop.set()
+        child.kill()
+        child.wait(timeout=30)
+        app.stop()
+    assert verdict is not None and running, (verdict, running)
+    print(f"2 s steps, the real probe: {verdict['decision']} after {waited:.1f} s")
+    assert waited < 120, waited
+    assert verdict["evidence"] == "launches" and verdict["op_count"] == 10 and verdict["steps"] >= 3, verdict
+    # (0.97 - 0.2) of a 2 s step over 10 launches: the mean kernel at least about 0.15 s
+    assert 1.8 < verdict["step_seconds"] < 2.6 and verdict["mean_kernel_seconds_min"] > 0.1, verdict
+    assert verdict["decision"] == "capture", verdict["reasons"]
