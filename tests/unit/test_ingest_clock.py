@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from gpufootprint.config import Config
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.pipeline import Pipeline
@@ -45,7 +46,7 @@ def test_a_probe_without_a_declared_cadence_falls_back_to_the_reorder_window() -
 def test_the_loop_is_busy_from_60_percent_of_its_time_until_it_falls_under_30() -> None:
     from gpufootprint.ingest.tick import LoopLoad
 
-    load = LoopLoad()
+    load = LoopLoad()  # no loop thread bound: the wall-time rule alone
     t = load._since
     seq = []
     for share in (0.1, 0.5, 0.7, 0.5, 0.35, 0.25, 0.5):
@@ -53,3 +54,51 @@ def test_the_loop_is_busy_from_60_percent_of_its_time_until_it_falls_under_30() 
         t += 0.1
         seq.append(load.busy(t))
     assert seq == [False, False, True, True, True, False, False]
+
+
+def test_the_loop_is_busy_from_30_percent_of_a_core_until_it_falls_under_15() -> None:
+    """A loop that keeps up (little wall time waiting on nothing) but burns a third of a core on many small
+    flushes is busy too; the CPU share is the loop thread's own (its first reading is the baseline)."""
+    from gpufootprint.ingest.tick import LoopLoad
+
+    cpu = [100.0]  # the loop thread's CPU time so far: a baseline, not this period's
+    load = LoopLoad(thread_time=lambda: cpu[0])
+    t = load._since
+    seq = []
+    for used in (0.05, 0.2, 0.35, 0.2, 0.16, 0.1, 0.2, 0.31):
+        cpu[0] += used * 0.1
+        load.worked(0.05 * 0.1)  # the wall-time rule stays off: 5 % of the time working
+        t += 0.1
+        seq.append(load.busy(t))
+    # the first period only takes the loop thread's baseline
+    assert seq == [False, False, True, True, True, False, False, True]
+    assert load.cpu_share == pytest.approx(0.31)
+
+
+def test_the_cpu_rule_reads_the_loop_threads_clock_not_the_caller_of_tick() -> None:
+    """A replay driving the pipeline on another thread calls tick() there: its CPU is not the loop's."""
+    import threading
+    import time as _time
+
+    from gpufootprint.ingest.tick import LoopLoad
+
+    load = LoopLoad()
+    idle = threading.Event()
+    bound = threading.Event()
+
+    def loop_thread() -> None:  # bound, then waits without using CPU
+        load.bind_thread(threading.get_ident())
+        bound.set()
+        idle.wait(5)
+
+    t = threading.Thread(target=loop_thread)
+    t.start()
+    assert bound.wait(5)
+    now = _time.monotonic()
+    load.busy(now)  # baseline
+    end = _time.thread_time() + 0.05
+    while _time.thread_time() < end:  # this (calling) thread burns 50 ms of CPU in 50 ms
+        pass
+    assert load.busy(_time.monotonic()) is False and load.cpu_share < 0.15, load.cpu_share
+    idle.set()
+    t.join()

@@ -138,6 +138,7 @@ class IngestServer:
 
     def run(self) -> None:
         next_tick = time.monotonic()
+        self.load.bind_thread(threading.get_ident())
         while not self.stop_event.is_set():
             try:
                 next_tick = self._iterate(next_tick, self.config.daemon.tick_ms / 1000)

@@ -294,6 +294,9 @@ class Guard:
                     n_alloc = room
                 self.live.add(pid, n_alloc, census)
         self.pending.add(pid, len(recs), census)
+        # What it may still add while its watermarks wait to be applied together (Pipeline.watermark).
+        proc.pending_room = self.pending.room(pid, lim.max_pending_records, census,
+                                              lim.max_pending_records_per_process)
         return recs
 
     def admit_resync(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
