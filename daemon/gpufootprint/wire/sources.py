@@ -19,6 +19,8 @@ from gpufootprint.wire.jsonl import JsonlToFrames
 
 _GZIP_MAGIC = b"\x1f\x8b"
 CHUNK = 1 << 20
+#: The most decompressed bytes in one piece (see ``_gunzip``).
+OUT_BLOCK = 1 << 20
 
 
 class _Truncated(Exception):
@@ -99,20 +101,18 @@ def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
 
 
 def _gunzip(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
-    """Decompress gzip members one after another, yielding output as it comes."""
+    """Decompress gzip members one after another, yielding output as it comes, at most
+    ``OUT_BLOCK`` bytes a piece: a 1 MiB read of a JSONL trace inflates to some 20 MiB, and one
+    piece that large costs twice the CPU to inflate (fresh memory) and makes every pass the JSONL
+    reader makes over it miss the cache."""
     d = zlib.decompressobj(wbits=31)
     inside = False  # fed a member that has not ended yet
     for chunk in _chain(first, rest):
         while chunk:
             inside = True
-            try:
-                out = d.decompress(chunk)
-            except zlib.error as exc:
-                raise _Truncated(f"compressed data is corrupt ({exc})") from None
-            if out:
-                yield out
+            yield from _inflate(d, chunk)
             if not d.eof:
-                break
+                break  # the chunk is used up: the member goes on in the next one
             inside = False
             chunk = d.unused_data
             d = zlib.decompressobj(wbits=31)
@@ -123,6 +123,22 @@ def _gunzip(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
         if tail:
             yield tail
         raise _Truncated("compressed data ends before the end of the gzip stream")
+
+
+def _inflate(d: zlib._Decompress, chunk: bytes) -> Iterator[bytes]:
+    """All the output ``chunk`` gives, in pieces of at most ``OUT_BLOCK``. A piece cut at the limit
+    may leave input in ``unconsumed_tail`` or output pending inside zlib (also with no input left),
+    so it asks again until a piece comes back short or the member ends."""
+    while True:
+        try:
+            out = d.decompress(chunk, OUT_BLOCK)
+        except zlib.error as exc:
+            raise _Truncated(f"compressed data is corrupt ({exc})") from None
+        if out:
+            yield out
+        if d.eof or len(out) < OUT_BLOCK:
+            return
+        chunk = d.unconsumed_tail
 
 
 class _Peek:
