@@ -234,3 +234,20 @@ def test_a_large_gzip_trace_reads_the_same_in_pieces_and_its_cut_is_reported(tmp
     got = b"".join(trace.chunks())
     assert len(trace.problems) == 1 and "compressed data ends before the end of the gzip stream" in trace.problems[0]
     assert len(got) > len(want) // 2
+
+
+def test_blocks_are_the_whole_lines_of_any_chunking() -> None:
+    import random
+
+    from gpufootprint.wire.sources import _blocks, _Peek
+
+    rng = random.Random(7)
+    for _ in range(200):
+        text = b"".join(rng.choice([b"ab\n", b"\n", b"cdefg", b"h\n\n", b"{}"]) for _ in range(rng.randrange(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(0, 8))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+        blocks = list(_blocks(_Peek(iter(chunks))))
+        assert b"".join(blocks) == text
+        assert all(b and b.endswith(b"\n") for b in blocks[:-1])
+        # As the line reader cuts them: every block a run of whole lines, the last perhaps unended.
+        assert all(b"\n" not in b for b in blocks[-1:]) or blocks[-1].endswith(b"\n")

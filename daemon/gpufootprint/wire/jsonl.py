@@ -115,6 +115,7 @@ class JsonlToFrames:
         self._kind: RecordKind | None = None
         self._shapes: dict[bytes, jsonl_fast.Shape | None] = {}
         self._scratch = jsonl_fast.Scratch()
+        self._repeats: dict[bytes, bytes] = {}
         self._names: dict[str, int] = {}
         self._new_names: dict[str, str] = {}
 
@@ -161,8 +162,7 @@ class JsonlToFrames:
                 continue
             at, length = int(shape_starts[g0]), int(lengths[g0])
             first = shapes[at:at + length]
-            seg = shapes[at:at + (g1 - g0) * (length + 1)]
-            if seg == ((first + b"\n") * (g1 - g0))[:len(seg)]:
+            if shapes.startswith(self._repeated(first, g1 - g0), at):
                 self._run(first, lines, g0, g1, out)
                 continue
             # Shapes of one length but not one shape: runs of one shape, as the shapes say.
@@ -175,6 +175,16 @@ class JsonlToFrames:
                     self._one_by_one(lines, i, i + n, out)
                 i += n
         return b"".join(out)
+
+    def _repeated(self, shape: bytes, n: int) -> memoryview:
+        """``n`` lines of ``shape`` joined by newlines, a view of one string kept per shape (building
+        and slicing it for each run cost as much as the compare)."""
+        rep = self._repeats.get(shape)
+        if rep is None or len(rep) < n * (len(shape) + 1):
+            if len(self._repeats) >= 16:
+                self._repeats.clear()
+            rep = self._repeats[shape] = (shape + b"\n") * max(n, 2 * (len(rep) // (len(shape) + 1) if rep else 0))
+        return memoryview(rep)[:n * (len(shape) + 1) - 1]
 
     def _run(self, shape: bytes, lines: _Lines, i0: int, i1: int, out: list[bytes]) -> None:
         """Lines ``i0`` to ``i1`` (of one shape) parsed as one block, or one by one where they must be."""
