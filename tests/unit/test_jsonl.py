@@ -131,3 +131,123 @@ def test_block_reader_makes_exactly_the_line_readers_frames_and_problems() -> No
         text = "\n".join(good[:10] + [line] + good[10:]).encode() + b"\n"
         slow, slow_p, fast, fast_p = _both_readers(text, 1 << 16)
         assert fast == slow and fast_p == slow_p, line
+
+
+def _in_a_run(line: str, good: str, shape_only: bool = False) -> None:
+    """``line`` inside a run of 20 ``good`` lines (formatted with ts, addr): both readers agree."""
+    lines = [good.format(ts=i + 1, addr=i) for i in range(20)]
+    text = "\n".join(lines[:10] + [line] + lines[10:]).encode() + b"\n"
+    for block in (1 << 16, 700):
+        slow, slow_p, fast, fast_p = _both_readers(text, block)
+        assert fast == slow and fast_p == slow_p, line
+
+
+_MEM = '{{"k": "mem", "ts": {ts}, "op": 1, "mk": 3, "addr": {addr}, "bytes": 8, "dev": 0, "pid": 1}}'
+
+
+@pytest.mark.parametrize("line", [
+    # Digits put where the shape has none, each keeping the shape (its digits taken out) and as
+    # many numbers as slots, so only the bytes either side of a digit run tell them apart.
+    '{"k": "mem", "ts": , "op": 1, "mk": 3, "a5ddr": 7, "bytes": 8, "dev": 0, "pid": 1}',  # empty slot + key digit
+    '{"k": "mem"1, "ts": , "op": 1, "mk": 3, "addr": 5, 2"bytes": 7, "dev": 0, "pid": 1}',  # merged in the text
+    '{"k": "mem", "ts":5 6, "op": 1, "mk": 3, "addr": 1, "bytes": , "dev": 0, "pid": 1}',  # two runs in one slot
+    '{"k": "mem", "ts":5 , "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}',  # before the space
+    '{"k": "m1em", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": , "dev": 0, "pid": 1}',
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}3',
+    '3{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}',
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": , "dev": 0, "pid": 1}',  # only an empty slot
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 00, "pid": 1}',  # leading zeros
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 01}',
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 0001}',
+    '{"k": "mem", "ts": 123456789012345678901, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}',
+    '{"k": "mem", "ts": 99999999999999999999, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}',
+    '{"k": "mem", "ts": 18446744073709551615, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 1}',
+    '{"k": "mem", "ts": 5, "op": 1, "mk": 3, "addr": 1, "bytes": 8, "dev": 0, "pid": 4294967296}',  # past u32
+])
+def test_a_line_that_looks_canonical_but_is_not_is_read_as_the_line_reader_reads_it(line: str) -> None:
+    _in_a_run(line, _MEM)
+
+
+def test_number_reading_makes_every_number_past_u64_one_value() -> None:
+    # The context check lets np.fromstring read numbers of any length and sends a run holding
+    # 2**64 - 1 to the exact check, which relies on every larger number reading as 2**64 - 1.
+    import numpy as np
+
+    text = b" 18446744073709551616 99999999999999999999 123456789012345678901234 18446744073709551615 7"
+    assert np.fromstring(text, dtype=np.uint64, sep=" ").tolist() == [2**64 - 1] * 4 + [7]
+
+
+def test_a_shape_whose_slots_context_does_not_single_out_is_checked_by_position() -> None:
+    from gpufootprint.wire import jsonl_fast
+    from gpufootprint.wire.jsonl import _FIELDS, JSONL_KINDS
+
+    # Between the space and the comma of "a ,b" is no slot, and no other byte tells it from one.
+    odd = '{{"k": "mem", "a ,b": {addr}, "ts": {ts}, "op": 1, "mk": 3, "addr": 1, "bytes": 8}}'
+    shape = odd.format(ts="", addr="").encode().translate(None, jsonl_fast.DIGITS)
+    parsed = jsonl_fast.parse_shape(shape, JSONL_KINDS, _FIELDS)
+    assert parsed is not None and not parsed.by_context
+    canonical = jsonl_fast.parse_shape(_MEM.format(ts="", addr="").encode().translate(None, jsonl_fast.DIGITS),
+                                       JSONL_KINDS, _FIELDS)
+    assert canonical is not None and canonical.by_context
+    for line in ['{"k": "mem", "a 1,b": , "ts": 4, "op": 1, "mk": 3, "addr": 1, "bytes": 8}',
+                 '{"k": "mem", "a ,b": 3, "ts": 04, "op": 1, "mk": 3, "addr": 1, "bytes": 8}',
+                 '{"k": "mem", "a ,b": 3, "ts": 4, "op": 1, "mk": 3, "addr": 1, "bytes": 8}']:
+        _in_a_run(line, odd)
+
+
+def test_runs_of_shapes_of_one_length_are_told_apart() -> None:
+    # Shapes of one length are grouped first; two shapes of one length, in runs long and short.
+    a = '{{"k": "mem", "ts": {ts}, "op": 1, "mk": 3, "addr": {addr}, "bytes": 8}}'
+    b = '{{"k": "mem", "op": 2, "ts": {ts}, "mk": 3, "addr": {addr}, "bytes": 8}}'
+    assert len(a.format(ts="", addr="")) == len(b.format(ts="", addr=""))
+    lines, i = [], 0
+    for n, form in [(12, a), (9, b), (3, a), (2, b), (20, a), (8, b), (1, a), (30, b)]:
+        for _ in range(n):
+            lines.append(form.format(ts=1000 + i, addr=7 * i))
+            i += 1
+    lines[40] = lines[40].replace('"mk": 3', '"mk": x')  # a bad line in the run of 20
+    text = "\n".join(lines).encode()
+    for block in (1 << 16, 500, 97):
+        slow, slow_p, fast, fast_p = _both_readers(text, block)
+        assert fast == slow and fast_p == slow_p and len(slow_p) == 1, block
+
+
+def test_a_large_gzip_trace_reads_the_same_in_pieces_and_its_cut_is_reported(tmp_path: Path) -> None:
+    # Several MiB of output from one read (it compresses 100 to 1), in two gzip members: inflated
+    # in pieces of at most OUT_BLOCK, the frames are those of the plain file.
+    from gpufootprint.wire import sources
+
+    mem = '{{"k": "mem", "ts": {ts}, "op": 1, "mk": 3, "addr": 4096, "bytes": 64, "dev": 0, "pid": 3}}'
+    text = ("\n".join(mem.format(ts=10 + i) for i in range(60_000)) + "\n").encode()
+    assert len(text) > 4 * sources.OUT_BLOCK
+    plain = tmp_path / "t.jsonl"
+    plain.write_bytes(text)
+    packed = tmp_path / "t.jsonl.gz"
+    half = text.index(b"\n", len(text) // 2) + 1
+    packed.write_bytes(gzip.compress(text[:half], 1) + gzip.compress(text[half:], 1))
+    want = b"".join(TraceFile(plain).chunks())
+    trace = TraceFile(packed)
+    assert b"".join(trace.chunks()) == want and not trace.problems
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-20])
+    trace = TraceFile(cut)
+    got = b"".join(trace.chunks())
+    assert len(trace.problems) == 1 and "compressed data ends before the end of the gzip stream" in trace.problems[0]
+    assert len(got) > len(want) // 2
+
+
+def test_blocks_are_the_whole_lines_of_any_chunking() -> None:
+    import random
+
+    from gpufootprint.wire.sources import _blocks, _Peek
+
+    rng = random.Random(7)
+    for _ in range(200):
+        text = b"".join(rng.choice([b"ab\n", b"\n", b"cdefg", b"h\n\n", b"{}"]) for _ in range(rng.randrange(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(0, 8))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+        blocks = list(_blocks(_Peek(iter(chunks))))
+        assert b"".join(blocks) == text
+        assert all(b and b.endswith(b"\n") for b in blocks[:-1])
+        # As the line reader cuts them: every block a run of whole lines, the last perhaps unended.
+        assert all(b"\n" not in b for b in blocks[-1:]) or blocks[-1].endswith(b"\n")

@@ -86,6 +86,20 @@ FAST_RUN_MIN: Final = 8
 ProblemSink = Callable[[str], None]
 
 
+class _Lines:
+    """The lines of a block, by their start and end offsets (the end at the newline or the block's end)."""
+
+    def __init__(self, block: bytes, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.block, self.starts, self.ends = block, starts, ends
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.block[int(self.starts[i]):int(self.ends[i])]
+
+    def join(self, i0: int, i1: int) -> bytes:
+        """Lines ``i0`` to ``i1`` joined by their newlines (one slice)."""
+        return self.block[int(self.starts[i0]):int(self.ends[i1 - 1])]
+
+
 class JsonlToFrames:
     """Reads CUPTI-JSONL lines and yields native stream bytes (preamble first)."""
 
@@ -100,6 +114,8 @@ class JsonlToFrames:
         self._count = 0
         self._kind: RecordKind | None = None
         self._shapes: dict[bytes, jsonl_fast.Shape | None] = {}
+        self._scratch = jsonl_fast.Scratch()
+        self._repeats: dict[bytes, bytes] = {}
         self._names: dict[str, int] = {}
         self._new_names: dict[str, str] = {}
 
@@ -124,35 +140,76 @@ class JsonlToFrames:
         yield from self.finish()
 
     def _block(self, block: bytes) -> bytes:
-        lines = block.split(b"\n")
-        if lines[-1] == b"":
-            lines.pop()  # the block ended with a newline
-        shapes = block.translate(None, jsonl_fast.DIGITS).split(b"\n")
+        # The block and its shapes (its digits taken out) are searched for newlines, not split into
+        # lines: the i-th newline of one is the i-th of the other, and the lines of a run of one
+        # shape are one slice of the block. Lines of one shape have shapes of one length, so runs
+        # of one length are found in numpy and each is checked to be one shape with one compare.
+        shapes = block.translate(None, jsonl_fast.DIGITS)
+        ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10)
+        shape_ends = np.flatnonzero(np.frombuffer(shapes, np.uint8) == 10)
+        if block and not block.endswith(b"\n"):  # a last line without its newline
+            ends = np.append(ends, len(block))
+            shape_ends = np.append(shape_ends, len(shapes))
+        starts = np.concatenate(([0], ends[:-1] + 1)) if len(ends) else ends
+        shape_starts = np.concatenate(([0], shape_ends[:-1] + 1)) if len(ends) else ends
+        lengths = shape_ends - shape_starts
+        cuts = (np.flatnonzero(lengths[1:] != lengths[:-1]) + 1).tolist()
+        lines = _Lines(block, starts, ends)
         out: list[bytes] = []
-        at = 0
-        for shape, group in itertools.groupby(shapes[:len(lines)]):
-            n = sum(1 for _ in group)
-            parsed = self._fast(shape, lines[at:at + n]) if n >= FAST_RUN_MIN else None
-            if parsed is None:
-                for raw in lines[at:at + n]:
-                    self.lines += 1
-                    piece = self._line(raw)
-                    if piece:
-                        out.append(piece)
-            else:
-                self.lines += n
-                out.append(self._add_parsed(*parsed))
-            at += n
+        for g0, g1 in zip([0, *cuts], [*cuts, len(ends)]):
+            if g1 - g0 < FAST_RUN_MIN:
+                self._one_by_one(lines, g0, g1, out)
+                continue
+            at, length = int(shape_starts[g0]), int(lengths[g0])
+            first = shapes[at:at + length]
+            if shapes.startswith(self._repeated(first, g1 - g0), at):
+                self._run(first, lines, g0, g1, out)
+                continue
+            # Shapes of one length but not one shape: runs of one shape, as the shapes say.
+            i = g0
+            for shape, group in itertools.groupby(shapes[int(shape_starts[j]):int(shape_ends[j])] for j in range(g0, g1)):
+                n = sum(1 for _ in group)
+                if n >= FAST_RUN_MIN:
+                    self._run(shape, lines, i, i + n, out)
+                else:
+                    self._one_by_one(lines, i, i + n, out)
+                i += n
         return b"".join(out)
 
-    def _fast(self, shape: bytes, lines: list[bytes]) -> tuple[RecordKind, np.ndarray] | None:
+    def _repeated(self, shape: bytes, n: int) -> memoryview:
+        """``n`` lines of ``shape`` joined by newlines, a view of one string kept per shape (building
+        and slicing it for each run cost as much as the compare)."""
+        rep = self._repeats.get(shape)
+        if rep is None or len(rep) < n * (len(shape) + 1):
+            if len(self._repeats) >= 16:
+                self._repeats.clear()
+            rep = self._repeats[shape] = (shape + b"\n") * max(n, 2 * (len(rep) // (len(shape) + 1) if rep else 0))
+        return memoryview(rep)[:n * (len(shape) + 1) - 1]
+
+    def _run(self, shape: bytes, lines: _Lines, i0: int, i1: int, out: list[bytes]) -> None:
+        """Lines ``i0`` to ``i1`` (of one shape) parsed as one block, or one by one where they must be."""
+        parsed = self._fast(shape, lines.join(i0, i1), i1 - i0)
+        if parsed is None:
+            self._one_by_one(lines, i0, i1, out)
+        else:
+            self.lines += i1 - i0
+            out.append(self._add_parsed(*parsed))
+
+    def _one_by_one(self, lines: _Lines, i0: int, i1: int, out: list[bytes]) -> None:
+        for i in range(i0, i1):
+            self.lines += 1
+            piece = self._line(lines[i])
+            if piece:
+                out.append(piece)
+
+    def _fast(self, shape: bytes, block: bytes, n_lines: int) -> tuple[RecordKind, np.ndarray] | None:
         if shape not in self._shapes:
             self._shapes[shape] = jsonl_fast.parse_shape(shape, JSONL_KINDS, _FIELDS) if len(self._shapes) < 256 \
                 else None
         parsed = self._shapes[shape]
         if parsed is None:
             return None
-        recs = jsonl_fast.parse_run(b"\n".join(lines), len(lines), parsed, _FIELDS[parsed.kind], self.default_pid)
+        recs = jsonl_fast.parse_run(block, n_lines, parsed, _FIELDS[parsed.kind], self.default_pid, self._scratch)
         return None if recs is None else (parsed.kind, recs)
 
     def _add_parsed(self, kind: RecordKind, recs: np.ndarray) -> bytes:
