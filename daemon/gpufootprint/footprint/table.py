@@ -40,6 +40,7 @@ from gpufootprint.records import (
 log = logging.getLogger(__name__)
 
 _BULK_MIN = 192  # below this many records the per-record loop is faster than numpy's fixed costs
+_SMALL_POOL_BATCH = 128  # at most this many records: pool sizes are noted record by record, in Python
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
@@ -348,7 +349,11 @@ class DeviceFootprint:
 
         The same as taking the records one by one (each sets its pool's (size, used); a size other
         than the pool's last one restarts the floor at the current async bytes), per pool with numpy:
-        under cudaMallocAsync every record carries its pool, so a Python loop would run per record."""
+        under cudaMallocAsync every record carries its pool, so a Python loop would run per record;
+        a batch of a few records is walked in Python all the same (numpy's fixed costs dominate there)."""
+        if len(recs) <= _SMALL_POOL_BATCH:
+            self._note_pool_config_small(recs)
+            return
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
         if not mask.any():
             return
@@ -370,6 +375,24 @@ class DeviceFootprint:
             self.pools[a] = (s, u)
         if changed:
             self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
+
+    def _note_pool_config_small(self, recs: np.ndarray) -> None:
+        last: dict[int, tuple[int, int]] = {}  # pool -> its latest (size, used) in the batch
+        changed = False
+        for a, s, u in zip(recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()):
+            if a == 0 or s == 0:
+                continue
+            prev = last.get(a)
+            if (prev[0] if prev is not None else self.pools.get(a, (None,))[0]) != s:
+                changed = True
+            last[a] = (s, u)
+        if not last:
+            return
+        # In the batch path's order: one pool as it is, several sorted by address.
+        for a in (sorted(last) if len(last) > 1 else last):
+            self.pools[a] = last[a]
+        if changed:
+            self.pool_floor = self.async_device_bytes
 
     def apply_memcpy(self, recs: np.ndarray) -> None:
         ck = recs["ck"]
