@@ -21,7 +21,7 @@ from gpufootprint.footprint import peaks as peaks_mod
 from gpufootprint.footprint import table as table_mod
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
+from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, MEMSET_DTYPE, CopyKind, MemoryKind, MemoryOp
 from gpufootprint.sampler import burst as burst_mod
 
 SEEDS = range(12)
@@ -188,3 +188,51 @@ def test_burst_frames_judged_one_by_one_equal_the_numpy_judgement(seed: int) -> 
         got = burst_mod.walk_frames(cfg, cursor, iv, frames, mem_ts[i_mem:].tolist(), ev_ts[i_ev:].tolist(),
                                     total[i_mem:].tolist(), i_mem, i_ev, win)
         assert got == want
+
+
+def _copies(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    cpy = np.zeros(n, MEMCPY_DTYPE)
+    cpy["start"] = t + np.sort(rng.integers(0, 80 * MS, n))
+    if rng.random() < 0.2:
+        cpy["start"] = cpy["start"][rng.permutation(n)]
+    cpy["end"] = cpy["start"] + rng.integers(-1000, 10**6, n)  # now and then ending before it starts
+    cpy["bytes"] = rng.integers(0, 1 << 30, n).astype(np.uint64)
+    cpy["ck"] = rng.choice([CopyKind.HTOD, CopyKind.DTOH, CopyKind.DTOD, CopyKind.PTOP, CopyKind.HTOH], n)
+    cpy["src_dev"] = rng.integers(0, 3, n)
+    cpy["dst_dev"] = rng.integers(0, 3, n)
+    mset = np.zeros(n, MEMSET_DTYPE)
+    mset["start"] = cpy["start"]
+    mset["bytes"] = cpy["bytes"]
+    return cpy, mset
+
+
+def _copy_state(fp: DeviceFootprint, b: FrameBuilder) -> tuple[Any, ...]:
+    # Items in order: the snapshot's dicts keep the Counters' order.
+    return (list(fp.memcpy_count.items()), list(fp.memcpy_bytes.items()), list(fp.memcpy_ns.items()),
+            list(fp.peer_copy_bytes.items()), fp.memset_count, fp.memset_bytes, list(b._frames.items()),
+            [(f, list(c.items())) for f, c in b._copies.items()], list(b._windows.items()), b._newest_frame,
+            b._newest_window)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_copies_and_sets_of_small_batches_taken_record_by_record_equal_the_batch_path(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a footprint and a frame builder (short history: pruning) twice, fed the same copy and
+    # set batches of every kind, one pair only ever down the numpy path
+    rng = np.random.default_rng(seed)
+    pairs = [(DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)),
+              FrameBuilder(1, 0, FramePeaks(10 * MS, 300 * MS), keep_ns=200 * MS, migration_ns=50 * MS,
+                           reuse_capacity=1000)) for _ in range(2)]
+    t = 10**15
+    for _ in range(150):
+        cpy, mset = _copies(rng, t, int(rng.integers(1, 140)))
+        t += int(rng.integers(1, 120)) * MS
+        for (fp, builder), threshold in zip(pairs, (128, 0)):
+            monkeypatch.setattr(table_mod, "_SMALL_POOL_BATCH", threshold)
+            monkeypatch.setattr(frames_mod, "SMALL_BATCH", threshold)
+            fp.apply_memcpy(cpy)
+            fp.apply_memset(mset)
+            builder.on_memcpy(cpy)
+            builder.on_memset(mset)
+        # THEN both hold the same sums, rows, copies and windows, in the same order
+        assert _copy_state(*pairs[0]) == _copy_state(*pairs[1])

@@ -200,6 +200,10 @@ class FrameBuilder:
                 row[_R_B] += size
 
     def on_memcpy(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            self._on_memcpy_small(recs)
+            self._prune()
+            return
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
         size = recs["bytes"].astype(np.int64)
@@ -221,7 +225,39 @@ class FrameBuilder:
                 w[9] += b[i]
         self._prune()
 
+    def _on_memcpy_small(self, recs: np.ndarray) -> None:
+        """``on_memcpy`` record by record: the sums gathered first, then added in the batch path's order
+        (copy kinds ascending, each kind's frames as they come; windows as they come)."""
+        frame_ns, migration_ns = self.frame_ns, self.migration_ns
+        by_kind: dict[int, dict[int, int]] = {}
+        windows: dict[int, list[int]] = {}
+        for start, kind, size in zip(recs["start"].tolist(), recs["ck"].tolist(), recs["bytes"].tolist()):
+            frames = by_kind.setdefault(kind, {})
+            fid = start // frame_ns
+            frames[fid] = frames.get(fid, 0) + size
+            if kind in HOST_DEVICE_COPIES:
+                w = windows.setdefault(start // migration_ns, [0, 0])
+                w[0] += 1
+                w[1] += size
+        for kind in sorted(by_kind):
+            for fid, b in by_kind[kind].items():
+                self._row(fid)
+                self._copies.setdefault(fid, Counter())[kind] += b
+        for wid, (n, b) in windows.items():
+            w = self._window(wid)
+            w[8] += n
+            w[9] += b
+
     def on_memset(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            frame_ns = self.frame_ns
+            sums: dict[int, int] = {}
+            for start, size in zip(recs["start"].tolist(), recs["bytes"].tolist()):
+                sums[start // frame_ns] = sums.get(start // frame_ns, 0) + size
+            for fid, b in sums.items():
+                self._row(fid)[_SET_B] += b
+            self._prune()
+            return
         starts, fids = _runs(recs["start"].astype(np.int64) // self.frame_ns)
         sums = np.add.reduceat(recs["bytes"].astype(np.int64), starts).tolist()
         for fid, b in zip(fids, sums):

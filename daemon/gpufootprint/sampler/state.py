@@ -40,6 +40,12 @@ _MS = 1_000_000
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
+# What a walk without new events starts from (read-only: shared by every walk, never written).
+_NO_TIMES = np.zeros(0, np.int64)
+_NO_DELTAS = np.zeros(0, np.int64)
+_NO_DEVS = np.zeros(0, np.int32)
+for _empty in (_NO_TIMES, _NO_DELTAS, _NO_DEVS):
+    _empty.flags.writeable = False
 
 
 @dataclass
@@ -437,8 +443,7 @@ class ProcessSampler:
     def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         chunks, self._mem = self._mem, []
         if not chunks:
-            e = np.zeros(0, np.int64)
-            return e, e.copy(), np.zeros(0, np.int32)
+            return _NO_TIMES, _NO_DELTAS, _NO_DEVS
         if len(chunks) == 1:
             return chunks[0]
         ts = np.concatenate([c[0] for c in chunks])
@@ -449,8 +454,8 @@ class ProcessSampler:
     def _take_events(self) -> np.ndarray:
         chunks, self._events = self._events, []
         if not chunks:
-            return np.zeros(0, np.int64)
-        return np.sort(np.concatenate(chunks), kind="stable")
+            return _NO_TIMES
+        return np.sort(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), kind="stable")
 
     def intervals(self) -> list[dict[str, Any]]:
         return [{"start": s, "end": e, "interval_ms": iv, "mode": m, "count": n} for s, e, iv, m, n in self.history]
