@@ -13,6 +13,7 @@ from gpufootprint.config import FootprintConfig, SamplerConfig
 from gpufootprint.hub import FeatureHub
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
+from gpufootprint.sampler import state as sampler_state
 from gpufootprint.sampler.state import BURST, QUIET, ProcessSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -427,35 +428,41 @@ def _sampler_state(s: ProcessSampler) -> tuple[Any, ...]:
             s.cursor, s.bursts, s.rate_ewma, s.range_ewma, s.window)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_burst_frames_judged_together_leave_what_walking_them_one_by_one_leaves(seed: int) -> None:
-    # GIVEN sparse bursty traffic over several devices (long calm stretches inside windows, spikes,
-    # settles) fed in random watermark pieces, with the bulk pass on and off
+@pytest.mark.parametrize("seed", range(16))
+def test_burst_frames_judged_together_leave_what_walking_them_one_by_one_leaves(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN sparse bursty traffic over one or several devices (long calm stretches inside windows,
+    # spikes, settles) fed in random watermark pieces, walked frame by frame, and judged ahead in
+    # stretches both ways: with numpy only, and frame by frame in Python where few events allow
+    # (short stretches of Python judgement, and few events allowed, in some seeds)
     rng = np.random.default_rng(seed)
+    monkeypatch.setattr(sampler_state, "_WALK_FRAMES", int(rng.choice([2, 5, 32])))
+    monkeypatch.setattr(sampler_state, "_WALK_EVENTS", int(rng.choice([3, 64])))
     cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 30, 100])), burst_min_frames=int(rng.integers(1, 6)),
                         burst_max_ms=int(rng.choice([40, 300, 2000])))
-    bulk, walk = ProcessSampler(1, cfg), ProcessSampler(1, cfg)
+    bulk, walk, judged = ProcessSampler(1, cfg), ProcessSampler(1, cfg), ProcessSampler(1, cfg)
     walk.bulk_bursts = False
+    judged.walk_bursts = False
+    samplers = (bulk, walk, judged)
     t = 10**12
-    levels = {0: 0, 1: 0, 2: 0}
+    devices = 1 if seed % 2 else 3
     for _ in range(60):
-        n = int(rng.integers(1, 12))
+        n = int(rng.integers(1, 12 if rng.random() < 0.8 else 80))
         ts = t + np.sort(rng.integers(0, int(rng.choice([5, 50, 400])) * MS, n))
-        dev = int(rng.integers(0, 3))
+        dev = int(rng.integers(0, devices))
         deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n)
         other = rng.random() < 0.2
-        for s in (bulk, walk):
+        for s in samplers:
             s.add_levels(ts, deltas, dev)
             if other:
                 s.add_events(ts[:1])
-        levels[dev] += int(deltas.sum())
         t = int(ts[-1]) + int(rng.integers(1, 600)) * MS
         mark = t - int(rng.integers(0, 50)) * MS
-        bulk.advance(mark)
-        walk.advance(mark)
-        # THEN after every watermark both hold the same intervals, windows, peaks, levels and mode
-        assert _sampler_state(bulk) == _sampler_state(walk)
-    bulk.finish(t + 5000 * MS)
-    walk.finish(t + 5000 * MS)
-    assert _sampler_state(bulk) == _sampler_state(walk)
+        for s in samplers:
+            s.advance(mark)
+        # THEN after every watermark all hold the same intervals, windows, peaks, levels and mode
+        assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
+    for s in samplers:
+        s.finish(t + 5000 * MS)
+    assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
     assert walk.bursts > 0  # the traffic did burst (the bulk pass had frames to pass)

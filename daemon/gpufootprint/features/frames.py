@@ -87,6 +87,10 @@ class MigrationWindow:
         return self.events / (self.width_ns / 1e9)
 
 
+#: Batches of at most this many records are counted in Python, record by record: below it the numpy
+#: path's calls of fixed cost (a dozen per batch) outweigh a loop.
+SMALL_BATCH = 128
+
 # Column indexes of the per-frame counters.
 _A_N, _A_B, _R_N, _R_B, _SET_B = range(5)
 # Migration-window columns: transfers htod/dtoh/dtod, bytes htod/dtoh/dtod, faults cpu/gpu, copies, copy bytes.
@@ -140,6 +144,14 @@ class FrameBuilder:
 
     def on_levels(self, ts: np.ndarray, deltas: np.ndarray, level_after: int) -> None:
         """GPU-resident level changes just applied to the footprint (time order)."""
+        if len(ts) <= SMALL_BATCH:
+            frame_ns, end_level = self.frame_ns, self._end_level
+            d_list = deltas.tolist()
+            level = level_after - sum(d_list)
+            for t, d in zip(ts.tolist(), d_list):  # the last event of each frame's run sets its end level
+                level += d
+                end_level[t // frame_ns] = level
+            return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
         ends = np.append(np.flatnonzero(np.diff(idx)), len(idx) - 1)
@@ -147,6 +159,11 @@ class FrameBuilder:
             self._end_level[fid] = lvl
 
     def on_memory(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            self._on_memory_small(recs)
+            self.reuse.add(recs)
+            self._prune()
+            return
         idx = recs["ts"].astype(np.int64) // self.frame_ns
         starts, fids = _runs(idx)
         op = recs["op"]
@@ -166,7 +183,27 @@ class FrameBuilder:
         self.reuse.add(recs)
         self._prune()
 
+    def _on_memory_small(self, recs: np.ndarray) -> None:
+        """``on_memory``'s counters, record by record (each record counts in its own frame's row)."""
+        frame_ns = self.frame_ns
+        alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+        fid, row = -1, None
+        for t, op, size in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["bytes"].tolist()):
+            f = t // frame_ns
+            if f != fid or row is None:
+                fid, row = f, self._row(f)
+            if op == alloc:
+                row[_A_N] += 1
+                row[_A_B] += size
+            elif op == release:
+                row[_R_N] += 1
+                row[_R_B] += size
+
     def on_memcpy(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            self._on_memcpy_small(recs)
+            self._prune()
+            return
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
         size = recs["bytes"].astype(np.int64)
@@ -188,7 +225,39 @@ class FrameBuilder:
                 w[9] += b[i]
         self._prune()
 
+    def _on_memcpy_small(self, recs: np.ndarray) -> None:
+        """``on_memcpy`` record by record: the sums gathered first, then added in the batch path's order
+        (copy kinds ascending, each kind's frames as they come; windows as they come)."""
+        frame_ns, migration_ns = self.frame_ns, self.migration_ns
+        by_kind: dict[int, dict[int, int]] = {}
+        windows: dict[int, list[int]] = {}
+        for start, kind, size in zip(recs["start"].tolist(), recs["ck"].tolist(), recs["bytes"].tolist()):
+            frames = by_kind.setdefault(kind, {})
+            fid = start // frame_ns
+            frames[fid] = frames.get(fid, 0) + size
+            if kind in HOST_DEVICE_COPIES:
+                w = windows.setdefault(start // migration_ns, [0, 0])
+                w[0] += 1
+                w[1] += size
+        for kind in sorted(by_kind):
+            for fid, b in by_kind[kind].items():
+                self._row(fid)
+                self._copies.setdefault(fid, Counter())[kind] += b
+        for wid, (n, b) in windows.items():
+            w = self._window(wid)
+            w[8] += n
+            w[9] += b
+
     def on_memset(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            frame_ns = self.frame_ns
+            sums: dict[int, int] = {}
+            for start, size in zip(recs["start"].tolist(), recs["bytes"].tolist()):
+                sums[start // frame_ns] = sums.get(start // frame_ns, 0) + size
+            for fid, b in sums.items():
+                self._row(fid)[_SET_B] += b
+            self._prune()
+            return
         starts, fids = _runs(recs["start"].astype(np.int64) // self.frame_ns)
         sums = np.add.reduceat(recs["bytes"].astype(np.int64), starts).tolist()
         for fid, b in zip(fids, sums):

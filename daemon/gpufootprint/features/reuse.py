@@ -33,6 +33,10 @@ _NO_EVENTS.flags.writeable = False
 
 
 _MIX = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
+#: Batches of at most this many records are taken one record at a time in Python (``_add_small``):
+#: below it the numpy path's few dozen calls of fixed cost outweigh a loop over the records.
+SMALL_BATCH = 96
 
 
 def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -71,6 +75,9 @@ class ReuseTracker:
             self._compact()
 
     def add(self, recs: np.ndarray) -> None:
+        if len(recs) <= SMALL_BATCH:
+            self._add_small(recs)
+            return
         device = recs["mk"] == MemoryKind.DEVICE
         sel = recs if bool(device.all()) else recs[device]
         if len(sel) == 0:
@@ -133,6 +140,55 @@ class ReuseTracker:
         if self._kept > self._history * 2:
             self._compact()
 
+    def _add_small(self, recs: np.ndarray) -> None:
+        """``add`` for a few records, one at a time: what the batch path decides for the whole batch
+        (a reuse is a key freed by an earlier batch or by an earlier release of this one) is what
+        walking the records in time order decides. A unit test holds the two equal."""
+        dev_kind = MemoryKind.DEVICE.value
+        rows = [r for r in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(),
+                               recs["bytes"].tolist(), recs["mk"].tolist()) if r[4] == dev_kind]
+        if not rows:
+            return
+        if any(rows[i][0] < rows[i - 1][0] for i in range(1, len(rows))):
+            rows.sort(key=_time)  # stable, as the batch path's argsort
+        freed, live = self._freed, self._live
+        alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+        if len(live) >= self._capacity:
+            live.clear()
+        if len(freed) >= self._capacity:
+            freed.clear()
+        if not self._sizeless and any(r[1] == release and r[3] == 0 for r in rows):
+            self._sizeless = True
+        n_rel = sum(1 for r in rows if r[1] == release)
+        if n_rel:
+            freed.reserve(n_rel)
+        times: list[int] = []
+        hits: list[bool] = []
+        sizeless = self._sizeless
+        for t, op, a, b, _ in rows:
+            if sizeless:
+                if op == alloc:
+                    live[a] = b
+                elif op == release and b == 0:
+                    b = live.get(a, 0)
+            key = a ^ ((b * _MIX) & _U64)
+            if op == alloc:
+                times.append(t)
+                hits.append(freed.has(key))
+            elif op == release:
+                freed.add_one(key)
+        if not times:
+            return
+        ev = np.empty(len(times), REUSE_EVENT_DTYPE)
+        ev["ts"], ev["reused"] = times, hits
+        self.allocations += len(ev)
+        self.reused += sum(hits)
+        self._chunks.append(ev)
+        self._kept += len(ev)
+        self._events = None
+        if self._kept > self._history * 2:
+            self._compact()
+
     def _compact(self) -> None:
         whole = np.concatenate(self._chunks)[-self._history:]
         self._chunks = [whole]
@@ -152,6 +208,10 @@ class ReuseTracker:
             self._events = self._chunks[0].copy()
             self._events.flags.writeable = False
         return self._events
+
+
+def _time(row: tuple[int, int, int, int, int]) -> int:
+    return row[0]
 
 
 def steady_ratio(events: np.ndarray, allocations: int, since: int | None) -> float | None:

@@ -22,6 +22,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+#: Batches of at most this many events are walked in Python (``_frame_peaks_small``): below it the
+#: numpy path's dozen calls of fixed cost (cumsum, diff, reduceat, ...) outweigh a loop.
+SMALL_BATCH = 128
+
 
 class LevelChanges(NamedTuple):
     """GPU-resident level changes just applied, in time order, and the level after the last."""
@@ -45,15 +49,19 @@ class FramePeaks:
         """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
         if len(ts) == 0:
             return LevelChanges(ts, deltas, self.level)
-        levels = self.level + np.cumsum(deltas, dtype=np.int64)
-        idx = ts.astype(np.int64) // self.frame_ns
-        starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
-        seg_max = np.maximum.reduceat(levels, starts)
-        entering = np.empty_like(seg_max)
-        entering[0] = self.level
-        entering[1:] = levels[starts[1:] - 1]
-        peaks = np.maximum(seg_max, entering).tolist()
-        frame_ids = idx[starts].tolist()
+        if len(ts) <= SMALL_BATCH:
+            frame_ids, peaks, last = _frame_peaks_small(ts.tolist(), deltas.tolist(), self.level, self.frame_ns)
+        else:
+            levels = self.level + np.cumsum(deltas, dtype=np.int64)
+            idx = ts.astype(np.int64) // self.frame_ns
+            starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+            seg_max = np.maximum.reduceat(levels, starts)
+            entering = np.empty_like(seg_max)
+            entering[0] = self.level
+            entering[1:] = levels[starts[1:] - 1]
+            peaks = np.maximum(seg_max, entering).tolist()
+            frame_ids = idx[starts].tolist()
+            last = int(levels[-1])
         for fid, peak in zip(frame_ids, peaks):
             if fid == self._open_idx:
                 self._open_peak = max(self._open_peak, peak)
@@ -62,7 +70,7 @@ class FramePeaks:
                 self._open_idx, self._open_peak = fid, peak
             else:
                 self._merge_closed(fid, peak)
-        self.level = int(levels[-1])
+        self.level = last
         self._prune(self._open_idx)
         return LevelChanges(ts, deltas, self.level)
 
@@ -119,6 +127,27 @@ class FramePeaks:
         frames = self._frames
         while frames and frames[0][0] < horizon:
             frames.popleft()
+
+
+def _frame_peaks_small(ts: list[int], deltas: list[int], level: int,
+                       frame_ns: int) -> tuple[list[int], list[int], int]:
+    """What the numpy path computes, walked: per run of events in one frame, its frame and the highest
+    level in it (the level on entering it included); and the level after the last event."""
+    frame_ids: list[int] = []
+    peaks: list[int] = []
+    fid = -1
+    peak = 0
+    for t, d in zip(ts, deltas):
+        f = t // frame_ns
+        if f != fid or not frame_ids:
+            if frame_ids:
+                peaks.append(peak)
+            frame_ids.append(f)
+            fid, peak = f, level  # the level held on entering the frame
+        level += d
+        peak = max(peak, level)
+    peaks.append(peak)
+    return frame_ids, peaks, level
 
 
 def _frame_id(frame: tuple[int, int]) -> int:

@@ -17,6 +17,10 @@ are counted as ``double_allocation`` errors.
 The methods that move the GPU-resident level (``apply_memory``, ``replace_live``,
 ``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
 them down to the feature frames and the sampler.
+
+A little over 450 lines: several methods have a numpy path for batches and a record-by-record
+path for small ones (numpy's fixed costs dominate there), kept side by side so that each pair
+reads as one rule; tests/unit/test_small_batches.py holds every pair equal.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from gpufootprint.records import (
 log = logging.getLogger(__name__)
 
 _BULK_MIN = 192  # below this many records the per-record loop is faster than numpy's fixed costs
+_SMALL_POOL_BATCH = 128  # at most this many records: pool sizes and copies are taken record by record, in Python
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
@@ -348,7 +353,11 @@ class DeviceFootprint:
 
         The same as taking the records one by one (each sets its pool's (size, used); a size other
         than the pool's last one restarts the floor at the current async bytes), per pool with numpy:
-        under cudaMallocAsync every record carries its pool, so a Python loop would run per record."""
+        under cudaMallocAsync every record carries its pool, so a Python loop would run per record;
+        a batch of a few records is walked in Python all the same (numpy's fixed costs dominate there)."""
+        if len(recs) <= _SMALL_POOL_BATCH:
+            self._note_pool_config_small(recs)
+            return
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
         if not mask.any():
             return
@@ -371,7 +380,28 @@ class DeviceFootprint:
         if changed:
             self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
 
+    def _note_pool_config_small(self, recs: np.ndarray) -> None:
+        last: dict[int, tuple[int, int]] = {}  # pool -> its latest (size, used) in the batch
+        changed = False
+        for a, s, u in zip(recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()):
+            if a == 0 or s == 0:
+                continue
+            prev = last.get(a)
+            if (prev[0] if prev is not None else self.pools.get(a, (None,))[0]) != s:
+                changed = True
+            last[a] = (s, u)
+        if not last:
+            return
+        # In the batch path's order: one pool as it is, several sorted by address.
+        for a in (sorted(last) if len(last) > 1 else last):
+            self.pools[a] = last[a]
+        if changed:
+            self.pool_floor = self.async_device_bytes
+
     def apply_memcpy(self, recs: np.ndarray) -> None:
+        if len(recs) <= _SMALL_POOL_BATCH:
+            self._apply_memcpy_small(recs)
+            return
         ck = recs["ck"]
         dur = (recs["end"].astype(np.int64) - recs["start"].astype(np.int64)).clip(min=0)
         kinds = np.unique(ck)
@@ -386,6 +416,27 @@ class DeviceFootprint:
             sizes = recs["bytes"][peer]
             for (src, dst), size in zip(pairs.tolist(), sizes.tolist()):
                 self.peer_copy_bytes[(src, dst)] += size
+
+    def _apply_memcpy_small(self, recs: np.ndarray) -> None:
+        """``apply_memcpy`` record by record; the sums are added in the batch path's order (kinds ascending)."""
+        sums: dict[int, list[int]] = {}
+        ptop = CopyKind.PTOP.value
+        for kind, start, end, size, src, dst in zip(recs["ck"].tolist(), recs["start"].tolist(),
+                                                    recs["end"].tolist(), recs["bytes"].tolist(),
+                                                    recs["src_dev"].tolist(), recs["dst_dev"].tolist()):
+            row = sums.get(kind)
+            if row is None:
+                row = sums[kind] = [0, 0, 0]
+            row[0] += 1
+            row[1] += size
+            row[2] += max(end - start, 0)
+            if kind == ptop:
+                self.peer_copy_bytes[(src, dst)] += size
+        for kind in sorted(sums):
+            n, size, ns = sums[kind]
+            self.memcpy_count[kind] += n
+            self.memcpy_bytes[kind] += size
+            self.memcpy_ns[kind] += ns
 
     def apply_memset(self, recs: np.ndarray) -> None:
         self.memset_count += len(recs)

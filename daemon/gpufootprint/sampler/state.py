@@ -31,12 +31,21 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import SamplerConfig
+from gpufootprint.sampler.burst import Window, judge_frames, walk_frames
 from gpufootprint.snapshot import AnomalyWindow
 
 QUIET, STEADY, BURST = "quiet", "steady", "burst"
 MODES = (QUIET, STEADY, BURST)
 _MS = 1_000_000
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
+_WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
+_WALK_EVENTS = 64  # ... when they hold at most this many events of each list
+# What a walk without new events starts from (read-only: shared by every walk, never written).
+_NO_TIMES = np.zeros(0, np.int64)
+_NO_DELTAS = np.zeros(0, np.int64)
+_NO_DEVS = np.zeros(0, np.int32)
+for _empty in (_NO_TIMES, _NO_DELTAS, _NO_DEVS):
+    _empty.flags.writeable = False
 
 
 @dataclass
@@ -70,6 +79,7 @@ class ProcessSampler:
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
         self._one_dev: int | None = None  # set per walk: the only device in it, if one
         self.bulk_bursts = True  # burst frames judged together (off: one by one, for tests)
+        self.walk_bursts = True  # ... a few frames of few events in Python (off: always with numpy, for tests)
 
     # --- input ----------------------------------------------------------------------
 
@@ -157,8 +167,11 @@ class ProcessSampler:
                 if c is not None:
                     cursor, i_mem, i_ev = c
                     continue
-            j_mem = int(np.searchsorted(mem_ts, end, "left"))
-            j_ev = int(np.searchsorted(ev_ts, end, "left"))
+            if nxt >= end:  # no event before the interval's end (events before i_mem/i_ev all came before it)
+                j_mem, j_ev = i_mem, i_ev
+            else:
+                j_mem = int(np.searchsorted(mem_ts, end, "left"))
+                j_ev = int(np.searchsorted(ev_ts, end, "left"))
             n_events = j_ev - i_ev
             lv = total[i_mem:j_mem]
             entering = self.level
@@ -274,74 +287,55 @@ class ProcessSampler:
                    i_ev: int) -> tuple[int, int, int] | None:
         """Walk the next ``frames`` whole burst frames from ``cursor`` at once, up to (not including)
         the one at which the open window closes: what ``_burst_frame`` would leave after each of them
-        is computed for all together (in a burst the usual rate and range do not move, so each
-        frame's judgement depends only on its own events and the calm count). Returns the new
+        is judged ahead (``sampler.burst``), then the state moves past them. Returns the new
         (cursor, memory index, event index), or None when the first frame already closes the window."""
         win = self.window
         assert win is not None
         cfg = self.config
         # The window closes by burst_max_ms at the latest: a long gap is not judged frame by frame.
         frames = max(1, min(frames, -(-(win.start + cfg.burst_max_ms * _MS - cursor) // iv)))
-        f = np.arange(frames, dtype=np.int64)
-        ends = cursor + iv * (f + 1)
-        jm = np.searchsorted(mem_ts, ends, "left")
-        je = np.searchsorted(ev_ts, ends, "left")
-        sm = np.empty_like(jm)
-        sm[0], sm[1:] = i_mem, jm[:-1]
-        n_ev = je - np.concatenate(([i_ev], je[:-1]))
-        # The level entering each frame and after it (the level at the cursor before any event).
-        entering = np.where(sm > i_mem, total[np.maximum(sm - 1, 0)], self.level) if len(total) else \
-            np.full(frames, self.level, np.int64)
-        after = np.where(jm > i_mem, total[np.maximum(jm - 1, 0)], self.level) if len(total) else entering
-        hi, lo = entering.copy(), entering.copy()
-        busy = np.flatnonzero(jm > sm)
-        if len(busy):
-            seg = total[i_mem:int(jm[-1])]
-            at = sm[busy] - i_mem
-            hi[busy] = np.maximum(hi[busy], np.maximum.reduceat(seg, at))
-            lo[busy] = np.minimum(lo[busy], np.minimum.reduceat(seg, at))
-        rng = hi - lo
-        secs = iv / 1e9
-        if cfg.enabled:
-            floor = np.maximum(entering, cfg.volatile_min_bytes)
-            volatile = ((rng >= cfg.volatile_min_bytes) & (rng > 0) & (rng >= cfg.volatile_rel_change * floor)
-                        & (rng > cfg.range_jump_factor * (self.range_ewma or 0.0)))
-            volatile |= (n_ev >= cfg.rate_min_events) & (
-                n_ev / secs >= cfg.rate_jump_factor * max(self.rate_ewma or 0.0, cfg.quiet_max_rate))
+        seen = Window(win.start, win.baseline, win.calm, win.last_volatile_end, self.level,
+                      self.range_ewma or 0.0, self.rate_ewma or 0.0)
+        # A few events in the next frames (the common case: a burst frame holds a few, and the window
+        # closes a few frames after the last change): judged frame by frame in Python, at most
+        # _WALK_FRAMES of them this time (the walk goes on from there, as after any stretch).
+        # Lists one longer than _WALK_EVENTS: when a list ends, or its last event is past those
+        # frames, it holds every event before their end.
+        walk = min(frames, _WALK_FRAMES)
+        stop = cursor + walk * iv
+        m_ts = mem_ts[i_mem:i_mem + _WALK_EVENTS + 1].tolist()
+        e_ts = ev_ts[i_ev:i_ev + _WALK_EVENTS + 1].tolist()
+        if self.walk_bursts and (len(m_ts) <= _WALK_EVENTS or m_ts[-1] >= stop) \
+                and (len(e_ts) <= _WALK_EVENTS or e_ts[-1] >= stop):
+            judged = walk_frames(cfg, cursor, iv, walk, m_ts, e_ts, total[i_mem:i_mem + len(m_ts)].tolist(),
+                                 i_mem, i_ev, seen)
         else:
-            volatile = np.zeros(frames, bool)
-        last_vol = np.maximum.accumulate(np.where(volatile, f, -1))
-        calm = np.where(last_vol >= 0, f - last_vol, win.calm + f + 1)
-        lve = np.where(last_vol >= 0, ends[np.maximum(last_vol, 0)], win.last_volatile_end)
-        tolerance = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * max(win.baseline, cfg.volatile_min_bytes))
-        back = np.abs(after - win.baseline) < tolerance
-        settled = ends - lve >= cfg.burst_settle_ms * _MS
-        closes = ((calm >= cfg.burst_min_frames) & (back | settled)) | (ends - win.start >= cfg.burst_max_ms * _MS)
-        hit = np.flatnonzero(closes)
-        c = int(hit[0]) if len(hit) else frames
-        if c == 0:
+            judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
+        if judged is None:
             return None
-        last = c - 1
-        s_last, j_last = int(sm[last]), int(jm[last])
+        c, s_last, j_last, je_last, calm, lve = judged
         # The window's peak per device: the highest level any device held in these frames.
         for d, p in self.level_dev.items():
             win.peak[d] = max(win.peak.get(d, 0), p)
         if s_last > i_mem:
             self._levels_to(devs, total, per_dev, i_mem, s_last)
         peaks = self._dev_peaks(devs, per_dev, s_last, j_last)  # the last frame's, as the walk leaves them
-        if s_last > i_mem:
+        if s_last > i_mem and self._one_dev is not None:
+            d = self._one_dev
+            win.peak[d] = max(win.peak.get(d, 0), int(per_dev[i_mem:s_last].max()))
+        elif s_last > i_mem:
             sub_dev, sub_lv = devs[i_mem:s_last], per_dev[i_mem:s_last]
-            for d in (np.unique(sub_dev).tolist() if self._one_dev is None else [self._one_dev]):
+            for d in np.unique(sub_dev).tolist():
                 win.peak[d] = max(win.peak.get(d, 0), int(sub_lv[sub_dev == d].max()))
         for d, p in peaks.items():
             win.peak[d] = max(win.peak.get(d, 0), p)
         self.last_peak = peaks
         if j_last > s_last:
             self._levels_to(devs, total, per_dev, s_last, j_last)
-        win.calm = int(calm[last])
-        win.last_volatile_end = int(lve[last])
+        win.calm = calm
+        win.last_volatile_end = lve
         self._record(cursor, cursor + c * iv, BURST, c, iv)
-        return cursor + c * iv, j_last, int(je[last])
+        return cursor + c * iv, j_last, je_last
 
     def _back(self, win: _OpenWindow) -> bool:
         cfg = self.config
@@ -425,6 +419,8 @@ class ProcessSampler:
     def _busiest_dev(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> int:
         if j <= i:
             return min(self.level_dev) if self.level_dev else 0
+        if self._one_dev is not None:
+            return self._one_dev  # the only device with events: the busiest
         best, best_rng = int(devs[i]), -1
         sub_dev, sub_lv = devs[i:j], per_dev[i:j]
         for d in np.unique(sub_dev).tolist():
@@ -447,8 +443,7 @@ class ProcessSampler:
     def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         chunks, self._mem = self._mem, []
         if not chunks:
-            e = np.zeros(0, np.int64)
-            return e, e.copy(), np.zeros(0, np.int32)
+            return _NO_TIMES, _NO_DELTAS, _NO_DEVS
         if len(chunks) == 1:
             return chunks[0]
         ts = np.concatenate([c[0] for c in chunks])
@@ -459,8 +454,8 @@ class ProcessSampler:
     def _take_events(self) -> np.ndarray:
         chunks, self._events = self._events, []
         if not chunks:
-            return np.zeros(0, np.int64)
-        return np.sort(np.concatenate(chunks), kind="stable")
+            return _NO_TIMES
+        return np.sort(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), kind="stable")
 
     def intervals(self) -> list[dict[str, Any]]:
         return [{"start": s, "end": e, "interval_ms": iv, "mode": m, "count": n} for s, e, iv, m, n in self.history]

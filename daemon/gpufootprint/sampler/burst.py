@@ -1,0 +1,146 @@
+"""Burst frames judged ahead of the walk: up to the frame at which an open anomaly window closes.
+
+Inside a burst the usual rate and range do not move, so each burst frame's judgement (volatile or
+calm, and whether the window closes after it) depends only on its own events, the calm count and
+the level it leaves; ``ProcessSampler._burst_run`` judges a stretch of frames at once and then moves
+its state past them. Two ways to the same answer:
+
+* ``judge_frames``: every frame of the stretch at once, with numpy (a long stretch, many events);
+* ``walk_frames``: frame after frame in Python, stopping at the first that closes the window. A
+  burst frame holds a few events, and a window usually closes a few frames after its last change,
+  while the numpy judgement costs about forty calls of fixed cost whatever the frames hold.
+
+Both decide as ``ProcessSampler._burst_frame`` does frame by frame (a unit test holds the sampler
+with either to what the plain walk leaves).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from gpufootprint.config import SamplerConfig
+
+_MS = 1_000_000
+
+
+class Judged(NamedTuple):
+    """The frames before the one that closes the window, and the walk's state after them."""
+
+    frames: int  # how many (at least 1)
+    last_start: int  # memory-event index of the first event of the last of them
+    mem_end: int  # memory-event index after them
+    ev_end: int  # event index after them
+    calm: int  # the window's calm count after them
+    last_volatile_end: int
+
+
+class Window(NamedTuple):
+    """What the judgement reads of the open window and the sampler."""
+
+    start: int
+    baseline: int
+    calm: int
+    last_volatile_end: int
+    level: int  # the process's level at the cursor
+    range_ewma: float
+    rate_ewma: float
+
+
+def _tolerance(cfg: SamplerConfig, baseline: int) -> float:
+    return max(cfg.volatile_min_bytes, cfg.volatile_rel_change * max(baseline, cfg.volatile_min_bytes))
+
+
+def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,
+                 total: np.ndarray, i_mem: int, i_ev: int, win: Window) -> Judged | None:
+    """All ``frames`` frames from ``cursor`` at once; None when the first one closes the window."""
+    f = np.arange(frames, dtype=np.int64)
+    ends = cursor + iv * (f + 1)
+    jm = np.searchsorted(mem_ts, ends, "left")
+    je = np.searchsorted(ev_ts, ends, "left")
+    sm = np.empty_like(jm)
+    sm[0], sm[1:] = i_mem, jm[:-1]
+    n_ev = je - np.concatenate(([i_ev], je[:-1]))
+    # The level entering each frame and after it (the level at the cursor before any event).
+    entering = np.where(sm > i_mem, total[np.maximum(sm - 1, 0)], win.level) if len(total) else \
+        np.full(frames, win.level, np.int64)
+    after = np.where(jm > i_mem, total[np.maximum(jm - 1, 0)], win.level) if len(total) else entering
+    hi, lo = entering.copy(), entering.copy()
+    busy = np.flatnonzero(jm > sm)
+    if len(busy):
+        seg = total[i_mem:int(jm[-1])]
+        at = sm[busy] - i_mem
+        hi[busy] = np.maximum(hi[busy], np.maximum.reduceat(seg, at))
+        lo[busy] = np.minimum(lo[busy], np.minimum.reduceat(seg, at))
+    rng = hi - lo
+    secs = iv / 1e9
+    if cfg.enabled:
+        floor = np.maximum(entering, cfg.volatile_min_bytes)
+        volatile = ((rng >= cfg.volatile_min_bytes) & (rng > 0) & (rng >= cfg.volatile_rel_change * floor)
+                    & (rng > cfg.range_jump_factor * win.range_ewma))
+        volatile |= (n_ev >= cfg.rate_min_events) & (
+            n_ev / secs >= cfg.rate_jump_factor * max(win.rate_ewma, cfg.quiet_max_rate))
+    else:
+        volatile = np.zeros(frames, bool)
+    last_vol = np.maximum.accumulate(np.where(volatile, f, -1))
+    calm = np.where(last_vol >= 0, f - last_vol, win.calm + f + 1)
+    lve = np.where(last_vol >= 0, ends[np.maximum(last_vol, 0)], win.last_volatile_end)
+    back = np.abs(after - win.baseline) < _tolerance(cfg, win.baseline)
+    settled = ends - lve >= cfg.burst_settle_ms * _MS
+    closes = ((calm >= cfg.burst_min_frames) & (back | settled)) | (ends - win.start >= cfg.burst_max_ms * _MS)
+    hit = np.flatnonzero(closes)
+    c = int(hit[0]) if len(hit) else frames
+    if c == 0:
+        return None
+    last = c - 1
+    return Judged(c, int(sm[last]), int(jm[last]), int(je[last]), int(calm[last]), int(lve[last]))
+
+
+def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: list[int], ev_ts: list[int],
+                total: list[int], i_mem: int, i_ev: int, win: Window) -> Judged | None:
+    """The same judgement frame after frame, stopping at the one that closes the window.
+
+    ``mem_ts``, ``ev_ts`` and ``total`` are the walk's arrays from ``i_mem`` / ``i_ev`` on, as lists,
+    holding at least every event before the end of the ``frames`` frames."""
+    tolerance = _tolerance(cfg, win.baseline)
+    settle_ns, max_ns = cfg.burst_settle_ms * _MS, cfg.burst_max_ms * _MS
+    secs = iv / 1e9
+    rate_floor = cfg.rate_jump_factor * max(win.rate_ewma, cfg.quiet_max_rate)
+    range_floor = cfg.range_jump_factor * win.range_ewma
+    calm, lve, level = win.calm, win.last_volatile_end, win.level
+    n_mem, n_ev = len(mem_ts), len(ev_ts)
+    pm = pe = 0  # the frame's first memory event and event, in the lists
+    judged: tuple[int, int, int, int, int, int] | None = None
+    for f in range(frames):
+        end = cursor + iv * (f + 1)
+        qm = pm
+        while qm < n_mem and mem_ts[qm] < end:
+            qm += 1
+        qe = pe
+        while qe < n_ev and ev_ts[qe] < end:
+            qe += 1
+        entering = after = level
+        rng = 0
+        if qm > pm:
+            seg = total[pm:qm]
+            after = seg[-1]
+            rng = max(entering, max(seg)) - min(entering, min(seg))
+        events = qe - pe
+        volatile = cfg.enabled and (
+            (rng >= cfg.volatile_min_bytes and rng > 0
+             and rng >= cfg.volatile_rel_change * max(entering, cfg.volatile_min_bytes) and rng > range_floor)
+            or (events >= cfg.rate_min_events and events / secs >= rate_floor))
+        if volatile:
+            calm, lve = 0, end
+        else:
+            calm += 1
+        back = abs(after - win.baseline) < tolerance
+        if (calm >= cfg.burst_min_frames and (back or end - lve >= settle_ns)) or end - win.start >= max_ns:
+            break
+        judged = (f + 1, pm, qm, qe, calm, lve)
+        level, pm, pe = after, qm, qe
+    if judged is None:
+        return None
+    c, start, mem_end, ev_end, calm, lve = judged
+    return Judged(c, i_mem + start, i_mem + mem_end, i_ev + ev_end, calm, lve)

@@ -1,0 +1,238 @@
+"""The pure-Python paths for small batches leave exactly what the numpy paths leave.
+
+Each stage that takes a batch of records has a numpy path (a few dozen calls of fixed cost) and,
+for batches below a size, a loop over the records. Here both are fed the same random batches,
+one copy forced down the numpy path (its threshold set to 0), and their states compared after
+every batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from gpufootprint.config import SamplerConfig
+from gpufootprint.features import frames as frames_mod
+from gpufootprint.features import reuse as reuse_mod
+from gpufootprint.features.frames import FrameBuilder
+from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.footprint import peaks as peaks_mod
+from gpufootprint.footprint import table as table_mod
+from gpufootprint.footprint.peaks import FramePeaks
+from gpufootprint.footprint.table import DeviceFootprint
+from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, MEMSET_DTYPE, CopyKind, MemoryKind, MemoryOp
+from gpufootprint.sampler import burst as burst_mod
+
+SEEDS = range(12)
+MS = 1_000_000
+
+
+def _memory_batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless: bool) -> np.ndarray:
+    """Random MEMORY records: a few addresses and sizes (so keys repeat), mostly device memory,
+    sometimes out of time order, sometimes releases without their size, now and then an unknown op."""
+    recs = np.zeros(n, MEMORY_DTYPE)
+    recs["ts"] = t + np.sort(rng.integers(0, 50_000_000, n))
+    if rng.random() < 0.2 and n > 1:
+        recs["ts"] = recs["ts"][rng.permutation(n)]
+    recs["op"] = rng.choice([MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value, 7], n, p=[0.5, 0.45, 0.05])
+    recs["addr"] = rng.integers(0, addrs, n).astype(np.uint64) * np.uint64(4096)  # 0 included
+    sizes = np.array([0, 512, 4096, 1 << 20, (1 << 64) - 1], np.uint64)
+    recs["bytes"] = rng.choice(sizes, n, p=[0.05, 0.3, 0.3, 0.3, 0.05])
+    if sizeless:
+        recs["bytes"][(recs["op"] == MemoryOp.RELEASE.value) & (rng.random(n) < 0.5)] = 0
+    recs["mk"] = rng.choice([MemoryKind.DEVICE.value, MemoryKind.PINNED.value], n, p=[0.85, 0.15])
+    return recs
+
+
+def _reuse_state(tr: ReuseTracker, keys: list[int]) -> tuple[Any, ...]:
+    return (tr.allocations, tr.reused, tr.events().tolist(), dict(tr._live), tr._sizeless, len(tr._freed),
+            [tr._freed.has(k) for k in keys], tr.ratio)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reuse_of_small_batches_record_by_record_equals_the_batch_path(seed: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two trackers (small capacity and history, so clears and compaction happen) fed the same
+    # random batches of 1 to 60 records, one of them only ever down the numpy path
+    rng = np.random.default_rng(seed)
+    small, bulk = ReuseTracker(capacity=300, history=256), ReuseTracker(capacity=300, history=256)
+    t = 10**15
+    keys: set[int] = set()
+    for _ in range(150):
+        batch = _memory_batch(rng, t, int(rng.integers(1, 61)), int(rng.choice([8, 64, 4096])),
+                              sizeless=rng.random() < 0.1)
+        t += 60_000_000
+        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
+        small.add(batch)
+        monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 0)
+        bulk.add(batch)
+        monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 96)
+        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
+        probe = sorted(keys)[:400]
+        assert _reuse_state(small, probe) == _reuse_state(bulk, probe)
+    assert small.reused > 0 and small.allocations > small.reused
+
+
+def _peaks_state(p: FramePeaks) -> tuple[Any, ...]:
+    return list(p._frames), p._open_idx, p._open_peak, p.level, p.late_frames
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frame_peaks_of_small_batches_walked_equal_the_batch_path(seed: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two trackers fed the same level changes (runs in one frame, frames skipped, now and then
+    # a batch reaching back into closed frames), one only ever down the numpy path
+    rng = np.random.default_rng(seed)
+    small, bulk = FramePeaks(10 * MS, 300 * MS), FramePeaks(10 * MS, 300 * MS)
+    t = 10**15
+    for _ in range(200):
+        n = int(rng.integers(1, 140))
+        start = t - int(rng.integers(0, 200)) * MS if rng.random() < 0.1 else t
+        ts = (start + np.sort(rng.integers(0, int(rng.choice([1, 30, 500])) * MS, n))).astype(np.uint64)
+        deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 0, 512], n).astype(np.int64)
+        t = max(t, int(ts[-1])) + int(rng.integers(0, 40)) * MS
+        got = small.add(ts, deltas)
+        monkeypatch.setattr(peaks_mod, "SMALL_BATCH", 0)
+        want = bulk.add(ts, deltas)
+        monkeypatch.setattr(peaks_mod, "SMALL_BATCH", 128)
+        # THEN both keep the same frames and level, and hand on the same changes
+        assert got.level_after == want.level_after and got.ts is ts and got.deltas is deltas
+        assert _peaks_state(small) == _peaks_state(bulk)
+    assert small.late_frames > 0
+
+
+def _builder_state(b: FrameBuilder) -> tuple[Any, ...]:
+    return (list(b._frames.items()), list(b._end_level.items()), b._newest_frame, b.reuse.allocations,
+            b.reuse.reused, b.reuse.events().tolist())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frame_counters_of_small_batches_counted_record_by_record_equal_the_batch_path(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two frame builders (short history, so pruning happens) fed the same memory batches and
+    # level changes, one only ever down the numpy path
+    rng = np.random.default_rng(seed)
+    builders = [FrameBuilder(1, 0, FramePeaks(10 * MS, 300 * MS), keep_ns=200 * MS, migration_ns=50 * MS,
+                             reuse_capacity=1000) for _ in range(2)]
+    t = 10**15
+    for _ in range(150):
+        batch = _memory_batch(rng, t, int(rng.integers(1, 140)), 64, sizeless=False)
+        batch["bytes"] = np.minimum(batch["bytes"], np.uint64(1 << 42))  # validated sizes (ingest)
+        t += int(rng.integers(1, 120)) * MS
+        deltas = rng.choice([1 << 20, -(1 << 20), 0], len(batch)).astype(np.int64)
+        level_after = int(rng.integers(0, 1 << 40))
+        for builder, threshold in zip(builders, (128, 0)):
+            monkeypatch.setattr(frames_mod, "SMALL_BATCH", threshold)
+            monkeypatch.setattr(reuse_mod, "SMALL_BATCH", min(threshold, 96))
+            builder.on_levels(batch["ts"], deltas, level_after)
+            builder.on_memory(batch)
+        # THEN both hold the same rows, end levels and reuse
+        assert _builder_state(builders[0]) == _builder_state(builders[1])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pool_sizes_of_small_batches_noted_record_by_record_equal_the_batch_path(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two footprints noting the same MEMORY2 pool fields (a few pools, sizes that change,
+    # records without a pool), their async bytes moving between batches
+    rng = np.random.default_rng(seed)
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    for _ in range(200):
+        n = int(rng.integers(1, 140))
+        recs = np.zeros(n, MEMORY_DTYPE)
+        recs["pool_addr"] = rng.choice(np.array([0, 0x1000, 0x2000, 0x3000], np.uint64), n)
+        recs["pool_size"] = rng.choice(np.array([0, 1 << 20, 1 << 21, 1 << 22], np.uint64), n,
+                                       p=[0.1, 0.6, 0.2, 0.1])
+        recs["pool_used"] = rng.integers(0, 1 << 20, n).astype(np.uint64)
+        async_bytes = int(rng.integers(0, 1 << 30))
+        for fp, threshold in zip(fps, (128, 0)):
+            monkeypatch.setattr(table_mod, "_SMALL_POOL_BATCH", threshold)
+            fp.async_device_bytes = async_bytes
+            fp.note_pool_config(recs)
+        # THEN both hold the same pools, in the same order, and the same floor
+        assert list(fps[0].pools.items()) == list(fps[1].pools.items())
+        assert fps[0].pool_floor == fps[1].pool_floor
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_burst_frames_judged_one_by_one_equal_the_numpy_judgement(seed: int) -> None:
+    # GIVEN random stretches of burst frames (dense and sparse events, levels near and far from the
+    # window's baseline, windows young and about to reach burst_max_ms) under random settings
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                            burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
+                            enabled=bool(rng.random() < 0.95))
+        iv = 5 * MS
+        cursor = 10**12 + int(rng.integers(0, 10**6))
+        frames = int(rng.integers(1, 40))
+        # Events before the cursor were walked already (i_mem, i_ev of them); the rest lie ahead.
+        grain = int(rng.choice([1, iv // 4]))  # now and then events right at the frames' ends
+        ahead = np.sort(cursor + rng.integers(0, (frames + 2) * iv // grain, int(rng.integers(0, 60))) * grain)
+        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
+        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
+        n_mem, i_mem = len(mem_ts), len(before)
+        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 20)))).astype(np.int64)
+        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
+        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
+        level = int(rng.integers(0, 1 << 32))
+        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
+        level = int(total[i_mem - 1]) if i_mem else level  # the level at the cursor
+        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
+                               calm=int(rng.integers(0, 5)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
+                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
+                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        # THEN walking them frame by frame (from the lists of what lies ahead) judges as numpy does
+        want = burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win)
+        got = burst_mod.walk_frames(cfg, cursor, iv, frames, mem_ts[i_mem:].tolist(), ev_ts[i_ev:].tolist(),
+                                    total[i_mem:].tolist(), i_mem, i_ev, win)
+        assert got == want
+
+
+def _copies(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    cpy = np.zeros(n, MEMCPY_DTYPE)
+    cpy["start"] = t + np.sort(rng.integers(0, 80 * MS, n))
+    if rng.random() < 0.2:
+        cpy["start"] = cpy["start"][rng.permutation(n)]
+    cpy["end"] = cpy["start"] + rng.integers(-1000, 10**6, n)  # now and then ending before it starts
+    cpy["bytes"] = rng.integers(0, 1 << 30, n).astype(np.uint64)
+    cpy["ck"] = rng.choice([CopyKind.HTOD, CopyKind.DTOH, CopyKind.DTOD, CopyKind.PTOP, CopyKind.HTOH], n)
+    cpy["src_dev"] = rng.integers(0, 3, n)
+    cpy["dst_dev"] = rng.integers(0, 3, n)
+    mset = np.zeros(n, MEMSET_DTYPE)
+    mset["start"] = cpy["start"]
+    mset["bytes"] = cpy["bytes"]
+    return cpy, mset
+
+
+def _copy_state(fp: DeviceFootprint, b: FrameBuilder) -> tuple[Any, ...]:
+    # Items in order: the snapshot's dicts keep the Counters' order.
+    return (list(fp.memcpy_count.items()), list(fp.memcpy_bytes.items()), list(fp.memcpy_ns.items()),
+            list(fp.peer_copy_bytes.items()), fp.memset_count, fp.memset_bytes, list(b._frames.items()),
+            [(f, list(c.items())) for f, c in b._copies.items()], list(b._windows.items()), b._newest_frame,
+            b._newest_window)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_copies_and_sets_of_small_batches_taken_record_by_record_equal_the_batch_path(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a footprint and a frame builder (short history: pruning) twice, fed the same copy and
+    # set batches of every kind, one pair only ever down the numpy path
+    rng = np.random.default_rng(seed)
+    pairs = [(DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)),
+              FrameBuilder(1, 0, FramePeaks(10 * MS, 300 * MS), keep_ns=200 * MS, migration_ns=50 * MS,
+                           reuse_capacity=1000)) for _ in range(2)]
+    t = 10**15
+    for _ in range(150):
+        cpy, mset = _copies(rng, t, int(rng.integers(1, 140)))
+        t += int(rng.integers(1, 120)) * MS
+        for (fp, builder), threshold in zip(pairs, (128, 0)):
+            monkeypatch.setattr(table_mod, "_SMALL_POOL_BATCH", threshold)
+            monkeypatch.setattr(frames_mod, "SMALL_BATCH", threshold)
+            fp.apply_memcpy(cpy)
+            fp.apply_memset(mset)
+            builder.on_memcpy(cpy)
+            builder.on_memset(mset)
+        # THEN both hold the same sums, rows, copies and windows, in the same order
+        assert _copy_state(*pairs[0]) == _copy_state(*pairs[1])
