@@ -9,6 +9,10 @@ samplers), and builds the immutable snapshot the engines and the exporter read. 
 stages after it (footprint, feature hub, snapshot) and none of them imports it;
 the sources before it (``ingest/``, replay) import it to feed it.
 
+Why about 530 lines in one module: the reorder buffer, the watermark and its coalescing, the
+application to the footprint and the snapshot all read and move the same per-process state
+(``ProcessState``) in one order; split, each part would reach into the others' fields.
+
 Records arrive in delivery order, which is not timestamp order. Each process has
 a reorder buffer: records wait until the process's watermark passes them, then
 are applied to the footprint in timestamp order. The watermark moves when

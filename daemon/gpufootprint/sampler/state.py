@@ -20,6 +20,10 @@ order). After each interval it picks the next one:
 
 No clock is read here: time is the records' own, so a replay gives the same
 intervals and windows as the live run did.
+
+Why about 460 lines in one module: it is one state machine (intervals, bursts,
+windows) over one process's timeline; the judgement of burst frames in blocks
+is a room of its own (``sampler/burst.py``).
 """
 
 from __future__ import annotations
