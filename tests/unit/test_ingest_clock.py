@@ -102,3 +102,18 @@ def test_the_cpu_rule_reads_the_loop_threads_clock_not_the_caller_of_tick() -> N
     assert load.busy(_time.monotonic()) is False and load.cpu_share < 0.15, load.cpu_share
     idle.set()
     t.join()
+
+
+def test_a_tick_after_the_loop_thread_ended_falls_back_to_the_wall_rule() -> None:
+    """The loop's CPU clock is gone once its thread has ended: busy() must not raise (a tick would fail)."""
+    import threading
+    import time as _time
+
+    from gpufootprint.ingest.tick import LoopLoad
+
+    load = LoopLoad()
+    t = threading.Thread(target=lambda: load.bind_thread(threading.get_ident()))
+    t.start()
+    t.join()
+    assert load.busy(_time.monotonic()) is False
+    assert load.busy(_time.monotonic() + 0.1) is False

@@ -178,7 +178,12 @@ class LoopLoad:
 
     def busy(self, now: float) -> bool:
         period = now - self._since
-        cpu = self._thread_time() if self._thread_time is not None else None
+        cpu = None
+        if self._thread_time is not None:
+            try:
+                cpu = self._thread_time()
+            except OSError:  # the bound thread has ended (a tick after the loop stopped): the wall rule alone
+                self._thread_time, self._cpu_since = None, None
         if period > 0:
             self.share = min(1.0, self._work / period)
             if cpu is not None and self._cpu_since is not None:
