@@ -14,6 +14,7 @@ windows of kernel records (one setting) is judged from the kernels themselves.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -63,6 +64,40 @@ def _first_verdict(config: Config, tmp_path: Path, *first: str) -> tuple[list[di
             child.kill()
         app.stop()
     return verdicts, waited, status["status"], metrics
+
+
+def _busy_daemon_and_probe(tmp_path: Path, *ops: str, **env: str) -> tuple[App, Any, threading.Event]:
+    """A default App over a stateful fake NVML, the real probe (fake CUPTI) running ``ops`` on its socket,
+    and the driver's per-process samples for it: 97 % busy, six a second, until the event is set."""
+    from tests.nvml_fake import FakeNvml
+
+    fake = FakeNvml("healthy", gpus=1)
+    sock = tmp_path / "probe.sock"
+    app = App(load_config(None, env={}), socket_path=str(sock), listen="127.0.0.1:0", nvml_client=fake)
+    app.start()
+    child = start_probe_child(sock, tmp_path, *ops, **env)
+    stop = threading.Event()
+
+    def driver() -> None:
+        while not stop.wait(1 / 6):
+            fake.add_busy(0, child.pid, time.time_ns() // 1000, 0.97)
+
+    threading.Thread(target=driver, daemon=True).start()
+    return app, child, stop
+
+
+def _poll_verdict(app: App, child: Any, seconds: float, every: float) -> dict[str, Any] | None:
+    """The child's first Graph decision other than insufficient_data on /api/engines, while it runs."""
+    assert app.http is not None
+    url = app.http.url.replace("/metrics", "/api/engines")
+    started = time.monotonic()
+    while time.monotonic() - started < seconds and child.poll() is None:
+        graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
+        verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
+        if verdict is not None:
+            return verdict  # type: ignore[no-any-return]
+        time.sleep(every)
+    return None
 
 
 def test_a_default_daemon_gives_a_launch_bound_process_a_graph_verdict_from_launch_windows(tmp_path: Path) -> None:
@@ -118,35 +153,16 @@ def test_a_default_daemon_follows_long_steps_and_captures_them_with_nvml_busy_ti
     says the same."""
     import subprocess
     import sys
-    import threading
 
     from tests.conftest import cli_env
-    from tests.nvml_fake import FakeNvml
 
-    config = load_config(None, env={})
-    fake = FakeNvml("healthy", gpus=1)
-    sock, tee = tmp_path / "probe.sock", tmp_path / "long_steps.gfp.gz"
-    app = App(config, socket_path=str(sock), listen="127.0.0.1:0", nvml_client=fake)
-    app.start()
-    child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "long_steps:12:200",
-                              GPUFOOTPRINT_PROBE_FLUSH_MS="100", GPUFOOTPRINT_PROBE_HEARTBEAT_MS="1000",
-                              GPUFOOTPRINT_PROBE_TEE=str(tee))
-    stop = threading.Event()
-
-    def driver() -> None:
-        while not stop.wait(1 / 6):
-            fake.add_busy(0, child.pid, time.time_ns() // 1000, 0.97)
-
-    threading.Thread(target=driver, daemon=True).start()
-    verdict: dict[str, Any] | None = None
+    tee = tmp_path / "long_steps.gfp.gz"
+    app, child, stop = _busy_daemon_and_probe(tmp_path, "alloc:0x10000:67108864", "long_steps:12:200",
+                                              GPUFOOTPRINT_PROBE_FLUSH_MS="100", GPUFOOTPRINT_PROBE_HEARTBEAT_MS="1000",
+                                              GPUFOOTPRINT_PROBE_TEE=str(tee))
     try:
         assert app.http is not None
-        url = app.http.url.replace("/metrics", "/api/engines")
-        started = time.monotonic()
-        while time.monotonic() - started < 30 and child.poll() is None and verdict is None:
-            graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
-            verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
-            time.sleep(0.3)
+        verdict = _poll_verdict(app, child, 30, 0.3)
         status = finish_probe_child(child)["status"]
         # Saved once the daemon's poller has read NVML past the workload's end (it polls once a second
         # when quiet): a document saved sooner lacks the samples of the last window, and abtest then
@@ -192,32 +208,10 @@ def test_the_real_probe_in_a_loop_of_2s_steps_gets_a_verdict_from_a_default_daem
     defaults and the daemon at the shipped ones: the window must stay open across steps longer than its
     2 s lease (renewed while the probe's sender sleeps between its flushes), and /api/engines must give
     the verdict while the loop still runs, within two minutes of its start."""
-    import threading
-
-    from tests.nvml_fake import FakeNvml
-
-    config = load_config(None, env={})
-    fake = FakeNvml("healthy", gpus=1)
-    sock = tmp_path / "probe.sock"
-    app = App(config, socket_path=str(sock), listen="127.0.0.1:0", nvml_client=fake)
-    app.start()
-    child = start_probe_child(sock, tmp_path, "alloc:0x10000:67108864", "long_steps:150:2000")
-    stop = threading.Event()
-
-    def driver() -> None:
-        while not stop.wait(1 / 6):
-            fake.add_busy(0, child.pid, time.time_ns() // 1000, 0.97)
-
-    threading.Thread(target=driver, daemon=True).start()
-    verdict: dict[str, Any] | None = None
     started = time.monotonic()
+    app, child, stop = _busy_daemon_and_probe(tmp_path, "alloc:0x10000:67108864", "long_steps:150:2000")
     try:
-        assert app.http is not None
-        url = app.http.url.replace("/metrics", "/api/engines")
-        while time.monotonic() - started < 120 and child.poll() is None and verdict is None:
-            graph = json.loads(urllib.request.urlopen(url, timeout=10).read())["graph"]
-            verdict = next((d for d in graph if d["pid"] == child.pid and d["decision"] != "insufficient_data"), None)
-            time.sleep(0.5)
+        verdict = _poll_verdict(app, child, 120, 0.5)
         waited = time.monotonic() - started
         running = child.poll() is None
     finally:
