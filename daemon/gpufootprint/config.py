@@ -169,8 +169,9 @@ class SamplerConfig:
                                            "exact kernel durations, but a lasting slowdown of about 10 % on "
                                            "launch-bound loops on the H200, docs/performance.md)")
     kernel_window_steps: int = _spec(4, lo=1, hi=10_000,
-                                    doc="a launch window stays open until the daemon has seen this many whole steps "
-                                        "(launches between two waits for the GPU) in it")
+                                    doc="a launch window stays open until it holds this many whole steps "
+                                        "(launches between two waits for the GPU): the probe closes it as soon as "
+                                        "it has counted them, the daemon once it has read them")
     kernel_window_max_ms: int = _spec(12_000, lo=1, hi=60_000,
                                       doc="... or for this long at most (4 steps of 2 s, the one it opened in, and a lag)")
     kernel_window_max_records: int = _spec(50_000, lo=1, hi=10_000_000,

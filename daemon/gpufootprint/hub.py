@@ -29,7 +29,7 @@ import numpy as np
 from gpufootprint.config import FeaturesConfig, SamplerConfig
 from gpufootprint.features.frames import FrameBuilder
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
-from gpufootprint.records import TIME_FIELD, ApiRole, RecordKind
+from gpufootprint.records import TIME_FIELD, LaunchSteps, RecordKind
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.snapshot import AnomalyWindow, DeviceFeatures, SamplerState
 
@@ -47,33 +47,25 @@ RENEW_BELOW_MS = 1000
 class _FollowedWindow:
     """A launch window the hub keeps open until it has seen enough steps (``FeatureHub._follow_window``)."""
 
-    __slots__ = ("launches", "launches_at_wait", "lease_until_ns", "opened_ns", "records", "waits", "wid")
+    __slots__ = ("counted", "lease_until_ns", "opened_ns", "wid")
 
     def __init__(self, wid: int, opened_ns: int, lease_ms: int) -> None:
         self.wid = wid
         self.opened_ns = opened_ns
         self.lease_until_ns = opened_ns + lease_ms * _MS
-        self.records = 0
-        self.waits = 0  # waits for the GPU with a launch since the previous one: each ends a step
-        self.launches = 0
-        self.launches_at_wait = 0
+        self.counted = LaunchSteps()
 
     def add(self, api: np.ndarray) -> None:
-        role = api["role"]
-        launch = (role == ApiRole.LAUNCH) | (role == ApiRole.GRAPH_LAUNCH)
-        sync_idx = np.flatnonzero(role == ApiRole.SYNC)
-        if len(sync_idx):
-            at = self.launches + np.cumsum(launch)[sync_idx]
-            before = np.r_[self.launches_at_wait, at[:-1]]
-            self.waits += int(np.count_nonzero(at > before))
-            self.launches_at_wait = int(at[-1])
-        self.launches += int(np.count_nonzero(launch))
-        self.records += len(api)
+        self.counted.add(api["role"])
+
+    @property
+    def records(self) -> int:
+        return self.counted.records
 
     @property
     def steps(self) -> int:
         """Whole steps seen: the part before the first wait may be the end of one that began earlier."""
-        return max(0, self.waits - 1)
+        return self.counted.steps
 
 
 class FeatureHub:
@@ -248,7 +240,8 @@ class FeatureHub:
         bound_ns = w.opened_ns + cfg.kernel_window_max_ms * _MS
         if w.lease_until_ns < bound_ns and (w.lease_until_ns - now_ns) // _MS < RENEW_BELOW_MS:
             ms = int(min(LEASE_MS, max(1, cfg.kernel_window_max_ms - elapsed_ms)))
-            if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, "records": "launches"}):
+            if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, "records": "launches",
+                                "steps": cfg.kernel_window_steps, "max_records": cfg.kernel_window_max_records}):
                 w.lease_until_ns = now_ns + ms * _MS
 
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
@@ -276,6 +269,10 @@ class FeatureHub:
         if launches:
             body["records"] = "launches"  # a probe that does not open them is not sent one (ingest)
             body["ms"] = max(cfg.kernel_window_ms, min(LEASE_MS, cfg.kernel_window_max_ms))
+            # The probe closes the window itself once it has counted this many steps: the window then
+            # ends a CUPTI delivery after the last step, not a watermark and a control round trip later.
+            body["steps"] = cfg.kernel_window_steps
+            body["max_records"] = cfg.kernel_window_max_records
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
         if self._send(s.pid, body) and launches:

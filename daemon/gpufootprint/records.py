@@ -39,6 +39,40 @@ class ApiRole(enum.IntEnum):
 API_ROLE_NAMES: Final[dict[int, str]] = {r.value: r.name.lower() for r in ApiRole}
 
 
+class LaunchSteps:
+    """Whole steps among a launch window's calls, counted the same way in the probe and the daemon.
+
+    A step ends at a wait for the GPU (``ApiRole.SYNC``) with at least one launch since the wait
+    before it; waits with nothing launched in between (a synchronize right after another) end none.
+    The part before the first such wait may be the end of a step that began before the window
+    opened, so it is not a whole step. Calls are counted in the order they are added: per CUPTI
+    buffer in the probe, per applied batch in the daemon."""
+
+    __slots__ = ("launches", "launches_at_wait", "records", "waits")
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.waits = 0  # waits for the GPU with a launch since the previous one: each ends a step
+        self.launches = 0
+        self.launches_at_wait = 0
+
+    def add(self, role: np.ndarray) -> None:
+        """``role``: the calls' ``ApiRole`` values, in call order."""
+        launch = (role == ApiRole.LAUNCH) | (role == ApiRole.GRAPH_LAUNCH)
+        sync_idx = np.flatnonzero(role == ApiRole.SYNC)
+        if len(sync_idx):
+            at = self.launches + np.cumsum(launch)[sync_idx]
+            before = np.r_[self.launches_at_wait, at[:-1]]
+            self.waits += int(np.count_nonzero(at > before))
+            self.launches_at_wait = int(at[-1])
+        self.launches += int(np.count_nonzero(launch))
+        self.records += len(role)
+
+    @property
+    def steps(self) -> int:
+        return max(0, self.waits - 1)
+
+
 #: CUPTI's unified-memory counter kind whose ``value`` is not a count: for CPU page faults
 #: it is the program counter of the faulting instruction (CUPTI docs), so each record is one fault.
 UM_CPU_PAGE_FAULT_COUNT: Final = 3

@@ -78,7 +78,10 @@ def test_probe_child_gets_flush_interval_controls_and_its_spike_becomes_a_window
     flushes = [c["ms"] for c in controls if c["op"] == "flush_interval"]
     assert 5 in flushes, controls  # the burst asked the probe to flush every 5 ms
     # a launch window opens with a 2 s lease (at least kernel_window_ms) and follows the steps from there
-    assert any(c["op"] == "kernel_window" and c["ms"] == 2000 and c["records"] == "launches" for c in controls)
+    # and the steps and calls after which the probe closes it by itself (the daemon's defaults)
+    assert any(c["op"] == "kernel_window" and c["ms"] == 2000 and c["records"] == "launches"
+               and c["steps"] == config.sampler.kernel_window_steps
+               and c["max_records"] == config.sampler.kernel_window_max_records for c in controls)
     windows = [w for w in server.snapshot.anomaly_windows if w.peak_bytes == (1 << 30) + (256 << 20)]
     assert len(windows) == 1 and windows[0].reason == "footprint_change"
 

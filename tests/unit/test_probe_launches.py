@@ -156,3 +156,67 @@ def test_after_a_profiler_had_cupti_the_launch_switches_are_off_for_good(tmp_pat
         assert p.counters["kernel_windows_refused"] >= 1
     finally:
         p.stop()
+
+
+def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_for(tmp_path: Path) -> None:
+    # GIVEN a launch window leased for 10 s that should hold 2 whole steps (a step ends at a wait for the
+    # GPU with launches since the wait before it): every launch costs the workload while the switches are
+    # on, and the daemon would read the steps only a watermark and a control round trip later
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)  # CUDA is up: the priming ends
+        _wait(lambda: fake.launch_switch == [True, False])
+        p.sender.open_kernel_window(10_000, 9, "launches", steps=2)
+        opened = time.monotonic()
+        t = time.time_ns()
+        # WHEN the workload runs: the end of a step begun before the window, then steps of 3 launches and a
+        # wait; a second wait with nothing launched since the first ends no step
+        calls = [211, 131, 131] + [211, 211, 211, 131] * 2
+        for i, cbid in enumerate(calls):
+            assert fake.host_call(cbid, start=t + i * 100, end=t + i * 100 + 50)
+        _wait(lambda: p.sender.windows.kernel_window is None)
+        # THEN the window closed at its second whole step, long before its lease
+        assert p.sender.windows.kernel_window is None and time.monotonic() - opened < 5.0
+        assert fake.launch_switch == [True, False, True, False]
+        # AND the daemon's renewal and close of that window, sent before it read the steps, open nothing
+        p.sender.open_kernel_window(2_000, 9, "launches", steps=2)
+        p.sender.open_kernel_window(1, 9, "launches", steps=2)
+        assert p.sender.windows.kernel_window is None and fake.launch_switch == [True, False, True, False]
+        # AND a later window (a new id) opens as usual, and one without a step bound keeps its lease
+        p.sender.open_kernel_window(300, 10, "launches")
+        assert p.sender.windows.kernel_window is not None and fake.launch_switch[-1] is True
+        for i, cbid in enumerate([211, 131] * 4):
+            assert fake.host_call(cbid, start=time.time_ns() + i, end=time.time_ns() + i + 10)
+        time.sleep(0.15)
+        assert p.sender.windows.kernel_window is not None  # four steps, no bound: open until its lease ends
+        _wait(lambda: p.sender.windows.kernel_window is None)
+        st = p.status()
+        assert st["launch_windows"] == 2 and st["launch_windows_counted"] == 1
+    finally:
+        p.stop()
+    frames = list(iter_frames(TraceFile(tmp_path / "t.gfp").chunks()))
+    closed = [f.json()["kernel_window"] for f in frames if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
+    assert [(w["id"], w.get("closed")) for w in closed] == [(9, "counted"), (10, None)]
+    api = np.concatenate([f.records() for f in frames if f.type is FrameType.BATCH and f.tag == RecordKind.API])
+    assert (api["start"][: len(calls)] - t).tolist() == [i * 100 for i in range(len(calls))]
+
+
+def test_a_launch_window_closes_itself_at_the_calls_the_daemon_asked_for_without_a_wait(tmp_path: Path) -> None:
+    # GIVEN a program that launches and never waits for the GPU: no step ever ends
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: fake.launch_switch == [True, False])
+        p.sender.open_kernel_window(10_000, 4, "launches", steps=4, max_records=50)
+        t = time.time_ns()
+        for i in range(60):
+            assert fake.host_call(211, start=t + i, end=t + i + 1)
+        # THEN it closes at its calls' bound, not at its 10 s lease
+        _wait(lambda: p.sender.windows.kernel_window is None)
+        assert p.sender.windows.kernel_window is None and p.status()["launch_windows_counted"] == 1
+    finally:
+        p.stop()

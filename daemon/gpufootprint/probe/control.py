@@ -23,7 +23,8 @@ class ControlTarget(Protocol):
     counters: Counter[str]
 
     def set_flush_interval(self, ms: int) -> None: ...
-    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None: ...
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
+                           max_records: int = 0) -> None: ...
     def request_resync(self) -> None: ...
     def send_totals(self, cupti_buffers: int) -> None: ...
 
@@ -42,8 +43,11 @@ def apply_control(frame: Frame, target: ControlTarget) -> None:
             target.set_flush_interval(int(body["ms"]))
         elif op == "kernel_window":
             records = body.get("records", "kernels")
+            # steps, max_records (launch windows): the probe closes the window itself once it has
+            # counted that many whole steps or calls (0 or absent: only when its lease ends).
             target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)),
-                                      "launches" if records == "launches" else "kernels")
+                                      "launches" if records == "launches" else "kernels",
+                                      max(0, int(body.get("steps", 0))), max(0, int(body.get("max_records", 0))))
         elif op == "resync":
             target.request_resync()
             counters["resyncs_requested"] += 1

@@ -19,7 +19,7 @@ from typing import Any, Final
 import numpy as np
 
 from gpufootprint.probe import launches
-from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.records import DTYPES, LaunchSteps, RecordKind
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.cupti_layout import RAW_DTYPES
 
@@ -81,6 +81,8 @@ class Packer:
         # calls go on; calls outside it (at start-up, or while CUPTI is still switching off) do not.
         self.launch_span: tuple[int, int | None] | None = None
         self.launch_records_outside = 0
+        # The open launch window's whole steps, counted as its calls are packed (Windows.counted_enough).
+        self.launch_steps: LaunchSteps | None = None
         self.bad_records = 0
         self.arrays_allocated = 0
         self._dispatch: dict[int, Callable[[Any], None]] = {
@@ -208,6 +210,8 @@ class Packer:
         if len(rows):
             self._put_rows(RecordKind.API, rows)
             self.launch_records += len(rows)
+            if self.launch_steps is not None:
+                self.launch_steps.add(rows["role"])
         return len(rows)
 
     def _put_rows(self, kind: RecordKind, rows: np.ndarray) -> None:

@@ -163,7 +163,8 @@ class Sender:
                     # window: forced flushes at the drain cadence until then, so its event comes about a
                     # flush after the window closes rather than up to two watermark periods later.
                     next_flush = min(next_flush, now + self.flush_s)
-                if self.windows.kernel_window is not None and (now >= self.windows.kernel_window_end or stopping):
+                if self.windows.kernel_window is not None and (now >= self.windows.kernel_window_end or stopping
+                                                               or self.windows.counted_enough()):
                     self.windows.close_kernel_window()
                 if self.windows.launch_priming and (stopping or self.windows.records_seen()):
                     self.windows.end_launch_priming()
@@ -464,8 +465,9 @@ class Sender:
             self._forward = self.settings.forward_buffers
             self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
 
-    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None:
-        self.windows.open_kernel_window(ms, wid, records)
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
+                           max_records: int = 0) -> None:
+        self.windows.open_kernel_window(ms, wid, records, steps, max_records)
 
     # --- untracked memory (CUDA started before the probe) -----------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpufootprint.records import LaunchSteps
 from gpufootprint.wire import framing
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
 from gpufootprint.wire.framing import FrameType
@@ -41,14 +42,27 @@ class Windows:
         self.window_enabled: int | str | None = None
         self.launch_priming = False  # the launch calls' per-API switches are on until CUDA is up (core.start)
         self.launch_windows_ok = False  # they were on when CUDA started: launch windows record (core.start)
+        # The open launch window closes once the packer has counted this many whole steps or calls (0: no
+        # bound); counted_id: the last window closed that way, whose renewals open nothing.
+        self.steps_wanted = 0
+        self.records_wanted = 0
+        self.counted_id = 0
 
-    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels") -> None:
+    def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
+                           max_records: int = 0) -> None:
         """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
-        ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py)."""
+        ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py).
+
+        A launch window with ``steps`` (or ``max_records``) closes as soon as the probe has packed
+        that many whole steps (or calls), whatever its lease says: the daemon reads them only a
+        watermark later, and every launch costs the workload while the switches are on. Its later
+        lease renewals and its close (the same id) then open nothing."""
         s = self.sender
         ms = max(1, min(ms, 60_000))
         if self.kernel_window is not None and self.kernel_window.get("records", "kernels") != records:
             self.close_kernel_window()  # the other records were asked for: that window ends here
+        if self.kernel_window is None and records == "launches" and wid and wid == self.counted_id:
+            return  # already closed here at its steps: a renewal or close sent before the daemon read them
         if self.kernel_window is None:
             kind: int | str | None
             if records == "launches":
@@ -67,11 +81,22 @@ class Windows:
             self.kernel_window = {"id": wid, "start_ns": s._clock_ns(), "records": records}
             if kind == LAUNCH_WINDOW:
                 s.packer.launch_span = (self.kernel_window["start_ns"], None)
+                s.packer.launch_steps = LaunchSteps() if steps or max_records else None
             s.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
         else:
             self.kernel_window["id"] = wid
+        if self.window_enabled == LAUNCH_WINDOW:
+            self.steps_wanted, self.records_wanted = steps, max_records
         self.kernel_window_end = time.monotonic() + ms / 1000
         s._wake.set()
+
+    def counted_enough(self) -> bool:
+        """Whether the open launch window holds the steps (or calls) the daemon asked for."""
+        counted = self.sender.packer.launch_steps
+        if counted is None or self.window_enabled != LAUNCH_WINDOW:
+            return False
+        return bool((self.steps_wanted and counted.steps >= self.steps_wanted)
+                    or (self.records_wanted and counted.records >= self.records_wanted))
 
     def records_seen(self) -> bool:
         """Whether any CUPTI record came in: CUDA is up."""
@@ -97,8 +122,13 @@ class Windows:
         window, self.kernel_window = self.kernel_window, None
         if window is None:
             return
+        counted_enough = self.counted_enough()
         kind, self.window_enabled = self.window_enabled, None
         window["end_ns"] = s._clock_ns()
+        if counted_enough:
+            window["closed"] = "counted"  # by its steps or calls here, not by its lease
+            self.counted_id = int(window["id"])
+            s.counters["launch_windows_counted"] += 1
         if kind == LAUNCH_WINDOW:
             # Calls until now are the window's; switching off takes CUPTI a while (calls made meanwhile
             # are recorded but dropped: the window is exactly [start_ns, end_ns]).
@@ -107,6 +137,8 @@ class Windows:
             self.switch_window(kind, False)  # exactly what the window switched on
         s._flush_and_drain()
         s.packer.launch_span = None  # the window's calls are in
+        s.packer.launch_steps = None
+        self.steps_wanted = self.records_wanted = 0
         body = s._heartbeat()
         body["kernel_window"] = window
         s._emit(framing.encode_json(FrameType.HEARTBEAT, body), must=True)
