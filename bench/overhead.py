@@ -95,6 +95,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # hooks (the profiler hand-over and the OOM observer); no device discovery at start (cuInit and
     # the device queries through cuda-bindings, before the workload's first CUDA call).
     "probe_no_launch_windows": {"launch_windows": False},
+    # Launch windows as before 2026-12-05: closed only when the daemon has read enough steps (a watermark
+    # and a control round trip after them), not by the probe's own count (the worker turns that off).
+    "probe_windows_uncounted": {},
     "probe_quiet": {"flush_ms": 1000, "watermark_ms": 5000, "heartbeat_ms": 5000},
     "probe_no_torch_hooks": {"torch_hook": False, "oom_torch_observer": False},
     "probe_no_discover": {},
@@ -132,8 +135,9 @@ DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
 REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "probe",
                             "probe_kernel_windows_off_b": "probe_kernel_windows_off", "cupti_floor_b": "cupti_floor",
                             "aa": "aa", "aa_b": "aa"}
-# Groups also compared with another group, round by round: the default's launch windows against none.
-VERSUS: dict[str, str] = {"probe": "probe_kernel_windows_off"}
+# Groups also compared with others, round by round: the default's launch windows against none, against the
+# probe that opens none, and against windows that close only when the daemon says so.
+VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
@@ -283,6 +287,10 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         opts = dict(FLOOR_CONFIGS[config])
         bare = bool(opts.pop("bare", False))
         floor = CuptiFloor(bare=bare, settings=ProbeSettings(**opts))
+    if config == "probe_windows_uncounted":
+        from gpufootprint.probe.windows import Windows
+
+        Windows.counted_enough = lambda self: False  # type: ignore[method-assign]
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -442,12 +450,14 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
             row[w] = {"median_ratio": round(statistics.median(ratios), 4),
                       "median_ratio_ci95": [round(lo, 4), round(hi, 4)],
                       "p99_ratio": round(pct(flat, 99) / pct(bflat, 99), 4)}
-            other = groups.get(VERSUS.get(name, ""))
-            if other:
+            for versus in VERSUS.get(name, []):
+                other = groups.get(versus)
+                if not other:
+                    continue
                 vs = [geo(steps, members, w, r) / geo(steps, other, w, r) for r in range(len(steps[base[0]][w]))]
                 vlo, vhi = bootstrap_ci(vs, seed)
-                row[w]["vs_" + VERSUS[name]] = round(statistics.median(vs), 4)
-                row[w]["vs_" + VERSUS[name] + "_ci95"] = [round(vlo, 4), round(vhi, 4)]
+                row[w]["vs_" + versus] = round(statistics.median(vs), 4)
+                row[w]["vs_" + versus + "_ci95"] = [round(vlo, 4), round(vhi, 4)]
             floor = groups.get("cupti_floor")
             if floor and name != "cupti_floor":
                 vs = [geo(steps, members, w, r) / geo(steps, floor, w, r) for r in range(len(steps[base[0]][w]))]
@@ -486,6 +496,13 @@ def verdict_table(pooled_rows: dict[str, Any]) -> str:
             lines.append(f"{label if w == 'a' else '':28s} {w:2s} {r['median_ratio']:8.4f} {ci:>17s} {r['p99_ratio']:7.3f} | "
                          f"{r.get('vs_cupti_floor', float('nan')):8.4f} {fci:>17s} "
                          f"{r.get('p99_vs_cupti_floor', float('nan')):7.3f}")
+    for name in order:  # the group-against-group comparisons (VERSUS), round by round
+        for w in ("a", "b"):
+            for key, value in pooled_rows[name][w].items():
+                if key.startswith("vs_") and key.endswith("_ci95") and key != "vs_cupti_floor_ci95":
+                    other = key[3:-5]
+                    lines.append(f"{name} vs {other} {w}: {pooled_rows[name][w]['vs_' + other]:.4f} "
+                                 "[{:.4f}, {:.4f}]".format(*value))
     return "\n".join(lines)
 
 
