@@ -90,7 +90,7 @@ def test_a_damaged_nvml_document_is_an_error_naming_the_file(tmp_path: Path) -> 
     assert run.returncode != 0 and "t.gfp.gz.nvml.json" in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
-@pytest.mark.parametrize("loop", ["matmul", "tiny", "transformer"])
+@pytest.mark.parametrize("loop", ["matmul", "matmul2s", "tiny", "transformer"])
 def test_abtest_on_the_h200_recording_equals_the_default_daemons_live_verdict(tmp_path: Path, loop: str) -> None:
     trace, live = DATA / f"h200_graph_{loop}.gfp.gz", DATA / f"graph_advice_{loop}.json"
     if not (trace.is_file() and live.is_file()):

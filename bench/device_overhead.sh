@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One overhead verdict on the lent GPU machine, with a start-up watchdog; everything it writes goes to $OUT.
+#
+#   bash bench/device_overhead.sh NAME ALLOC 'CONFIGS' ROUNDS MAX_SECONDS [more bench/overhead.py args]
+#   e.g. bash bench/device_overhead.sh verdict-caching caching 'none*4,aa*4,probe*4,cupti_floor*4' 60 400
+#
+# Installs the wheel in dist/ with the probe and daemon extras from .whl (carry dist and .whl), as a user
+# would, then runs bench/overhead.py at 12 and 80 steps a round. If round 0 has not begun after WATCH
+# seconds (default 150) it writes every process, nvidia-smi and py-spy stacks of each worker (py-spy from
+# .whl when there) to $OUT/NAME.diag and stops the bench: a worker that never became ready (run 22's
+# start-up hang) is then named, not guessed.
+set -uo pipefail
+name=$1 alloc=$2 configs=$3 rounds=$4 maxsec=$5; shift 5
+O=${OUT:?OUT is the folder whose files come back}
+T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+{ date -u +%FT%TZ
+  python3 -m pip install -q --no-build-isolation --no-index --find-links .whl "$(ls dist/gpufootprint-*.whl | head -1)[probe,daemon]" 2>&1 || exit 1
+  python3 -m pip install -q --no-index --find-links .whl py-spy 2>/dev/null || echo "no py-spy in .whl"
+  nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,compute_mode --format=csv; nproc
+  python3 -m pip list 2>/dev/null | grep -i -E "gpufootprint|cupti|^torch |numpy|cuda-bindings|nvidia-ml"; python3 -V
+  echo "installed at $(el) s"; } > "$O/$name.machine.txt" 2>&1 || { cat "$O/$name.machine.txt"; exit 1; }
+watch=${WATCH:-150}
+python3 bench/overhead.py --configs "$configs" --rounds "$rounds" --steps-a 12 --steps-b 80 --alloc "$alloc" \
+  --max-seconds "$maxsec" --progress --out "$O/$name.json" "$@" > "$O/$name.txt" 2> "$O/$name.err" &
+bench=$!
+started=$(date +%s)
+while kill -0 $bench 2>/dev/null; do
+  if grep -q "^round 0" "$O/$name.err"; then
+    echo "round 0 at $(el) s" >> "$O/$name.diag"; wait $bench; echo "rc=$? at $(el) s" >> "$O/$name.diag"; break
+  fi
+  if [ $(( $(date +%s) - started )) -ge "$watch" ]; then
+    { echo "no round 0 after $watch s; at $(el) s"
+      ps -eo pid,ppid,stat,pcpu,rss,wchan:28,etime,args --sort=pid | grep -v "ps -eo"
+      nvidia-smi
+      for p in $(pgrep -P $bench); do echo "--- pid $p"; timeout 15 py-spy dump --native --pid "$p"; done
+    } >> "$O/$name.diag" 2>&1
+    pkill -P $bench; sleep 3; pkill -9 -P $bench; kill -9 $bench 2>/dev/null
+    echo "killed at $(el) s" >> "$O/$name.diag"; break
+  fi
+  sleep 2
+done
+tail -40 "$O/$name.txt"; cat "$O/$name.diag"
