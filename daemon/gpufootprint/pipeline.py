@@ -85,9 +85,6 @@ class ProcessState:
     # records with ts <= this are complete; anything that reads or changes the state applies them first.
     due_to: int = 0
     due_since: float = 0.0  # monotonic seconds of the oldest watermark not yet applied
-    # How many more waiting records the ingest guard lets this process hold (its fair share, set at each of
-    # its batches): a watermark waits only while the process stays well inside it.
-    pending_room: int = 1 << 62
     max_ts: int = 0
     exited_at: float | None = None  # monotonic seconds
     # The stream sends WATERMARK frames: only they (and marks, and the stream's end) advance it.
@@ -180,11 +177,16 @@ class Pipeline:
         # batches of several flushes are applied as one (the footprint, frames and sampler cost about
         # the same per application whether it holds 2 records or 500). 0 applies at each watermark;
         # the ingest loop sets it while it is busy. A process holding ``coalesce_records`` (or half of what
-        # its share lets it hold waiting, ``ProcessState.pending_room``) is applied at once, and the
+        # its share lets it hold waiting, ``waiting_room``) is applied at once, and the
         # snapshot shows each process as of what was applied. 8,192: 64 probes flushing 780 records
         # each ten times a second are applied about once a second each (512 applied every flush).
         self.coalesce_s = 0.0
         self.coalesce_records = 8192
+        # How many more records the ingest guard lets a process hold waiting, asked at each watermark that
+        # might wait: its share shrinks whenever other tenants or processes connect, and one read at its
+        # last batch let it wait past the new share (its next batch then tripped the guard's pending
+        # valve). Set by the ingest server; None (replays, which never coalesce): no bound but the above.
+        self.waiting_room: Callable[[ProcessState], int] | None = None
         self._due: set[int] = set()
 
     # --- input ----------------------------------------------------------------
@@ -249,9 +251,9 @@ class Pipeline:
             return
         proc.watermarked = True
         proc.watermark_at = now = self._monotonic()
-        if (self.coalesce_s > 0 and proc.source == "probe"
-                and proc.pending_records < min(self.coalesce_records, proc.pending_room // 2)
-                and proc.exited_at is None):
+        if (self.coalesce_s > 0 and proc.source == "probe" and proc.exited_at is None
+                and proc.pending_records < self.coalesce_records
+                and (self.waiting_room is None or proc.pending_records < self.waiting_room(proc) // 2)):
             if ts > proc.due_to and ts > proc.applied_to:
                 if proc.due_to <= proc.applied_to:
                     proc.due_since = now

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from gpufootprint.configload import load_config
 from gpufootprint.ingest.validate import Guard, Limits, check_fields
 from gpufootprint.pipeline import Pipeline
@@ -65,7 +66,7 @@ def test_records_waiting_for_the_watermark_do_not_count_as_allocations_unless_th
     a = np.zeros(10, MEMORY_DTYPE)
     a["ts"], a["addr"], a["bytes"], a["pid"], a["op"], a["mk"] = now, np.arange(10) * 4096 + 4096, 4096, 7, 1, 3
     seen, problem = _counter()
-    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
+    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda ts: None)  # type: ignore[arg-type]
     assert len(kept) == 10 and seen == {}
 
 
@@ -92,7 +93,7 @@ def test_waiting_releases_are_not_counted_as_allocations_under_churn() -> None:
     a = np.zeros(1000, MEMORY_DTYPE)
     a["ts"], a["addr"], a["bytes"], a["pid"], a["op"], a["mk"] = now + 3 * n, np.arange(1000) * 4096 + (1 << 40), 4096, 7, 1, 3
     seen, problem = _counter()
-    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda: None)  # type: ignore[arg-type]
+    kept = guard.admit(proc, RecordKind.MEMORY, a, problem, lambda ts: None)  # type: ignore[arg-type]
     assert len(kept) == 1000 and seen == {}
 
 
@@ -130,3 +131,107 @@ def test_releases_of_the_batchs_own_allocations_counted_alike_for_small_and_larg
         gone = {(int(d), int(a)) for d, a, o in zip(recs["dev"], recs["addr"], recs["op"]) if o == MemoryOp.RELEASE}
         assert _released_here(recs, allocs) == len(pairs & gone), n
         assert _released_here(recs[::-1].copy(), allocs[::-1].copy()) == len(pairs & gone), n
+
+
+MS = 1_000_000
+T0 = 10**18  # the probe's clock: nanoseconds since 1970
+
+
+def _flush(k: int) -> np.ndarray:
+    """Flush ``k`` of an honest probe flushing every 100 ms: 350 allocate/free pairs stamped since its
+    last flush, and 50 of the flush before that, from a thread whose buffer was handed over late (its
+    WATERMARK is the time of the forced flush before the latest one, so these are never late)."""
+    rows = []
+    for start, pairs, tag in ((T0 + (k - 2) * 100 * MS, 50 if k > 1 else 0, 1), (T0 + (k - 1) * 100 * MS, 350, 2)):
+        step = 100 * MS // max(1, pairs)
+        for i in range(pairs):
+            ts, addr = start + 1 + i * step, ((k * 1000 + tag * 500 + i) << 12)
+            rows += [(ts, 1, addr), (ts + 1000, 2, addr)]
+    recs = np.zeros(len(rows), MEMORY_DTYPE)
+    recs["ts"], recs["op"], recs["addr"] = zip(*rows)
+    recs["bytes"], recs["pid"], recs["mk"] = 4096, 7, 3
+    return recs
+
+
+def _probe_in_daemon(busy: bool):  # type: ignore[no-untyped-def]
+    """pid 7 connected to a daemon that is busy (its watermarks wait, as while the loop is busy) or not,
+    wired as ``IngestServer._accept`` wires a probe's session; the daemon's monotonic clock is the test's."""
+    from gpufootprint.config import Config
+    from gpufootprint.ingest.server import IngestServer
+    from gpufootprint.ingest.session import Session
+
+    now = [0.0]
+    config = Config()
+    pipeline = Pipeline(config.footprint, monotonic=lambda: now[0])
+    server = IngestServer(config, pipeline, socket_path=None)
+    pipeline.coalesce_s = 1.0 if busy else 0.0  # what the loop sets while busy (COALESCE_S)
+    session = Session(pipeline, source="probe", name="probe pid=7", peer_pid=7)
+    session.guard, session.limits = server.guard, server.guard.limits
+    server.guard.census.connect(7, 1000, "uid/1000")
+    return server, pipeline, session, now
+
+
+def _sender(session):  # type: ignore[no-untyped-def]
+    """Bytes on the probe's connection, through the wire's decoder, into its session."""
+    from gpufootprint.wire.framing import FrameDecoder
+
+    wire = FrameDecoder()
+
+    def send(data: bytes) -> None:
+        for f in wire.feed(data):
+            session.handle(f)
+        assert wire.error is None
+
+    return send
+
+
+def newcomers_connect(server) -> bool:  # type: ignore[no-untyped-def]
+    for i in range(63):  # 63 other tenants' probes connect
+        server.guard.census.connect(100 + i, 2000 + i, f"uid/{2000 + i}")
+    return True
+
+
+@pytest.mark.parametrize("newcomers", ["after_its_watermark", "before_its_watermark"])
+def test_a_waiting_process_whose_share_shrinks_is_applied_as_at_once_not_by_the_pending_valve(newcomers: str) -> None:
+    """Busy mode lets a probe's watermarks wait while it holds under 8,192 records or half of what its share
+    of daemon.max_pending_records lets it hold waiting. When 63 other tenants connect, that share falls
+    from 250,000 to 6,250, and a process waiting with 7,100 records is past it. Its next batch must not
+    trip the pending valve, which applies every waiting record, past its watermark, so that records still
+    on their way count as late and ask for a resync: what its watermarks made due is applied, as if each
+    had been applied when it came, and from then on it waits only within its new share."""
+    from gpufootprint.ingest.tenants import share
+    from gpufootprint.wire import framing
+    from gpufootprint.wire.framing import FrameType
+
+    runs, held = {}, []
+    for busy in (False, True):
+        server, pipeline, session, now = _probe_in_daemon(busy)
+        send = _sender(session)
+        send(framing.PREAMBLE + framing.encode_json(FrameType.HELLO, {"pid": 7}))
+        waited, shared = 0, False
+        for k in range(1, 17):
+            if k == 10 and newcomers == "after_its_watermark":
+                shared = newcomers_connect(server)
+            send(framing.encode_batch(RecordKind.MEMORY, _flush(k)))
+            if k == 9 and newcomers == "before_its_watermark":
+                shared = newcomers_connect(server)
+            send(framing.encode_watermark(T0 + (k - 1) * 100 * MS))
+            proc = pipeline.processes[7]
+            waited += proc.due_to > proc.applied_to
+            if busy and shared:
+                held.append(proc.pending_records)  # what it holds after each watermark in its new share
+            now[0] += 0.1  # then a tick: what waited a second is applied, the guard recounts
+            pipeline.apply_due()
+            server.guard.recount(pipeline.processes)
+        assert waited >= (8 if busy else 0)  # busy: the watermarks did wait until the share shrank
+        pipeline.apply_due(every=True)
+        proc = pipeline.processes[7]
+        fp = proc.devices[0]
+        runs[busy] = (pipeline.errors.counts.get("pending_limit", 0), pipeline.late_records, set(pipeline.resync_wanted),
+                      proc.applied_to, sorted(fp.live.items()), list(fp.live_by_kind),
+                      fp.peaks.window_peak(proc.applied_to, 10**9), proc.pending_records)
+    eager, lazy = runs[False], runs[True]
+    assert eager[:3] == (0, 0, set())  # an honest probe: nothing over the bound, late or doubtful
+    assert lazy[:3] == (0, 0, set()), lazy[:3]  # before: 7,100 pending_limit, 100 late, a resync asked for
+    assert lazy == eager
+    assert max(held) <= share(400_000, 64), held  # before: waited with 7,100 past its 6,250

@@ -104,6 +104,7 @@ class IngestServer:
         self._next_liveness = 0.0
         self._resyncs = ResyncRequests()
         self.guard = Guard(Limits.from_config(config.daemon))
+        pipeline.waiting_room = self.guard.waiting_room  # a waiting watermark follows the process's share now
         self.quarantines = 0
         self._ticks = TickRecord()
         # Called on the ingest thread with each new snapshot (the engines); may call send().

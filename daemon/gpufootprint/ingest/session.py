@@ -351,8 +351,7 @@ class Session:
             else:
                 proc = self._own(self.peer_pid)
                 pid = self.peer_pid
-                recs = self.guard.admit(proc, kind, recs, self._count,
-                                        lambda: self.pipeline.advance(pid, max(proc.max_ts, proc.applied_to + 1)))
+                recs = self.guard.admit(proc, kind, recs, self._count, lambda ts: self.pipeline.advance(pid, ts))
                 if kind is RecordKind.KERNEL or kind is RecordKind.API:
                     recs = self.guard.admit_kernels(proc, kind, recs, self.pipeline.kernel_retention, self._count)
             if len(recs) == 0:

@@ -8,6 +8,7 @@ for /readyz and the snapshot's age at scrape time. The ingest loop (``server.py`
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -140,18 +141,23 @@ class LoopLoad:
 
     * the share of wall time it spent working (not waiting in select): busy from ``BUSY_ON`` until it
       falls under ``BUSY_OFF``. A loop starved of the CPU (or flooded) works most of its wall time;
-    * the share of a core its thread used (that thread's CPU clock, ``bind_thread``): busy from
-      ``CPU_ON`` until under ``CPU_OFF``. A loop that keeps up but spends a third of a core on many
-      small flushes saves most of that by applying several of them as one (64 probes at 500,000
-      records a second: 0.66 of a core eager, about 0.43 coalesced, docs/performance.md); a starved
-      loop's CPU share does not grow, so only real work turns this one on.
+    * the share of a core its thread used (that thread's CPU clock, ``bind_thread``), over about the
+      last second (``CPU_SMOOTH_S``): busy from ``CPU_ON`` until under ``CPU_OFF``. A loop that keeps up
+      but spends a third of a core on many small flushes saves most of that by applying several of
+      them as one (64 probes at 500,000 records a second: 0.66 of a core eager, about 0.43 coalesced,
+      docs/performance.md); a starved loop's CPU share does not grow, so only real work turns this one on.
 
-    What busy mode saves must not switch it off at once: each rule has its own lower bound to leave."""
+    What busy mode saves must not switch it off at once: each rule has its own lower bound to leave. The
+    CPU share is smoothed because busy mode moves work between ticks: a tick whose watermarks wait costs
+    little, and the first tick after busy mode applies everything that waited. Read tick by tick, at
+    200,000 records a second the cheap tick ended busy mode and the costly one began it again, at every
+    tick (docs/reliability.md, "Load")."""
 
     BUSY_ON = 0.6
     BUSY_OFF = 0.3
     CPU_ON = 0.3
     CPU_OFF = 0.15
+    CPU_SMOOTH_S = 1.0  # time constant of the CPU share's exponentially weighted mean
 
     def __init__(self, thread_time: Callable[[], float] | None = None) -> None:
         self._work = 0.0
@@ -161,7 +167,7 @@ class LoopLoad:
         self._thread_time = thread_time
         self._cpu_since: float | None = None
         self.share = 0.0  # of the last period between ticks: wall time working
-        self.cpu_share = 0.0  # ... and the loop thread's CPU time
+        self.cpu_share = 0.0  # the loop thread's CPU time, over about the last CPU_SMOOTH_S
         self.is_busy = False
 
     def bind_thread(self, ident: int) -> None:
@@ -183,11 +189,13 @@ class LoopLoad:
             try:
                 cpu = self._thread_time()
             except OSError:  # the bound thread has ended (a tick after the loop stopped): the wall rule alone
-                self._thread_time, self._cpu_since = None, None
+                self._thread_time, self._cpu_since, self.cpu_share = None, None, 0.0
         if period > 0:
             self.share = min(1.0, self._work / period)
             if cpu is not None and self._cpu_since is not None:
-                self.cpu_share = min(1.0, max(0.0, cpu - self._cpu_since) / period)
+                used = min(1.0, max(0.0, cpu - self._cpu_since) / period)
+                # Weighted by the period's length, so a late tick counts for the time it covers.
+                self.cpu_share += (1.0 - math.exp(-period / self.CPU_SMOOTH_S)) * (used - self.cpu_share)
         self._work, self._since, self._cpu_since = 0.0, now, cpu
         if self.is_busy:
             self.is_busy = self.share >= self.BUSY_OFF or self.cpu_share >= self.CPU_OFF

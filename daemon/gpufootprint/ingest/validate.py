@@ -256,21 +256,39 @@ class Guard:
         self.kernels.add(proc.pid, max(0, growth), self.census)
         return recs
 
+    def waiting_room(self, proc: ProcessState) -> int:
+        """How many more records ``proc`` may hold waiting for its watermark now: its share of
+        ``max_pending_records`` (which shrinks as others connect) less what it holds. What it holds is
+        taken from the pipeline here, not only at the tick: records applied since then are not held."""
+        lim, pid = self.limits, proc.pid
+        self.pending.add(pid, proc.pending_records - self.pending.by_pid[pid], self.census)
+        return self.pending.room(pid, lim.max_pending_records, self.census, lim.max_pending_records_per_process)
+
     def admit(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray, problem: Problem,
-              flush: Callable[[], None]) -> np.ndarray:
-        """The part of a live probe's batch its process may still hold; ``flush`` applies its pending
-        records at once (its reorder buffer is full: records after it count as late, none is lost)."""
+              advance: Callable[[int], None]) -> np.ndarray:
+        """The part of a live probe's batch its process may still hold. ``advance(ts)`` applies its records
+        stamped at or before ``ts``: past its share, first those its watermarks made due (a busy daemon
+        lets them wait), then, if it is still past, all of them at once (its reorder buffer is full: records
+        after it count as late, none is lost)."""
         lim, census, pid = self.limits, self.census, proc.pid
         n = len(recs)
-        pending = proc.pending_records
-        if pending and n > self.pending.room(pid, lim.max_pending_records, census,
-                                             lim.max_pending_records_per_process):
-            problem("pending_limit", f"pid={pid}: {pending} records waiting for the watermark past its share "
-                                     f"(daemon.max_pending_records_per_process={lim.max_pending_records_per_process}"
-                                     f", daemon.max_pending_records={lim.max_pending_records}): applied at once",
-                    pending)
-            flush()
-            self.pending.add(pid, -pending, census)
+        if proc.pending_records and n > self.waiting_room(proc):
+            if proc.due_to > proc.applied_to:
+                # Past its share while a watermark waits (busy mode; the share shrinks as others connect):
+                # apply what that watermark made due, as applying it when it came would have. Records past
+                # it keep waiting: some of the same times may still be on their way (another thread's
+                # buffer), and applying past them would make those late and ask for a resync.
+                advance(proc.due_to)
+            pending = proc.pending_records
+            if pending and n > self.waiting_room(proc):
+                # Still past: the valve. Without it a process that sends no watermark holds records
+                # without bound; what it applies ahead of the watermark makes later records late.
+                problem("pending_limit", f"pid={pid}: {pending} records waiting for the watermark past its share "
+                                         f"(daemon.max_pending_records_per_process="
+                                         f"{lim.max_pending_records_per_process}, daemon.max_pending_records="
+                                         f"{lim.max_pending_records}): applied at once", pending)
+                advance(max(proc.max_ts, proc.applied_to + 1))
+                self.pending.add(pid, proc.pending_records - pending, census)
         recs = self.admit_devices(proc, recs, problem)
         if kind is RecordKind.MEMORY and len(recs):
             allocs = recs["op"] == MemoryOp.ALLOCATION
@@ -294,9 +312,6 @@ class Guard:
                     n_alloc = room
                 self.live.add(pid, n_alloc, census)
         self.pending.add(pid, len(recs), census)
-        # What it may still add while its watermarks wait to be applied together (Pipeline.watermark).
-        proc.pending_room = self.pending.room(pid, lim.max_pending_records, census,
-                                              lim.max_pending_records_per_process)
         return recs
 
     def admit_resync(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
