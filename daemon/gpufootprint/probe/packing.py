@@ -210,8 +210,9 @@ class Packer:
         if len(rows):
             self._put_rows(RecordKind.API, rows)
             self.launch_records += len(rows)
-            if self.launch_steps is not None:
-                self.launch_steps.add(rows["role"])
+            counted = self.launch_steps  # read once: with object delivery this runs on CUPTI's thread
+            if counted is not None:
+                counted.add(rows["role"])
         return len(rows)
 
     def _put_rows(self, kind: RecordKind, rows: np.ndarray) -> None:

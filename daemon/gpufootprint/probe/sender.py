@@ -398,6 +398,7 @@ class Sender:
         # What the last daemon said it reads need not hold for this one (a restart into an older
         # build): TOTALS and forwarded buffers wait until this daemon asks, at the first watermark.
         self._verify = self._forward = False
+        self.windows.counted_id = 0  # a new daemon numbers its windows from 1 again
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
