@@ -304,7 +304,9 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
                     verdict, waited = d, time.monotonic() - live.started
                     break
                 time.sleep(0.5)
-            time.sleep(8.0)  # steps after the windows (the first periodic one comes 5 s in), for a lasting cost
+            # Steps after the windows, for a lasting cost: 8 s by default; GPUFOOTPRINT_GRAPH_AFTER_S=30 keeps the
+            # loop running into the next periodic window (every 30 s), so a cost left behind shows before it.
+            time.sleep(float(os.environ.get("GPUFOOTPRINT_GRAPH_AFTER_S", "8")))
             live.finish_workload()
             nvml_doc = _api(live.port, "/api/nvml")
             final = _main(live.graph(), verdict["pid"] if verdict else None)
@@ -316,7 +318,7 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
         result.update(live_verdict=verdict, seconds_to_verdict=waited, live_final=final)
         _, lwin, _ = _trace(tee)
         result["live_logs"] = {"workload": _tail(live.tmp / "workload.log"), "daemon": _tail(live.tmp / "daemon.log")}
-        result["launch_windows"] = [{"id": w.get("id"), "records": w.get("records"),
+        result["launch_windows"] = [{"id": w.get("id"), "records": w.get("records"), "closed": w.get("closed"),
                                      "seconds": (w["end_ns"] - w["start_ns"]) / 1e9} for w in lwin]
         steps = live.steps()
         cost = []
