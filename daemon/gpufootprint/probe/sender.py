@@ -37,7 +37,7 @@ from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferR
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.probe.torchnumbers import TorchNumbers
-from gpufootprint.probe.windows import Windows
+from gpufootprint.probe.windows import COUNT_FLUSH_S, Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
@@ -163,6 +163,11 @@ class Sender:
                     # window: forced flushes at the drain cadence until then, so its event comes about a
                     # flush after the window closes rather than up to two watermark periods later.
                     next_flush = min(next_flush, now + self.flush_s)
+                if self.windows.counting():
+                    # The window's calls are counted only once CUPTI hands them over: a forced flush every
+                    # COUNT_FLUSH_S while it waits, so it closes a tenth of a second after its last step,
+                    # not at the next watermark (its flush period delivers only full buffers).
+                    next_flush = min(next_flush, now + COUNT_FLUSH_S)
                 if self.windows.kernel_window is not None and (now >= self.windows.kernel_window_end or stopping
                                                                or self.windows.counted_enough()):
                     self.windows.close_kernel_window()

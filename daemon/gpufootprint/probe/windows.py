@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 #: ``window_enabled`` of a launch window: CUPTI's per-API switches of probe/launches.py, not a kind.
 LAUNCH_WINDOW = "launches"
+#: While a launch window waits for its count, a forced flush at least this often (Windows.counting).
+COUNT_FLUSH_S = 0.1
 
 
 class Windows:
@@ -89,6 +91,12 @@ class Windows:
             self.steps_wanted, self.records_wanted = steps, max_records
         self.kernel_window_end = time.monotonic() + ms / 1000
         s._wake.set()
+
+    def counting(self) -> bool:
+        """Whether an open launch window waits for a count of steps or calls. CUPTI's flush period hands
+        over only full buffers, so a loop of few launches a step would show them only at the next
+        watermark's forced flush (1 s): the sender forces a flush every ``COUNT_FLUSH_S`` meanwhile."""
+        return self.window_enabled == LAUNCH_WINDOW and bool(self.steps_wanted or self.records_wanted)
 
     def counted_enough(self) -> bool:
         """Whether the open launch window holds the steps (or calls) the daemon asked for."""

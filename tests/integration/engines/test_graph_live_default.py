@@ -226,3 +226,37 @@ def test_the_real_probe_in_a_loop_of_2s_steps_gets_a_verdict_from_a_default_daem
     # (0.97 - 0.2) of a 2 s step over 10 launches: the mean kernel at least about 0.15 s
     assert 1.8 < verdict["step_seconds"] < 2.6 and verdict["mean_kernel_seconds_min"] > 0.1, verdict
     assert verdict["decision"] == "capture", verdict["reasons"]
+
+
+def test_the_probe_closes_a_default_daemons_launch_window_at_its_steps_and_the_verdict_still_comes(
+        tmp_path: Path) -> None:
+    """Every launch costs the workload while a launch window's switches are on. The daemon reads a window's
+    calls only at the probe's next watermark (1 s) and closes it a control round trip later, so a loop of
+    20 ms steps held its window about a second for the 4 steps it needed. The daemon now says how many steps
+    it wants, and the real probe closes the window once it has counted them: the window lasts those steps
+    and a CUPTI delivery, and the verdict comes through /api/engines as before, while the loop runs."""
+    from gpufootprint.wire.framing import FrameType
+    from gpufootprint.wire.sources import TraceFile
+
+    tee = tmp_path / "short_steps.gfp.gz"
+    app, child, stop = _busy_daemon_and_probe(tmp_path, "alloc:0x10000:67108864", "long_steps:25:20",
+                                              GPUFOOTPRINT_PROBE_TEE=str(tee))
+    try:
+        verdict = _poll_verdict(app, child, 25, 0.3)
+        running = child.poll() is None
+        status = finish_probe_child(child)["status"]
+    finally:
+        stop.set()
+        if child.poll() is None:
+            child.kill()
+        app.stop()
+    assert verdict is not None and running, (verdict, running)
+    # 10 launches and a 20 ms wait a step, NVML 97 % busy: the mean kernel at least about 1.5 ms
+    assert verdict["decision"] == "capture" and verdict["evidence"] == "launches" and verdict["op_count"] == 10, verdict
+    spans = [f.json()["kernel_window"] for f in TraceFile(tee).frames()
+             if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
+    assert spans and status["launch_windows_counted"] == len(spans), (spans, status)
+    assert all(w.get("closed") == "counted" for w in spans), spans
+    # 5 waits of about 21 ms and CUPTI's next delivery (flush_ms, 100): far under the second it took before
+    lengths_ms = [(w["end_ns"] - w["start_ns"]) / 1e6 for w in spans]
+    assert max(lengths_ms) < 600, lengths_ms
