@@ -218,16 +218,24 @@ def _trace(path: Path) -> tuple[np.ndarray, list[dict[str, Any]], int | None]:
     from gpufootprint.wire.sources import TraceFile
 
     kernels, windows, pid = [], [], None
+    untimed = 0  # kernel records since the last closed window that CUPTI wrote without a start or end
     for f in (TraceFile(path).frames() if path.is_file() else ()):  # none: the probe did not start
         if f.type is FrameType.HELLO and pid is None:
             pid = f.json().get("pid")
         elif f.type is FrameType.BATCH and f.tag == RecordKind.KERNEL:
-            kernels.append(f.records())
+            recs = f.records()
+            untimed += int(np.count_nonzero((recs["start"] == 0) | (recs["end"] == 0)))
+            kernels.append(recs)
         elif f.type in (FrameType.HEARTBEAT, FrameType.GOODBYE):
             w = f.json().get("kernel_window")
             if isinstance(w, dict) and "start_ns" in w and "end_ns" in w:
-                windows.append(w)
+                # A window's records come before the heartbeat that closes it. Kernels still running at a
+                # forced flush come without times (H100, 2026-12-06: 119 of 225 in one window of the 2 s
+                # loop's 21 ms matmuls): they cannot be placed, so their time is missing from the busy share.
+                windows.append({**w, "untimed_kernels": untimed})
+                untimed = 0
     k = np.concatenate(kernels) if kernels else np.zeros(0, DTYPES[RecordKind.KERNEL])
+    k = k[(k["start"] != 0) & (k["end"] != 0)]
     return k[np.argsort(k["start"], kind="stable")], windows, pid
 
 
@@ -282,10 +290,18 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
                 continue
             busy, mean_s, n = _busy(k)
             s0, e0 = int(k["start"][0]), int(k["end"].max())
-            row: dict[str, Any] = {"start_ns": s0, "end_ns": e0, "kernels": n, "busy": busy, "mean_kernel_s": mean_s}
+            # With untimed kernels the timed ones' busy share is only a lower bound of the truth; its upper
+            # bound counts each untimed kernel as one more of the mean duration. NVML's error is read against
+            # the upper bound (a reading above it by more than busy_error is an error whatever the untimed
+            # kernels did) and reported against both.
+            untimed = int(w.get("untimed_kernels", 0))
+            busy_hi = min(1.0, busy + untimed * mean_s * 1e9 / max(1, e0 - s0))
+            row: dict[str, Any] = {"start_ns": s0, "end_ns": e0, "kernels": n, "untimed_kernels": untimed,
+                                   "busy": busy, "busy_upper": busy_hi, "mean_kernel_s": mean_s}
             for name in cands.samples:
                 est, used = cands.estimate(name, pid, s0, e0)
-                row[name] = {"estimate": est, "samples": used, "error": None if est is None else est - busy}
+                row[name] = {"estimate": est, "samples": used, "error": None if est is None else est - busy_hi,
+                             "error_vs_timed": None if est is None else est - busy}
             per_window.append(row)
         result["truth_windows"] = per_window
         result["candidate_period_ms"] = {n: cands.period_ms(n, pid) for n in cands.samples}
