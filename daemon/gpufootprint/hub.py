@@ -180,6 +180,15 @@ class FeatureHub:
         for builder in self.builders.values():
             builder.share_history(part)
 
+    def note_window_closed(self, pid: int, wid: int, end_ns: int) -> None:
+        """The probe closed launch window ``wid`` at its count of steps or calls: it is followed no more, so
+        the next window (periodic or at a burst) may open, rather than after ``kernel_window_max_ms`` of
+        renewals the probe ignores when the daemon's own count falls short (calls refused past a bound)."""
+        w = self._followed.get(pid)
+        if w is not None and w.wid == wid:
+            del self._followed[pid]
+            self._window_last[pid] = max(end_ns, w.opened_ns)
+
     def note_torch(self, pid: int, torch: Any) -> None:
         """The probe's HEARTBEAT "torch" field: {"allocated": {dev: bytes}, "reserved": {dev: bytes}}."""
         if not isinstance(torch, dict):
@@ -241,7 +250,8 @@ class FeatureHub:
         if w.lease_until_ns < bound_ns and (w.lease_until_ns - now_ns) // _MS < RENEW_BELOW_MS:
             ms = int(min(LEASE_MS, max(1, cfg.kernel_window_max_ms - elapsed_ms)))
             if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, "records": "launches",
-                                "steps": cfg.kernel_window_steps, "max_records": cfg.kernel_window_max_records}):
+                                "steps": cfg.kernel_window_steps, "max_records": cfg.kernel_window_max_records,
+                                "min_ms": cfg.kernel_window_ms}):
                 w.lease_until_ns = now_ns + ms * _MS
 
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
@@ -273,6 +283,7 @@ class FeatureHub:
             # ends a CUPTI delivery after the last step, not a watermark and a control round trip later.
             body["steps"] = cfg.kernel_window_steps
             body["max_records"] = cfg.kernel_window_max_records
+            body["min_ms"] = cfg.kernel_window_ms
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
         if self._send(s.pid, body) and launches:

@@ -515,6 +515,10 @@ class Pipeline:
         """A probe heartbeat's "torch" field (allocator statistics): feeds allocator slack."""
         self.hub.note_torch(pid, torch)
 
+    def note_window_closed(self, pid: int, wid: int, end_ns: int) -> None:
+        """A probe heartbeat's launch window, closed by the probe at its count."""
+        self.hub.note_window_closed(pid, wid, end_ns)
+
 
 #: Kinds whose late arrival can leave a wrong state behind (the others only add up).
 _STATE_KINDS = frozenset({RecordKind.MEMORY, RecordKind.MEMORY_POOL})

@@ -220,3 +220,94 @@ def test_a_launch_window_closes_itself_at_the_calls_the_daemon_asked_for_without
         assert p.sender.windows.kernel_window is None and p.status()["launch_windows_counted"] == 1
     finally:
         p.stop()
+
+
+def test_a_counting_window_a_profiler_interrupted_forces_no_flushes_and_its_renewal_closes_it(tmp_path: Path) -> None:
+    # GIVEN a launch window counting steps when torch.profiler takes CUPTI over and hands it back: the
+    # switches are off for good, so nothing will ever be counted in it (found by review: it kept forcing
+    # a flush ten times a second for as long as the daemon renewed it)
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000), fake,
+              discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: not p.sender.windows.launch_priming)
+        p.sender.open_kernel_window(10_000, 3, "launches", steps=4)
+        assert p.sender.windows.counting()
+        p.takeover_begin()
+        p.takeover_end([], list)
+        _wait(lambda: not p.in_gap)
+        # THEN it counts no more: no forced flush every 0.1 s
+        assert not p.sender.windows.counting()
+        flushes = fake.flushes
+        time.sleep(0.5)
+        assert fake.flushes - flushes <= 1, fake.flushes - flushes
+        # AND the daemon's next renewal closes it rather than holding it open
+        p.sender.open_kernel_window(2_000, 3, "launches", steps=4)
+        assert p.sender.windows.kernel_window is None
+    finally:
+        p.stop()
+
+
+def test_no_forced_flushes_for_a_count_while_kernel_records_are_on(tmp_path: Path) -> None:
+    # GIVEN kernel records always on: a forced flush writes the kernels still running without times (H100,
+    # 2026-12-06), so the count waits for the watermark's flush as before
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000, kernels=True),
+              fake, discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: not p.sender.windows.launch_priming)
+        p.sender.open_kernel_window(10_000, 5, "launches", steps=4)
+        assert p.sender.windows.kernel_window is not None and not p.sender.windows.counting()
+        flushes = fake.flushes
+        time.sleep(0.5)
+        assert fake.flushes - flushes <= 1, fake.flushes - flushes
+    finally:
+        p.stop()
+
+
+def test_a_counting_window_stays_open_for_the_shortest_window_the_daemon_asked_for(tmp_path: Path) -> None:
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: fake.launch_switch == [True, False])
+        p.sender.open_kernel_window(10_000, 6, "launches", steps=1, min_ms=700)
+        opened = time.monotonic()
+        t = time.time_ns()
+        for i, cbid in enumerate([211, 131, 211, 131, 211, 131]):
+            assert fake.host_call(cbid, start=t + i, end=t + i + 10)
+        time.sleep(0.4)
+        assert p.sender.windows.kernel_window is not None  # counted, but younger than min_ms
+        _wait(lambda: p.sender.windows.kernel_window is None)
+        assert 0.65 < time.monotonic() - opened < 3.0 and p.status()["launch_windows_counted"] == 1
+    finally:
+        p.stop()
+
+
+def test_a_new_connection_closes_the_last_daemons_window_and_holds_none_of_its_ids_against_the_new_one(
+        tmp_path: Path) -> None:
+    # GIVEN a launch window of the last daemon's, counting (found by review: it could close at its count
+    # after the reconnect and then make the probe ignore the new daemon's window of the same id)
+    fake = fk.FakeCupti()
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000), fake,
+              discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: not p.sender.windows.launch_priming)
+        p.sender.open_kernel_window(2_000, 1, "launches", steps=2)
+        # WHEN the probe connects to a new daemon
+        p.sender._on_connect()
+        # THEN that window is closed there, not left to count
+        assert p.sender.windows.kernel_window is None and fake.launch_switch[-1] is False
+        assert p.sender.windows.counted_id == 0
+        # AND the new daemon's first window (id 1 again) opens
+        p.sender.open_kernel_window(2_000, 1, "launches", steps=2)
+        assert p.sender.windows.kernel_window is not None and fake.launch_switch[-1] is True
+    finally:
+        p.stop()

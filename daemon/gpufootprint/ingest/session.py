@@ -440,6 +440,14 @@ class Session:
             torch = body["torch"] if self.peer_pid is None else self._bounded_torch(body["torch"])
             for pid in self._speakers(body):
                 self.pipeline.note_torch(pid, torch)
+        window = body.get("kernel_window")
+        if isinstance(window, dict) and window.get("closed") == "counted":
+            # The probe closed a launch window at the count it was sent: stop following it (its calls
+            # still come, ahead of this heartbeat, and reach the advisor as any others).
+            wid, end = window.get("id"), window.get("end_ns")
+            if isinstance(wid, int) and isinstance(end, int) and not isinstance(wid, bool):
+                for pid in self._speakers(body):
+                    self.pipeline.note_window_closed(pid, wid, end)
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return

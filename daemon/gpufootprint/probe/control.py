@@ -24,7 +24,7 @@ class ControlTarget(Protocol):
 
     def set_flush_interval(self, ms: int) -> None: ...
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
-                           max_records: int = 0) -> None: ...
+                           max_records: int = 0, min_ms: int = 0) -> None: ...
     def request_resync(self) -> None: ...
     def send_totals(self, cupti_buffers: int) -> None: ...
 
@@ -44,10 +44,12 @@ def apply_control(frame: Frame, target: ControlTarget) -> None:
         elif op == "kernel_window":
             records = body.get("records", "kernels")
             # steps, max_records (launch windows): the probe closes the window itself once it has
-            # counted that many whole steps or calls (0 or absent: only when its lease ends).
+            # counted that many whole steps or calls (0 or absent: only when its lease ends), and has
+            # been open min_ms.
             target.open_kernel_window(int(body["ms"]), int(body.get("id", 0)),
                                       "launches" if records == "launches" else "kernels",
-                                      max(0, int(body.get("steps", 0))), max(0, int(body.get("max_records", 0))))
+                                      max(0, int(body.get("steps", 0))), max(0, int(body.get("max_records", 0))),
+                                      max(0, int(body.get("min_ms", 0))))
         elif op == "resync":
             target.request_resync()
             counters["resyncs_requested"] += 1

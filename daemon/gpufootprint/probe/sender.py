@@ -403,7 +403,6 @@ class Sender:
         # What the last daemon said it reads need not hold for this one (a restart into an older
         # build): TOTALS and forwarded buffers wait until this daemon asks, at the first watermark.
         self._verify = self._forward = False
-        self.windows.counted_id = 0  # a new daemon numbers its windows from 1 again
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
@@ -415,6 +414,11 @@ class Sender:
         if self.link is not None:
             resync.send_records(self.link, pending)
         self._flush_and_drain()
+        # A window the last daemon opened is no business of this one, which numbers its windows from 1
+        # again: closed here (after HELLO), and no id of the last daemon's is held against the new one.
+        if self.windows.kernel_window is not None:
+            self.windows.close_kernel_window()
+        self.windows.counted_id = 0
 
     def _emit_link(self, frame: bytes) -> None:
         if self.link is not None:
@@ -472,8 +476,8 @@ class Sender:
             self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
-                           max_records: int = 0) -> None:
-        self.windows.open_kernel_window(ms, wid, records, steps, max_records)
+                           max_records: int = 0, min_ms: int = 0) -> None:
+        self.windows.open_kernel_window(ms, wid, records, steps, max_records, min_ms)
 
     # --- untracked memory (CUDA started before the probe) -----------------------------------------
 

@@ -49,22 +49,28 @@ class Windows:
         self.steps_wanted = 0
         self.records_wanted = 0
         self.counted_id = 0
+        self.counted_from = 0.0  # monotonic time before which the count does not close it (min_ms)
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
-                           max_records: int = 0) -> None:
+                           max_records: int = 0, min_ms: int = 0) -> None:
         """A window of kernel records (``records="kernels"``: KERNEL or CONCURRENT_KERNEL, whichever
         ``kernel_window_kind`` says) or of launch records (``"launches"``: probe/launches.py).
 
         A launch window with ``steps`` (or ``max_records``) closes as soon as the probe has packed
-        that many whole steps (or calls), whatever its lease says: the daemon reads them only a
-        watermark later, and every launch costs the workload while the switches are on. Its later
-        lease renewals and its close (the same id) then open nothing."""
+        that many whole steps (or calls), whatever its lease says, once it has been open ``min_ms``:
+        the daemon reads them only a watermark later, and every launch costs the workload while the
+        switches are on. Its later lease renewals and its close (the same id) then open nothing."""
         s = self.sender
         ms = max(1, min(ms, 60_000))
         if self.kernel_window is not None and self.kernel_window.get("records", "kernels") != records:
             self.close_kernel_window()  # the other records were asked for: that window ends here
         if self.kernel_window is None and records == "launches" and wid and wid == self.counted_id:
             return  # already closed here at its steps: a renewal or close sent before the daemon read them
+        if self.window_enabled == LAUNCH_WINDOW and not self.launch_windows_ok:
+            # A profiler had CUPTI since it opened: its switches are off for good and it records nothing.
+            self.close_kernel_window()
+            s.counters["kernel_windows_refused"] += 1
+            return
         if self.kernel_window is None:
             kind: int | str | None
             if records == "launches":
@@ -84,6 +90,7 @@ class Windows:
             if kind == LAUNCH_WINDOW:
                 s.packer.launch_span = (self.kernel_window["start_ns"], None)
                 s.packer.launch_steps = LaunchSteps() if steps or max_records else None
+                self.counted_from = time.monotonic() + max(0, min(min_ms, 60_000)) / 1000
             s.counters["launch_windows" if kind == LAUNCH_WINDOW else "kernel_windows"] += 1
         else:
             self.kernel_window["id"] = wid
@@ -93,15 +100,21 @@ class Windows:
         s._wake.set()
 
     def counting(self) -> bool:
-        """Whether an open launch window waits for a count of steps or calls. CUPTI's flush period hands
-        over only full buffers, so a loop of few launches a step would show them only at the next
-        watermark's forced flush (1 s): the sender forces a flush every ``COUNT_FLUSH_S`` meanwhile."""
-        return self.window_enabled == LAUNCH_WINDOW and bool(self.steps_wanted or self.records_wanted)
+        """Whether an open launch window waits for a count of steps or calls, with only host-side records
+        on. CUPTI's flush period hands over only full buffers, so a loop of few launches a step would
+        show them only at the next watermark's forced flush (1 s): the sender forces a flush every
+        ``COUNT_FLUSH_S`` meanwhile. Not while kernel or copy records are on (a forced flush writes the
+        ones still running without times), nor once a profiler has had CUPTI (the switches are off for
+        good: nothing will be counted)."""
+        s = self.sender
+        return (self.window_enabled == LAUNCH_WINDOW and bool(self.steps_wanted or self.records_wanted)
+                and self.launch_windows_ok and not s.in_gap and not s.cupti.kernels_always and not s.cupti.copy_kinds)
 
     def counted_enough(self) -> bool:
-        """Whether the open launch window holds the steps (or calls) the daemon asked for."""
+        """Whether the open launch window holds the steps (or calls) the daemon asked for, and has been
+        open for the shortest window it asked for."""
         counted = self.sender.packer.launch_steps
-        if counted is None or self.window_enabled != LAUNCH_WINDOW:
+        if counted is None or self.window_enabled != LAUNCH_WINDOW or time.monotonic() < self.counted_from:
             return False
         return bool((self.steps_wanted and counted.steps >= self.steps_wanted)
                     or (self.records_wanted and counted.records >= self.records_wanted))
