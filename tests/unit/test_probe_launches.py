@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -158,16 +161,25 @@ def test_after_a_profiler_had_cupti_the_launch_switches_are_off_for_good(tmp_pat
         p.stop()
 
 
+@contextlib.contextmanager
+def _cuda_up(tmp_path: Path, fake: fk.FakeCupti, **settings: Any) -> Iterator[Probe]:
+    """A probe over ``fake`` recording to ``tmp_path/t.gfp``, started before CUDA, once CUDA is up."""
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), **settings), fake, discover_devices=False)
+    assert p.start()
+    try:
+        fake.alloc(0x1000, 4096)
+        _wait(lambda: not p.sender.windows.launch_priming)
+        yield p
+    finally:
+        p.stop()
+
+
 def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_for(tmp_path: Path) -> None:
     # GIVEN a launch window leased for 10 s that should hold 2 whole steps (a step ends at a wait for the
     # GPU with launches since the wait before it): every launch costs the workload while the switches are
     # on, and the daemon would read the steps only a watermark and a control round trip later
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)  # CUDA is up: the priming ends
-        _wait(lambda: fake.launch_switch == [True, False])
+    with _cuda_up(tmp_path, fake, flush_ms=10) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(10_000, 9, "launches", steps=2)
         opened = time.monotonic()
         t = time.time_ns()
@@ -194,8 +206,6 @@ def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_
         _wait(lambda: p.sender.windows.kernel_window is None)
         st = p.status()
         assert st["launch_windows"] == 2 and st["launch_windows_counted"] == 1
-    finally:
-        p.stop()
     frames = list(iter_frames(TraceFile(tmp_path / "t.gfp").chunks()))
     closed = [f.json()["kernel_window"] for f in frames if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
     assert [(w["id"], w.get("closed")) for w in closed] == [(9, "counted"), (10, None)]
@@ -206,11 +216,7 @@ def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_
 def test_a_launch_window_closes_itself_at_the_calls_the_daemon_asked_for_without_a_wait(tmp_path: Path) -> None:
     # GIVEN a program that launches and never waits for the GPU: no step ever ends
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)
-        _wait(lambda: fake.launch_switch == [True, False])
+    with _cuda_up(tmp_path, fake, flush_ms=10) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(10_000, 4, "launches", steps=4, max_records=50)
         t = time.time_ns()
         for i in range(60):
@@ -218,8 +224,6 @@ def test_a_launch_window_closes_itself_at_the_calls_the_daemon_asked_for_without
         # THEN it closes at its calls' bound, not at its 10 s lease
         _wait(lambda: p.sender.windows.kernel_window is None)
         assert p.sender.windows.kernel_window is None and p.status()["launch_windows_counted"] == 1
-    finally:
-        p.stop()
 
 
 def test_a_counting_window_a_profiler_interrupted_forces_no_flushes_and_its_renewal_closes_it(tmp_path: Path) -> None:
@@ -227,12 +231,7 @@ def test_a_counting_window_a_profiler_interrupted_forces_no_flushes_and_its_rene
     # switches are off for good, so nothing will ever be counted in it (found by review: it kept forcing
     # a flush ten times a second for as long as the daemon renewed it)
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000), fake,
-              discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)
-        _wait(lambda: not p.sender.windows.launch_priming)
+    with _cuda_up(tmp_path, fake, flush_ms=1000, watermark_ms=60_000) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(10_000, 3, "launches", steps=4)
         assert p.sender.windows.counting()
         p.takeover_begin()
@@ -246,36 +245,23 @@ def test_a_counting_window_a_profiler_interrupted_forces_no_flushes_and_its_rene
         # AND the daemon's next renewal closes it rather than holding it open
         p.sender.open_kernel_window(2_000, 3, "launches", steps=4)
         assert p.sender.windows.kernel_window is None
-    finally:
-        p.stop()
 
 
 def test_no_forced_flushes_for_a_count_while_kernel_records_are_on(tmp_path: Path) -> None:
     # GIVEN kernel records always on: a forced flush writes the kernels still running without times (H100,
     # 2026-12-06), so the count waits for the watermark's flush as before
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000, kernels=True),
-              fake, discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)
-        _wait(lambda: not p.sender.windows.launch_priming)
+    with _cuda_up(tmp_path, fake, flush_ms=1000, watermark_ms=60_000, kernels=True) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(10_000, 5, "launches", steps=4)
         assert p.sender.windows.kernel_window is not None and not p.sender.windows.counting()
         flushes = fake.flushes
         time.sleep(0.5)
         assert fake.flushes - flushes <= 1, fake.flushes - flushes
-    finally:
-        p.stop()
 
 
 def test_a_counting_window_stays_open_for_the_shortest_window_the_daemon_asked_for(tmp_path: Path) -> None:
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10), fake, discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)
-        _wait(lambda: fake.launch_switch == [True, False])
+    with _cuda_up(tmp_path, fake, flush_ms=10) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(10_000, 6, "launches", steps=1, min_ms=700)
         opened = time.monotonic()
         t = time.time_ns()
@@ -285,8 +271,6 @@ def test_a_counting_window_stays_open_for_the_shortest_window_the_daemon_asked_f
         assert p.sender.windows.kernel_window is not None  # counted, but younger than min_ms
         _wait(lambda: p.sender.windows.kernel_window is None)
         assert 0.65 < time.monotonic() - opened < 3.0 and p.status()["launch_windows_counted"] == 1
-    finally:
-        p.stop()
 
 
 def test_a_new_connection_closes_the_last_daemons_window_and_holds_none_of_its_ids_against_the_new_one(
@@ -294,12 +278,7 @@ def test_a_new_connection_closes_the_last_daemons_window_and_holds_none_of_its_i
     # GIVEN a launch window of the last daemon's, counting (found by review: it could close at its count
     # after the reconnect and then make the probe ignore the new daemon's window of the same id)
     fake = fk.FakeCupti()
-    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=1000, watermark_ms=60_000), fake,
-              discover_devices=False)
-    assert p.start()
-    try:
-        fake.alloc(0x1000, 4096)
-        _wait(lambda: not p.sender.windows.launch_priming)
+    with _cuda_up(tmp_path, fake, flush_ms=1000, watermark_ms=60_000) as p:  # CUDA is up: the priming has ended
         p.sender.open_kernel_window(2_000, 1, "launches", steps=2)
         # WHEN the probe connects to a new daemon
         p.sender._on_connect()
@@ -309,5 +288,3 @@ def test_a_new_connection_closes_the_last_daemons_window_and_holds_none_of_its_i
         # AND the new daemon's first window (id 1 again) opens
         p.sender.open_kernel_window(2_000, 1, "launches", steps=2)
         assert p.sender.windows.kernel_window is not None and fake.launch_switch[-1] is True
-    finally:
-        p.stop()
