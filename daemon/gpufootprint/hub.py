@@ -249,10 +249,16 @@ class FeatureHub:
         bound_ns = w.opened_ns + cfg.kernel_window_max_ms * _MS
         if w.lease_until_ns < bound_ns and (w.lease_until_ns - now_ns) // _MS < RENEW_BELOW_MS:
             ms = int(min(LEASE_MS, max(1, cfg.kernel_window_max_ms - elapsed_ms)))
-            if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, "records": "launches",
-                                "steps": cfg.kernel_window_steps, "max_records": cfg.kernel_window_max_records,
-                                "min_ms": cfg.kernel_window_ms}):
+            if self._send(pid, {"op": "kernel_window", "ms": ms, "id": w.wid, **self._launch_count()}):
                 w.lease_until_ns = now_ns + ms * _MS
+
+    def _launch_count(self) -> dict[str, Any]:
+        """What a launch window's CONTROL says beside its lease: the probe closes the window itself once it
+        has counted ``steps`` whole steps or ``max_records`` calls and been open ``min_ms``: the window then
+        ends a CUPTI delivery after the last step, not a watermark and a control round trip later."""
+        cfg = self.config
+        return {"records": "launches", "steps": cfg.kernel_window_steps,
+                "max_records": cfg.kernel_window_max_records, "min_ms": cfg.kernel_window_ms}
 
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
         """Open a short window of the probe's launch records (or kernel records): periodically (so every process with
@@ -277,13 +283,8 @@ class FeatureHub:
         body: dict[str, Any] = {"op": "kernel_window", "ms": cfg.kernel_window_ms, "id": self._kernel_window_id}
         launches = cfg.kernel_window_records == "launches"
         if launches:
-            body["records"] = "launches"  # a probe that does not open them is not sent one (ingest)
+            body.update(self._launch_count())  # a probe that does not open them is not sent one (ingest)
             body["ms"] = max(cfg.kernel_window_ms, min(LEASE_MS, cfg.kernel_window_max_ms))
-            # The probe closes the window itself once it has counted this many steps: the window then
-            # ends a CUPTI delivery after the last step, not a watermark and a control round trip later.
-            body["steps"] = cfg.kernel_window_steps
-            body["max_records"] = cfg.kernel_window_max_records
-            body["min_ms"] = cfg.kernel_window_ms
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
         if self._send(s.pid, body) and launches:
