@@ -23,6 +23,8 @@ from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint
 from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, MEMSET_DTYPE, CopyKind, MemoryKind, MemoryOp
 from gpufootprint.sampler import burst as burst_mod
+from gpufootprint.sampler import state as state_mod
+from gpufootprint.sampler.state import ProcessSampler
 
 SEEDS = range(12)
 MS = 1_000_000
@@ -236,3 +238,57 @@ def test_copies_and_sets_of_small_batches_taken_record_by_record_equal_the_batch
             builder.on_memset(mset)
         # THEN both hold the same sums, rows, copies and windows, in the same order
         assert _copy_state(*pairs[0]) == _copy_state(*pairs[1])
+
+
+class _EveryWalk(ProcessSampler):
+    """The sampler as it was: every watermark walks what came, and the device check reads every record."""
+
+    def __init__(self, pid: int, config: SamplerConfig) -> None:
+        super().__init__(pid, config)
+        self.wait_in_frame = False
+
+    def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
+        super().add_levels(ts, deltas, dev)
+        self._mem_dev = state_mod._MIXED
+
+
+def _sampler_state(s: ProcessSampler) -> tuple[Any, ...]:
+    return (s.intervals(), s.closed_windows, s.last_peak, s.level_dev, s.level, s.mode, s.interval_ns,
+            s.cursor, s.bursts, s.rate_ewma, s.range_ewma, s.window)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_watermarks_inside_a_burst_frame_and_known_devices_leave_what_every_walk_leaves(seed: int) -> None:
+    # GIVEN bursty traffic on one device or several, in small pieces with watermarks close together
+    # (many inside one 5 ms burst frame), now and then level changes and events stamped before the
+    # sampler's cursor (late), and events that move no level; fed to the sampler and to one that
+    # walks at every watermark and compares every record's device
+    rng = np.random.default_rng(seed)
+    cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 30, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                        burst_max_ms=int(rng.choice([40, 300, 2000])))
+    fast, ref = ProcessSampler(1, cfg), _EveryWalk(1, cfg)
+    t = 10**12
+    devices = int(rng.choice([1, 1, 3]))
+    for _ in range(300):
+        late = rng.random() < 0.1
+        n = int(rng.integers(0, 6 if rng.random() < 0.9 else 60))
+        start = t - int(rng.integers(1, 30)) * MS if late else t
+        ts = start + np.sort(rng.integers(0, int(rng.choice([1, 3, 40])) * MS, n))
+        dev = int(rng.integers(0, devices))
+        deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n)
+        other = rng.random() < 0.3
+        for s in (fast, ref):
+            if n:
+                s.add_levels(ts, deltas, dev)
+            if other:
+                s.add_events(np.sort(start + rng.integers(0, 3 * MS, 2)) if late else ts[:2])
+        t = max(t, int(ts[-1]) if n else t) + int(rng.integers(0, 3 if rng.random() < 0.9 else 300)) * MS
+        mark = t - int(rng.integers(0, 2)) * MS
+        for s in (fast, ref):
+            s.advance(mark)
+        # THEN after every watermark both hold the same intervals, windows, peaks, levels and mode
+        assert _sampler_state(fast) == _sampler_state(ref)
+    for s in (fast, ref):
+        s.finish(t + 5000 * MS)
+    assert _sampler_state(fast) == _sampler_state(ref)
+    assert fast.bursts > 0

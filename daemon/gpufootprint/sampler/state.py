@@ -41,6 +41,7 @@ from gpufootprint.snapshot import AnomalyWindow
 QUIET, STEADY, BURST = "quiet", "steady", "burst"
 MODES = (QUIET, STEADY, BURST)
 _MS = 1_000_000
+_MIXED = -1  # ``ProcessSampler._mem_dev`` when the waiting level changes may be of several devices
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
@@ -80,15 +81,20 @@ class ProcessSampler:
         self.last_peak: dict[int, int] = {}  # peak per device of the last closed interval
         self.bursts = 0
         self._mem: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, delta, dev), each sorted
+        # The device of every level change in ``_mem`` when they share one (_MIXED: perhaps several),
+        # known as they come: a walk need not compare every record's device to find it out.
+        self._mem_dev = _MIXED
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
         self._one_dev: int | None = None  # set per walk: the only device in it, if one
         self.bulk_bursts = True  # burst frames judged together (off: one by one, for tests)
         self.walk_bursts = True  # ... a few frames of few events in Python (off: always with numpy, for tests)
+        self.wait_in_frame = True  # new records inside an unfinished burst frame wait untouched (off: for tests)
 
     # --- input ----------------------------------------------------------------------
 
     def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
         """GPU-resident level changes of one device, in time order (one per memory record)."""
+        self._mem_dev = dev if not self._mem or self._mem_dev == dev else _MIXED
         self._mem.append((ts.astype(np.int64), deltas.astype(np.int64), np.full(len(ts), dev, np.int32)))
 
     def add_events(self, ts: np.ndarray) -> None:
@@ -107,9 +113,15 @@ class ProcessSampler:
 
     def _run(self, limit: int, final: bool) -> None:
         cfg = self.config
-        if (not final and self.cursor is not None and self.cursor + self.interval_ns > limit
-                and not self._mem and not self._events):
-            return  # nothing new and no interval to close: the common case between ticks
+        if not final and self.cursor is not None and self.cursor + self.interval_ns > limit:
+            if not self._mem and not self._events:
+                return  # nothing new and no interval to close: the common case between ticks
+            if self.mode == BURST and self.wait_in_frame and self._nothing_before(self.cursor):
+                # A burst frame not over yet: the walk below would stop before judging anything, having
+                # merged, summed and split what came only to keep it for the next watermark. It waits as
+                # it came (several watermarks fall inside one 5 ms frame of a busy process).
+                return
+        one_dev = self._mem_dev
         mem_ts, delta, devs = self._take_mem()
         other = self._take_events()
         ev_ts = np.sort(np.concatenate([other, mem_ts]), kind="stable") if len(other) else mem_ts
@@ -124,11 +136,20 @@ class ProcessSampler:
         if len(ev_ts) and ev_ts[0] < cursor:
             ev_ts = np.maximum(ev_ts, cursor)
         # Levels after each event: the process total and each device's own.
-        total = self.level + np.cumsum(delta)
+        total = self.level + np.cumsum(delta) if len(delta) else _NO_TIMES
         # One device (the common case) needs no per-device masks.
-        self._one_dev = int(devs[0]) if len(devs) and devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
+        if not len(devs):
+            self._one_dev = None
+        elif one_dev != _MIXED:
+            self._one_dev = one_dev
+        else:
+            self._one_dev = int(devs[0]) if devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
         if self._one_dev is not None:
-            per_dev = self.level_dev.get(self._one_dev, 0) + np.cumsum(delta)
+            base = self.level_dev.get(self._one_dev, 0)
+            # A process on one device: its level is the device's, and so are the sums (read only below).
+            per_dev = total if base == self.level else base + np.cumsum(delta)
+        elif not len(devs):
+            per_dev = _NO_TIMES
         else:
             per_dev = np.empty_like(total)
             for d in np.unique(devs).tolist():
@@ -443,6 +464,12 @@ class ProcessSampler:
             last[4] += n
         else:
             self.history.append([start, end, iv_ms, mode, n])
+
+    def _nothing_before(self, cursor: int) -> bool:
+        """Whether nothing waiting is stamped before ``cursor``. A walk drops such events and moves such
+        level changes to the cursor, which orders them among later ones: they must go its way."""
+        return all(not len(c) or int(c.min()) >= cursor for c in self._events) and \
+            all(not len(c[0]) or int(c[0].min()) >= cursor for c in self._mem)
 
     def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         chunks, self._mem = self._mem, []
