@@ -34,7 +34,7 @@ from gpufootprint.ingest.validate import (
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import cupti_layout
-from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer
+from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
 
 log = logging.getLogger(__name__)
 
@@ -297,9 +297,8 @@ class Session:
                 self._records(kind, recs, frame.offset)
 
     def _batch(self, frame: Frame) -> None:
-        try:
-            kind = RecordKind(frame.tag)
-        except ValueError:
+        kind = RECORD_KINDS.get(frame.tag)
+        if kind is None:
             self.problem("unknown_record_kind", f"{self.name}: byte {frame.offset}: unknown record kind {frame.tag}")
             return
         self._records(kind, frame.records(), frame.offset)
