@@ -202,7 +202,7 @@ class Pipeline:
         """Accept one batch of records (any pids, any delivery order)."""
         if len(recs) == 0:
             return
-        self.records_ingested[kind.name.lower()] += len(recs)
+        self.records_ingested[_KIND_NAMES[kind]] += len(recs)
         pids = recs["pid"]
         if pids[0] == pids[-1] and (len(recs) < 3 or bool((pids == pids[0]).all())):
             self._submit_one(self.process(int(pids[0])), kind, recs)
@@ -217,7 +217,11 @@ class Pipeline:
             self._apply(proc, kind, recs)
             return
         times = recs[TIME_FIELD[kind]]
-        oldest, newest = int(times.min()), int(times.max())
+        if len(times) <= _FEW:
+            listed = times.tolist()
+            oldest, newest = min(listed), max(listed)
+        else:
+            oldest, newest = int(times.min()), int(times.max())
         if proc.due_to > proc.applied_to and oldest <= proc.due_to:
             self.advance(proc.pid, proc.due_to)  # as if applied at its watermark: these come after
         if proc.applied_to and oldest <= proc.applied_to:
@@ -519,6 +523,10 @@ class Pipeline:
         """A probe heartbeat's launch window, closed by the probe at its count."""
         self.hub.note_window_closed(pid, wid, end_ns)
 
+
+#: Records of a batch whose oldest and newest times are taken in Python (numpy's two reductions cost more).
+_FEW = 64
+_KIND_NAMES = {k: k.name.lower() for k in RecordKind}  # an enum's .name is a property, read per batch
 
 #: Kinds whose late arrival can leave a wrong state behind (the others only add up).
 _STATE_KINDS = frozenset({RecordKind.MEMORY, RecordKind.MEMORY_POOL})

@@ -292,3 +292,63 @@ def test_watermarks_inside_a_burst_frame_and_known_devices_leave_what_every_walk
         s.finish(t + 5000 * MS)
     assert _sampler_state(fast) == _sampler_state(ref)
     assert fast.bursts > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_records_found_in_range_at_once_are_those_the_field_checks_keep_whole(seed: int) -> None:
+    # GIVEN random batches of every record kind, most fields random, now and then a timestamp past
+    # 2**63, a byte count past the limit (a unified-memory fault count's address among them), a device
+    # number past the limit, an unknown API role or domain, a duration past the limit
+    from gpufootprint.ingest.validate import MAX_DURATION_NS, Limits, check_fields, in_range
+    from gpufootprint.records import DTYPES, MAX_TIMESTAMP_NS, TIME_FIELD, RecordKind
+
+    rng = np.random.default_rng(seed)
+    limits = Limits(max_record_bytes=1 << 40, max_devices_per_process=8)
+    for _ in range(400):
+        kind = RecordKind(int(rng.integers(1, len(RecordKind) + 1)))
+        n = int(rng.choice([1, 3, 20, 64, 65, 300]))
+        raw = rng.integers(0, 256, n * DTYPES[kind].itemsize, dtype=np.uint8)
+        recs = raw.view(DTYPES[kind]).copy()
+        names = DTYPES[kind].names or ()
+        for name in names:  # mostly in range, so that whole batches pass too
+            if name in ("bytes", "pool_size", "pool_used", "size", "used", "value"):
+                recs[name] = rng.integers(0, 1 << 40, n) if rng.random() < 0.9 else rng.integers(0, 1 << 63, n)
+            elif name in ("dev", "src_dev", "dst_dev"):
+                recs[name] = rng.integers(0, 8, n) if rng.random() < 0.9 else rng.integers(0, 12, n)
+            elif name in ("start", "ts"):
+                recs[name] = rng.integers(0, 1 << 62, n)
+            elif name == "role":
+                recs[name] = rng.integers(1, 4, n) if rng.random() < 0.9 else rng.integers(0, 255, n)
+            elif name == "domain":
+                recs[name] = rng.choice([4, 5], n) if rng.random() < 0.9 else rng.integers(0, 255, n)
+            elif name == "ck":
+                recs[name] = rng.integers(0, 6, n)
+        if "pid" in names and rng.random() < 0.3:
+            recs["pid"] = 0  # device limits at their edge: the word of (pid, dev) is dev << 32 alone
+        for name in ("bytes", "size", "dev"):
+            if name in names and rng.random() < 0.2:  # values at the limits and one past them
+                edge = limits.max_record_bytes if name != "dev" else limits.max_devices_per_process - 1
+                recs[name][int(rng.integers(0, n))] = edge + int(rng.integers(0, 2))
+        if "end" in names:
+            recs["end"] = recs["start"] + rng.integers(0, MAX_DURATION_NS + (MAX_DURATION_NS // 10), n).astype(np.uint64)
+            if rng.random() < 0.1:
+                recs["end"] = recs["start"] - np.uint64(1)  # ends before it starts: a zero duration, kept
+        if rng.random() < 0.05:
+            recs[TIME_FIELD[kind]][int(rng.integers(0, n))] = MAX_TIMESTAMP_NS - 1 + int(rng.choice([0, 1, 1 << 40]))
+        if rng.random() < 0.5:
+            recs = recs[::-1].copy() if rng.random() < 0.5 else recs[::1]
+        problems: list[str] = []
+
+        def problem(reason: str, detail: str, k: int, problems: list[str] = problems) -> None:
+            problems.append(reason)
+
+        absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
+        kept = check_fields(kind, recs[~absurd], limits, problem)
+        whole = not absurd.any() and len(kept) == n and not problems
+        # THEN a batch found in range is one the checks keep whole; for a few records, and for memory and
+        # pool batches of any size, exactly those
+        fast = in_range(kind, recs, limits)
+        if fast:
+            assert whole
+        if n <= 64 or kind in (RecordKind.MEMORY, RecordKind.MEMORY_POOL):
+            assert fast == whole, (kind, n)

@@ -29,6 +29,7 @@ from gpufootprint.ingest.validate import (
     Limits,
     bounded_metadata,
     check_fields,
+    in_range,
     metadata_charge,
 )
 from gpufootprint.pipeline import Pipeline
@@ -317,18 +318,19 @@ class Session:
                 recs = recs[~foreign]
         if len(recs) == 0:
             return
-        # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
-        # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
-        absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
-        if absurd.any():
-            self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
-                                          f"records with a timestamp beyond the year 2262: dropped")
-            recs = recs[~absurd]
+        if not in_range(kind, recs, self.limits):  # the common case, every field in range, asked at once
+            # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
+            # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
+            absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
+            if absurd.any():
+                self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
+                                              f"records with a timestamp beyond the year 2262: dropped")
+                recs = recs[~absurd]
+                if len(recs) == 0:
+                    return
+            recs = check_fields(kind, recs, self.limits, self._count)
             if len(recs) == 0:
                 return
-        recs = check_fields(kind, recs, self.limits, self._count)
-        if len(recs) == 0:
-            return
         if self.future_limit_ns is not None:
             recs = self._clamp_future(kind, recs)
         if self.guard is not None and self.peer_pid is not None:

@@ -17,7 +17,7 @@ import enum
 import json
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -56,7 +56,8 @@ class FrameType(enum.IntEnum):
     CUPTI_BUFFER = 13
 
 
-_SCAN: Final = json.JSONDecoder().scan_once
+# The decoder's own scanner (the C one where built), as json.loads uses it; typeshed leaves it out.
+_SCAN: Final[Callable[[str, int], tuple[Any, int]]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def _plain_object(payload: bytes) -> dict[str, Any] | None:
