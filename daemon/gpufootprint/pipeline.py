@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -437,7 +438,12 @@ class Pipeline:
             self.hub.on_launches(proc.pid, recs)
             return
         devs = recs["dev"]
-        if devs[0] == devs[-1] and bool((devs == devs[0]).all()):
+        if len(devs) <= _FEW:
+            listed = devs.tolist()
+            one = listed.count(listed[0]) == len(listed)
+        else:
+            one = devs[0] == devs[-1] and bool((devs == devs[0]).all())
+        if one:
             groups = [(int(devs[0]), recs)]
         else:
             groups = [(d, recs[devs == d]) for d in np.unique(devs).tolist()]
@@ -538,7 +544,13 @@ def _arrival(due: tuple[int, np.ndarray]) -> int:
 
 def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
     times = recs[TIME_FIELD[kind]]
-    if len(times) < 2 or bool((times[1:] >= times[:-1]).all()):
+    if len(times) < 2:
+        return recs
+    if len(times) <= _FEW:
+        listed = times.tolist()
+        if all(map(operator.le, listed, listed[1:])):
+            return recs
+    elif bool((times[1:] >= times[:-1]).all()):
         return recs
     return recs[np.argsort(times, kind="stable")]
 

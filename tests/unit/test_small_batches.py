@@ -352,3 +352,112 @@ def test_records_found_in_range_at_once_are_those_the_field_checks_keep_whole(se
             assert whole
         if n <= 64 or kind in (RecordKind.MEMORY, RecordKind.MEMORY_POOL):
             assert fast == whole, (kind, n)
+
+
+def _stream(rng: np.random.Generator) -> list[Any]:
+    """Random frames of one process: batches of every kind the footprint applies (over up to three
+    devices, one batch now and then spread over several, out of time order, now and then a field out
+    of range), watermarks, marks, heartbeats."""
+    import json
+
+    from gpufootprint.records import DTYPES, KERNEL_DTYPE, POOL_DTYPE, RecordKind
+    from gpufootprint.wire.framing import Frame, FrameType
+
+    frames: list[Any] = [Frame(FrameType.HELLO, 0, json.dumps({"pid": 7}).encode(), 0)]
+    t = 10**15
+    live: list[int] = []
+    for _ in range(250):
+        r = rng.random()
+        n = int(rng.choice([1, 2, 5, 30, 64, 65, 200]))
+        if r < 0.45:
+            recs = np.zeros(n, MEMORY_DTYPE)
+            for i in range(n):
+                if live and rng.random() < 0.45:
+                    recs[i]["op"], recs[i]["addr"] = MemoryOp.RELEASE.value, live.pop(int(rng.integers(0, len(live))))
+                else:
+                    addr = int(rng.integers(1, 1 << 20)) * 4096
+                    recs[i]["op"], recs[i]["addr"] = MemoryOp.ALLOCATION.value, addr
+                    live.append(addr)
+            recs["bytes"] = rng.choice([512, 1 << 20, 64 << 20], n)
+            recs["mk"] = MemoryKind.DEVICE.value
+            recs["is_async"] = rng.random() < 0.5
+            recs["pool_addr"], recs["pool_size"], recs["pool_used"] = 0x5000, 1 << 30, rng.integers(0, 1 << 30, n)
+            kind = RecordKind.MEMORY
+        elif r < 0.55:
+            recs = np.zeros(n, POOL_DTYPE)
+            recs["op"], recs["addr"], recs["size"] = 1, 0x5000 + 4096 * rng.integers(0, 3, n), 1 << 30
+            kind = RecordKind.MEMORY_POOL
+        else:
+            kind = RecordKind(int(rng.choice([3, 4, 5])))
+            recs = np.zeros(n, DTYPES[kind])
+            recs["start"] = t + rng.integers(0, 40 * MS, n)
+            recs["end"] = recs["start"] + rng.integers(0, MS, n).astype(np.uint64)
+            recs["bytes" if kind is not RecordKind.KERNEL else "node"] = rng.integers(0, 1 << 30, n)
+            if recs.dtype == KERNEL_DTYPE:
+                recs["name_id"] = 1
+        if kind in (RecordKind.MEMORY, RecordKind.MEMORY_POOL):
+            recs["ts"] = t + np.sort(rng.integers(0, 40 * MS, n))
+            if rng.random() < 0.2:
+                recs["ts"] = recs["ts"][::-1]
+        recs["pid"] = 7
+        recs["dev"] = int(rng.integers(0, 3)) if rng.random() < 0.8 else rng.integers(0, 3, n)
+        if rng.random() < 0.05:
+            recs["dev"][int(rng.integers(0, n))] = 40  # out of range: dropped and counted
+        if kind is RecordKind.MEMORY and rng.random() < 0.1:
+            recs["ts"][int(rng.integers(0, n))] = 1 << 63  # past 2262
+        frames.append(Frame(FrameType.BATCH, kind.value, recs.tobytes(), 0))
+        t += int(rng.integers(0, 30)) * MS
+        if rng.random() < 0.5:
+            frames.append(Frame(FrameType.WATERMARK, 0, (t - int(rng.integers(0, 60)) * MS).to_bytes(8, "little"), 0))
+        if rng.random() < 0.1:
+            mark = {"pid": 7, "dev": int(rng.integers(0, 3)), "ts": t, "label": "m"}
+            frames.append(Frame(FrameType.MARK, 0, json.dumps(mark).encode(), 0))
+        if rng.random() < 0.05:
+            frames.append(Frame(FrameType.HEARTBEAT, 0, json.dumps({"counters": {"sent": 1}}).encode(), 0))
+    return frames
+
+
+def _pipeline_state(p: Any) -> tuple[Any, ...]:
+    procs = []
+    for pid, proc in sorted(p.processes.items()):
+        devs = []
+        for dev, fp in sorted(proc.devices.items()):
+            devs.append((dev, sorted((a, e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()),
+                         list(fp.live_by_kind), fp.async_device_bytes, dict(fp.pools), fp.pool_floor,
+                         fp.peaks.frames(), list(fp.memcpy_count.items()), list(fp.memcpy_bytes.items()),
+                         list(fp.memcpy_ns.items()), fp.memset_count, fp.memset_bytes, fp.kernel_count, fp.kernel_ns))
+        s = p.hub.samplers.get(pid)
+        procs.append((pid, proc.applied_to, proc.pending_records, proc.max_ts, proc.late_records, devs,
+                      s.intervals() if s else None, s.closed_windows if s else None))
+    return (dict(p.records_ingested), dict(p.errors.counts), dict(p.errors.repairs), p.late_records,
+            dict(p.late_by_kind), procs)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_stream_of_small_batches_leaves_what_the_numpy_checks_and_groupings_leave(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN the same random stream (small and larger batches of every kind, some out of order, some
+    # spread over devices or with a field out of range; watermarks, marks) through two sessions, one
+    # with the at-once range check off and every batch's times and devices taken with numpy
+    from gpufootprint import pipeline as pipeline_mod
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.ingest import session as session_mod
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.pipeline import Pipeline
+
+    frames = _stream(np.random.default_rng(seed))
+    marks: list[list[dict[str, Any]]] = [[], []]
+    pipes = [Pipeline(FootprintConfig()), Pipeline(FootprintConfig())]
+    sessions = [Session(p, on_mark=m.append) for p, m in zip(pipes, marks)]
+    fast_in_range = session_mod.in_range
+    for frame in frames:
+        for i, (session, few, check) in enumerate(zip(sessions, (64, 0), (fast_in_range, None))):
+            monkeypatch.setattr(pipeline_mod, "_FEW", few)
+            monkeypatch.setattr(session_mod, "in_range", check or (lambda kind, recs, limits: False))
+            session.handle(frame)
+    for session in sessions:
+        session.close()
+    # THEN both pipelines hold the same footprints, errors, late counts, sampler intervals and marks
+    assert _pipeline_state(pipes[0]) == _pipeline_state(pipes[1])
+    assert marks[0] == marks[1] and sessions[0].problems == sessions[1].problems
+    assert sum(pipes[0].errors.counts.values()) > 0  # some fields were out of range

@@ -167,9 +167,11 @@ def _few_in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:
 def _time_word_limits(kind: RecordKind, limits: Limits) -> np.ndarray | None:
     """The largest value each u64 word of a record of ``kind`` may hold for ``in_range``, or None when
     its checks cannot be put that way (a duration, a set of roles, a field across words)."""
-    key = (kind, limits)
-    if key in _TIME_WORD_LIMITS:
-        return _TIME_WORD_LIMITS[key]
+    # Keyed by the Limits object itself: hashing a dataclass of eleven fields costs a microsecond a batch.
+    key = (kind, id(limits))
+    known = _TIME_WORD_LIMITS.get(key)
+    if known is not None and known[0] is limits:
+        return known[1]
     dtype = DTYPES[kind]
     fields = dtype.fields
     lim: np.ndarray | None = None
@@ -180,22 +182,24 @@ def _time_word_limits(kind: RecordKind, limits: Limits) -> np.ndarray | None:
         for name, most in bounds:
             ftype, offset = fields[name][0], fields[name][1]
             if ftype.itemsize != 8 or offset % 8:
-                return _keep(key, None)
+                return _keep(key, limits, None)
             lim[offset // 8] = min(int(lim[offset // 8]), most)
         for name in _DEVICES.get(kind, ("dev",)):
             ftype, offset = fields[name][0], fields[name][1]
             if ftype.itemsize != 4 or offset % 8 != 4:
-                return _keep(key, None)
+                return _keep(key, limits, None)
             # A u32 in the upper half of its word (the lower half unbounded): the word below (n << 32).
             lim[offset // 8] = min(int(lim[offset // 8]), (limits.max_devices_per_process << 32) - 1)
-    return _keep(key, lim)
+    return _keep(key, limits, lim)
 
 
-_TIME_WORD_LIMITS: dict[tuple[RecordKind, Limits], np.ndarray | None] = {}
+_TIME_WORD_LIMITS: dict[tuple[RecordKind, int], tuple[Limits, np.ndarray | None]] = {}
 
 
-def _keep(key: tuple[RecordKind, Limits], lim: np.ndarray | None) -> np.ndarray | None:
-    _TIME_WORD_LIMITS[key] = lim
+def _keep(key: tuple[RecordKind, int], limits: Limits, lim: np.ndarray | None) -> np.ndarray | None:
+    if len(_TIME_WORD_LIMITS) > 1024:  # Limits objects come and go in tests; the daemon keeps one
+        _TIME_WORD_LIMITS.clear()
+    _TIME_WORD_LIMITS[key] = (limits, lim)  # the object kept alive: its id stays its own
     return lim
 
 
