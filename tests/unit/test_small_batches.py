@@ -147,6 +147,11 @@ def test_pool_sizes_of_small_batches_noted_record_by_record_equal_the_batch_path
         recs["pool_size"] = rng.choice(np.array([0, 1 << 20, 1 << 21, 1 << 22], np.uint64), n,
                                        p=[0.1, 0.6, 0.2, 0.1])
         recs["pool_used"] = rng.integers(0, 1 << 20, n).astype(np.uint64)
+        if rng.random() < 0.5:  # one pool for the whole batch (cudaMallocAsync), its size now and then new
+            recs["pool_addr"] = rng.choice(np.array([0x1000, 0x2000], np.uint64))
+            recs["pool_size"] = rng.choice(np.array([1 << 20, 1 << 21], np.uint64))
+            if rng.random() < 0.3:
+                recs["pool_size"][int(rng.integers(0, n)):] = 1 << 22
         async_bytes = int(rng.integers(0, 1 << 30))
         for fp, threshold in zip(fps, (128, 0)):
             monkeypatch.setattr(table_mod, "_SMALL_POOL_BATCH", threshold)
