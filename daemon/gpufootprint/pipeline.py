@@ -58,7 +58,7 @@ from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
-from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join
+from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join, take
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)
@@ -552,7 +552,7 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
             return recs
     elif bool((times[1:] >= times[:-1]).all()):
         return recs
-    return recs[np.argsort(times, kind="stable")]
+    return take(recs, np.argsort(times, kind="stable"))
 
 
 def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:

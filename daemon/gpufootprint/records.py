@@ -370,3 +370,17 @@ def join(chunks: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(chunks)
     raw = np.concatenate([np.ascontiguousarray(c).view(np.uint8) for c in chunks])
     return raw.view(dtype)
+
+
+def take(recs: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``recs[order]`` (a new array) for a 1-D record array: numpy copies a structured dtype field by
+    field and record by record (about 90 us for 1,300 MEMORY records), rows of plain words at memory
+    speed (5 us), so the records are taken as rows of their words and viewed back."""
+    dtype = recs.dtype
+    if recs.ndim != 1 or not recs.flags.c_contiguous or dtype.itemsize == 0:
+        fancy: np.ndarray = recs[order]
+        return fancy
+    word = 8 if dtype.itemsize % 8 == 0 else 4 if dtype.itemsize % 4 == 0 else 1
+    rows = recs.view(f"<u{word}").reshape(len(recs), dtype.itemsize // word)
+    taken: np.ndarray = np.take(rows, order, axis=0).view(dtype).reshape(len(order))
+    return taken

@@ -466,3 +466,27 @@ def test_a_stream_of_small_batches_leaves_what_the_numpy_checks_and_groupings_le
     assert _pipeline_state(pipes[0]) == _pipeline_state(pipes[1])
     assert marks[0] == marks[1] and sessions[0].problems == sessions[1].problems
     assert sum(pipes[0].errors.counts.values()) > 0  # some fields were out of range
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_records_taken_as_rows_of_words_equal_numpy_fancy_indexing(seed: int) -> None:
+    # GIVEN record arrays of every kind (random bytes; contiguous, read-only, or a strided view) and
+    # random integer orders (empty, repeated positions, negative ones, argsorts)
+    from gpufootprint.records import DTYPES, take
+
+    rng = np.random.default_rng(seed)
+    for dtype in DTYPES.values():
+        for _ in range(30):
+            n = int(rng.choice([0, 1, 5, 300]))
+            recs = rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype)
+            if rng.random() < 0.3:
+                recs.flags.writeable = False
+            if rng.random() < 0.2 and n:
+                recs = recs[::2]
+            m = len(recs)
+            order = (np.argsort(rng.integers(0, 50, m), kind="stable") if rng.random() < 0.5
+                     else rng.integers(-m, m, int(rng.integers(0, 2 * m + 1))) if m else np.zeros(0, np.int64))
+            # THEN the same records in the same order, dtype and shape, in a new writable array
+            got, want = take(recs, order), recs[order]
+            assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+            assert got.flags.writeable and not np.shares_memory(got, recs)
