@@ -58,7 +58,7 @@ from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
-from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join, take
+from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join, select, take
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)
@@ -233,8 +233,9 @@ class Pipeline:
             proc.late_records += n_late
             if kind in _STATE_KINDS and proc.source == "probe":
                 self.resync_wanted.add(proc.pid)
-            self._apply(proc, kind, _sorted(kind, recs[late]))
-            recs, times = recs[~late], times[~late]
+            self._apply(proc, kind, _sorted(kind, select(recs, late)))
+            recs = select(recs, ~late)
+            times = recs[TIME_FIELD[kind]]
             if len(recs) == 0:
                 return
             oldest = int(times.min())
@@ -351,9 +352,9 @@ class Pipeline:
                     continue
                 times = recs[TIME_FIELD[kind]]
                 now = times <= ts
-                due.append((seq, recs[now]))
+                due.append((seq, select(recs, now)))
                 later = ~now
-                heapq.heappush(heap, (int(times[later].min()), seq, recs[later], hi))
+                heapq.heappush(heap, (int(times[later].min()), seq, select(recs, later), hi))
             if not heap:
                 del proc.pending[kind]
             if len(due) == 1:
@@ -446,7 +447,7 @@ class Pipeline:
         if one:
             groups = [(int(devs[0]), recs)]
         else:
-            groups = [(d, recs[devs == d]) for d in np.unique(devs).tolist()]
+            groups = [(d, select(recs, devs == d)) for d in np.unique(devs).tolist()]
         for dev, sub in groups:
             fp = self._device(proc, dev)
             if kind is RecordKind.MEMORY:
