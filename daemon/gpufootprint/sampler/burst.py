@@ -16,6 +16,7 @@ with either to what the plain walk leaves).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import NamedTuple
 
 import numpy as np
@@ -114,12 +115,9 @@ def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: l
     judged: tuple[int, int, int, int, int, int] | None = None
     for f in range(frames):
         end = cursor + iv * (f + 1)
-        qm = pm
-        while qm < n_mem and mem_ts[qm] < end:
-            qm += 1
-        qe = pe
-        while qe < n_ev and ev_ts[qe] < end:
-            qe += 1
+        # The first event at or after the frame's end (the lists are in time order).
+        qm = bisect_left(mem_ts, end, pm) if pm < n_mem and mem_ts[pm] < end else pm
+        qe = bisect_left(ev_ts, end, pe) if pe < n_ev and ev_ts[pe] < end else pe
         entering = after = level
         rng = 0
         if qm > pm:

@@ -45,6 +45,7 @@ _MIXED = -1  # ``ProcessSampler._mem_dev`` when the waiting level changes may be
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
+_WALK_MANY = 1024  # ... or, found by two searches, at most this many events in all
 # What a walk without new events starts from (read-only: shared by every walk, never written).
 _NO_TIMES = np.zeros(0, np.int64)
 _NO_DELTAS = np.zeros(0, np.int64)
@@ -334,6 +335,13 @@ class ProcessSampler:
                 and (len(e_ts) <= _WALK_EVENTS or e_ts[-1] >= stop):
             judged = walk_frames(cfg, cursor, iv, walk, m_ts, e_ts, total[i_mem:i_mem + len(m_ts)].tolist(),
                                  i_mem, i_ev, seen)
+        elif self.walk_bursts and (j_ev := int(np.searchsorted(ev_ts, stop, "left"))) - i_ev <= _WALK_MANY:
+            # More events, in no more frames (kernels by the hundred in a few 5 ms frames): the walk finds
+            # each frame's end by bisection, so its cost follows the frames more than the events; numpy's
+            # forty calls judge every frame up to burst_max_ms, most of them after the window closed.
+            j_mem = int(np.searchsorted(mem_ts, stop, "left"))
+            judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
+                                 total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
