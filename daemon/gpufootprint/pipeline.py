@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FootprintConfig
-from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
+from gpufootprint.footprint.device_snapshot import device_snapshot, live_table, mark_state
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
@@ -478,6 +478,13 @@ class Pipeline:
         if proc is None or dev not in proc.devices:
             return None
         return device_snapshot(proc.devices[dev], proc.applied_to, self._window_ns)
+
+    def mark_state(self, pid: int, dev: int) -> tuple[dict[str, int], int, int] | None:
+        """``device_state``'s live bytes, pool reserved bytes and window peak, alone (what a MARK reports)."""
+        proc = self.processes.get(pid)
+        if proc is None or dev not in proc.devices:
+            return None
+        return mark_state(proc.devices[dev], proc.applied_to, self._window_ns)
 
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []

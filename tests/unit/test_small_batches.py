@@ -491,3 +491,26 @@ def test_records_taken_as_rows_of_words_equal_numpy_fancy_indexing(seed: int) ->
             for got, want in ((take(recs, order), recs[order]), (select(recs, mask), recs[mask])):
                 assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
                 assert got.flags.writeable and not np.shares_memory(got, recs)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_what_a_mark_reports_is_what_the_device_snapshot_says(seed: int) -> None:
+    # GIVEN a pipeline fed a random stream (every kind, several devices), asked after every frame
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.pipeline import Pipeline
+
+    p = Pipeline(FootprintConfig())
+    session = Session(p)
+    asked = 0
+    for frame in _stream(np.random.default_rng(seed)):
+        session.handle(frame)
+        # THEN a mark's live bytes, pool reserved bytes and window peak are the device snapshot's
+        for dev in range(4):
+            state, figures = p.device_state(7, dev), p.mark_state(7, dev)
+            if state is None:
+                assert figures is None
+                continue
+            assert figures == (state.live_bytes, state.pool_reserved_bytes, state.window_peak_bytes)
+            asked += 1
+    assert asked > 100

@@ -506,15 +506,15 @@ class Session:
             ts = checked
         self._own(pid)
         self.pipeline.advance(pid, ts)
-        state = self.pipeline.device_state(pid, dev)
+        live, reserved, peak = self.pipeline.mark_state(pid, dev) or ({}, 0, 0)
         result: dict[str, Any] = {
             "label": mark.get("label"),
             "ts": ts,
             "pid": pid,
             "dev": dev,
-            "live_bytes": dict(state.live_bytes) if state else {},
-            "pool_reserved_bytes": state.pool_reserved_bytes if state else 0,
-            "window_peak_bytes": state.window_peak_bytes if state else 0,
+            "live_bytes": live,
+            "pool_reserved_bytes": reserved,
+            "window_peak_bytes": peak,
         }
         if isinstance(mark.get("expect_live_bytes"), dict):
             result["expect_live_bytes"] = mark["expect_live_bytes"]
