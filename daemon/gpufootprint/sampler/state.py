@@ -47,7 +47,7 @@ _MIXED = -1  # ``ProcessSampler._mem_dev`` when the waiting level changes may be
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
-_WALK_MANY = 1024  # ... or, found by two searches, at most this many events in all
+_WALK_MANY = 256  # ... or, found by two searches, at most this many events in all
 # What a walk without new events starts from (read-only: shared by every walk, never written).
 _NO_TIMES = np.zeros(0, np.int64)
 _NO_DELTAS = np.zeros(0, np.int64)
