@@ -237,7 +237,10 @@ class FrameDecoder:
         view = memoryview(buf)  # payloads are copied once, out of the view (a bytearray slice would copy twice)
         try:
             while n - at >= hsize:
-                length, ftype, _flags, tag = _HEADER_V1.unpack_from(buf, at)
+                if checked:  # the checksum read with the header: one unpack a frame
+                    length, ftype, _flags, tag, crc = _HEADER.unpack_from(buf, at)
+                else:
+                    length, ftype, _flags, tag = _HEADER_V1.unpack_from(buf, at)
                 if length > self._max_payload:
                     raise FrameError(
                         f"byte {self._pos + at}: frame length {length} exceeds the limit {self._max_payload}"
@@ -249,11 +252,9 @@ class FrameDecoder:
                 if end > n:
                     break
                 payload = view[at + hsize : end].tobytes()
-                if checked:
-                    crc = int.from_bytes(view[at + 8 : at + 12], "little")
-                    if zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
-                        raise FrameError(f"byte {self._pos + at}: checksum mismatch in a {frame_type.name} frame "
-                                         f"of {length} bytes (damaged data)")
+                if checked and zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
+                    raise FrameError(f"byte {self._pos + at}: checksum mismatch in a {frame_type.name} frame "
+                                     f"of {length} bytes (damaged data)")
                 frames.append(Frame(frame_type, tag, payload, self._pos + at))
                 at = end
         finally:
