@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -53,11 +54,11 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import FootprintConfig
-from gpufootprint.footprint.device_snapshot import device_snapshot, live_table
+from gpufootprint.footprint.device_snapshot import device_snapshot, live_table, mark_state
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
-from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join
+from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join, select, take
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,7 @@ class Pipeline:
         """Accept one batch of records (any pids, any delivery order)."""
         if len(recs) == 0:
             return
-        self.records_ingested[kind.name.lower()] += len(recs)
+        self.records_ingested[_KIND_NAMES[kind]] += len(recs)
         pids = recs["pid"]
         if pids[0] == pids[-1] and (len(recs) < 3 or bool((pids == pids[0]).all())):
             self._submit_one(self.process(int(pids[0])), kind, recs)
@@ -217,7 +218,11 @@ class Pipeline:
             self._apply(proc, kind, recs)
             return
         times = recs[TIME_FIELD[kind]]
-        oldest, newest = int(times.min()), int(times.max())
+        if len(times) <= _FEW:
+            listed = times.tolist()
+            oldest, newest = min(listed), max(listed)
+        else:
+            oldest, newest = int(times.min()), int(times.max())
         if proc.due_to > proc.applied_to and oldest <= proc.due_to:
             self.advance(proc.pid, proc.due_to)  # as if applied at its watermark: these come after
         if proc.applied_to and oldest <= proc.applied_to:
@@ -228,8 +233,9 @@ class Pipeline:
             proc.late_records += n_late
             if kind in _STATE_KINDS and proc.source == "probe":
                 self.resync_wanted.add(proc.pid)
-            self._apply(proc, kind, _sorted(kind, recs[late]))
-            recs, times = recs[~late], times[~late]
+            self._apply(proc, kind, _sorted(kind, select(recs, late)))
+            recs = select(recs, ~late)
+            times = recs[TIME_FIELD[kind]]
             if len(recs) == 0:
                 return
             oldest = int(times.min())
@@ -346,9 +352,9 @@ class Pipeline:
                     continue
                 times = recs[TIME_FIELD[kind]]
                 now = times <= ts
-                due.append((seq, recs[now]))
+                due.append((seq, select(recs, now)))
                 later = ~now
-                heapq.heappush(heap, (int(times[later].min()), seq, recs[later], hi))
+                heapq.heappush(heap, (int(times[later].min()), seq, select(recs, later), hi))
             if not heap:
                 del proc.pending[kind]
             if len(due) == 1:
@@ -433,10 +439,15 @@ class Pipeline:
             self.hub.on_launches(proc.pid, recs)
             return
         devs = recs["dev"]
-        if devs[0] == devs[-1] and bool((devs == devs[0]).all()):
+        if len(devs) <= _FEW:
+            listed = devs.tolist()
+            one = listed.count(listed[0]) == len(listed)
+        else:
+            one = devs[0] == devs[-1] and bool((devs == devs[0]).all())
+        if one:
             groups = [(int(devs[0]), recs)]
         else:
-            groups = [(d, recs[devs == d]) for d in np.unique(devs).tolist()]
+            groups = [(d, select(recs, devs == d)) for d in np.unique(devs).tolist()]
         for dev, sub in groups:
             fp = self._device(proc, dev)
             if kind is RecordKind.MEMORY:
@@ -467,6 +478,13 @@ class Pipeline:
         if proc is None or dev not in proc.devices:
             return None
         return device_snapshot(proc.devices[dev], proc.applied_to, self._window_ns)
+
+    def mark_state(self, pid: int, dev: int) -> tuple[dict[str, int], int, int] | None:
+        """``device_state``'s live bytes, pool reserved bytes and window peak, alone (what a MARK reports)."""
+        proc = self.processes.get(pid)
+        if proc is None or dev not in proc.devices:
+            return None
+        return mark_state(proc.devices[dev], proc.applied_to, self._window_ns)
 
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
@@ -520,6 +538,10 @@ class Pipeline:
         self.hub.note_window_closed(pid, wid, end_ns)
 
 
+#: Records of a batch whose oldest and newest times are taken in Python (numpy's two reductions cost more).
+_FEW = 64
+_KIND_NAMES = {k: k.name.lower() for k in RecordKind}  # an enum's .name is a property, read per batch
+
 #: Kinds whose late arrival can leave a wrong state behind (the others only add up).
 _STATE_KINDS = frozenset({RecordKind.MEMORY, RecordKind.MEMORY_POOL})
 
@@ -530,9 +552,15 @@ def _arrival(due: tuple[int, np.ndarray]) -> int:
 
 def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
     times = recs[TIME_FIELD[kind]]
-    if len(times) < 2 or bool((times[1:] >= times[:-1]).all()):
+    if len(times) < 2:
         return recs
-    return recs[np.argsort(times, kind="stable")]
+    if len(times) <= _FEW:
+        listed = times.tolist()
+        if all(map(operator.le, listed, listed[1:])):
+            return recs
+    elif bool((times[1:] >= times[:-1]).all()):
+        return recs
+    return take(recs, np.argsort(times, kind="stable"))
 
 
 def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:

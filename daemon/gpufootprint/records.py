@@ -370,3 +370,36 @@ def join(chunks: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(chunks)
     raw = np.concatenate([np.ascontiguousarray(c).view(np.uint8) for c in chunks])
     return raw.view(dtype)
+
+
+def take(recs: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """``recs[order]`` (a new array) for a 1-D record array and integer positions: numpy copies a
+    structured dtype field by field and record by record (about 90 us for 1,300 MEMORY records), rows
+    of plain words at memory speed (5 us), so the records are taken as rows of their words and viewed
+    back. Faster from a handful of records on."""
+    rows = _rows(recs)
+    if rows is None:
+        fancy: np.ndarray = recs[order]
+        return fancy
+    taken: np.ndarray = np.take(rows, order, axis=0).view(recs.dtype).reshape(len(order))
+    return taken
+
+
+def select(recs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``recs[mask]`` (a new array) for a 1-D record array and a boolean mask of its length, as
+    ``take`` does it: the records chosen as rows of their words."""
+    rows = _rows(recs)
+    if rows is None:
+        fancy: np.ndarray = recs[mask]
+        return fancy
+    chosen: np.ndarray = np.compress(mask, rows, axis=0)
+    return chosen.view(recs.dtype).reshape(len(chosen))
+
+
+def _rows(recs: np.ndarray) -> np.ndarray | None:
+    """The records as a 2-D array of their little-endian words (a view), or None where they cannot be."""
+    dtype = recs.dtype
+    if recs.ndim != 1 or not recs.flags.c_contiguous or dtype.itemsize == 0:
+        return None
+    word = 8 if dtype.itemsize % 8 == 0 else 4 if dtype.itemsize % 4 == 0 else 1
+    return recs.view(f"<u{word}").reshape(len(recs), dtype.itemsize // word)

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import numpy as np
 import pytest
 from gpufootprint.errors import FrameError
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire.framing import (
     PREAMBLE,
+    Frame,
     FrameDecoder,
     FrameType,
     encode,
@@ -112,3 +116,41 @@ def test_wire_version_1_recordings_without_checksums_are_still_read() -> None:
 def test_encode_batch_refuses_the_wrong_dtype() -> None:
     with pytest.raises(TypeError):
         encode_batch(RecordKind.MEMCPY, np.zeros(1, dtype=DTYPES[RecordKind.MEMORY]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_frames_read_by_the_scanner_alone_equal_json_loads(seed: int) -> None:
+    # GIVEN random JSON objects (nested, unicode, numbers of every kind) and payloads that are not one
+    # plain UTF-8 object: whitespace around it, a BOM, UTF-16, an array, trailing data, broken JSON
+    import random
+
+    rng = random.Random(seed)
+
+    def value(depth: int) -> Any:
+        r = rng.random()
+        if depth > 2 or r < 0.4:
+            return rng.choice([0, -1, 2**70, 1.5, -0.0, 1e300, True, False, None, "", "é\u2603\\\"x", "\x00"])
+        if r < 0.7:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {str(rng.randrange(100)): value(depth + 1) for _ in range(rng.randrange(5))}
+
+    payloads = [json.dumps({"k": value(0), "ts": rng.randrange(1 << 62)}, ensure_ascii=rng.random() < 0.5).encode()
+                for _ in range(200)]
+    payloads += [b' {"a":1}', b'{"a":1} ', b'\xef\xbb\xbf{"a":1}', '{"a":1}'.encode("utf-16"),
+                 '{"a":1}'.encode("utf-16-le"), b"[1,2]", b'{"a":1}{"b":2}', b'{"a":1,}', b'{"a":\xff}', b"{}",
+                 b'{"a":NaN}', b'{"a":1}}', b"{", b"}", b'{"a": [1, 2]}']
+    for payload in payloads:
+        frame = Frame(FrameType.HEARTBEAT, 0, payload, 0)
+        try:
+            want: Any = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            want = FrameError
+        if want is not FrameError and not isinstance(want, dict):
+            want = FrameError
+        # THEN each reads as json.loads reads it, or fails as a frame error where json.loads fails
+        if want is FrameError:
+            with pytest.raises(FrameError):
+                frame.json()
+        else:
+            got = frame.json()
+            assert type(got) is dict and json.dumps(got) == json.dumps(want)  # NaN != NaN: compared as text

@@ -438,6 +438,7 @@ def test_burst_frames_judged_together_leave_what_walking_them_one_by_one_leaves(
     rng = np.random.default_rng(seed)
     monkeypatch.setattr(sampler_state, "_WALK_FRAMES", int(rng.choice([2, 5, 32])))
     monkeypatch.setattr(sampler_state, "_WALK_EVENTS", int(rng.choice([3, 64])))
+    monkeypatch.setattr(sampler_state, "_WALK_MANY", int(rng.choice([0, 20, 1024])))
     cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 30, 100])), burst_min_frames=int(rng.integers(1, 6)),
                         burst_max_ms=int(rng.choice([40, 300, 2000])))
     bulk, walk, judged = ProcessSampler(1, cfg), ProcessSampler(1, cfg), ProcessSampler(1, cfg)

@@ -22,6 +22,8 @@ the address is used, remembered from the first batch with such a release on.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
@@ -145,11 +147,17 @@ class ReuseTracker:
         (a reuse is a key freed by an earlier batch or by an earlier release of this one) is what
         walking the records in time order decides. A unit test holds the two equal."""
         dev_kind = MemoryKind.DEVICE.value
-        rows = [r for r in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(),
-                               recs["bytes"].tolist(), recs["mk"].tolist()) if r[4] == dev_kind]
+        kinds = recs["mk"].tolist()
+        if kinds.count(dev_kind) == len(kinds):  # the common case: device memory only, taken whole
+            ts = recs["ts"].tolist()
+            rows = list(zip(ts, recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist(), kinds))
+        else:
+            rows = [r for r in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(),
+                                   recs["bytes"].tolist(), kinds) if r[4] == dev_kind]
+            ts = [r[0] for r in rows]
         if not rows:
             return
-        if any(rows[i][0] < rows[i - 1][0] for i in range(1, len(rows))):
+        if not all(map(operator.le, ts, ts[1:])):
             rows.sort(key=_time)  # stable, as the batch path's argsort
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
@@ -165,6 +173,7 @@ class ReuseTracker:
         times: list[int] = []
         hits: list[bool] = []
         sizeless = self._sizeless
+        has, add_one = freed.has, freed.add_one
         for t, op, a, b, _ in rows:
             if sizeless:
                 if op == alloc:
@@ -174,9 +183,9 @@ class ReuseTracker:
             key = a ^ ((b * _MIX) & _U64)
             if op == alloc:
                 times.append(t)
-                hits.append(freed.has(key))
+                hits.append(has(key))
             elif op == release:
-                freed.add_one(key)
+                add_one(key)
         if not times:
             return
         ev = np.empty(len(times), REUSE_EVENT_DTYPE)

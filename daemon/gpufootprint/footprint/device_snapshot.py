@@ -29,9 +29,20 @@ def live_table(fp: DeviceFootprint) -> np.ndarray:
     return table
 
 
+def live_bytes(fp: DeviceFootprint) -> dict[str, int]:
+    """Live bytes by memory kind name, the kinds holding any: ``DeviceSnapshot.live_bytes``."""
+    return {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
+
+
+def mark_state(fp: DeviceFootprint, as_of: int, window_ns: int) -> tuple[dict[str, int], int, int]:
+    """What a MARK reports of the device (live bytes by kind, pool reserved bytes, window peak): the
+    snapshot's figures, without the rest of the snapshot (about 13 us a mark, for three of its fields)."""
+    return live_bytes(fp), fp.pool_reserved_bytes, fp.peaks.window_peak(as_of, window_ns)
+
+
 def device_snapshot(fp: DeviceFootprint, as_of: int, window_ns: int,
                      live_table: np.ndarray | None = None) -> DeviceSnapshot:
-    live = {MEMORY_KIND_NAMES.get(k, str(k)): b for k, b in enumerate(fp.live_by_kind) if b}
+    live = live_bytes(fp)
     return DeviceSnapshot(
         dev=fp.dev,
         live_bytes=live,

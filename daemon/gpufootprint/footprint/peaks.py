@@ -145,7 +145,8 @@ def _frame_peaks_small(ts: list[int], deltas: list[int], level: int,
             frame_ids.append(f)
             fid, peak = f, level  # the level held on entering the frame
         level += d
-        peak = max(peak, level)
+        if level > peak:  # noqa: PLR1730 - a comparison, not a call of max, per event
+            peak = level
     peaks.append(peak)
     return frame_ids, peaks, level
 

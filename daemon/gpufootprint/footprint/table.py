@@ -48,6 +48,7 @@ _SMALL_POOL_BATCH = 128  # at most this many records: pool sizes and copies are 
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
+_RESIDENT_LIST = _RESIDENT.tolist()  # the same, read record by record (a list item, not a numpy scalar)
 
 
 class IngestErrors:
@@ -223,6 +224,9 @@ class DeviceFootprint:
     def _apply_memory_each(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges:
         live = self.live
         by_kind = self.live_by_kind
+        allocations, allocated_bytes = self.allocations, self.allocated_bytes
+        releases, released_bytes = self.releases, self.released_bytes
+        resident = _RESIDENT_LIST
         ts_list = recs["ts"].tolist()
         ops = recs["op"].tolist()
         addrs = recs["addr"].tolist()
@@ -246,19 +250,20 @@ class DeviceFootprint:
                     # later. Released now, and remembered for its late release (module doc).
                     self._lost(self.reused.reused(addr, ts_list[i], corrs[i]), errors)
                     by_kind[old.kind] -= old.bytes
-                    self.releases[old.kind] += 1
-                    self.released_bytes[old.kind] += old.bytes
+                    releases[old.kind] += 1
+                    released_bytes[old.kind] += old.bytes
                     if old.is_async:
                         self.async_device_bytes -= old.bytes
-                    if _RESIDENT[old.kind]:
+                    if resident[old.kind]:
                         deltas[i] -= old.bytes
-                live[addr] = LiveAllocation(size, kind, ts_list[i], bool(asyncs[i]))
+                is_async = asyncs[i] != 0
+                live[addr] = LiveAllocation(size, kind, ts_list[i], is_async)
                 by_kind[kind] += size
-                self.allocations[kind] += 1
-                self.allocated_bytes[kind] += size
-                if asyncs[i]:
+                allocations[kind] += 1
+                allocated_bytes[kind] += size
+                if is_async:
                     self.async_device_bytes += size
-                if _RESIDENT[kind]:
+                if resident[kind]:
                     deltas[i] += size
             elif op == release_op:
                 if self.reused:
@@ -276,11 +281,11 @@ class DeviceFootprint:
                                f"pid={self.pid} addr={addr:#x} allocated {entry.bytes} released {sizes[i]}")
                 kind = entry.kind
                 by_kind[kind] -= entry.bytes
-                self.releases[kind] += 1
-                self.released_bytes[kind] += entry.bytes
+                releases[kind] += 1
+                released_bytes[kind] += entry.bytes
                 if entry.is_async:
                     self.async_device_bytes -= entry.bytes
-                if _RESIDENT[kind]:
+                if resident[kind]:
                     deltas[i] -= entry.bytes
             else:
                 errors.add("unknown_memory_op", f"pid={self.pid} memory operation {op}")
@@ -381,9 +386,19 @@ class DeviceFootprint:
             self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
 
     def _note_pool_config_small(self, recs: np.ndarray) -> None:
+        pools, sizes, used = recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()
+        n = len(pools)
+        if n and pools[0] and pools.count(pools[0]) == n and 0 not in sizes:
+            # Every record of one pool (a process on cudaMallocAsync's default pool): the walk below
+            # leaves its last (size, used), and a new size where one differs from the one before it.
+            a = pools[0]
+            if self.pools.get(a, (None,))[0] != sizes[0] or sizes.count(sizes[0]) != n:
+                self.pool_floor = self.async_device_bytes
+            self.pools[a] = (sizes[-1], used[-1])
+            return
         last: dict[int, tuple[int, int]] = {}  # pool -> its latest (size, used) in the batch
         changed = False
-        for a, s, u in zip(recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()):
+        for a, s, u in zip(pools, sizes, used):
             if a == 0 or s == 0:
                 continue
             prev = last.get(a)

@@ -29,12 +29,13 @@ from gpufootprint.ingest.validate import (
     Limits,
     bounded_metadata,
     check_fields,
+    in_range,
     metadata_charge,
 )
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import cupti_layout
-from gpufootprint.wire.framing import Frame, FrameType, cupti_buffer
+from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
 
 log = logging.getLogger(__name__)
 
@@ -297,9 +298,8 @@ class Session:
                 self._records(kind, recs, frame.offset)
 
     def _batch(self, frame: Frame) -> None:
-        try:
-            kind = RecordKind(frame.tag)
-        except ValueError:
+        kind = RECORD_KINDS.get(frame.tag)
+        if kind is None:
             self.problem("unknown_record_kind", f"{self.name}: byte {frame.offset}: unknown record kind {frame.tag}")
             return
         self._records(kind, frame.records(), frame.offset)
@@ -318,18 +318,19 @@ class Session:
                 recs = recs[~foreign]
         if len(recs) == 0:
             return
-        # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
-        # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
-        absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
-        if absurd.any():
-            self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
-                                          f"records with a timestamp beyond the year 2262: dropped")
-            recs = recs[~absurd]
+        if not in_range(kind, recs, self.limits):  # the common case, every field in range, asked at once
+            # Timestamps are nanoseconds since 1970 and must fit a signed 64-bit integer (until
+            # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
+            absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
+            if absurd.any():
+                self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
+                                              f"records with a timestamp beyond the year 2262: dropped")
+                recs = recs[~absurd]
+                if len(recs) == 0:
+                    return
+            recs = check_fields(kind, recs, self.limits, self._count)
             if len(recs) == 0:
                 return
-        recs = check_fields(kind, recs, self.limits, self._count)
-        if len(recs) == 0:
-            return
         if self.future_limit_ns is not None:
             recs = self._clamp_future(kind, recs)
         if self.guard is not None and self.peer_pid is not None:
@@ -505,15 +506,15 @@ class Session:
             ts = checked
         self._own(pid)
         self.pipeline.advance(pid, ts)
-        state = self.pipeline.device_state(pid, dev)
+        live, reserved, peak = self.pipeline.mark_state(pid, dev) or ({}, 0, 0)
         result: dict[str, Any] = {
             "label": mark.get("label"),
             "ts": ts,
             "pid": pid,
             "dev": dev,
-            "live_bytes": dict(state.live_bytes) if state else {},
-            "pool_reserved_bytes": state.pool_reserved_bytes if state else 0,
-            "window_peak_bytes": state.window_peak_bytes if state else 0,
+            "live_bytes": live,
+            "pool_reserved_bytes": reserved,
+            "window_peak_bytes": peak,
         }
         if isinstance(mark.get("expect_live_bytes"), dict):
             result["expect_live_bytes"] = mark["expect_live_bytes"]

@@ -25,7 +25,16 @@ import numpy as np
 from gpufootprint.config import DaemonConfig
 from gpufootprint.ingest.tenants import Census, Offenders, Room
 from gpufootprint.pipeline import ProcessState
-from gpufootprint.records import MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, ApiRole, MemoryOp, RecordKind
+from gpufootprint.records import (
+    DTYPES,
+    MAX_TIMESTAMP_NS,
+    MEMORY_DTYPE,
+    TIME_FIELD,
+    UM_CPU_PAGE_FAULT_COUNT,
+    ApiRole,
+    MemoryOp,
+    RecordKind,
+)
 
 #: Longest kernel, copy or set the daemon believes (end - start): a sum of a batch of them
 #: stays far inside int64.
@@ -107,6 +116,91 @@ def _memory_in_range(recs: np.ndarray, limits: Limits) -> bool:
 
 
 _WORD_LIMITS: dict[Limits, np.ndarray] = {}
+
+#: At most this many records are checked in Python (``in_range``): below it a few ``tolist`` calls
+#: cost less than a numpy comparison per field.
+FEW_RECORDS = 64
+_API_ROLE_SET = frozenset(_API_ROLES.tolist())
+_API_DOMAIN_SET = frozenset(_API_DOMAINS.tolist())
+
+
+def in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:
+    """Whether the session's timestamp check and ``check_fields`` would both keep every record: asked
+    first, so that the common case costs one numpy comparison (a MEMORY or pool batch seen as u64 words)
+    or one pass over a few records in Python. False says only "look closer": the full checks then
+    find and count what is out of range."""
+    n = len(recs)
+    if n == 0:
+        return False
+    words = _time_word_limits(kind, limits)
+    if words is not None and recs.flags.c_contiguous and recs.dtype == DTYPES[kind]:
+        view = recs.view(np.uint8).view("<u8").reshape(n, -1)
+        return not bool((view > words).any())
+    return n <= FEW_RECORDS and _few_in_range(kind, recs, limits)
+
+
+def _few_in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:
+    """``in_range`` for a few records of any kind, field by field in Python (the same comparisons as
+    the session's timestamp check and ``check_fields``)."""
+    if max(recs[TIME_FIELD[kind]].tolist()) >= MAX_TIMESTAMP_NS:
+        return False
+    cap = limits.max_record_bytes
+    for name in _BYTES[kind]:
+        if kind is RecordKind.UNIFIED_MEMORY:
+            if any(v > cap and c != UM_CPU_PAGE_FAULT_COUNT for v, c in zip(recs[name].tolist(),
+                                                                             recs["ck"].tolist())):
+                return False
+        elif max(recs[name].tolist()) > cap:
+            return False
+    for name in _DEVICES.get(kind, ("dev",)):
+        if max(recs[name].tolist()) >= limits.max_devices_per_process:
+            return False
+    if kind is RecordKind.API and not (_API_ROLE_SET.issuperset(recs["role"].tolist())
+                                       and _API_DOMAIN_SET.issuperset(recs["domain"].tolist())):
+        return False
+    if kind in _INTERVAL:
+        return not any(e > s and e - s > MAX_DURATION_NS for s, e in zip(recs["start"].tolist(),
+                                                                         recs["end"].tolist()))
+    return True
+
+
+def _time_word_limits(kind: RecordKind, limits: Limits) -> np.ndarray | None:
+    """The largest value each u64 word of a record of ``kind`` may hold for ``in_range``, or None when
+    its checks cannot be put that way (a duration, a set of roles, a field across words)."""
+    # Keyed by the Limits object itself: hashing a dataclass of eleven fields costs a microsecond a batch.
+    key = (kind, id(limits))
+    known = _TIME_WORD_LIMITS.get(key)
+    if known is not None and known[0] is limits:
+        return known[1]
+    dtype = DTYPES[kind]
+    fields = dtype.fields
+    lim: np.ndarray | None = None
+    if fields is not None and dtype.itemsize % 8 == 0 and kind not in _INTERVAL and kind is not RecordKind.API \
+            and kind is not RecordKind.UNIFIED_MEMORY:
+        lim = np.full(dtype.itemsize // 8, np.iinfo(np.uint64).max, np.uint64)
+        bounds = [(TIME_FIELD[kind], MAX_TIMESTAMP_NS - 1)] + [(b, limits.max_record_bytes) for b in _BYTES[kind]]
+        for name, most in bounds:
+            ftype, offset = fields[name][0], fields[name][1]
+            if ftype.itemsize != 8 or offset % 8:
+                return _keep(key, limits, None)
+            lim[offset // 8] = min(int(lim[offset // 8]), most)
+        for name in _DEVICES.get(kind, ("dev",)):
+            ftype, offset = fields[name][0], fields[name][1]
+            if ftype.itemsize != 4 or offset % 8 != 4:
+                return _keep(key, limits, None)
+            # A u32 in the upper half of its word (the lower half unbounded): the word below (n << 32).
+            lim[offset // 8] = min(int(lim[offset // 8]), (limits.max_devices_per_process << 32) - 1)
+    return _keep(key, limits, lim)
+
+
+_TIME_WORD_LIMITS: dict[tuple[RecordKind, int], tuple[Limits, np.ndarray | None]] = {}
+
+
+def _keep(key: tuple[RecordKind, int], limits: Limits, lim: np.ndarray | None) -> np.ndarray | None:
+    if len(_TIME_WORD_LIMITS) > 1024:  # Limits objects come and go in tests; the daemon keeps one
+        _TIME_WORD_LIMITS.clear()
+    _TIME_WORD_LIMITS[key] = (limits, lim)  # the object kept alive: its id stays its own
+    return lim
 
 
 def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Problem) -> np.ndarray:

@@ -16,6 +16,7 @@ with either to what the plain walk leaves).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from gpufootprint.config import SamplerConfig
 
 _MS = 1_000_000
+# numpy's methods rather than its functions (np.searchsorted, np.flatnonzero): no Python wrapper per call.
 
 
 class Judged(NamedTuple):
@@ -57,8 +59,8 @@ def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: 
     """All ``frames`` frames from ``cursor`` at once; None when the first one closes the window."""
     f = np.arange(frames, dtype=np.int64)
     ends = cursor + iv * (f + 1)
-    jm = np.searchsorted(mem_ts, ends, "left")
-    je = np.searchsorted(ev_ts, ends, "left")
+    jm = mem_ts.searchsorted(ends, "left")
+    je = ev_ts.searchsorted(ends, "left")
     sm = np.empty_like(jm)
     sm[0], sm[1:] = i_mem, jm[:-1]
     n_ev = je - np.concatenate(([i_ev], je[:-1]))
@@ -67,7 +69,7 @@ def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: 
         np.full(frames, win.level, np.int64)
     after = np.where(jm > i_mem, total[np.maximum(jm - 1, 0)], win.level) if len(total) else entering
     hi, lo = entering.copy(), entering.copy()
-    busy = np.flatnonzero(jm > sm)
+    busy = (jm > sm).nonzero()[0]
     if len(busy):
         seg = total[i_mem:int(jm[-1])]
         at = sm[busy] - i_mem
@@ -89,7 +91,7 @@ def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: 
     back = np.abs(after - win.baseline) < _tolerance(cfg, win.baseline)
     settled = ends - lve >= cfg.burst_settle_ms * _MS
     closes = ((calm >= cfg.burst_min_frames) & (back | settled)) | (ends - win.start >= cfg.burst_max_ms * _MS)
-    hit = np.flatnonzero(closes)
+    hit = closes.nonzero()[0]
     c = int(hit[0]) if len(hit) else frames
     if c == 0:
         return None
@@ -114,12 +116,9 @@ def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: l
     judged: tuple[int, int, int, int, int, int] | None = None
     for f in range(frames):
         end = cursor + iv * (f + 1)
-        qm = pm
-        while qm < n_mem and mem_ts[qm] < end:
-            qm += 1
-        qe = pe
-        while qe < n_ev and ev_ts[qe] < end:
-            qe += 1
+        # The first event at or after the frame's end (the lists are in time order).
+        qm = bisect_left(mem_ts, end, pm) if pm < n_mem and mem_ts[pm] < end else pm
+        qe = bisect_left(ev_ts, end, pe) if pe < n_ev and ev_ts[pe] < end else pe
         entering = after = level
         rng = 0
         if qm > pm:

@@ -41,9 +41,13 @@ from gpufootprint.snapshot import AnomalyWindow
 QUIET, STEADY, BURST = "quiet", "steady", "burst"
 MODES = (QUIET, STEADY, BURST)
 _MS = 1_000_000
+_MIXED = -1  # ``ProcessSampler._mem_dev`` when the waiting level changes may be of several devices
+# numpy's methods (a.searchsorted, a.cumsum, m.nonzero()[0]) rather than its functions: a function
+# dispatches through a Python wrapper, about half a microsecond, and a walk makes dozens of such calls.
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
+_WALK_MANY = 256  # ... or, found by two searches, at most this many events in all
 # What a walk without new events starts from (read-only: shared by every walk, never written).
 _NO_TIMES = np.zeros(0, np.int64)
 _NO_DELTAS = np.zeros(0, np.int64)
@@ -80,15 +84,20 @@ class ProcessSampler:
         self.last_peak: dict[int, int] = {}  # peak per device of the last closed interval
         self.bursts = 0
         self._mem: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ts, delta, dev), each sorted
+        # The device of every level change in ``_mem`` when they share one (_MIXED: perhaps several),
+        # known as they come: a walk need not compare every record's device to find it out.
+        self._mem_dev = _MIXED
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
         self._one_dev: int | None = None  # set per walk: the only device in it, if one
         self.bulk_bursts = True  # burst frames judged together (off: one by one, for tests)
         self.walk_bursts = True  # ... a few frames of few events in Python (off: always with numpy, for tests)
+        self.wait_in_frame = True  # new records inside an unfinished burst frame wait untouched (off: for tests)
 
     # --- input ----------------------------------------------------------------------
 
     def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
         """GPU-resident level changes of one device, in time order (one per memory record)."""
+        self._mem_dev = dev if not self._mem or self._mem_dev == dev else _MIXED
         self._mem.append((ts.astype(np.int64), deltas.astype(np.int64), np.full(len(ts), dev, np.int32)))
 
     def add_events(self, ts: np.ndarray) -> None:
@@ -107,9 +116,15 @@ class ProcessSampler:
 
     def _run(self, limit: int, final: bool) -> None:
         cfg = self.config
-        if (not final and self.cursor is not None and self.cursor + self.interval_ns > limit
-                and not self._mem and not self._events):
-            return  # nothing new and no interval to close: the common case between ticks
+        if not final and self.cursor is not None and self.cursor + self.interval_ns > limit:
+            if not self._mem and not self._events:
+                return  # nothing new and no interval to close: the common case between ticks
+            if self.mode == BURST and self.wait_in_frame and self._nothing_before(self.cursor):
+                # A burst frame not over yet: the walk below would stop before judging anything, having
+                # merged, summed and split what came only to keep it for the next watermark. It waits as
+                # it came (several watermarks fall inside one 5 ms frame of a busy process).
+                return
+        one_dev = self._mem_dev
         mem_ts, delta, devs = self._take_mem()
         other = self._take_events()
         ev_ts = np.sort(np.concatenate([other, mem_ts]), kind="stable") if len(other) else mem_ts
@@ -124,16 +139,25 @@ class ProcessSampler:
         if len(ev_ts) and ev_ts[0] < cursor:
             ev_ts = np.maximum(ev_ts, cursor)
         # Levels after each event: the process total and each device's own.
-        total = self.level + np.cumsum(delta)
+        total = self.level + delta.cumsum() if len(delta) else _NO_TIMES
         # One device (the common case) needs no per-device masks.
-        self._one_dev = int(devs[0]) if len(devs) and devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
+        if not len(devs):
+            self._one_dev = None
+        elif one_dev != _MIXED:
+            self._one_dev = one_dev
+        else:
+            self._one_dev = int(devs[0]) if devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
         if self._one_dev is not None:
-            per_dev = self.level_dev.get(self._one_dev, 0) + np.cumsum(delta)
+            base = self.level_dev.get(self._one_dev, 0)
+            # A process on one device: its level is the device's, and so are the sums (read only below).
+            per_dev = total if base == self.level else base + delta.cumsum()
+        elif not len(devs):
+            per_dev = _NO_TIMES
         else:
             per_dev = np.empty_like(total)
             for d in np.unique(devs).tolist():
                 sel = devs == d
-                per_dev[sel] = self.level_dev.get(d, 0) + np.cumsum(delta[sel])
+                per_dev[sel] = self.level_dev.get(d, 0) + delta[sel].cumsum()
         i_mem = i_ev = 0
         n_mem, n_ev = len(mem_ts), len(ev_ts)
         while True:
@@ -174,8 +198,8 @@ class ProcessSampler:
             if nxt >= end:  # no event before the interval's end (events before i_mem/i_ev all came before it)
                 j_mem, j_ev = i_mem, i_ev
             else:
-                j_mem = int(np.searchsorted(mem_ts, end, "left"))
-                j_ev = int(np.searchsorted(ev_ts, end, "left"))
+                j_mem = int(mem_ts.searchsorted(end, "left"))
+                j_ev = int(ev_ts.searchsorted(end, "left"))
             n_events = j_ev - i_ev
             lv = total[i_mem:j_mem]
             entering = self.level
@@ -198,13 +222,13 @@ class ProcessSampler:
                         # The usual rate and range learn only from the part sampled in the old mode
                         # (only changes too small to count moved a level), again independent of the
                         # watermarks.
-                        n_before = int(np.searchsorted(ev_ts, t1, "left")) - i_ev
-                        before = total[i_mem:int(np.searchsorted(mem_ts, t1, "left"))]
+                        n_before = int(ev_ts.searchsorted(t1, "left")) - i_ev
+                        before = total[i_mem:int(mem_ts.searchsorted(t1, "left"))]
                         rng_before = (max(entering, int(before.max())) - min(entering, int(before.min()))
                                       if len(before) else 0)
                         self._update_usual(rng_before, n_before, (t1 - cursor) / 1e9)
                     gpu = self._busiest_dev(devs, per_dev, i_mem, j_mem)
-                    k_mem = int(np.searchsorted(mem_ts, t1, "left"))
+                    k_mem = int(mem_ts.searchsorted(t1, "left"))
                     if k_mem > i_mem:  # small changes before the one that mattered: the levels move on
                         self._levels_to(devs, total, per_dev, i_mem, k_mem)
                     self.window = _OpenWindow(start=t1, reason=reason, gpu=gpu, baseline=self.level,
@@ -213,7 +237,7 @@ class ProcessSampler:
                     self.bursts += 1
                     # Walk again from t1, from the levels just before it.
                     i_mem = k_mem
-                    i_ev = int(np.searchsorted(ev_ts, t1, "left"))
+                    i_ev = int(ev_ts.searchsorted(t1, "left"))
                     cursor = t1
                     continue
             if early:
@@ -246,7 +270,7 @@ class ProcessSampler:
         # recomputed then from self.level, the level at the cursor.
         if i_mem < n_mem:
             self._mem = [(mem_ts[i_mem:], delta[i_mem:], devs[i_mem:])]
-        rest = other[int(np.searchsorted(other, cursor, "left")):] if len(other) else other
+        rest = other[int(other.searchsorted(cursor, "left")):] if len(other) else other
         if len(rest):
             self._events = [rest]
 
@@ -313,6 +337,13 @@ class ProcessSampler:
                 and (len(e_ts) <= _WALK_EVENTS or e_ts[-1] >= stop):
             judged = walk_frames(cfg, cursor, iv, walk, m_ts, e_ts, total[i_mem:i_mem + len(m_ts)].tolist(),
                                  i_mem, i_ev, seen)
+        elif self.walk_bursts and (j_ev := int(ev_ts.searchsorted(stop, "left"))) - i_ev <= _WALK_MANY:
+            # More events, in no more frames (kernels by the hundred in a few 5 ms frames): the walk finds
+            # each frame's end by bisection, so its cost follows the frames more than the events; numpy's
+            # forty calls judge every frame up to burst_max_ms, most of them after the window closed.
+            j_mem = int(mem_ts.searchsorted(stop, "left"))
+            judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
+                                 total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
@@ -388,7 +419,7 @@ class ProcessSampler:
         need = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * floor, 1)
         usual = cfg.range_jump_factor * (self.range_ewma or 0.0)
         rng = hi - lo
-        hit = np.flatnonzero((rng >= need) & (rng > usual))
+        hit = ((rng >= need) & (rng > usual)).nonzero()[0]
         return int(mem_ts[i + int(hit[0])]) if len(hit) else int(mem_ts[i])
 
     def _levels_to(self, devs: np.ndarray, total: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> None:
@@ -403,7 +434,7 @@ class ProcessSampler:
             self.level_dev.update(zip(devs[i:j].tolist(), per_dev[i:j].tolist()))
             return
         for d in np.unique(devs[i:j]).tolist():
-            last = i + int(np.flatnonzero(devs[i:j] == d)[-1])
+            last = i + int((devs[i:j] == d).nonzero()[0][-1])
             self.level_dev[d] = int(per_dev[last])
 
     def _dev_peaks(self, devs: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> dict[int, int]:
@@ -443,6 +474,12 @@ class ProcessSampler:
             last[4] += n
         else:
             self.history.append([start, end, iv_ms, mode, n])
+
+    def _nothing_before(self, cursor: int) -> bool:
+        """Whether nothing waiting is stamped before ``cursor``. A walk drops such events and moves such
+        level changes to the cursor, which orders them among later ones: they must go its way."""
+        return all(not len(c) or int(c.min()) >= cursor for c in self._events) and \
+            all(not len(c[0]) or int(c[0].min()) >= cursor for c in self._mem)
 
     def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         chunks, self._mem = self._mem, []
