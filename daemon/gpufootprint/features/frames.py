@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.footprint.cells import cell_sums
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
 
@@ -90,6 +91,10 @@ class MigrationWindow:
 #: Batches of at most this many records are counted in Python, record by record: below it the numpy
 #: path's calls of fixed cost (a dozen per batch) outweigh a loop.
 SMALL_BATCH = 128
+#: A larger batch is summed per (kind, frame) cell with one bincount (``footprint.cells``) while its
+#: cells number at most this many per record (plus a few): a batch spread thin over time takes the
+#: per-kind runs, whose cost follows the records, not the time they span.
+_CELLS_PER_RECORD = 4
 
 # Column indexes of the per-frame counters.
 _A_N, _A_B, _R_N, _R_B, _SET_B = range(5)
@@ -207,6 +212,9 @@ class FrameBuilder:
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
         size = recs["bytes"].astype(np.int64)
+        if self._on_memcpy_cells(start, ck, size):
+            self._prune()
+            return
         for kind in np.unique(ck).tolist():
             sel = ck == kind
             starts, fids = _runs(start[sel] // self.frame_ns)
@@ -224,6 +232,32 @@ class FrameBuilder:
                 w[8] += n[i]
                 w[9] += b[i]
         self._prune()
+
+    def _on_memcpy_cells(self, start: np.ndarray, ck: np.ndarray, size: np.ndarray) -> bool:
+        """``on_memcpy``'s sums with one bincount per column over (copy kind, frame) cells and over
+        migration windows (``footprint.cells``), added in the per-kind path's order; False (nothing
+        added) where that does not apply: a batch spread thin over time, or sums past float64's exact range."""
+        n = len(start)
+        by_frame = cell_sums(ck, start // self.frame_ns, [size], _CELLS_PER_RECORD * n + 64)
+        if by_frame is None:
+            return False
+        hd = (ck == CopyKind.HTOD) | (ck == CopyKind.DTOH)  # HOST_DEVICE_COPIES
+        by_window = cell_sums(hd.view(np.uint8), start // self.migration_ns, [size], 2 * (_CELLS_PER_RECORD * n + 64))
+        if by_window is None:
+            return False
+        copies = self._copies
+        for kind, fid, b in zip(by_frame[0], by_frame[1], by_frame[3][0]):
+            self._row(fid)
+            c = copies.get(fid)
+            if c is None:
+                c = copies[fid] = Counter()
+            c[kind] += b
+        for host, wid, count, b in zip(by_window[0], by_window[1], by_window[2], by_window[3][0]):
+            if host:
+                w = self._window(wid)
+                w[8] += count
+                w[9] += b
+        return True
 
     def _on_memcpy_small(self, recs: np.ndarray) -> None:
         """``on_memcpy`` record by record: the sums gathered first, then added in the batch path's order

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufootprint.footprint.cells import EXACT, key_sums
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import (
     DEVICE_RESIDENT_KINDS,
@@ -48,6 +49,11 @@ _SMALL_POOL_BATCH = 128  # at most this many records: pool sizes and copies are 
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
+
+
+def _bytes_fit(col: np.ndarray) -> bool:
+    """Unsigned sizes that stay the same numbers as int64 (``key_sums`` then checks their sums)."""
+    return len(col) == 0 or int(col.max()) < EXACT
 
 
 class IngestErrors:
@@ -404,12 +410,20 @@ class DeviceFootprint:
             return
         ck = recs["ck"]
         dur = (recs["end"].astype(np.int64) - recs["start"].astype(np.int64)).clip(min=0)
-        kinds = np.unique(ck)
-        for k in kinds.tolist():
-            sel = ck == k
-            self.memcpy_count[k] += int(sel.sum())
-            self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
-            self.memcpy_ns[k] += int(dur[sel].sum())
+        # Per kind with one bincount a column (``footprint.cells``); a selection per kind where the sums
+        # could pass float64's exact range.
+        sums = key_sums(ck, [recs["bytes"].astype(np.int64), dur]) if _bytes_fit(recs["bytes"]) else None
+        if sums is not None:
+            for k, n, b, ns in zip(sums[0], sums[1], sums[2][0], sums[2][1]):
+                self.memcpy_count[k] += n
+                self.memcpy_bytes[k] += b
+                self.memcpy_ns[k] += ns
+        else:
+            for k in np.unique(ck).tolist():
+                sel = ck == k
+                self.memcpy_count[k] += int(sel.sum())
+                self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
+                self.memcpy_ns[k] += int(dur[sel].sum())
         peer = ck == CopyKind.PTOP
         if peer.any():
             pairs = np.stack([recs["src_dev"][peer], recs["dst_dev"][peer]], axis=1)
