@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 from gpufootprint.features import frames as frames_mod
+from gpufootprint.features import keyset as keyset_mod
 from gpufootprint.features.frames import FrameBuilder
+from gpufootprint.features.keyset import KeySet
 from gpufootprint.footprint import cells
 from gpufootprint.footprint import table as table_mod
 from gpufootprint.footprint.peaks import FramePeaks
@@ -87,3 +89,32 @@ def test_cell_sums_answer_none_where_float64_would_round() -> None:
     # AND a batch out of frame order, or over more cells than allowed, is left to the general path
     assert cells.cell_sums(keys, np.array([6, 5], np.int64), [big >> 30], 100) is None
     assert cells.cell_sums(keys, np.array([0, 1000], np.int64), [big >> 30], 100) is None
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_key_set_first_round_and_python_tail_equal_the_probe_rounds(seed: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two key sets fed the same batches of keys (repeats, the key 0 now and then, batches
+    # small and large), one with the whole-batch first round and the Python tail switched off
+    rng = np.random.default_rng(seed)
+    sets = [KeySet(), KeySet()]
+    pool = rng.integers(0, 1 << 63, 5000, dtype=np.int64).astype(np.uint64) * np.uint64(2)
+    pool[:3] = 0
+    never = rng.integers(0, 1 << 63, 2000, dtype=np.int64).astype(np.uint64) * np.uint64(2) + np.uint64(1)  # odd
+    for _ in range(80):
+        keys = rng.choice(pool, int(rng.integers(1, 3000)))
+        asked = rng.choice(np.concatenate([pool, never]), int(rng.integers(1, 3000)))
+        got = []
+        for ks, on in zip(sets, (True, False)):
+            if not on:
+                monkeypatch.setattr(keyset_mod, "_ROUND_ONE_MIN", 1 << 62)
+                monkeypatch.setattr(keyset_mod, "_PYTHON_TAIL", 0)
+            got.append((ks.add(keys).tolist(), ks.find(asked).tolist(), ks.contains(asked).tolist()))
+            monkeypatch.undo()
+        # THEN both give the same slots and answers and hold the same table, slot for slot
+        assert got[0] == got[1]
+        assert sets[0]._table.tobytes() == sets[1]._table.tobytes() and sets[0].size == sets[1].size
+        if rng.random() < 0.05:
+            for ks in sets:
+                ks.clear()
+    assert any(got[0][2]) and not all(got[0][2])
