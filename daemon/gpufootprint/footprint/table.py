@@ -159,8 +159,8 @@ class DeviceFootprint:
         f_op = o[fpos]
         f_addr = a[fpos]
         live = self.live
-        if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
-            return None  # an allocation at an address that is already live
+        if live and not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
+            return None  # an allocation at an address that is already live (none is, in an empty table)
         if self.reused and not self.reused.addresses().isdisjoint(f_addr.tolist()):
             return None  # perhaps the late release of an allocation whose address was reused
         rel_first = fpos[f_op == 2]
@@ -190,11 +190,13 @@ class DeviceFootprint:
         signed = np.where(is_rel, -size, size)
         # Per-kind sums with bincount (float64 weights: exact while a batch moves < 2**53 bytes).
         exact = int(size.sum()) < (1 << 53)
-        n_alloc = np.bincount(kind[~is_rel], minlength=_N_KINDS).tolist()
-        n_rel = np.bincount(kind[is_rel], minlength=_N_KINDS).tolist()
+        # Allocations count in bins 0..31 and releases in 32..63 of one bincount: no selection per side.
+        cell = kind + _N_KINDS * is_rel
+        counts = np.bincount(cell, minlength=2 * _N_KINDS).tolist()
+        n_alloc, n_rel = counts[:_N_KINDS], counts[_N_KINDS:]
         if exact:
-            b_alloc = np.bincount(kind[~is_rel], weights=size[~is_rel], minlength=_N_KINDS).tolist()
-            b_rel = np.bincount(kind[is_rel], weights=size[is_rel], minlength=_N_KINDS).tolist()
+            sums = np.bincount(cell, weights=size, minlength=2 * _N_KINDS).tolist()
+            b_alloc, b_rel = sums[:_N_KINDS], sums[_N_KINDS:]
         for k in range(_N_KINDS):
             if not (n_alloc[k] or n_rel[k]):
                 continue
