@@ -63,6 +63,10 @@ class _OpenWindow:
     last_volatile_end: int = 0
 
 
+def _in_order(ts: np.ndarray) -> bool:
+    return len(ts) < 2 or bool((ts[1:] >= ts[:-1]).all())
+
+
 class ProcessSampler:
     def __init__(self, pid: int, config: SamplerConfig) -> None:
         self.pid = pid
@@ -451,9 +455,13 @@ class ProcessSampler:
         if len(chunks) == 1:
             return chunks[0]
         ts = np.concatenate([c[0] for c in chunks])
+        deltas = np.concatenate([c[1] for c in chunks])
+        devs = np.concatenate([c[2] for c in chunks])
+        if _in_order(ts):
+            # The usual case (what a walk left, then what came since): a stable sort would leave it as it is.
+            return ts, deltas, devs
         order = np.argsort(ts, kind="stable")
-        return (ts[order], np.concatenate([c[1] for c in chunks])[order],
-                np.concatenate([c[2] for c in chunks])[order])
+        return ts[order], deltas[order], devs[order]
 
     def _take_events(self) -> np.ndarray:
         chunks, self._events = self._events, []
