@@ -12,15 +12,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpufootprint.config import SamplerConfig
 from gpufootprint.features import frames as frames_mod
 from gpufootprint.features import keyset as keyset_mod
+from gpufootprint.features import reuse as reuse_mod
 from gpufootprint.features.frames import FrameBuilder
 from gpufootprint.features.keyset import KeySet
+from gpufootprint.features.reuse import ReuseTracker
 from gpufootprint.footprint import cells
 from gpufootprint.footprint import table as table_mod
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint
-from gpufootprint.records import MEMCPY_DTYPE, CopyKind
+from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, MemoryOp
+from gpufootprint.sampler.state import ProcessSampler
 
 SEEDS = range(12)
 MS = 1_000_000
@@ -118,3 +122,74 @@ def test_key_set_first_round_and_python_tail_equal_the_probe_rounds(seed: int,
             for ks in sets:
                 ks.clear()
     assert any(got[0][2]) and not all(got[0][2])
+
+
+def _memory_batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless: bool) -> np.ndarray:
+    """Random MEMORY records: a few addresses and sizes (keys repeat within and across batches),
+    mostly device memory, sometimes out of time order, sometimes releases without their size."""
+    recs = np.zeros(n, MEMORY_DTYPE)
+    recs["ts"] = t + np.sort(rng.integers(0, 50_000_000, n))
+    if rng.random() < 0.2:
+        recs["ts"] = recs["ts"][rng.permutation(n)]
+    recs["op"] = rng.choice([MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value, 7], n, p=[0.5, 0.45, 0.05])
+    recs["addr"] = rng.integers(0, addrs, n).astype(np.uint64) * np.uint64(4096)  # 0 included
+    sizes = np.array([0, 512, 4096, 1 << 20, (1 << 64) - 1], np.uint64)
+    recs["bytes"] = rng.choice(sizes, n, p=[0.05, 0.3, 0.3, 0.3, 0.05])
+    if sizeless:
+        recs["bytes"][(recs["op"] == MemoryOp.RELEASE.value) & (rng.random(n) < 0.5)] = 0
+    recs["mk"] = rng.choice([MemoryKind.DEVICE.value, MemoryKind.PINNED.value], n, p=[0.85, 0.15])
+    return recs
+
+
+def _reuse_state(tr: ReuseTracker, keys: list[int]) -> tuple[Any, ...]:
+    return (tr.allocations, tr.reused, tr.events().tolist(), dict(tr._live), tr._sizeless, len(tr._freed),
+            [tr._freed.has(k) for k in keys], tr.ratio)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large
+    # random batches, one looking up allocations and releases apart (the lookup, then the add of every release)
+    rng = np.random.default_rng(seed)
+    together, apart = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
+    t = 10**15
+    keys: set[int] = set()
+    for _ in range(60):
+        batch = _memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([64, 512, 8192])),
+                              sizeless=rng.random() < 0.1)
+        t += 60_000_000
+        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
+        together.add(batch)
+        monkeypatch.setattr(reuse_mod, "_PROBE_TOGETHER_MIN", 1 << 62)
+        apart.add(batch)
+        monkeypatch.undo()
+        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
+        probe = sorted(keys)[:600]
+        assert _reuse_state(together, probe) == _reuse_state(apart, probe)
+    assert together.reused > 0 and together.allocations > together.reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sampler_levels_taken_in_order_equal_the_stable_sort(seed: int) -> None:
+    # GIVEN level changes of two devices in chunks, most of them following each other in time, some not
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        sampler = ProcessSampler(1, SamplerConfig())
+        t = int(rng.integers(0, 10**12))
+        chunks = []
+        for _ in range(int(rng.integers(1, 5))):
+            n = int(rng.integers(0, 300))
+            ts = t + np.sort(rng.integers(0, 10**6, n))
+            if rng.random() < 0.3:
+                ts = ts - int(rng.integers(0, 10**6))  # overlaps the chunk before it
+            t = int(ts[-1]) if n else t
+            chunks.append((ts.astype(np.int64), rng.integers(-100, 100, n).astype(np.int64), int(rng.integers(0, 2))))
+        for ts, deltas, dev in chunks:
+            sampler.add_levels(ts, deltas, dev)
+        got = sampler._take_mem()
+        # THEN the taken arrays are those of a stable sort by time of the joined chunks
+        ts = np.concatenate([c[0] for c in chunks])
+        order = np.argsort(ts, kind="stable")
+        want = (ts[order], np.concatenate([c[1] for c in chunks])[order],
+                np.concatenate([np.full(len(c[0]), c[2], np.int32) for c in chunks])[order])
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
