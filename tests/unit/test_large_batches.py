@@ -193,3 +193,16 @@ def test_sampler_levels_taken_in_order_equal_the_stable_sort(seed: int) -> None:
         want = (ts[order], np.concatenate([c[1] for c in chunks])[order],
                 np.concatenate([np.full(len(c[0]), c[2], np.int32) for c in chunks])[order])
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_run_starts_and_ends_equal_the_diff_formulations(seed: int) -> None:
+    # GIVEN frame numbers in runs (sorted or not, one value up to many, negative ones too)
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        idx = rng.integers(-3, int(rng.choice([1, 4, 1000])), int(rng.integers(1, 400))).astype(np.int64)
+        if rng.random() < 0.7:
+            idx = np.sort(idx)
+        # THEN the run starts and ends are what np.diff made of them
+        assert cells.run_starts(idx).tolist() == np.flatnonzero(np.diff(idx, prepend=idx[0] - 1)).tolist()
+        assert cells.run_ends(idx).tolist() == np.append(np.flatnonzero(np.diff(idx)), len(idx) - 1).tolist()

@@ -21,7 +21,7 @@ from typing import Final
 import numpy as np
 
 from gpufootprint.features.reuse import ReuseTracker
-from gpufootprint.footprint.cells import cell_sums
+from gpufootprint.footprint.cells import cell_sums, run_ends, run_starts
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
 
@@ -107,7 +107,7 @@ _MIG_FAULT = {UmCounterKind.CPU_PAGE_FAULT_COUNT: 6, UmCounterKind.GPU_PAGE_FAUL
 
 def _runs(idx: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """Start positions of runs of equal values in sorted ``idx``, and the values."""
-    starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+    starts = run_starts(idx)
     return starts, idx[starts].tolist()
 
 
@@ -159,7 +159,7 @@ class FrameBuilder:
             return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
-        ends = np.append(np.flatnonzero(np.diff(idx)), len(idx) - 1)
+        ends = run_ends(idx)
         for fid, lvl in zip(idx[ends].tolist(), levels[ends].tolist()):
             self._end_level[fid] = lvl
 

@@ -53,6 +53,28 @@ def cell_sums(keys: np.ndarray | None, frames: np.ndarray, columns: list[np.ndar
     return key.tolist(), (frame + f0).tolist(), counts[nz].tolist(), sums
 
 
+def run_starts(idx: np.ndarray) -> np.ndarray:
+    """Positions where a run of equal values starts in ``idx`` (non-empty): 0 and every change.
+
+    What ``np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))`` gives, from one comparison: ``np.diff``
+    with ``prepend`` joins a copy first and ``flatnonzero`` over integers is slower than over booleans
+    (about 13 us against 3 us for 3,686 frame numbers here)."""
+    changes = np.flatnonzero(idx[1:] != idx[:-1])
+    starts = np.empty(len(changes) + 1, np.intp)
+    starts[0] = 0
+    starts[1:] = changes + 1
+    return starts
+
+
+def run_ends(idx: np.ndarray) -> np.ndarray:
+    """Positions where a run of equal values ends in ``idx`` (non-empty): every change and the last."""
+    changes = np.flatnonzero(idx[1:] != idx[:-1])
+    ends = np.empty(len(changes) + 1, np.intp)
+    ends[:-1] = changes
+    ends[-1] = len(idx) - 1
+    return ends
+
+
 def key_sums(keys: np.ndarray, columns: list[np.ndarray]) -> tuple[list[int], list[int], list[list[int]]] | None:
     """Per key present (ascending): how many records, and each column's sum. None: not exact."""
     if not _exact(columns, len(keys)):
@@ -63,4 +85,4 @@ def key_sums(keys: np.ndarray, columns: list[np.ndarray]) -> tuple[list[int], li
     return nz.tolist(), counts[nz].tolist(), sums
 
 
-__all__ = ["EXACT", "cell_sums", "key_sums"]
+__all__ = ["EXACT", "cell_sums", "key_sums", "run_ends", "run_starts"]

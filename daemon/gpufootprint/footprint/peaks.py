@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gpufootprint.footprint.cells import run_starts
+
 #: Batches of at most this many events are walked in Python (``_frame_peaks_small``): below it the
 #: numpy path's dozen calls of fixed cost (cumsum, diff, reduceat, ...) outweigh a loop.
 SMALL_BATCH = 128
@@ -54,7 +56,7 @@ class FramePeaks:
         else:
             levels = self.level + np.cumsum(deltas, dtype=np.int64)
             idx = ts.astype(np.int64) // self.frame_ns
-            starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+            starts = run_starts(idx)
             seg_max = np.maximum.reduceat(levels, starts)
             entering = np.empty_like(seg_max)
             entering[0] = self.level

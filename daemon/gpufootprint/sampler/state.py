@@ -128,11 +128,12 @@ class ProcessSampler:
         if len(ev_ts) and ev_ts[0] < cursor:
             ev_ts = np.maximum(ev_ts, cursor)
         # Levels after each event: the process total and each device's own.
-        total = self.level + np.cumsum(delta)
-        # One device (the common case) needs no per-device masks.
+        moved = np.cumsum(delta)
+        total = self.level + moved
+        # One device (the common case) needs no per-device masks: its levels move as the total does.
         self._one_dev = int(devs[0]) if len(devs) and devs[0] == devs[-1] and bool((devs == devs[0]).all()) else None
         if self._one_dev is not None:
-            per_dev = self.level_dev.get(self._one_dev, 0) + np.cumsum(delta)
+            per_dev = self.level_dev.get(self._one_dev, 0) + moved
         else:
             per_dev = np.empty_like(total)
             for d in np.unique(devs).tolist():
