@@ -99,14 +99,18 @@ def _memory_in_range(recs: np.ndarray, limits: Limits) -> bool:
     field in range, costs one numpy call instead of one per field."""
     if not recs.flags.c_contiguous or MEMORY_DTYPE.itemsize % 8 or recs.dtype != MEMORY_DTYPE:
         return False
-    lim = _WORD_LIMITS.get(limits)
-    if lim is None:
-        lim = _WORD_LIMITS[limits] = _memory_word_limits(limits)
+    bounded = _WORD_LIMITS.get(limits)
+    if bounded is None:
+        lim = _memory_word_limits(limits)
+        bounded = _WORD_LIMITS[limits] = [(int(w), int(lim[w])) for w in np.flatnonzero(lim != _U64_MAX)]
     words = recs.view(np.uint8).view("<u8").reshape(len(recs), -1)
-    return not bool((words > lim).any())
+    # Only the words with a limit, each by its largest value: a comparison of every word against a row of
+    # ten limits loops ten words at a time (about 22 us for 3,686 records here, these 4 maxima 10 us).
+    return all(int(words[:, w].max()) <= top for w, top in bounded)
 
 
-_WORD_LIMITS: dict[Limits, np.ndarray] = {}
+_U64_MAX = np.uint64(np.iinfo(np.uint64).max)
+_WORD_LIMITS: dict[Limits, list[tuple[int, int]]] = {}
 
 
 def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Problem) -> np.ndarray:
