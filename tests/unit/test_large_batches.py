@@ -23,8 +23,9 @@ from gpufootprint.footprint import cells
 from gpufootprint.footprint import table as table_mod
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint
-from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, MemoryOp
+from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, MemoryOp, RecordKind
 from gpufootprint.sampler.state import ProcessSampler
+from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
 SEEDS = range(12)
 MS = 1_000_000
@@ -206,3 +207,44 @@ def test_run_starts_and_ends_equal_the_diff_formulations(seed: int) -> None:
         # THEN the run starts and ends are what np.diff made of them
         assert cells.run_starts(idx).tolist() == np.flatnonzero(np.diff(idx, prepend=idx[0] - 1)).tolist()
         assert cells.run_ends(idx).tolist() == np.append(np.flatnonzero(np.diff(idx)), len(idx) - 1).tolist()
+
+
+def _fed(decoder: FrameDecoder, stream: bytes, cuts: list[int]) -> tuple[Any, ...]:
+    """What a decoder returns fed ``stream`` cut at ``cuts`` (up to the damage, if any); the bytes it
+    holds back then, counting those it was not fed (a broken decoder is fed no more)."""
+    got: list[tuple[Any, ...]] = []
+    fed = 0
+    for lo, hi in zip([0, *cuts], [*cuts, len(stream)]):
+        if decoder.error is not None:
+            break
+        got += [(f.type, f.tag, f.payload, f.offset) for f in decoder.feed(stream[lo:hi])]
+        fed = hi
+        assert decoder.offset + decoder.pending == fed
+    return got, str(decoder.error), decoder.offset, decoder.pending + len(stream) - fed
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frames_read_out_of_the_pieces_equal_frames_gathered_from_small_pieces(seed: int) -> None:
+    # GIVEN a stream of frames of many sizes, now and then damaged (a flipped byte, a huge length, a cut)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        parts = [PREAMBLE]
+        for _ in range(int(rng.integers(0, 40))):
+            recs = np.zeros(int(rng.integers(0, 300)), MEMCPY_DTYPE)
+            recs["start"] = rng.integers(0, 1 << 60, len(recs))
+            parts.append(encode_batch(RecordKind.MEMCPY, recs) if rng.random() < 0.8
+                         else encode_json(FrameType.MARK, {"label": "x" * int(rng.integers(0, 50))}))
+        stream = bytearray(b"".join(parts))
+        if rng.random() < 0.4 and len(stream) > 8:
+            stream[int(rng.integers(0, len(stream)))] ^= 0xFF
+        if rng.random() < 0.3:
+            stream = stream[: int(rng.integers(0, len(stream) + 1))]
+        data = bytes(stream)
+        # WHEN it is fed in random pieces, in one piece, and in pieces of a few bytes (every frame gathered in
+        # the buffer)
+        pieces = sorted(rng.integers(0, len(data) + 1, int(rng.integers(0, 12))).tolist())
+        one = _fed(FrameDecoder(), data, [])
+        # THEN the frames, their offsets, the damage and what is left over are the same
+        assert _fed(FrameDecoder(), data, pieces) == one
+        small = np.cumsum(rng.integers(1, 97, len(data) // 20 + 1))
+        assert _fed(FrameDecoder(), data, small[small < len(data)].tolist()) == one
