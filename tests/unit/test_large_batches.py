@@ -248,3 +248,74 @@ def test_frames_read_out_of_the_pieces_equal_frames_gathered_from_small_pieces(s
         assert _fed(FrameDecoder(), data, pieces) == one
         small = np.cumsum(rng.integers(1, 97, len(data) // 20 + 1))
         assert _fed(FrameDecoder(), data, small[small < len(data)].tolist()) == one
+
+
+def _footprint_state(fp: DeviceFootprint, levels: Any) -> tuple[Any, ...]:
+    return ({a: (e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()}, list(fp.live_by_kind),
+            fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
+            list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level, levels.ts.tolist(), levels.deltas.tolist(),
+            levels.level_after)
+
+
+def _well_formed_batch(rng: np.random.Generator, t: int, live: dict[int, int], one_kind: bool,
+                       with_async: bool) -> np.ndarray:
+    """Records the bulk path takes: per address allocations and releases alternate, starting from what
+    ``live`` (address -> kind) holds; one memory kind or several, stream-ordered ones or none."""
+    kinds = [MemoryKind.DEVICE.value] if one_kind else [MemoryKind.DEVICE.value, MemoryKind.PINNED.value, 5]
+    rows = []
+    for addr in rng.choice(4096, int(rng.integers(200, 600)), replace=False).tolist():
+        addr = addr * 4096 + 4096
+        for _ in range(int(rng.integers(1, 4))):
+            if addr in live:
+                rows.append((MemoryOp.RELEASE.value, addr, live.pop(addr)))
+            else:
+                live[addr] = int(rng.choice(kinds))
+                rows.append((MemoryOp.ALLOCATION.value, addr, live[addr]))
+    order = rng.permutation(len(rows))
+    recs = np.zeros(len(rows), MEMORY_DTYPE)
+    # Time order keeps each address's own order: the rows of one address are numbered as they were made.
+    seq = np.empty(len(rows), np.int64)
+    seq[order] = np.arange(len(rows))
+    by_addr: dict[int, list[int]] = {}
+    for i, (_, a, _) in enumerate(rows):
+        by_addr.setdefault(a, []).append(int(seq[i]))
+    for a, stamps in by_addr.items():
+        stamps.sort()
+    slot = {a: 0 for a in by_addr}
+    for i, (op, a, k) in enumerate(rows):
+        pos = by_addr[a][slot[a]]
+        slot[a] += 1
+        recs[pos] = (t + pos * 1000, a, int(rng.choice([512, 4096, 1 << 20])) if op == 1 else 0, 0, 0, 0, 0, 1, 0,
+                     0, 0, pos, op, k, int(with_async and rng.random() < 0.5), 0)
+    return recs
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two footprints fed the same well-formed batches (one memory kind or several, stream-ordered
+    # allocations or none, releases with their size, without it, or with another one), one with the
+    # bulk path's shortcut for one kind without async switched off
+    rng = np.random.default_rng(seed)
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    errs = [table_mod.IngestErrors(), table_mod.IngestErrors()]
+    live: dict[int, int] = {}
+    t = 10**15
+    shortcut = 0
+    for _ in range(25):
+        batch = _well_formed_batch(rng, t, live, one_kind=seed % 2 == 0 or rng.random() < 0.3,
+                                   with_async=rng.random() < 0.3)
+        rel = batch["op"] == MemoryOp.RELEASE.value
+        batch["bytes"][rel & (rng.random(len(batch)) < 0.05)] = 12345  # a release claiming another size
+        t += 10**9
+        states = []
+        for fp, err, on in zip(fps, errs, (True, False)):
+            monkeypatch.setattr(table_mod, "_UNIFORM_FAST", on)
+            levels = fp._apply_memory_bulk(batch, err)
+            assert levels is not None  # the bulk path took it
+            states.append((_footprint_state(fp, levels), dict(err.counts)))
+        monkeypatch.undo()
+        shortcut += len(np.unique(batch["mk"])) == 1 and not batch["is_async"].any()
+        # THEN both hold the same table, sums, peaks and errors, and returned the same level changes
+        assert states[0] == states[1]
+    assert shortcut < 25 and (shortcut > 0 or seed % 2)  # both paths were taken
