@@ -319,3 +319,32 @@ def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
         # THEN both hold the same table, sums, peaks and errors, and returned the same level changes
         assert states[0] == states[1]
     assert shortcut < 25 and (shortcut > 0 or seed % 2)  # both paths were taken
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> None:
+    # GIVEN two footprints with a frame builder each, fed the same memory batches in time order; one
+    # builder reads the footprint's own peaks (their runs), the other a peaks table of its own that is
+    # never fed (it cuts every batch into frames itself)
+    rng = np.random.default_rng(seed)
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    builders = [FrameBuilder(1, 0, fps[0].peaks, keep_ns=200 * MS, migration_ns=50 * MS, reuse_capacity=1000),
+                FrameBuilder(1, 0, FramePeaks(10 * MS, 300 * MS), keep_ns=200 * MS, migration_ns=50 * MS,
+                             reuse_capacity=1000)]
+    t = 10**15
+    shared = 0
+    for _ in range(60):
+        batch = _memory_batch(rng, t, int(rng.integers(1, 700)), 64, sizeless=False)
+        batch = batch[np.argsort(batch["ts"], kind="stable")]
+        batch["bytes"] = np.minimum(batch["bytes"], np.uint64(1 << 42))  # validated sizes (ingest)
+        t += int(rng.integers(1, 120)) * MS
+        states = []
+        for fp, builder in zip(fps, builders):
+            levels = fp.apply_memory(batch, table_mod.IngestErrors())
+            shared += builder.peaks.runs is not None
+            builder.on_levels(levels.ts, levels.deltas, levels.level_after)
+            builder.on_memory(batch)
+            states.append((list(builder._frames.items()), list(builder._end_level.items()), builder._newest_frame))
+        # THEN both builders hold the same rows and end levels, in the same order
+        assert states[0] == states[1]
+    assert shared > 5

@@ -157,6 +157,12 @@ class FrameBuilder:
                 level += d
                 end_level[t // frame_ns] = level
             return
+        runs = self.peaks.runs
+        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
+            # The footprint's peaks just cut these changes into the same frames: their end levels.
+            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
+                self._end_level[fid] = lvl
+            return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
         ends = run_ends(idx)
@@ -169,8 +175,12 @@ class FrameBuilder:
             self.reuse.add(recs)
             self._prune()
             return
-        idx = recs["ts"].astype(np.int64) // self.frame_ns
-        starts, fids = _runs(idx)
+        ts = recs["ts"]
+        runs = self.peaks.runs
+        if runs is not None and runs.of(ts):  # the footprint's peaks cut these times into frames already
+            starts, fids = runs.starts, runs.frame_ids
+        else:
+            starts, fids = _runs(ts.astype(np.int64) // self.frame_ns)
         op = recs["op"]
         size = recs["bytes"].astype(np.int64)
         is_alloc = op == MemoryOp.ALLOCATION

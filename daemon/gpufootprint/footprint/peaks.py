@@ -37,9 +37,35 @@ class LevelChanges(NamedTuple):
     level_after: int
 
 
+class FrameRuns(NamedTuple):
+    """How the last large batch fell into frames: the feature frames (same frames) read it instead of
+    cutting the same times into the same runs again."""
+
+    ts: np.ndarray  # the event times they were cut from
+    address: int  # where those times lie in memory (another view of them is the same times)
+    deltas: np.ndarray
+    starts: np.ndarray  # position of each run's first event
+    frame_ids: list[int]  # each run's frame
+    end_levels: list[int]  # the level after each run's last event
+    level_after: int
+
+    def of(self, ts: np.ndarray) -> bool:
+        """Whether ``ts`` are these times: this very array, or a view of the same memory and layout."""
+        return ts is self.ts or (len(ts) == len(self.ts) and ts.strides == self.ts.strides
+                                 and ts.dtype == self.ts.dtype and _address(ts) == self.address)
+
+
+def _address(a: np.ndarray) -> int:
+    address: int = a.__array_interface__["data"][0]
+    return address
+
+
 class FramePeaks:
     def __init__(self, frame_ns: int, keep_ns: int) -> None:
         self.frame_ns = frame_ns
+        # The runs of the last batch taken with numpy, kept (with a reference to its times, so no other
+        # array can take their place in memory) until the next batch.
+        self.runs: FrameRuns | None = None
         self._keep_frames = max(1, -(-keep_ns // frame_ns))
         self._frames: deque[tuple[int, int]] = deque()  # (frame index, peak), closed frames
         self._open_idx = -1
@@ -51,6 +77,7 @@ class FramePeaks:
         """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
         if len(ts) == 0:
             return LevelChanges(ts, deltas, self.level)
+        self.runs = None
         if len(ts) <= SMALL_BATCH:
             frame_ids, peaks, last = _frame_peaks_small(ts.tolist(), deltas.tolist(), self.level, self.frame_ns)
         else:
@@ -64,6 +91,9 @@ class FramePeaks:
             peaks = np.maximum(seg_max, entering).tolist()
             frame_ids = idx[starts].tolist()
             last = int(levels[-1])
+            ends = entering[1:].tolist()  # the level entering a run is the level after the one before it
+            ends.append(last)
+            self.runs = FrameRuns(ts, _address(ts), deltas, starts, frame_ids, ends, last)
         for fid, peak in zip(frame_ids, peaks):
             if fid == self._open_idx:
                 self._open_peak = max(self._open_peak, peak)
