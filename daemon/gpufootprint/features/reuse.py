@@ -95,7 +95,7 @@ class ReuseTracker:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-        if self._sizeless or bool(((ops == release) & (size == 0)).any()):
+        if self._sizeless or (int(size.min()) == 0 and bool(((ops == release) & (size == 0)).any())):
             # CUPTI's release records carry the size; a trace that omits it gets each release the
             # size last allocated at its address, remembered from the first such batch on (one pass
             # in Python; the common case never pays for it).
@@ -216,7 +216,13 @@ class ReuseTracker:
             self._compact()
 
     def _compact(self) -> None:
-        whole = np.concatenate(self._chunks)[-self._history:]
+        # Only the newest chunks that hold the kept history are joined (the older ones would be cut off).
+        chunks, held = self._chunks, 0
+        first = len(chunks)
+        while first > 0 and held < self._history:
+            first -= 1
+            held += len(chunks[first])
+        whole = np.concatenate(chunks[first:])[-self._history:]
         self._chunks = [whole]
         self._kept = len(whole)
 
