@@ -205,6 +205,7 @@ class DeviceFootprint:
         # Per-kind sums with bincount (float64 weights: exact while a batch moves < 2**53 bytes).
         moved = int(size.sum())
         exact = moved < (1 << 53)
+        kinds_moved: range | tuple[int] = range(_N_KINDS)
         if one_kind and exact:
             # One kind: its sums are the batch's (bytes allocated + released, and their difference).
             net = int(signed.sum())
@@ -213,6 +214,7 @@ class DeviceFootprint:
             n_rel[k_hi] = int(np.count_nonzero(is_rel))
             n_alloc[k_hi] = n - n_rel[k_hi]
             b_alloc[k_hi], b_rel[k_hi] = (moved + net) // 2, (moved - net) // 2
+            kinds_moved = (k_hi,)
         else:
             # Allocations count in bins 0..31 and releases in 32..63 of one bincount: no selection per side.
             cell = kind + _N_KINDS * is_rel
@@ -221,7 +223,7 @@ class DeviceFootprint:
             if exact:
                 sums = np.bincount(cell, weights=size, minlength=2 * _N_KINDS).tolist()
                 b_alloc, b_rel = sums[:_N_KINDS], sums[_N_KINDS:]
-        for k in range(_N_KINDS):
+        for k in kinds_moved:
             if not (n_alloc[k] or n_rel[k]):
                 continue
             if exact:
