@@ -347,4 +347,6 @@ def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> N
             states.append((list(builder._frames.items()), list(builder._end_level.items()), builder._newest_frame))
         # THEN both builders hold the same rows and end levels, in the same order
         assert states[0] == states[1]
+        # AND the footprint's peaks hold nothing of the batch once the frames took it
+        assert fps[0].peaks.runs is None
     assert shared > 5

@@ -170,13 +170,13 @@ class FrameBuilder:
             self._end_level[fid] = lvl
 
     def on_memory(self, recs: np.ndarray) -> None:
+        runs = self.peaks.take_runs()  # the last reader of the footprint's runs of this batch
         if len(recs) <= SMALL_BATCH:
             self._on_memory_small(recs)
             self.reuse.add(recs)
             self._prune()
             return
         ts = recs["ts"]
-        runs = self.peaks.runs
         if runs is not None and runs.of(ts):  # the footprint's peaks cut these times into frames already
             starts, fids = runs.starts, runs.frame_ids
         else:

@@ -160,7 +160,7 @@ class ReuseTracker:
         n = len(alloc_keys)
         slots = freed.find(np.concatenate((alloc_keys, rel_keys)))
         hit = slots[:n] != -1
-        rel_slots = slots[n:]  # a copy: find's answer is a fresh array
+        rel_slots = slots[n:]  # a view of find's fresh answer: written into below, read nowhere else
         new = np.flatnonzero(rel_slots == -1)
         if len(new):
             rel_slots[new] = freed.add(rel_keys[new])

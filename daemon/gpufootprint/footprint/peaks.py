@@ -64,7 +64,8 @@ class FramePeaks:
     def __init__(self, frame_ns: int, keep_ns: int) -> None:
         self.frame_ns = frame_ns
         # The runs of the last batch taken with numpy, kept (with a reference to its times, so no other
-        # array can take their place in memory) until the next batch.
+        # array can take their place in memory) until the feature frames took them (``take_runs``) or
+        # the next batch came.
         self.runs: FrameRuns | None = None
         self._keep_frames = max(1, -(-keep_ns // frame_ns))
         self._frames: deque[tuple[int, int]] = deque()  # (frame index, peak), closed frames
@@ -105,6 +106,11 @@ class FramePeaks:
         self.level = last
         self._prune(self._open_idx)
         return LevelChanges(ts, deltas, self.level)
+
+    def take_runs(self) -> FrameRuns | None:
+        """The last batch's runs, forgotten here: the batch's records are not held past their application."""
+        runs, self.runs = self.runs, None
+        return runs
 
     def _merge_closed(self, fid: int, peak: int) -> None:
         """An event older than the open frame (a late record): into its frame, keeping frames in order.
