@@ -251,10 +251,23 @@ class FrameBuilder:
         by_frame = cell_sums(ck, start // self.frame_ns, [size], _CELLS_PER_RECORD * n + 64)
         if by_frame is None:
             return False
-        hd = (ck == CopyKind.HTOD) | (ck == CopyKind.DTOH)  # HOST_DEVICE_COPIES
-        by_window = cell_sums(hd.view(np.uint8), start // self.migration_ns, [size], 2 * (_CELLS_PER_RECORD * n + 64))
-        if by_window is None:
-            return False
+        per_window = self.migration_ns // self.frame_ns if self.migration_ns % self.frame_ns == 0 else 0
+        if per_window:
+            # Each frame lies in one migration window: the windows' sums are their frames'.
+            windows: dict[int, list[int]] = {}
+            for kind, fid, count, b in zip(by_frame[0], by_frame[1], by_frame[2], by_frame[3][0]):
+                if kind in HOST_DEVICE_COPIES:
+                    w = windows.setdefault(fid // per_window, [0, 0])
+                    w[0] += count
+                    w[1] += b
+            wids = sorted(windows)  # in window order, as the runs over the records would add them
+            by_window = ([1] * len(wids), wids, [windows[w][0] for w in wids], [[windows[w][1] for w in wids]])
+        else:
+            hd = (ck == CopyKind.HTOD) | (ck == CopyKind.DTOH)  # HOST_DEVICE_COPIES
+            found = cell_sums(hd.view(np.uint8), start // self.migration_ns, [size], 2 * (_CELLS_PER_RECORD * n + 64))
+            if found is None:
+                return False
+            by_window = found
         copies = self._copies
         for kind, fid, b in zip(by_frame[0], by_frame[1], by_frame[3][0]):
             self._row(fid)
