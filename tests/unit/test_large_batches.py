@@ -23,7 +23,17 @@ from gpufootprint.footprint import cells
 from gpufootprint.footprint import table as table_mod
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint
-from gpufootprint.records import MEMCPY_DTYPE, MEMORY_DTYPE, CopyKind, MemoryKind, MemoryOp, RecordKind
+from gpufootprint.ingest.validate import _BYTES, _DEVICES, MAX_DURATION_NS, Limits, check_fields
+from gpufootprint.records import (
+    DTYPES,
+    MEMCPY_DTYPE,
+    MEMORY_DTYPE,
+    UM_CPU_PAGE_FAULT_COUNT,
+    CopyKind,
+    MemoryKind,
+    MemoryOp,
+    RecordKind,
+)
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
@@ -352,3 +362,49 @@ def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> N
         # AND the footprint's peaks hold nothing of the batch once the frames took it
         assert fps[0].peaks.runs is None
     assert shared > 5
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_field_checks_with_column_bounds_flag_what_the_per_record_checks_flag(seed: int) -> None:
+    # GIVEN batches of copies, sets, kernels and unified-memory records, most inside every limit, some with
+    # sizes, devices or durations out of range (and unified-memory page faults, whose value is an address)
+    rng = np.random.default_rng(seed)
+    limits = Limits(max_record_bytes=1 << 30, max_devices_per_process=4)
+    for _ in range(40):
+        kind = [RecordKind.MEMCPY, RecordKind.MEMSET, RecordKind.KERNEL, RecordKind.UNIFIED_MEMORY][int(rng.integers(4))]
+        recs = np.zeros(int(rng.integers(1, 300)), DTYPES[kind])
+        n = len(recs)
+        odd = rng.random() < 0.5
+        recs["start"] = 10**18 + rng.integers(0, 10**12, n)
+        recs["end"] = recs["start"] + rng.integers(-1000, 10**9, n)
+        if odd:
+            recs["end"][rng.random(n) < 0.02] += np.uint64(4000 * 10**9)  # over an hour
+        for name in set(_BYTES[kind]):
+            recs[name] = rng.integers(0, 1 << 30, n) + (odd and rng.random() < 0.5) * (rng.random(n) < 0.05) * (1 << 40)
+        for name in _DEVICES.get(kind, ("dev",)):
+            recs[name] = rng.integers(0, 4 + (odd and rng.random() < 0.5), n)
+        if kind is RecordKind.UNIFIED_MEMORY:
+            recs["ck"] = rng.choice([1, 3, 4], n)
+        seen: list[tuple[str, int]] = []
+        kept = check_fields(kind, recs, limits, lambda reason, _text, k, seen=seen: seen.append((reason, k)))
+        # THEN the records kept and the problems counted are those of every record checked one by one
+        bad = np.zeros(n, bool)
+        want: list[tuple[str, int]] = []
+        for name in _BYTES[kind]:
+            over = recs[name] > np.uint64(limits.max_record_bytes)
+            if kind is RecordKind.UNIFIED_MEMORY:
+                over &= recs["ck"] != UM_CPU_PAGE_FAULT_COUNT
+            if over.any():
+                want.append(("bad_size", int((over & ~bad).sum())))
+                bad |= over
+        for name in _DEVICES.get(kind, ("dev",)):
+            over = recs[name] >= limits.max_devices_per_process
+            if over.any():
+                want.append(("bad_device", int((over & ~bad).sum())))
+                bad |= over
+        long = (recs["end"] > recs["start"]) & ((recs["end"] - recs["start"]) > np.uint64(MAX_DURATION_NS))
+        if long.any():
+            want.append(("bad_duration", int((long & ~bad).sum())))
+            bad |= long
+        assert seen == want
+        assert kept.tobytes() == recs[~bad].tobytes()
