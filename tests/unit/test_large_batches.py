@@ -334,7 +334,7 @@ def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> None:
+def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN two footprints with a frame builder each, fed the same memory batches in time order; one
     # builder reads the footprint's own peaks (their runs), the other a peaks table of its own that is
     # never fed (it cuts every batch into frames itself)
@@ -345,6 +345,9 @@ def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> N
                              reuse_capacity=1000)]
     t = 10**15
     shared = 0
+    cut: list[int] = []  # batches the builders cut into frames themselves
+    own_runs = frames_mod._runs
+    monkeypatch.setattr(frames_mod, "_runs", lambda idx: (cut.append(len(idx)), own_runs(idx))[1])
     for _ in range(60):
         batch = _memory_batch(rng, t, int(rng.integers(1, 700)), 64, sizeless=False)
         batch = batch[np.argsort(batch["ts"], kind="stable")]
@@ -355,7 +358,11 @@ def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int) -> N
             levels = fp.apply_memory(batch, table_mod.IngestErrors())
             shared += builder.peaks.runs is not None
             builder.on_levels(levels.ts, levels.deltas, levels.level_after)
+            cut.clear()
             builder.on_memory(batch)
+            # (the builder on the footprint's peaks reads their runs of a large batch: another view of
+            # the same times)
+            assert (cut == []) == (builder is builders[0] or len(batch) <= frames_mod.SMALL_BATCH)
             states.append((list(builder._frames.items()), list(builder._end_level.items()), builder._newest_frame))
         # THEN both builders hold the same rows and end levels, in the same order
         assert states[0] == states[1]
