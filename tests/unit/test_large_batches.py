@@ -34,6 +34,7 @@ from gpufootprint.records import (
     MemoryOp,
     RecordKind,
 )
+from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
@@ -415,3 +416,36 @@ def test_field_checks_with_column_bounds_flag_what_the_per_record_checks_flag(se
             bad |= long
         assert seen == want
         assert kept.tobytes() == recs[~bad].tobytes()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_few_burst_frames_judged_in_python_equal_the_numpy_judgement(seed: int) -> None:
+    # GIVEN random stretches of a few burst frames, dense or sparse (hundreds of events a frame, or none),
+    # levels near and far from the window's baseline, windows young and about to reach burst_max_ms
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                            burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
+                            enabled=bool(rng.random() < 0.95))
+        iv = 5 * MS
+        cursor = 10**12 + int(rng.integers(0, 10**6))
+        frames = int(rng.integers(1, 9))
+        grain = int(rng.choice([1, iv // 4]))  # now and then events right at the frames' ends
+        n_ahead = int(rng.choice([0, 5, 300, 2000]))
+        ahead = np.sort(cursor + rng.integers(0, (frames + 2) * iv // grain, n_ahead) * grain)
+        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
+        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
+        n_mem, i_mem = len(mem_ts), len(before)
+        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 300)))).astype(np.int64)
+        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
+        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
+        level = int(rng.integers(0, 1 << 32))
+        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
+        level = int(total[i_mem - 1]) if i_mem else level  # the level at the cursor
+        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
+                               calm=int(rng.integers(0, 5)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
+                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
+                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        # THEN judging them in Python, their events found with numpy, judges as numpy does
+        want = burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win)
+        assert burst_mod.judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win) == want

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import SamplerConfig
-from gpufootprint.sampler.burst import Window, judge_frames, walk_frames
+from gpufootprint.sampler.burst import Window, judge_few_frames, judge_frames, walk_frames
 from gpufootprint.snapshot import AnomalyWindow
 
 QUIET, STEADY, BURST = "quiet", "steady", "burst"
@@ -44,6 +44,7 @@ _MS = 1_000_000
 _SMALL = 64  # events in a step below which per-device levels are walked in Python
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
+_FEW_FRAMES = 8  # more events than that in at most this many frames: judged in Python, their ranges with numpy
 # What a walk without new events starts from (read-only: shared by every walk, never written).
 _NO_TIMES = np.zeros(0, np.int64)
 _NO_DELTAS = np.zeros(0, np.int64)
@@ -318,6 +319,8 @@ class ProcessSampler:
                 and (len(e_ts) <= _WALK_EVENTS or e_ts[-1] >= stop):
             judged = walk_frames(cfg, cursor, iv, walk, m_ts, e_ts, total[i_mem:i_mem + len(m_ts)].tolist(),
                                  i_mem, i_ev, seen)
+        elif self.walk_bursts and frames <= _FEW_FRAMES:
+            judged = judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
