@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.footprint.cells import cell_sums, run_ends, run_starts
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.records import COPY_KIND_NAMES, CopyKind, MemoryOp, um_counter_values
 
@@ -90,6 +91,10 @@ class MigrationWindow:
 #: Batches of at most this many records are counted in Python, record by record: below it the numpy
 #: path's calls of fixed cost (a dozen per batch) outweigh a loop.
 SMALL_BATCH = 128
+#: A larger batch is summed per (kind, frame) cell with one bincount (``footprint.cells``) while its
+#: cells number at most this many per record (plus a few): a batch spread thin over time takes the
+#: per-kind runs, whose cost follows the records, not the time they span.
+_CELLS_PER_RECORD = 4
 
 # Column indexes of the per-frame counters.
 _A_N, _A_B, _R_N, _R_B, _SET_B = range(5)
@@ -102,7 +107,7 @@ _MIG_FAULT = {UmCounterKind.CPU_PAGE_FAULT_COUNT: 6, UmCounterKind.GPU_PAGE_FAUL
 
 def _runs(idx: np.ndarray) -> tuple[np.ndarray, list[int]]:
     """Start positions of runs of equal values in sorted ``idx``, and the values."""
-    starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+    starts = run_starts(idx)
     return starts, idx[starts].tolist()
 
 
@@ -152,20 +157,30 @@ class FrameBuilder:
                 level += d
                 end_level[t // frame_ns] = level
             return
+        runs = self.peaks.runs
+        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
+            # The footprint's peaks just cut these changes into the same frames: their end levels.
+            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
+                self._end_level[fid] = lvl
+            return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
-        ends = np.append(np.flatnonzero(np.diff(idx)), len(idx) - 1)
+        ends = run_ends(idx)
         for fid, lvl in zip(idx[ends].tolist(), levels[ends].tolist()):
             self._end_level[fid] = lvl
 
     def on_memory(self, recs: np.ndarray) -> None:
+        runs = self.peaks.take_runs()  # the last reader of the footprint's runs of this batch
         if len(recs) <= SMALL_BATCH:
             self._on_memory_small(recs)
             self.reuse.add(recs)
             self._prune()
             return
-        idx = recs["ts"].astype(np.int64) // self.frame_ns
-        starts, fids = _runs(idx)
+        ts = recs["ts"]
+        if runs is not None and runs.of(ts):  # the footprint's peaks cut these times into frames already
+            starts, fids = runs.starts, runs.frame_ids
+        else:
+            starts, fids = _runs(ts.astype(np.int64) // self.frame_ns)
         op = recs["op"]
         size = recs["bytes"].astype(np.int64)
         is_alloc = op == MemoryOp.ALLOCATION
@@ -207,6 +222,9 @@ class FrameBuilder:
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
         size = recs["bytes"].astype(np.int64)
+        if self._on_memcpy_cells(start, ck, size):
+            self._prune()
+            return
         for kind in np.unique(ck).tolist():
             sel = ck == kind
             starts, fids = _runs(start[sel] // self.frame_ns)
@@ -224,6 +242,45 @@ class FrameBuilder:
                 w[8] += n[i]
                 w[9] += b[i]
         self._prune()
+
+    def _on_memcpy_cells(self, start: np.ndarray, ck: np.ndarray, size: np.ndarray) -> bool:
+        """``on_memcpy``'s sums with one bincount per column over (copy kind, frame) cells and over
+        migration windows (``footprint.cells``), added in the per-kind path's order; False (nothing
+        added) where that does not apply: a batch spread thin over time, or sums past float64's exact range."""
+        n = len(start)
+        by_frame = cell_sums(ck, start // self.frame_ns, [size], _CELLS_PER_RECORD * n + 64)
+        if by_frame is None:
+            return False
+        per_window = self.migration_ns // self.frame_ns if self.migration_ns % self.frame_ns == 0 else 0
+        if per_window:
+            # Each frame lies in one migration window: the windows' sums are their frames'.
+            windows: dict[int, list[int]] = {}
+            for kind, fid, count, b in zip(by_frame[0], by_frame[1], by_frame[2], by_frame[3][0]):
+                if kind in HOST_DEVICE_COPIES:
+                    w = windows.setdefault(fid // per_window, [0, 0])
+                    w[0] += count
+                    w[1] += b
+            wids = sorted(windows)  # in window order, as the runs over the records would add them
+            by_window = ([1] * len(wids), wids, [windows[w][0] for w in wids], [[windows[w][1] for w in wids]])
+        else:
+            hd = (ck == CopyKind.HTOD) | (ck == CopyKind.DTOH)  # HOST_DEVICE_COPIES
+            found = cell_sums(hd.view(np.uint8), start // self.migration_ns, [size], 2 * (_CELLS_PER_RECORD * n + 64))
+            if found is None:
+                return False
+            by_window = found
+        copies = self._copies
+        for kind, fid, b in zip(by_frame[0], by_frame[1], by_frame[3][0]):
+            self._row(fid)
+            c = copies.get(fid)
+            if c is None:
+                c = copies[fid] = Counter()
+            c[kind] += b
+        for host, wid, count, b in zip(by_window[0], by_window[1], by_window[2], by_window[3][0]):
+            if host:
+                w = self._window(wid)
+                w[8] += count
+                w[9] += b
+        return True
 
     def _on_memcpy_small(self, recs: np.ndarray) -> None:
         """``on_memcpy`` record by record: the sums gathered first, then added in the batch path's order

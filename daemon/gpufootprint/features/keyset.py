@@ -19,6 +19,10 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of key *
 _MIX_INT = int(_MIX)
 _U64 = (1 << 64) - 1
 _MIN_BITS = 10
+#: ``find`` takes its first probe round without selections from this many keys on (where a batch
+#: usually has no key 0), and probes the last keys still probing one by one in Python from this few.
+_ROUND_ONE_MIN = 64
+_PYTHON_TAIL = 8
 
 
 class KeySet:
@@ -48,12 +52,25 @@ class KeySet:
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Per key, its slot in the table, or -1 when absent (the key 0: -2 when present)."""
         keys = keys.astype(np.uint64, copy=False)
-        out = np.full(len(keys), -1, np.int64)
         table, mask = self._table, self._mask
-        todo = np.flatnonzero(keys)
-        slot = self._home(keys[todo])
-        want = keys[todo]
+        if len(keys) >= _ROUND_ONE_MIN and bool(keys.all()):
+            # The first round over the whole batch without selections (most keys settle in it); the
+            # keys still probing go on below, the last few of them in Python.
+            slot = self._home(keys)
+            seen = table[slot]
+            hit = seen == keys
+            out = np.where(hit, slot, -1)
+            todo = np.flatnonzero((seen != 0) & ~hit)
+            slot, want = (slot[todo] + 1) & mask, keys[todo]
+        else:
+            out = np.full(len(keys), -1, np.int64)
+            todo = np.flatnonzero(keys)
+            slot = self._home(keys[todo])
+            want = keys[todo]
         while len(todo):
+            if len(todo) <= _PYTHON_TAIL:
+                self._find_tail(todo.tolist(), slot.tolist(), want.tolist(), out)
+                break
             seen = table[slot]
             hit = seen == want
             out[todo[hit]] = slot[hit]
@@ -62,6 +79,19 @@ class KeySet:
         if self._zero:
             out[keys == 0] = -2
         return out
+
+    def _find_tail(self, todo: list[int], slots: list[int], want: list[int], out: np.ndarray) -> None:
+        """``find``'s probing for a few keys, one at a time (a numpy round costs a few calls each)."""
+        table, mask = self._table, self._mask_int
+        for i, slot, key in zip(todo, slots, want):
+            while True:
+                seen = table.item(slot)
+                if seen == key:
+                    out[i] = slot
+                    break
+                if seen == 0:
+                    break
+                slot = (slot + 1) & mask
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         found: np.ndarray = self.find(keys) != -1
@@ -74,13 +104,14 @@ class KeySet:
             self._grow(self.size + len(keys))
         out = np.full(len(keys), -2, np.int64)
         table, mask = self._table, self._mask
-        todo = np.flatnonzero(keys)
+        whole = len(keys) >= _ROUND_ONE_MIN and bool(keys.all())  # first round without selections
+        todo = np.arange(len(keys)) if whole else np.flatnonzero(keys)
         if len(todo) < len(keys):
             if not self._zero:
                 self.size += 1
             self._zero = True
-        slot = self._home(keys[todo])
-        want = keys[todo]
+        slot = self._home(keys if whole else keys[todo])
+        want = keys if whole else keys[todo]
         while len(todo):
             seen = table[slot]
             empty = seen == 0
@@ -94,6 +125,12 @@ class KeySet:
                 self.size += 1 + int(np.count_nonzero(filled[1:] != filled[:-1]))
                 seen = table[slot]
             hit = seen == want
+            if whole:  # every key is in its own place: no positions to look up
+                whole = False
+                out = np.where(hit, slot, -2)
+                go = np.flatnonzero(~hit)
+                todo, slot, want = go, (slot[go] + 1) & mask, want[go]
+                continue
             out[todo[hit]] = slot[hit]
             go_on = ~hit
             todo, slot, want = todo[go_on], (slot[go_on] + 1) & mask, want[go_on]

@@ -39,6 +39,8 @@ _U64 = (1 << 64) - 1
 #: Batches of at most this many records are taken one record at a time in Python (``_add_small``):
 #: below it the numpy path's few dozen calls of fixed cost outweigh a loop over the records.
 SMALL_BATCH = 96
+#: From this many records of a batch on, allocations and releases are looked up together (``_probe_together``).
+_PROBE_TOGETHER_MIN = 256
 
 
 def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -95,7 +97,7 @@ class ReuseTracker:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-        if self._sizeless or bool(((ops == release) & (size == 0)).any()):
+        if self._sizeless or (int(size.min()) == 0 and bool(((ops == release) & (size == 0)).any())):
             # CUPTI's release records carry the size; a trace that omits it gets each release the
             # size last allocated at its address, remembered from the first such batch on (one pass
             # in Python; the common case never pays for it).
@@ -117,9 +119,13 @@ class ReuseTracker:
             if len(rel_pos):
                 freed.add(keys[rel_pos])
             return
-        hit = freed.contains(alloc_keys)
+        if len(rel_pos) and len(keys) >= _PROBE_TOGETHER_MIN:
+            hit, rel_slots, new = self._probe_together(alloc_keys, keys[rel_pos])
+            rel_pos, rel_slots = rel_pos[new], rel_slots[new]  # the releases that may match a miss below
+        else:
+            hit = freed.contains(alloc_keys)
+            rel_slots = freed.add(keys[rel_pos]) if len(rel_pos) else rel_pos
         if len(rel_pos):
-            rel_slots = freed.add(keys[rel_pos])
             miss = np.flatnonzero(~hit)
             if len(miss):
                 slots = freed.find(alloc_keys[miss])
@@ -141,6 +147,26 @@ class ReuseTracker:
         self._events = None
         if self._kept > self._history * 2:
             self._compact()
+
+    def _probe_together(self, alloc_keys: np.ndarray,
+                        rel_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which allocations' keys were freed before this batch, each release's slot, and which releases
+        added a key the set did not hold (positions among the releases).
+
+        One lookup for the allocations and the releases together, then only the keys new to the set are
+        added: under churn most releases free a key freed before, so the lookup and the add of every
+        release key (two passes of probe rounds) were mostly the same search twice. An allocation that
+        missed can only have been freed by this batch through a key new to the set: only those releases
+        are searched for it."""
+        freed = self._freed
+        n = len(alloc_keys)
+        slots = freed.find(np.concatenate((alloc_keys, rel_keys)))
+        hit = slots[:n] != -1
+        rel_slots = slots[n:]  # a view of find's fresh answer: written into below, read nowhere else
+        new = np.flatnonzero(rel_slots == -1)
+        if len(new):
+            rel_slots[new] = freed.add(rel_keys[new])
+        return hit, rel_slots, new
 
     def _add_small(self, recs: np.ndarray) -> None:
         """``add`` for a few records, one at a time: what the batch path decides for the whole batch
@@ -199,7 +225,13 @@ class ReuseTracker:
             self._compact()
 
     def _compact(self) -> None:
-        whole = np.concatenate(self._chunks)[-self._history:]
+        # Only the newest chunks that hold the kept history are joined (the older ones would be cut off).
+        chunks, held = self._chunks, 0
+        first = len(chunks)
+        while first > 0 and held < self._history:
+            first -= 1
+            held += len(chunks[first])
+        whole = np.concatenate(chunks[first:])[-self._history:]
         self._chunks = [whole]
         self._kept = len(whole)
 

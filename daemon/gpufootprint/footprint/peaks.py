@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from gpufootprint.footprint.cells import run_starts
+
 #: Batches of at most this many events are walked in Python (``_frame_peaks_small``): below it the
 #: numpy path's dozen calls of fixed cost (cumsum, diff, reduceat, ...) outweigh a loop.
 SMALL_BATCH = 128
@@ -35,9 +37,36 @@ class LevelChanges(NamedTuple):
     level_after: int
 
 
+class FrameRuns(NamedTuple):
+    """How the last large batch fell into frames: the feature frames (same frames) read it instead of
+    cutting the same times into the same runs again."""
+
+    ts: np.ndarray  # the event times they were cut from
+    address: int  # where those times lie in memory (another view of them is the same times)
+    deltas: np.ndarray
+    starts: np.ndarray  # position of each run's first event
+    frame_ids: list[int]  # each run's frame
+    end_levels: list[int]  # the level after each run's last event
+    level_after: int
+
+    def of(self, ts: np.ndarray) -> bool:
+        """Whether ``ts`` are these times: this very array, or a view of the same memory and layout."""
+        return ts is self.ts or (len(ts) == len(self.ts) and ts.strides == self.ts.strides
+                                 and ts.dtype == self.ts.dtype and _address(ts) == self.address)
+
+
+def _address(a: np.ndarray) -> int:
+    address: int = a.__array_interface__["data"][0]
+    return address
+
+
 class FramePeaks:
     def __init__(self, frame_ns: int, keep_ns: int) -> None:
         self.frame_ns = frame_ns
+        # The runs of the last batch taken with numpy, kept (with a reference to its times, so no other
+        # array can take their place in memory) until the feature frames took them (``take_runs``) or
+        # the next batch came.
+        self.runs: FrameRuns | None = None
         self._keep_frames = max(1, -(-keep_ns // frame_ns))
         self._frames: deque[tuple[int, int]] = deque()  # (frame index, peak), closed frames
         self._open_idx = -1
@@ -49,12 +78,13 @@ class FramePeaks:
         """Apply events in time order: ``ts`` sorted, ``deltas`` signed bytes."""
         if len(ts) == 0:
             return LevelChanges(ts, deltas, self.level)
+        self.runs = None
         if len(ts) <= SMALL_BATCH:
             frame_ids, peaks, last = _frame_peaks_small(ts.tolist(), deltas.tolist(), self.level, self.frame_ns)
         else:
             levels = self.level + np.cumsum(deltas, dtype=np.int64)
             idx = ts.astype(np.int64) // self.frame_ns
-            starts = np.flatnonzero(np.diff(idx, prepend=idx[0] - 1))
+            starts = run_starts(idx)
             seg_max = np.maximum.reduceat(levels, starts)
             entering = np.empty_like(seg_max)
             entering[0] = self.level
@@ -62,6 +92,9 @@ class FramePeaks:
             peaks = np.maximum(seg_max, entering).tolist()
             frame_ids = idx[starts].tolist()
             last = int(levels[-1])
+            ends = entering[1:].tolist()  # the level entering a run is the level after the one before it
+            ends.append(last)
+            self.runs = FrameRuns(ts, _address(ts), deltas, starts, frame_ids, ends, last)
         for fid, peak in zip(frame_ids, peaks):
             if fid == self._open_idx:
                 self._open_peak = max(self._open_peak, peak)
@@ -73,6 +106,11 @@ class FramePeaks:
         self.level = last
         self._prune(self._open_idx)
         return LevelChanges(ts, deltas, self.level)
+
+    def take_runs(self) -> FrameRuns | None:
+        """The last batch's runs, forgotten here: the batch's records are not held past their application."""
+        runs, self.runs = self.runs, None
+        return runs
 
     def _merge_closed(self, fid: int, peak: int) -> None:
         """An event older than the open frame (a late record): into its frame, keeping frames in order.

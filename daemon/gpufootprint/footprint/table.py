@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpufootprint.footprint.cells import EXACT, key_sums
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import (
     DEVICE_RESIDENT_KINDS,
@@ -49,6 +50,14 @@ _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arra
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
 _RESIDENT_LIST = _RESIDENT.tolist()  # the same, read record by record (a list item, not a numpy scalar)
+#: The bulk path's shortcut for a batch of one memory kind without stream-ordered allocations (off: the
+#: per-record kinds and flags always, for the test that holds both equal).
+_UNIFORM_FAST = True
+
+
+def _bytes_fit(col: np.ndarray) -> bool:
+    """Unsigned sizes that stay the same numbers as int64 (``key_sums`` then checks their sums)."""
+    return len(col) == 0 or int(col.max()) < EXACT
 
 
 class IngestErrors:
@@ -137,7 +146,8 @@ class DeviceFootprint:
         """The numpy path; None (nothing changed) when the batch needs the per-record loop."""
         ops = recs["op"]
         kinds = recs["mk"]
-        if int(kinds.max()) >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
+        k_hi = int(kinds.max())
+        if k_hi >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
             return None
         n = len(recs)
         order = np.argsort(recs["addr"], kind="stable")  # by address, then time
@@ -154,8 +164,8 @@ class DeviceFootprint:
         f_op = o[fpos]
         f_addr = a[fpos]
         live = self.live
-        if not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
-            return None  # an allocation at an address that is already live
+        if live and not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
+            return None  # an allocation at an address that is already live (none is, in an empty table)
         if self.reused and not self.reused.addresses().isdisjoint(f_addr.tolist()):
             return None  # perhaps the late release of an allocation whose address was reused
         rel_first = fpos[f_op == 2]
@@ -163,18 +173,28 @@ class DeviceFootprint:
         if None in matched:
             return None  # a release of an address that is not live
         # Effective (bytes, kind, async) of each record: a release takes its allocation's.
+        # A batch of one memory kind whose releases free allocations of that kind, and one without
+        # stream-ordered allocations (the common cases), need no per-record kind or async flag to be
+        # gathered and carried to the releases: they are the same for every record.
+        one_kind = _UNIFORM_FAST and k_hi == int(kinds.min()) and all(m.kind == k_hi for m in matched)  # type: ignore[union-attr]
+        raw_async = recs["is_async"]
+        no_async = _UNIFORM_FAST and not raw_async.any() and not any(m.is_async for m in matched)  # type: ignore[union-attr]
         size = recs["bytes"][order].astype(np.int64)
-        kind = kinds[order].astype(np.int64)
-        is_async = recs["is_async"][order].astype(bool)
+        kind = np.full(n, k_hi, np.int64) if one_kind else kinds[order].astype(np.int64)
+        is_async = np.zeros(n, bool) if no_async else raw_async[order].astype(bool)
         claimed = size.copy()
         rel_inner = np.flatnonzero((o == 2) & ~first)
         size[rel_inner] = size[rel_inner - 1]
-        kind[rel_inner] = kind[rel_inner - 1]
-        is_async[rel_inner] = is_async[rel_inner - 1]
+        if not one_kind:
+            kind[rel_inner] = kind[rel_inner - 1]
+        if not no_async:
+            is_async[rel_inner] = is_async[rel_inner - 1]
         if matched:
             size[rel_first] = [m.bytes for m in matched]  # type: ignore[union-attr]
-            kind[rel_first] = [m.kind for m in matched]  # type: ignore[union-attr]
-            is_async[rel_first] = [m.is_async for m in matched]  # type: ignore[union-attr]
+            if not one_kind:
+                kind[rel_first] = [m.kind for m in matched]  # type: ignore[union-attr]
+            if not no_async:
+                is_async[rel_first] = [m.is_async for m in matched]  # type: ignore[union-attr]
         is_rel = o == 2
         mismatch = is_rel & (claimed != 0) & (claimed != size)
         if mismatch.any():
@@ -184,13 +204,27 @@ class DeviceFootprint:
                        int(mismatch.sum()))
         signed = np.where(is_rel, -size, size)
         # Per-kind sums with bincount (float64 weights: exact while a batch moves < 2**53 bytes).
-        exact = int(size.sum()) < (1 << 53)
-        n_alloc = np.bincount(kind[~is_rel], minlength=_N_KINDS).tolist()
-        n_rel = np.bincount(kind[is_rel], minlength=_N_KINDS).tolist()
-        if exact:
-            b_alloc = np.bincount(kind[~is_rel], weights=size[~is_rel], minlength=_N_KINDS).tolist()
-            b_rel = np.bincount(kind[is_rel], weights=size[is_rel], minlength=_N_KINDS).tolist()
-        for k in range(_N_KINDS):
+        moved = int(size.sum())
+        exact = moved < (1 << 53)
+        kinds_moved: range | tuple[int] = range(_N_KINDS)
+        if one_kind and exact:
+            # One kind: its sums are the batch's (bytes allocated + released, and their difference).
+            net = int(signed.sum())
+            n_alloc, n_rel = [0] * _N_KINDS, [0] * _N_KINDS
+            b_alloc, b_rel = [0] * _N_KINDS, [0] * _N_KINDS
+            n_rel[k_hi] = int(np.count_nonzero(is_rel))
+            n_alloc[k_hi] = n - n_rel[k_hi]
+            b_alloc[k_hi], b_rel[k_hi] = (moved + net) // 2, (moved - net) // 2
+            kinds_moved = (k_hi,)
+        else:
+            # Allocations count in bins 0..31 and releases in 32..63 of one bincount: no selection per side.
+            cell = kind + _N_KINDS * is_rel
+            counts = np.bincount(cell, minlength=2 * _N_KINDS).tolist()
+            n_alloc, n_rel = counts[:_N_KINDS], counts[_N_KINDS:]
+            if exact:
+                sums = np.bincount(cell, weights=size, minlength=2 * _N_KINDS).tolist()
+                b_alloc, b_rel = sums[:_N_KINDS], sums[_N_KINDS:]
+        for k in kinds_moved:
             if not (n_alloc[k] or n_rel[k]):
                 continue
             if exact:
@@ -216,7 +250,10 @@ class DeviceFootprint:
         for addr in a[lpos[(l_op == 2) & (f_op == 2)]].tolist():
             del live[addr]
         deltas = np.empty(n, dtype=np.int64)
-        deltas[order] = np.where(_RESIDENT[kind], signed, 0)
+        if one_kind:
+            deltas[order] = signed if _RESIDENT[k_hi] else 0
+        else:
+            deltas[order] = np.where(_RESIDENT[kind], signed, 0)
         levels = self.peaks.add(recs["ts"], deltas)
         self.last_ts = max(self.last_ts, int(recs["ts"][-1]))
         return levels
@@ -419,12 +456,20 @@ class DeviceFootprint:
             return
         ck = recs["ck"]
         dur = (recs["end"].astype(np.int64) - recs["start"].astype(np.int64)).clip(min=0)
-        kinds = np.unique(ck)
-        for k in kinds.tolist():
-            sel = ck == k
-            self.memcpy_count[k] += int(sel.sum())
-            self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
-            self.memcpy_ns[k] += int(dur[sel].sum())
+        # Per kind with one bincount a column (``footprint.cells``); a selection per kind where the sums
+        # could pass float64's exact range.
+        sums = key_sums(ck, [recs["bytes"].astype(np.int64), dur]) if _bytes_fit(recs["bytes"]) else None
+        if sums is not None:
+            for k, n, b, ns in zip(sums[0], sums[1], sums[2][0], sums[2][1]):
+                self.memcpy_count[k] += n
+                self.memcpy_bytes[k] += b
+                self.memcpy_ns[k] += ns
+        else:
+            for k in np.unique(ck).tolist():
+                sel = ck == k
+                self.memcpy_count[k] += int(sel.sum())
+                self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
+                self.memcpy_ns[k] += int(dur[sel].sum())
         peer = ck == CopyKind.PTOP
         if peer.any():
             pairs = np.stack([recs["src_dev"][peer], recs["dst_dev"][peer]], axis=1)

@@ -108,14 +108,18 @@ def _memory_in_range(recs: np.ndarray, limits: Limits) -> bool:
     field in range, costs one numpy call instead of one per field."""
     if not recs.flags.c_contiguous or MEMORY_DTYPE.itemsize % 8 or recs.dtype != MEMORY_DTYPE:
         return False
-    lim = _WORD_LIMITS.get(limits)
-    if lim is None:
-        lim = _WORD_LIMITS[limits] = _memory_word_limits(limits)
+    bounded = _WORD_LIMITS.get(limits)
+    if bounded is None:
+        lim = _memory_word_limits(limits)
+        bounded = _WORD_LIMITS[limits] = [(int(w), int(lim[w])) for w in np.flatnonzero(lim != _U64_MAX)]
     words = recs.view(np.uint8).view("<u8").reshape(len(recs), -1)
-    return not bool((words > lim).any())
+    # Only the words with a limit, each by its largest value: a comparison of every word against a row of
+    # ten limits loops ten words at a time (about 22 us for 3,686 records here, these 4 maxima 10 us).
+    return all(int(words[:, w].max()) <= top for w, top in bounded)
 
 
-_WORD_LIMITS: dict[Limits, np.ndarray] = {}
+_U64_MAX = np.uint64(np.iinfo(np.uint64).max)
+_WORD_LIMITS: dict[Limits, list[tuple[int, int]]] = {}
 
 #: At most this many records are checked in Python (``in_range``): below it a few ``tolist`` calls
 #: cost less than a numpy comparison per field.
@@ -211,7 +215,11 @@ def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Pr
         return recs
     bad = np.zeros(len(recs), dtype=bool)
     cap = np.uint64(limits.max_record_bytes)
+    # Each check first asks a bound of the whole column (its largest value, the batch's span): a batch
+    # inside it has no record to flag, and its per-record comparisons are skipped.
     for name in _BYTES[kind]:
+        if int(recs[name].max()) <= limits.max_record_bytes:
+            continue
         over = recs[name] > cap
         if kind is RecordKind.UNIFIED_MEMORY:
             over &= recs["ck"] != UM_CPU_PAGE_FAULT_COUNT  # its value is an address, counted as one fault
@@ -221,6 +229,8 @@ def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Pr
             bad |= over
     devs = np.uint32(limits.max_devices_per_process)
     for name in _DEVICES.get(kind, ("dev",)):
+        if int(recs[name].max()) < limits.max_devices_per_process:
+            continue
         over = recs[name] >= devs
         if over.any():
             problem("bad_device", f"{int(over.sum())} {kind.name} records with {name} >= "
@@ -233,7 +243,7 @@ def check_fields(kind: RecordKind, recs: np.ndarray, limits: Limits, problem: Pr
             problem("bad_role", f"{int(unknown.sum())} API records with a role or domain the daemon does not know",
                     int((unknown & ~bad).sum()))
             bad |= unknown
-    if kind in _INTERVAL:
+    if kind in _INTERVAL and int(recs["end"].max()) - int(recs["start"].min()) > MAX_DURATION_NS:
         start, end = recs["start"], recs["end"]
         # end < start is clipped to a zero duration downstream; a huge one would overflow a sum
         long = (end > start) & ((end - start) > np.uint64(MAX_DURATION_NS))

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from gpufootprint.config import SamplerConfig
-from gpufootprint.sampler.burst import Window, judge_frames, walk_frames
+from gpufootprint.sampler.burst import Window, judge_few_frames, judge_frames, walk_frames
 from gpufootprint.snapshot import AnomalyWindow
 
 QUIET, STEADY, BURST = "quiet", "steady", "burst"
@@ -48,6 +48,7 @@ _SMALL = 64  # events in a step below which per-device levels are walked in Pyth
 _WALK_FRAMES = 32  # burst frames judged in Python at a time (``_burst_run``) ...
 _WALK_EVENTS = 64  # ... when they hold at most this many events of each list
 _WALK_MANY = 256  # ... or, found by two searches, at most this many events in all
+_FEW_FRAMES = 8  # more events than that in at most this many frames: judged in Python, their ranges with numpy
 # What a walk without new events starts from (read-only: shared by every walk, never written).
 _NO_TIMES = np.zeros(0, np.int64)
 _NO_DELTAS = np.zeros(0, np.int64)
@@ -65,6 +66,10 @@ class _OpenWindow:
     peak: dict[int, int]  # per device, exact
     calm: int = 0
     last_volatile_end: int = 0
+
+
+def _in_order(ts: np.ndarray) -> bool:
+    return len(ts) < 2 or bool((ts[1:] >= ts[:-1]).all())
 
 
 class ProcessSampler:
@@ -139,7 +144,8 @@ class ProcessSampler:
         if len(ev_ts) and ev_ts[0] < cursor:
             ev_ts = np.maximum(ev_ts, cursor)
         # Levels after each event: the process total and each device's own.
-        total = self.level + delta.cumsum() if len(delta) else _NO_TIMES
+        moved = delta.cumsum() if len(delta) else _NO_TIMES
+        total = self.level + moved if len(delta) else _NO_TIMES
         # One device (the common case) needs no per-device masks.
         if not len(devs):
             self._one_dev = None
@@ -150,7 +156,7 @@ class ProcessSampler:
         if self._one_dev is not None:
             base = self.level_dev.get(self._one_dev, 0)
             # A process on one device: its level is the device's, and so are the sums (read only below).
-            per_dev = total if base == self.level else base + delta.cumsum()
+            per_dev = total if base == self.level else base + moved
         elif not len(devs):
             per_dev = _NO_TIMES
         else:
@@ -344,6 +350,8 @@ class ProcessSampler:
             j_mem = int(mem_ts.searchsorted(stop, "left"))
             judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
                                  total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
+        elif self.walk_bursts and frames <= _FEW_FRAMES:
+            judged = judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
@@ -488,9 +496,13 @@ class ProcessSampler:
         if len(chunks) == 1:
             return chunks[0]
         ts = np.concatenate([c[0] for c in chunks])
+        deltas = np.concatenate([c[1] for c in chunks])
+        devs = np.concatenate([c[2] for c in chunks])
+        if _in_order(ts):
+            # The usual case (what a walk left, then what came since): a stable sort would leave it as it is.
+            return ts, deltas, devs
         order = np.argsort(ts, kind="stable")
-        return (ts[order], np.concatenate([c[1] for c in chunks])[order],
-                np.concatenate([c[2] for c in chunks])[order])
+        return ts[order], deltas[order], devs[order]
 
     def _take_events(self) -> np.ndarray:
         chunks, self._events = self._events, []
