@@ -69,7 +69,7 @@ def _plain_object(payload: bytes) -> dict[str, Any] | None:
     try:
         text = payload.decode()
         obj, end = _SCAN(text, 0)
-    except (UnicodeDecodeError, StopIteration, ValueError):
+    except (StopIteration, ValueError, RecursionError):  # ValueError: UnicodeDecodeError and JSONDecodeError too
         return None
     return obj if end == len(text) and isinstance(obj, dict) else None
 
@@ -93,7 +93,9 @@ class Frame:
             return obj
         try:
             value = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # ValueError also where Python cannot build what the JSON says (an integer past its 4,300 digits),
+        # RecursionError where it nests too deep: both hostile input, refused as the frame's damage.
+        except (ValueError, RecursionError) as exc:
             raise FrameError(f"byte {self.offset}: {self.type.name} frame is not JSON ({exc})") from None
         if not isinstance(value, dict):
             raise FrameError(f"byte {self.offset}: {self.type.name} frame is not a JSON object")
