@@ -261,8 +261,10 @@ class FrameDecoder:
         at = 0
         if not self._preamble_seen:
             if len(buf) < len(PREAMBLE):
-                if not PREAMBLE.startswith(bytes(buf)):
-                    raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {bytes(buf)!r})")
+                # A prefix of the preamble of any version: its version byte (5) is judged once all of it came.
+                part = bytes(buf)
+                if not (PREAMBLE.startswith(part[:5]) and PREAMBLE[6:].startswith(part[6:])):
+                    raise FrameError(f"byte 0: not a gpufootprint stream (bad preamble {part!r})")
                 return
             head = bytes(buf[: len(PREAMBLE)])
             if head[:5] != PREAMBLE[:5] or head[6:] != PREAMBLE[6:]:
