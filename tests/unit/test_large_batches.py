@@ -38,6 +38,8 @@ from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
+from tests.random_batches import memory_batch, reuse_state
+
 SEEDS = range(12)
 MS = 1_000_000
 
@@ -138,28 +140,6 @@ def test_key_set_first_round_and_python_tail_equal_the_probe_rounds(seed: int,
     assert any(got[0][2]) and not all(got[0][2])
 
 
-def _memory_batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless: bool) -> np.ndarray:
-    """Random MEMORY records: a few addresses and sizes (keys repeat within and across batches),
-    mostly device memory, sometimes out of time order, sometimes releases without their size."""
-    recs = np.zeros(n, MEMORY_DTYPE)
-    recs["ts"] = t + np.sort(rng.integers(0, 50_000_000, n))
-    if rng.random() < 0.2:
-        recs["ts"] = recs["ts"][rng.permutation(n)]
-    recs["op"] = rng.choice([MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value, 7], n, p=[0.5, 0.45, 0.05])
-    recs["addr"] = rng.integers(0, addrs, n).astype(np.uint64) * np.uint64(4096)  # 0 included
-    sizes = np.array([0, 512, 4096, 1 << 20, (1 << 64) - 1], np.uint64)
-    recs["bytes"] = rng.choice(sizes, n, p=[0.05, 0.3, 0.3, 0.3, 0.05])
-    if sizeless:
-        recs["bytes"][(recs["op"] == MemoryOp.RELEASE.value) & (rng.random(n) < 0.5)] = 0
-    recs["mk"] = rng.choice([MemoryKind.DEVICE.value, MemoryKind.PINNED.value], n, p=[0.85, 0.15])
-    return recs
-
-
-def _reuse_state(tr: ReuseTracker, keys: list[int]) -> tuple[Any, ...]:
-    return (tr.allocations, tr.reused, tr.events().tolist(), dict(tr._live), tr._sizeless, len(tr._freed),
-            [tr._freed.has(k) for k in keys], tr.ratio)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large
@@ -169,7 +149,7 @@ def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch:
     t = 10**15
     keys: set[int] = set()
     for _ in range(60):
-        batch = _memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([64, 512, 8192])),
+        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([64, 512, 8192])),
                               sizeless=rng.random() < 0.1)
         t += 60_000_000
         keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
@@ -179,7 +159,7 @@ def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch:
         monkeypatch.undo()
         # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
         probe = sorted(keys)[:600]
-        assert _reuse_state(together, probe) == _reuse_state(apart, probe)
+        assert reuse_state(together, probe) == reuse_state(apart, probe)
     assert together.reused > 0 and together.allocations > together.reused
 
 
@@ -350,7 +330,7 @@ def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int, monk
     own_runs = frames_mod._runs
     monkeypatch.setattr(frames_mod, "_runs", lambda idx: (cut.append(len(idx)), own_runs(idx))[1])
     for _ in range(60):
-        batch = _memory_batch(rng, t, int(rng.integers(1, 700)), 64, sizeless=False)
+        batch = memory_batch(rng, t, int(rng.integers(1, 700)), 64, sizeless=False)
         batch = batch[np.argsort(batch["ts"], kind="stable")]
         batch["bytes"] = np.minimum(batch["bytes"], np.uint64(1 << 42))  # validated sizes (ingest)
         t += int(rng.integers(1, 120)) * MS

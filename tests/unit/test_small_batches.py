@@ -26,30 +26,10 @@ from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler import state as state_mod
 from gpufootprint.sampler.state import ProcessSampler
 
+from tests.random_batches import memory_batch, reuse_state
+
 SEEDS = range(12)
 MS = 1_000_000
-
-
-def _memory_batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless: bool) -> np.ndarray:
-    """Random MEMORY records: a few addresses and sizes (so keys repeat), mostly device memory,
-    sometimes out of time order, sometimes releases without their size, now and then an unknown op."""
-    recs = np.zeros(n, MEMORY_DTYPE)
-    recs["ts"] = t + np.sort(rng.integers(0, 50_000_000, n))
-    if rng.random() < 0.2 and n > 1:
-        recs["ts"] = recs["ts"][rng.permutation(n)]
-    recs["op"] = rng.choice([MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value, 7], n, p=[0.5, 0.45, 0.05])
-    recs["addr"] = rng.integers(0, addrs, n).astype(np.uint64) * np.uint64(4096)  # 0 included
-    sizes = np.array([0, 512, 4096, 1 << 20, (1 << 64) - 1], np.uint64)
-    recs["bytes"] = rng.choice(sizes, n, p=[0.05, 0.3, 0.3, 0.3, 0.05])
-    if sizeless:
-        recs["bytes"][(recs["op"] == MemoryOp.RELEASE.value) & (rng.random(n) < 0.5)] = 0
-    recs["mk"] = rng.choice([MemoryKind.DEVICE.value, MemoryKind.PINNED.value], n, p=[0.85, 0.15])
-    return recs
-
-
-def _reuse_state(tr: ReuseTracker, keys: list[int]) -> tuple[Any, ...]:
-    return (tr.allocations, tr.reused, tr.events().tolist(), dict(tr._live), tr._sizeless, len(tr._freed),
-            [tr._freed.has(k) for k in keys], tr.ratio)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -62,7 +42,7 @@ def test_reuse_of_small_batches_record_by_record_equals_the_batch_path(seed: int
     t = 10**15
     keys: set[int] = set()
     for _ in range(150):
-        batch = _memory_batch(rng, t, int(rng.integers(1, 61)), int(rng.choice([8, 64, 4096])),
+        batch = memory_batch(rng, t, int(rng.integers(1, 61)), int(rng.choice([8, 64, 4096])),
                               sizeless=rng.random() < 0.1)
         t += 60_000_000
         keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
@@ -72,7 +52,7 @@ def test_reuse_of_small_batches_record_by_record_equals_the_batch_path(seed: int
         monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 96)
         # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
         probe = sorted(keys)[:400]
-        assert _reuse_state(small, probe) == _reuse_state(bulk, probe)
+        assert reuse_state(small, probe) == reuse_state(bulk, probe)
     assert small.reused > 0 and small.allocations > small.reused
 
 
@@ -119,7 +99,7 @@ def test_frame_counters_of_small_batches_counted_record_by_record_equal_the_batc
                              reuse_capacity=1000) for _ in range(2)]
     t = 10**15
     for _ in range(150):
-        batch = _memory_batch(rng, t, int(rng.integers(1, 140)), 64, sizeless=False)
+        batch = memory_batch(rng, t, int(rng.integers(1, 140)), 64, sizeless=False)
         batch["bytes"] = np.minimum(batch["bytes"], np.uint64(1 << 42))  # validated sizes (ingest)
         t += int(rng.integers(1, 120)) * MS
         deltas = rng.choice([1 << 20, -(1 << 20), 0], len(batch)).astype(np.int64)
