@@ -98,7 +98,8 @@ def test_waiting_releases_are_not_counted_as_allocations_under_churn() -> None:
 
 
 def test_the_one_comparison_memory_check_agrees_with_the_field_by_field_one() -> None:
-    from gpufootprint.ingest.validate import Limits, _memory_in_range, check_fields
+    from gpufootprint.ingest.validate import Limits, check_fields
+    from gpufootprint.ingest.validate import in_range as one_comparison
     from gpufootprint.records import MEMORY_DTYPE, RecordKind
 
     rng = np.random.default_rng(2)
@@ -111,7 +112,7 @@ def test_the_one_comparison_memory_check_agrees_with_the_field_by_field_one() ->
         recs["pid"] = 0xFFFFFFFF
         in_range = bool((recs["bytes"] <= 1 << 20).all() and (recs["pool_size"] <= 1 << 20).all()
                         and (recs["pool_used"] <= 1 << 20).all() and (recs["dev"] < 4).all())
-        assert _memory_in_range(recs, limits) == in_range
+        assert one_comparison(RecordKind.MEMORY, recs, limits) == in_range
         kept = check_fields(RecordKind.MEMORY, recs, limits, lambda *a: None)
         assert (len(kept) == len(recs)) == in_range
 
