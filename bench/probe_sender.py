@@ -32,15 +32,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
-from gpufootprint.probe.livetable import LiveTable  # noqa: E402
-from gpufootprint.probe.packing import Packer  # noqa: E402
-from gpufootprint.records import RecordKind  # noqa: E402
-from gpufootprint.wire import cupti_layout, framing  # noqa: E402
+from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.packing import Packer
+from gpufootprint.records import RecordKind
+from gpufootprint.wire import cupti_layout, framing
 
 BUFFER = 64 << 10
 
 
-def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
+def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
     """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses."""
     dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
     pool_dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY_POOL]
@@ -48,11 +48,11 @@ def buffers(n: int, *, pool_record_every: int = 0) -> list[tuple[ctypes.Array, i
     i = 0
     t = 1_700_000_000_000_000_000
     while i < n:
-        raw = (ctypes.c_uint8 * BUFFER)()
+        raw = (ctypes.c_uint8 * size)()
         u8 = np.frombuffer(raw, dtype=np.uint8)
         off = 0
-        while i < n and off + dt.itemsize <= BUFFER:
-            if pool_record_every and i % pool_record_every == 0 and off + pool_dt.itemsize <= BUFFER:
+        while i < n and off + dt.itemsize <= size:
+            if pool_record_every and i % pool_record_every == 0 and off + pool_dt.itemsize <= size:
                 rec = np.zeros(1, pool_dt)
                 u8[off:off + pool_dt.itemsize] = rec.view(np.uint8)
                 u8[off:off + 4].view("<i4")[0] = cupti_layout.MEMORY_POOL
@@ -118,11 +118,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--buffer-bytes", type=int, default=BUFFER, help="CUPTI buffer size (the probe's cupti_buffer_bytes)")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.processor() or platform.machine()} cpus={os.cpu_count()} "
-          f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round")
-    for name, bufs in (("memory2 only", buffers(args.records)),
-                       ("a pool record every 200", buffers(args.records, pool_record_every=200))):
+          f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round, "
+          f"{args.buffer_bytes} B buffers")
+    for name, bufs in (("memory2 only", buffers(args.records, size=args.buffer_bytes)),
+                       ("a pool record every 200", buffers(args.records, pool_record_every=200, size=args.buffer_bytes))):
         rows = [run(bufs, args.records) for _ in range(args.rounds)]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(f"{name:26s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + "  (us per record, median)")

@@ -183,8 +183,12 @@ class SamplerConfig:
                                                doc="the first periodic window, this long after a process's first "
                                                    "watermark (past its start-up)")
     kernel_window_min_gap_seconds: float = _spec(1.0, lo=0, hi=86_400,
-                                                 doc="windows (periodic or at bursts) at least this far apart: "
-                                                     "bounds the duty cycle of a bursty process")
+                                                 doc="windows (periodic or at bursts) at least this far apart, "
+                                                     "from the last one's close")
+    kernel_window_max_duty: float = _spec(0.005, lo=1e-6, hi=1.0,
+                                          doc="windows hold at most this share of a process's time: after one "
+                                              "that stayed open T, the next waits at least T x (1 / share - 1) "
+                                              "(a 100 ms window: 20 s at 0.005); 1: no bound beyond the gap")
 
 
 @dataclass(frozen=True)

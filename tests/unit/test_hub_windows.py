@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -45,12 +46,14 @@ def test_a_window_the_probe_closed_at_its_count_is_followed_no_more() -> None:
     hub.on_launches(7, api)
     # WHEN the probe's heartbeat says it closed the window at its count
     hub.note_window_closed(7, opened["id"], t0 + 6 * S + 300_000_000)
-    # THEN no renewal goes out for it, and the next window may open after the usual gap, not after
-    # kernel_window_max_ms (12 s) of renewals the probe would ignore
+    # THEN no renewal goes out for it, and the next window may open after the usual gap (here the duty bound's:
+    # 0.3 s open at 0.005 of the time), not after kernel_window_max_ms (12 s) of renewals the probe would ignore
     sent.clear()
     hub.on_watermark(7, t0 + 7 * S + 500_000_000, "probe")  # where its 2 s lease would be renewed
     assert not [b for b in sent if b["op"] == "kernel_window"], sent
-    hub.on_watermark(7, t0 + 37 * S, "probe")  # the next periodic window (every 30 s)
+    hub.on_watermark(7, t0 + 37 * S, "probe")  # the next periodic window is due (every 30 s) ...
+    assert not [b for b in sent if b["op"] == "kernel_window"], sent  # ... but 0.3 s x 199 have not passed
+    hub.on_watermark(7, t0 + 66 * S + 400_000_000, "probe")
     later = [b for b in sent if b["op"] == "kernel_window"]
     assert later and later[0]["id"] != opened["id"] and later[0]["ms"] > 1, later
 
@@ -62,3 +65,54 @@ def test_a_close_of_another_window_leaves_the_followed_one_alone() -> None:
     sent.clear()
     hub.on_watermark(7, 107 * S + 500_000_000, "probe")  # its 2 s lease nearly spent: renewed
     assert [b["id"] for b in sent if b["op"] == "kernel_window"] == [opened["id"]], sent
+
+
+def _churn(duty: float, seconds: int = 120) -> list[tuple[int, int]]:
+    """A process whose every 100 ms watermark starts a burst (allocation churn under a stream-ordered
+    allocator) and which runs ten steps (a launch and a wait) between watermarks; each launch window it
+    is sent records them. Returns each window's (opened, closed) watermark times in ms."""
+    hub = FeatureHub(sampler=SamplerConfig(kernel_window_max_duty=duty))
+    now = [0]
+    sent: list[tuple[int, dict[str, Any]]] = []
+    hub.control = lambda pid, body: sent.append((now[0], body)) is None
+    s = hub.sampler(7)
+    steps = np.zeros(20, API_DTYPE)
+    steps["role"] = [ApiRole.LAUNCH, ApiRole.SYNC] * 10
+    for i in range(seconds * 10):
+        now[0] = i * 100
+        if 7 in hub._followed:
+            hub.on_launches(7, steps)  # what the open window recorded since the last watermark
+        s.bursts = i + 1  # a burst starts in every step
+        hub._after_step(s, "probe", i * 100 * 1_000_000)
+    spans: dict[int, list[int]] = {}
+    for t, b in sent:
+        if b["op"] == "kernel_window":
+            spans.setdefault(b["id"], []).append(t)
+    return [(ts[0], ts[-1]) for ts in spans.values()]
+
+
+def test_under_churn_windows_hold_at_most_their_share_of_the_time() -> None:
+    # GIVEN a process bursting at every watermark, whose launch windows each record its steps
+    # WHEN the hub opens windows for two minutes with the default share (0.005)
+    windows = _churn(SamplerConfig().kernel_window_max_duty)
+    # THEN each window closes at its steps (100 ms: the next watermark), and the next waits 100 ms x 199
+    assert windows[0] == (0, 100)
+    assert [b - a for a, b in windows[:-1]] == [100] * (len(windows) - 1)
+    assert [b[0] - a[1] for a, b in itertools.pairwise(windows)] == [19_900] * (len(windows) - 1)
+    open_ms = sum(b - a for a, b in windows)
+    assert open_ms / 120_000 <= 0.005 + 100 / 120_000  # the share, plus the window the two minutes cut
+    # AND without the bound (share 1) the 1 s gap alone lets a window open every 1.1 s: 9 % of the time
+    unbounded = _churn(1.0)
+    assert len(unbounded) >= 100 and [b[0] - a[1] for a, b in itertools.pairwise(unbounded)][:3] == [1000] * 3
+
+
+def test_a_window_in_which_the_process_made_no_call_costs_only_the_gap() -> None:
+    # GIVEN a window held to its bound because the process launched nothing (closed by the probe's count)
+    hub, sent = _hub()
+    t0 = 100 * S
+    opened = _open(hub, sent, 7, t0)
+    hub.note_window_closed(7, opened["id"], t0 + 18 * S)  # 12 s open, no call recorded
+    sent.clear()
+    # THEN the next periodic window opens when due (30 s after the last opened), not 12 s x 199 later
+    hub.on_watermark(7, t0 + 36 * S + 100_000_000, "probe")
+    assert [b for b in sent if b["op"] == "kernel_window" and b["ms"] > 1], sent
