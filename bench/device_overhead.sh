@@ -9,15 +9,21 @@
 # seconds (default 150) it writes every process, nvidia-smi and py-spy stacks of each worker (py-spy from
 # .whl when there) to $OUT/NAME.diag and stops the bench: a worker that never became ready (run 22's
 # start-up hang) is then named, not guessed.
+#
+# The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
+#   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
+# and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
 set -uo pipefail
 name=$1 alloc=$2 configs=$3 rounds=$4 maxsec=$5; shift 5
 O=${OUT:?OUT is the folder whose files come back}
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+export GPUFOOTPRINT_COMMIT=${GPUFOOTPRINT_COMMIT:-$(cat dist/COMMIT 2>/dev/null)}
 { date -u +%FT%TZ
   python3 -m pip install -q --no-build-isolation --no-index --find-links .whl "$(ls dist/gpufootprint-*.whl | head -1)[probe,daemon]" 2>&1 || exit 1
   python3 -m pip install -q --no-index --find-links .whl py-spy 2>/dev/null || echo "no py-spy in .whl"
   nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,compute_mode --format=csv; nproc
+  echo "wheel $(sha256sum dist/gpufootprint-*.whl | head -1) commit ${GPUFOOTPRINT_COMMIT:-unknown}"
   python3 -m pip list 2>/dev/null | grep -i -E "gpufootprint|cupti|^torch |numpy|cuda-bindings|nvidia-ml"; python3 -V
   echo "installed at $(el) s"; } > "$O/$name.machine.txt" 2>&1 || { cat "$O/$name.machine.txt"; exit 1; }
 watch=${WATCH:-150}
