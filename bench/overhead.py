@@ -101,13 +101,12 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_quiet": {"flush_ms": 1000, "watermark_ms": 5000, "heartbeat_ms": 5000},
     "probe_no_torch_hooks": {"torch_hook": False, "oom_torch_observer": False},
     "probe_no_discover": {},
-    # Launch windows at every burst (a 1 s gap only), as before 2026-12-06: the daemon's duty bound off.
+    # Launch windows at every burst (a 1 s gap only), as before 2026-12-06: kernel_window_burst_gap_seconds 0.
     "probe_windows_every_burst": {},
     # CUPTI buffers of 256 KiB (64 of them: the same 16 MiB bound) instead of 64 KiB: a quarter of the
-    # completions, wakes and GIL hand-overs under churn (run 26, 2026-12-06; the default since).
+    # completions, wakes and GIL hand-overs under churn (run 26, 2026-12-06). Not the default: CUPTI 13
+    # holds a buffer per recording thread, and 64 run out at 65 threads.
     "probe_big_buffers": {"cupti_buffer_bytes": 256 << 10, "raw_buffers": 64},
-    # The buffers before run 26: 256 of 64 KiB.
-    "probe_small_buffers": {"cupti_buffer_bytes": 64 << 10, "raw_buffers": 256},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -133,7 +132,7 @@ DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_serial": _KERNELS,
     "probe_kernel_windows_dense": {**_KERNELS, **_DENSE},
     "probe_launch_windows_dense": {"kernel_window_ms": 50, **_DENSE},
-    "probe_windows_every_burst": {"kernel_window_max_duty": 1.0},
+    "probe_windows_every_burst": {"kernel_window_burst_gap_seconds": 0.0},
 }
 # Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a
@@ -146,7 +145,7 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 # Groups also compared with others, round by round: the default's launch windows against none, against the
 # probe that opens none, and against windows that close only when the daemon says so.
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
-                                         "probe_windows_every_burst", "probe_big_buffers", "probe_small_buffers"]}
+                                         "probe_windows_every_burst", "probe_big_buffers"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table

@@ -185,10 +185,10 @@ class SamplerConfig:
     kernel_window_min_gap_seconds: float = _spec(1.0, lo=0, hi=86_400,
                                                  doc="windows (periodic or at bursts) at least this far apart, "
                                                      "from the last one's close")
-    kernel_window_max_duty: float = _spec(0.005, lo=1e-6, hi=1.0,
-                                          doc="windows hold at most this share of a process's time: after one "
-                                              "that stayed open T, the next waits at least T x (1 / share - 1) "
-                                              "(a 100 ms window: 20 s at 0.005); 1: no bound beyond the gap")
+    kernel_window_burst_gap_seconds: float = _spec(30.0, lo=0, hi=86_400,
+                                                   doc="a burst opens a window only when none opened this long "
+                                                       "before (under allocation churn a burst starts every "
+                                                       "second; 0: every burst, past the gap)")
 
 
 @dataclass(frozen=True)

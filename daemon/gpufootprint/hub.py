@@ -81,7 +81,8 @@ class FeatureHub:
         self._sent_interval: dict[int, int] = {}
         self._bursts_seen: dict[int, int] = {}
         self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
-        self._window_next: dict[int, int] = {}  # pid -> earliest watermark time its next kernel window may open
+        self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window (its close)
+        self._window_opened: dict[int, int] = {}  # pid -> watermark time its last kernel window opened
         self._kernel_window_id = 0
         self._followed: dict[int, _FollowedWindow] = {}  # pid -> its open launch window
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
@@ -160,7 +161,8 @@ class FeatureHub:
         self._sent_interval.pop(pid, None)
         self._bursts_seen.pop(pid, None)
         self._window_due.pop(pid, None)
-        self._window_next.pop(pid, None)
+        self._window_last.pop(pid, None)
+        self._window_opened.pop(pid, None)
         self._followed.pop(pid, None)
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
@@ -187,7 +189,7 @@ class FeatureHub:
         w = self._followed.get(pid)
         if w is not None and w.wid == wid:
             del self._followed[pid]
-            self._window_ended(pid, w.opened_ns, end_ns, recorded=w.records > 0)
+            self._window_last[pid] = max(end_ns, w.opened_ns)
 
     def note_torch(self, pid: int, torch: Any) -> None:
         """The probe's HEARTBEAT "torch" field: {"allocated": {dev: bytes}, "reserved": {dev: bytes}}."""
@@ -242,8 +244,7 @@ class FeatureHub:
             or w.records >= cfg.kernel_window_max_records or elapsed_ms >= cfg.kernel_window_max_ms
         if enough:
             del self._followed[pid]
-            # the gap to the next window counts from this one's end
-            self._window_ended(pid, w.opened_ns, now_ns, recorded=w.records > 0)
+            self._window_last[pid] = now_ns  # the gap to the next window counts from this one's end
             # 1 ms: the probe closes it at its next step (a window of the same records only moves its end)
             self._send(pid, {"op": "kernel_window", "ms": 1, "id": w.wid, "records": "launches"})
             return
@@ -264,10 +265,10 @@ class FeatureHub:
     def _kernel_windows(self, s: ProcessSampler, now_ns: int) -> None:
         """Open a short window of the probe's launch records (or kernel records): periodically (so every process with
         kernels gets a Graph verdict soon after it starts) and when a burst starts, never closer
-        together than ``kernel_window_min_gap_seconds`` and never more of the process's time than
-        ``kernel_window_max_duty``: while a window is open every launch (or kernel) the workload makes costs
-        it a CUPTI record, so under allocation churn, where a burst starts every second, windows at every
-        burst cost a launch-bound loop 2.5-5 % (H100, 2026-12-06, docs/performance.md)."""
+        together than ``kernel_window_min_gap_seconds`` (the duty cycle stays low). A burst opens one only when
+        none opened in the last ``kernel_window_burst_gap_seconds``: under allocation churn a burst starts
+        every second, and while a window is open every launch costs the workload a CUPTI record; windows at
+        every burst cost a loop of tiny launches 2.5-5 % (H100, 2026-12-06, docs/performance.md)."""
         cfg = self.config
         every_ns = int(cfg.kernel_window_every_seconds * 1e9)
         due = self._window_due.get(s.pid)
@@ -276,10 +277,13 @@ class FeatureHub:
         burst = s.bursts != self._bursts_seen.get(s.pid, 0)
         self._bursts_seen[s.pid] = s.bursts  # one window per step that saw a burst start (one is enough)
         periodic = due is not None and now_ns >= due
+        opened = self._window_opened.get(s.pid)
+        if burst and opened is not None and now_ns - opened < cfg.kernel_window_burst_gap_seconds * 1e9:
+            burst = False  # under churn every second bursts: windows at each would record much of the time
         if not (burst or periodic):
             return
-        earliest = self._window_next.get(s.pid)
-        if earliest is not None and now_ns < earliest:
+        last = self._window_last.get(s.pid)
+        if last is not None and now_ns - last < cfg.kernel_window_min_gap_seconds * 1e9:
             return
         if s.pid in self._followed:
             return  # one is open: it follows the steps
@@ -291,29 +295,12 @@ class FeatureHub:
             body["ms"] = max(cfg.kernel_window_ms, min(LEASE_MS, cfg.kernel_window_max_ms))
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
-        sent = self._send(s.pid, body)
-        if sent and launches:
-            # open until it has held its steps: the gap is set when it closes
+        if self._send(s.pid, body) and launches:
             self._followed[s.pid] = _FollowedWindow(self._kernel_window_id, now_ns, body["ms"])
-            self._window_next[s.pid] = now_ns + int(cfg.kernel_window_min_gap_seconds * 1e9)
-        elif sent:
-            self._window_ended(s.pid, now_ns, now_ns + body["ms"] * _MS, recorded=True)  # kernel window: fixed length
-        else:
-            self._window_next[s.pid] = now_ns + int(cfg.kernel_window_min_gap_seconds * 1e9)
+        self._window_last[s.pid] = now_ns
+        self._window_opened[s.pid] = now_ns
         if periodic:
             self._window_due[s.pid] = now_ns + every_ns
-
-    def _window_ended(self, pid: int, opened_ns: int, end_ns: int, *, recorded: bool) -> None:
-        """A window of ``pid`` was open from ``opened_ns`` to ``end_ns``: the next may open after the gap, and
-        after long enough that windows hold at most ``kernel_window_max_duty`` of the process's time. A launch
-        window in which the process made no call cost it nothing: only the gap."""
-        cfg = self.config
-        end_ns = max(end_ns, opened_ns)
-        gap_ns = int(cfg.kernel_window_min_gap_seconds * 1e9)
-        if recorded and cfg.kernel_window_max_duty < 1.0:
-            duty = cfg.kernel_window_max_duty
-            gap_ns = max(gap_ns, int((end_ns - opened_ns) * (1.0 - duty) / duty))
-        self._window_next[pid] = end_ns + gap_ns
 
     def _send(self, pid: int, body: dict[str, Any]) -> bool:
         assert self.control is not None

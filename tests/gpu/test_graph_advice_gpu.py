@@ -272,8 +272,7 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
         ktee = out / f"h200_graph_{mode}_kernels.gfp.gz"
         truth = Run(tmp_path / "kernels", mode, 16.0, ktee, [
             "sampler.kernel_window_records=kernels", "sampler.kernel_window_ms=3000",
-            "sampler.kernel_window_first_seconds=2", "sampler.kernel_window_every_seconds=6",
-            "sampler.kernel_window_max_duty=1"])  # the truth wants windows of 3 s every 6 s, not the default's share
+            "sampler.kernel_window_first_seconds=2", "sampler.kernel_window_every_seconds=6"])
         try:
             truth.workload.wait(timeout=120)
             time.sleep(1.0)

@@ -46,14 +46,12 @@ def test_a_window_the_probe_closed_at_its_count_is_followed_no_more() -> None:
     hub.on_launches(7, api)
     # WHEN the probe's heartbeat says it closed the window at its count
     hub.note_window_closed(7, opened["id"], t0 + 6 * S + 300_000_000)
-    # THEN no renewal goes out for it, and the next window may open after the usual gap (here the duty bound's:
-    # 0.3 s open at 0.005 of the time), not after kernel_window_max_ms (12 s) of renewals the probe would ignore
+    # THEN no renewal goes out for it, and the next window may open after the usual gap, not after
+    # kernel_window_max_ms (12 s) of renewals the probe would ignore
     sent.clear()
     hub.on_watermark(7, t0 + 7 * S + 500_000_000, "probe")  # where its 2 s lease would be renewed
     assert not [b for b in sent if b["op"] == "kernel_window"], sent
-    hub.on_watermark(7, t0 + 37 * S, "probe")  # the next periodic window is due (every 30 s) ...
-    assert not [b for b in sent if b["op"] == "kernel_window"], sent  # ... but 0.3 s x 199 have not passed
-    hub.on_watermark(7, t0 + 66 * S + 400_000_000, "probe")
+    hub.on_watermark(7, t0 + 37 * S, "probe")  # the next periodic window (every 30 s)
     later = [b for b in sent if b["op"] == "kernel_window"]
     assert later and later[0]["id"] != opened["id"] and later[0]["ms"] > 1, later
 
@@ -67,11 +65,11 @@ def test_a_close_of_another_window_leaves_the_followed_one_alone() -> None:
     assert [b["id"] for b in sent if b["op"] == "kernel_window"] == [opened["id"]], sent
 
 
-def _churn(duty: float, seconds: int = 120) -> list[tuple[int, int]]:
+def _churn(burst_gap_s: float, seconds: int = 120) -> list[tuple[int, int]]:
     """A process whose every 100 ms watermark starts a burst (allocation churn under a stream-ordered
     allocator) and which runs ten steps (a launch and a wait) between watermarks; each launch window it
     is sent records them. Returns each window's (opened, closed) watermark times in ms."""
-    hub = FeatureHub(sampler=SamplerConfig(kernel_window_max_duty=duty))
+    hub = FeatureHub(sampler=SamplerConfig(kernel_window_burst_gap_seconds=burst_gap_s))
     now = [0]
     sent: list[tuple[int, dict[str, Any]]] = []
     hub.control = lambda pid, body: sent.append((now[0], body)) is None
@@ -91,28 +89,15 @@ def _churn(duty: float, seconds: int = 120) -> list[tuple[int, int]]:
     return [(ts[0], ts[-1]) for ts in spans.values()]
 
 
-def test_under_churn_windows_hold_at_most_their_share_of_the_time() -> None:
+def test_under_churn_a_burst_opens_a_window_only_past_the_burst_gap() -> None:
     # GIVEN a process bursting at every watermark, whose launch windows each record its steps
-    # WHEN the hub opens windows for two minutes with the default share (0.005)
-    windows = _churn(SamplerConfig().kernel_window_max_duty)
-    # THEN each window closes at its steps (100 ms: the next watermark), and the next waits 100 ms x 199
-    assert windows[0] == (0, 100)
+    # WHEN the hub opens windows for two minutes with the default burst gap (30 s)
+    assert SamplerConfig().kernel_window_burst_gap_seconds == 30.0
+    windows = _churn(30.0)
+    # THEN each window closes at its steps (100 ms: the next watermark); the first burst opens one at once, the
+    # periodic schedule one 5 s in (past start-up) and every 30 s after, and no burst opens any other
     assert [b - a for a, b in windows[:-1]] == [100] * (len(windows) - 1)
-    assert [b[0] - a[1] for a, b in itertools.pairwise(windows)] == [19_900] * (len(windows) - 1)
-    open_ms = sum(b - a for a, b in windows)
-    assert open_ms / 120_000 <= 0.005 + 100 / 120_000  # the share, plus the window the two minutes cut
-    # AND without the bound (share 1) the 1 s gap alone lets a window open every 1.1 s: 9 % of the time
-    unbounded = _churn(1.0)
-    assert len(unbounded) >= 100 and [b[0] - a[1] for a, b in itertools.pairwise(unbounded)][:3] == [1000] * 3
-
-
-def test_a_window_in_which_the_process_made_no_call_costs_only_the_gap() -> None:
-    # GIVEN a window held to its bound because the process launched nothing (closed by the probe's count)
-    hub, sent = _hub()
-    t0 = 100 * S
-    opened = _open(hub, sent, 7, t0)
-    hub.note_window_closed(7, opened["id"], t0 + 18 * S)  # 12 s open, no call recorded
-    sent.clear()
-    # THEN the next periodic window opens when due (30 s after the last opened), not 12 s x 199 later
-    hub.on_watermark(7, t0 + 36 * S + 100_000_000, "probe")
-    assert [b for b in sent if b["op"] == "kernel_window" and b["ms"] > 1], sent
+    assert [a for a, _ in windows] == [0, 5_000, 35_000, 65_000, 95_000]
+    # AND with a gap of 0 a window opens at the first burst past the 1 s gap from the last close: every 1.1 s
+    every = _churn(0.0)
+    assert len(every) >= 100 and [b[0] - a[1] for a, b in itertools.pairwise(every)][:3] == [1000] * 3

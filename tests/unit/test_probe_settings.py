@@ -26,7 +26,7 @@ def test_values_below_what_works_fall_back_with_a_warning(caplog: object) -> Non
     # a socket buffer smaller than one batch frame would drop every batch
     s = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_BUFFER_BYTES": "65536", "GPUFOOTPRINT_PROBE_RAW_BUFFERS": "1",
                                 "GPUFOOTPRINT_PROBE_DELIVERY": "fast", "GPUFOOTPRINT_PROBE_CUPTI_BUFFER_BYTES": "8192"})
-    assert (s.buffer_bytes, s.raw_buffers, s.delivery) == (16 << 20, 64, "raw")
+    assert (s.buffer_bytes, s.raw_buffers, s.delivery) == (16 << 20, 256, "raw")
     assert s.cupti_buffer_bytes == 8192
     text = caplog.text
     assert "GPUFOOTPRINT_PROBE_BUFFER_BYTES='65536' is not valid" in text

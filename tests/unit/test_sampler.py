@@ -255,7 +255,7 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
         if w[-1][0] < 170:
             assert w[-1][1] == 1 and w[-1][0] - w[0][0] == pytest.approx(12.0, abs=0.11)  # closed at the bound
     # AND a burst opens one at once, but never two within a second of the last one's close
-    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50, kernel_window_max_ms=500))
+    hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50, kernel_window_max_ms=500, kernel_window_burst_gap_seconds=0))
     got: list[dict[str, Any]] = []
     hub2.control = lambda pid, body: got.append(body) or True
     s = hub2.sampler(pid)

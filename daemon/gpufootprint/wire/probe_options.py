@@ -58,12 +58,8 @@ class ProbeOptions:
     buffer_bytes: int = _opt(16 << 20, lo=1 << 20, hi=1 << 30, floor=True,
                              doc="frames waiting for the socket before records are dropped (at least 1 MiB: "
                                  "one packing array's frame is up to 4096 x 80 bytes)")
-    # 256 KiB: under allocation churn a quarter of 64 KiB's completions, wakes of the sender and GIL hand-overs
-    # (H100, 2026-12-06: 0.5 % of a transformer step under cudaMallocAsync, docs/performance.md). Liveness
-    # does not hang on it: partly filled buffers come at the forced flushes the daemon paces.
-    cupti_buffer_bytes: int = _opt(256 << 10, lo=1 << 12, hi=1 << 28, floor=True,
-                                   doc="host buffer per CUPTI request (larger: fewer completions under churn; "
-                                       "partly filled ones come at forced flushes)")
+    cupti_buffer_bytes: int = _opt(64 << 10, lo=1 << 12, hi=1 << 28, floor=True,
+                                   doc="host buffer per CUPTI request (small: buffers complete sooner)")
     # The probe also takes 0: CUPTI's defaults, untouched (the daemon's configuration does not offer it).
     device_buffer_bytes: int = _opt(4 << 20, lo=1 << 16, hi=1 << 28, doc="CUPTI device buffer size")
     device_buffer_pool_limit: int = _opt(2, lo=1, hi=64, doc="CUPTI device buffers at most")
@@ -111,7 +107,7 @@ class ProbeOptions:
                                            "CUPTI wrote them, read there instead of in the workload's process "
                                            "(docs/probe.md)")
     # Past raw_buffers, CUPTI drops (and counts) records.
-    raw_buffers: int = _opt(64, lo=4, hi=4096, floor=True,
+    raw_buffers: int = _opt(256, lo=4, hi=4096, floor=True,
                             doc="raw delivery: CUPTI host buffers at most (x cupti_buffer_bytes); past it CUPTI "
                                 "drops and counts records")
     # CUPTI's per-API activity records for the driver's and the runtime's allocation entry points

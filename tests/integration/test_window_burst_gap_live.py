@@ -1,13 +1,13 @@
-"""Launch windows under allocation churn hold at most ``sampler.kernel_window_max_duty`` of a process's
-time, end to end: a default App (fake NVML), a child probe on its socket that allocates and frees 512 MiB
-every step (a burst at every watermark) and answers launch windows with its launch and wait calls, and
-the daemon's kernel_window CONTROL frames as the child got them and as /metrics counts them while it runs.
+"""Under allocation churn a burst opens a launch window only when none opened in the last
+``sampler.kernel_window_burst_gap_seconds``, end to end: a default App (fake NVML), a child probe on its
+socket that allocates and frees 512 MiB every step (a burst at every watermark) and answers launch windows
+with its launch and wait calls, and the daemon's kernel_window CONTROL frames as the child got them and as
+/metrics counts them while it runs.
 
-A burst opens a launch window once the last one's gap has passed. With the share at 1 (no bound) only
-``kernel_window_min_gap_seconds`` (1 s) separates a window's close from the next opening, so a process
-bursting every 60 ms gets a window about every 1.3 s. At the default share (0.005) a window that stayed
-open T and recorded calls holds the next back T x 199 (a 0.3 s window: a minute): one window in the run,
-however many bursts follow it. Without the bound both runs would look like the first.
+With the gap at 0 only ``kernel_window_min_gap_seconds`` (1 s) separates a window's close from the next
+opening, so a process bursting every 60 ms gets a window about every 1.3 s. At the default gap (30 s) the
+first burst's window is the only one in the run, however many bursts follow it. The periodic windows
+(first 5 s in) are moved past the run in both, so only bursts open windows here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from nvml_fake import FakeNvml
 
 pytestmark = pytest.mark.integration
 
-RUN_S = 6.5  # each child's run: about five windows apart at share 1
+RUN_S = 6.5  # each child's run: about five windows apart at a burst gap of 0
 
 # Allocation churn around a loop of launches: every ~60 ms step allocates eight 64 MiB buffers and frees
 # them (half the 1 GiB the process holds: a burst), runs ten launches and waits 50 ms for the GPU. The
@@ -150,13 +150,15 @@ def _run(tmp_path: Path, overrides: dict[str, Any]) -> Run:
     return Run(doc["windows"], doc["steps_sent"], live)
 
 
-def test_under_allocation_churn_the_duty_bound_leaves_one_window_where_the_gap_alone_leaves_many(
+def test_under_allocation_churn_the_burst_gap_leaves_one_window_where_the_1s_gap_alone_leaves_many(
         tmp_path: Path) -> None:
     # GIVEN a process that bursts at every ~60 ms step and records its steps in every launch window
-    # WHEN the daemon has no bound on the windows' share of its time (1: the 1 s gap alone)
-    free = _run(tmp_path / "free", {"sampler.kernel_window_max_duty": 1.0})
-    # AND WHEN it has the default share (0.005)
-    bounded = _run(tmp_path / "bounded", {})
+    # (no periodic window within the run: only bursts open them)
+    late_periodic = {"sampler.kernel_window_first_seconds": 600.0}
+    # WHEN a burst may open a window whenever the 1 s gap from the last close has passed (burst gap 0)
+    free = _run(tmp_path / "free", {**late_periodic, "sampler.kernel_window_burst_gap_seconds": 0.0})
+    # AND WHEN the burst gap is the default (30 s)
+    bounded = _run(tmp_path / "bounded", late_periodic)
     for run in (free, bounded):
         # (the churn made bursts all along: the daemon closed dozens of anomaly windows while it ran)
         assert run.live and run.live[-1][2] - run.live[0][2] >= 20, run.live
@@ -164,7 +166,7 @@ def test_under_allocation_churn_the_duty_bound_leaves_one_window_where_the_gap_a
         assert run.steps_sent >= 5 and run.openings and run.openings[0]["ms"] == 2000, run
         assert run.openings[0]["records"] == "launches" and run.openings[0]["steps"] == 4, run.openings
 
-    # THEN without the bound a window opens again about every 1 s + its length, at the next burst
+    # THEN with a burst gap of 0 a window opens again about every 1 s + its length, at the next burst
     assert len(free.openings) >= 4, free.controls
     for prev, nxt in zip(free.openings, free.openings[1:]):
         closed = free.closed_at(prev["id"])
@@ -177,8 +179,8 @@ def test_under_allocation_churn_the_duty_bound_leaves_one_window_where_the_gap_a
     halfway = [n for t, n, _ in free.live if t <= RUN_S / 2][-1]
     assert free.live[-1][1] > halfway, free.live
 
-    # THEN with the default share the first window (open T ~ 0.3 s) holds the next back T x 199: one
-    # window in the whole run, however many bursts came after it
+    # THEN with the default burst gap the first burst's window is the only one in the whole run, however
+    # many bursts came after it
     assert len(bounded.openings) == 1, bounded.controls
     wid = bounded.openings[0]["id"]
     closed = bounded.closed_at(wid)
