@@ -131,6 +131,14 @@ class KernelRetention:
         while self._n - len(self._chunks[0]) >= self.limit:
             self._n -= len(self._chunks.pop(0))
 
+    def drop_oldest(self, n: int) -> None:
+        """Forget the ``n`` oldest records (the process's share of the node's retention shrank or is spent)."""
+        if n <= 0:
+            return
+        keep = self.array()[n:]
+        self._joined = None
+        self._chunks, self._n = ([keep] if len(keep) else []), len(keep)
+
     def array(self) -> np.ndarray:
         if self._joined is None:
             if not self._chunks:

@@ -399,6 +399,35 @@ def test_kernel_records_retained_and_device_tables_are_bounded_in_total(live) ->
     s.close()
 
 
+def test_a_process_at_its_share_of_retained_kernels_keeps_its_newest_windows_not_its_first(live) -> None:
+    from gpufootprint.records import KERNEL_DTYPE
+
+    # GIVEN a node whose retention is shared by two processes (500 records each) and a process whose windows
+    # bring 300 kernel records each, well within its share one at a time
+    srv, good = live(max_retained_kernels=1000)
+    srv.pipeline.kernel_retention = 5000  # as the daemon sets it when the graph advisor is on
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t0 = time.time_ns()
+    for window in range(5):
+        k = np.zeros(300, KERNEL_DTYPE)
+        k["start"] = t0 + window * 10**9 + np.arange(300) * 1000
+        k["end"] = k["start"] + 10
+        k["pid"] = ME
+        s.sendall(encode_batch(RecordKind.KERNEL, k) + encode_watermark(int(k["end"].max()) + 1))
+        srv.wait(lambda w=window: (proc := srv.pipeline.processes.get(ME)) is not None and proc.kernels is not None
+                 and int(proc.kernels.array()["start"].max()) == t0 + w * 10**9 + 299 * 1000)
+        # THEN after each window the process holds at most its share, and the newest window whole
+        held = srv.pipeline.processes[ME].kernels.array()
+        assert len(held) == min(500, 300 * (window + 1)), len(held)
+        assert int((held["start"] >= t0 + window * 10**9).sum()) == 300
+    # AND nothing was refused: keeping to its windows does not make it an offender (kernel_limit stays 0),
+    # where the first two windows filled the share and every later one was dropped before
+    assert srv.pipeline.errors.counts["kernel_limit"] == 0
+    _good_still_reports(srv, good)
+    s.close()
+
+
 def test_kernel_names_are_bounded_in_total_and_given_back_when_the_connection_ends(live) -> None:
     srv, good = live()
     s = _connect(srv.server.socket_path)

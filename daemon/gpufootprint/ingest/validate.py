@@ -317,14 +317,21 @@ class Guard:
         growth = min(retention, held + len(recs)) - held  # a full ring replaces, it does not grow
         total = self.limits.max_retained_kernels
         room = self.kernels.room(proc.pid, total, self.census)
-        if growth > room:  # then the ring is not full even with ``room`` more: keep just those
-            keep = max(0, room)
-            problem("kernel_limit", f"pid={proc.pid}: {kind.name} records past its share of "
-                                    f"daemon.max_retained_kernels={total}: dropped", len(recs) - keep)
-            self.refuse(proc.pid, "kernel_limit", len(recs) - keep, self.kernels, total)
-            recs = recs[:keep]
-            growth = keep
-        self.kernels.add(proc.pid, max(0, growth), self.census)
+        if growth > room:
+            # At its share the process's records replace its oldest, as a full ring does: the graph advisor
+            # reads the newest windows, and a process that keeps to its windows is not an offender. Only a
+            # batch larger than the whole share loses records (its oldest).
+            cap = max(0, held + room)
+            if len(recs) > cap:
+                problem("kernel_limit", f"pid={proc.pid}: {kind.name} records past its share of "
+                                        f"daemon.max_retained_kernels={total}: dropped", len(recs) - cap)
+                self.refuse(proc.pid, "kernel_limit", len(recs) - cap, self.kernels, total)
+                recs = recs[len(recs) - cap:]
+            evict = held + len(recs) - cap
+            if ring is not None and evict > 0:
+                ring.drop_oldest(evict)
+            growth = len(recs) - max(0, evict)
+        self.kernels.add(proc.pid, growth, self.census)
         return recs
 
     def waiting_room(self, proc: ProcessState) -> int:
