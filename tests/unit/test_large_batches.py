@@ -244,7 +244,7 @@ def test_frames_read_out_of_the_pieces_equal_frames_gathered_from_small_pieces(s
 
 
 def _footprint_state(fp: DeviceFootprint, levels: Any) -> tuple[Any, ...]:
-    return ({a: (e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()}, list(fp.live_by_kind),
+    return ({a: tuple(e) for a, e in fp.live.items()}, list(fp.live_by_kind),
             fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level, levels.ts.tolist(), levels.deltas.tolist(),
             levels.level_after)
