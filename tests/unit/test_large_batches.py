@@ -164,6 +164,31 @@ def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_reuse_of_large_batches_equals_the_record_by_record_walk(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large random
+    # batches (keys repeat within a batch: an address allocated, released and allocated again), one of them
+    # walking every batch record by record (``_add_small``, the reference for the batch path's matching of
+    # allocations that missed the set against the first release of their key in the batch)
+    rng = np.random.default_rng(seed)
+    batch_path, walked = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
+    t = 10**15
+    keys: set[int] = set()
+    for _ in range(40):
+        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([8, 64, 512, 8192])),
+                              sizeless=rng.random() < 0.1)
+        t += 60_000_000
+        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
+        batch_path.add(batch)
+        monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 1 << 62)
+        walked.add(batch)
+        monkeypatch.undo()
+        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
+        probe = sorted(keys)[:600]
+        assert reuse_state(batch_path, probe) == reuse_state(walked, probe)
+    assert batch_path.reused > 0 and batch_path.allocations > batch_path.reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_sampler_levels_taken_in_order_equal_the_stable_sort(seed: int) -> None:
     # GIVEN level changes of two devices in chunks, most of them following each other in time, some not
     rng = np.random.default_rng(seed)
