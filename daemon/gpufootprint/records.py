@@ -372,6 +372,34 @@ def join(chunks: list[np.ndarray]) -> np.ndarray:
     return raw.view(dtype)
 
 
+def sorted_positions(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.argsort(values, kind="stable")`` and the values in that order, for unsigned 64-bit values.
+
+    numpy's stable sort of 64-bit integers is a merge sort (about 1.2 ms for 14,000 addresses here); its
+    default sort is a vectorised one about five times faster, but not stable. Where the values' span
+    (largest less smallest) leaves room below bit 64 for a record's position, each value less the smallest
+    is shifted up and its position put in the bits below: the keys are then distinct and their order is
+    (value, position), the stable order, whichever sort gives it. Otherwise the stable sort itself."""
+    n = len(values)
+    bits = max(1, (n - 1).bit_length())
+    lo = int(values.min()) if n else 0
+    if n < 2 or (int(values.max()) - lo) >> (64 - bits):
+        order = np.argsort(values, kind="stable")
+        return order, values[order]
+    shift = np.uint64(bits)
+    keys = values.astype(np.uint64)
+    if lo:
+        keys -= np.uint64(lo)
+    keys <<= shift
+    keys |= np.arange(n, dtype=np.uint64)
+    keys.sort()
+    order = (keys & np.uint64((1 << bits) - 1)).astype(np.intp)
+    keys >>= shift
+    if lo:
+        keys += np.uint64(lo)
+    return order, keys
+
+
 def take(recs: np.ndarray, order: np.ndarray) -> np.ndarray:
     """``recs[order]`` (a new array) for a 1-D record array and integer positions: numpy copies a
     structured dtype field by field and record by record (about 90 us for 1,300 MEMORY records), rows

@@ -33,6 +33,7 @@ from gpufootprint.records import (
     MemoryKind,
     MemoryOp,
     RecordKind,
+    sorted_positions,
 )
 from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler.state import ProcessSampler
@@ -186,6 +187,32 @@ def test_reuse_of_large_batches_equals_the_record_by_record_walk(seed: int, monk
         probe = sorted(keys)[:600]
         assert reuse_state(batch_path, probe) == reuse_state(walked, probe)
     assert batch_path.reused > 0 and batch_path.allocations > batch_path.reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sorted_positions_equal_the_stable_argsort(seed: int) -> None:
+    # GIVEN random unsigned 64-bit values of every size up to a few thousand, with many repeats (addresses
+    # allocated and released in one batch), spans small, right at and past the room left for positions,
+    # from zero or from a random smallest value
+    rng = np.random.default_rng(seed)
+    for _ in range(80):
+        n = int(rng.choice([0, 1, 2, 3, 7, 192, 1347, 4096, 4097, 14100]))
+        bits = max(1, (n - 1).bit_length())
+        top = int(rng.choice([1 << 20, 1 << 48, 1 << (64 - bits), (1 << (64 - bits)) + 1, 1 << 64]))
+        lo = 0 if top == 1 << 64 or rng.random() < 0.4 else int(rng.integers(0, (1 << 64) - top, dtype=np.uint64))
+        pool = rng.integers(0, top, max(1, n // int(rng.choice([1, 3, 50]))), dtype=np.uint64, endpoint=False)
+        values = rng.choice(pool, n) + np.uint64(lo) if n else np.zeros(0, np.uint64)
+        if n > 1 and rng.random() < 0.3:
+            values[int(rng.integers(n))] = np.uint64(lo)
+            values[int(rng.integers(n))] = np.uint64(lo + top - 1)  # the widest span the range allows
+        recs = np.zeros(n, MEMORY_DTYPE)
+        recs["addr"] = values
+        # WHEN sorted by sorted_positions (here of a column of records, as the footprint asks)
+        order, ordered = sorted_positions(recs["addr"])
+        # THEN the positions are the stable sort's, and the values are the values in that order
+        expected = np.argsort(values, kind="stable")
+        assert order.dtype == expected.dtype and np.array_equal(order, expected)
+        assert ordered.dtype == np.uint64 and np.array_equal(ordered, values[expected])
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -39,6 +39,7 @@ from gpufootprint.records import (
     MemoryOp,
     PoolOp,
     ReusedAddresses,
+    sorted_positions,
     um_counter_values,
 )
 
@@ -151,8 +152,7 @@ class DeviceFootprint:
         if k_hi >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
             return None
         n = len(recs)
-        order = np.argsort(recs["addr"], kind="stable")  # by address, then time
-        a = recs["addr"][order]
+        order, a = sorted_positions(recs["addr"])  # by address, then time
         o = ops[order]
         first = np.ones(n, dtype=bool)
         first[1:] = a[1:] != a[:-1]
