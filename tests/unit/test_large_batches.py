@@ -216,6 +216,26 @@ def test_sorted_positions_equal_the_stable_argsort(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_live_table_searched_in_the_batch_equals_the_lookup_of_each_address(seed: int) -> None:
+    # GIVEN live tables of 0 to a few hundred addresses and batches' allocation addresses (distinct,
+    # ascending) of up to a few thousand, overlapping the table now and then: at the first or last address
+    # of the batch, past its end, before its start, anywhere
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        space = int(rng.choice([64, 4096, 1 << 40, 1 << 64]))
+        n_live, n_batch = int(rng.choice([0, 1, 2, 31, 32, 300])), int(rng.choice([0, 1, 8, 250, 257, 900, 3000]))
+        batch = np.unique(rng.integers(0, space, n_batch, dtype=np.uint64, endpoint=False))
+        live_addrs = set(rng.integers(0, space, n_live, dtype=np.uint64, endpoint=False).tolist())
+        if len(batch) and rng.random() < 0.5:
+            live_addrs.add(int(batch[int(rng.choice([0, len(batch) - 1, int(rng.integers(len(batch)))]))]))
+        live = {a: (1, 3, 0, False) for a in live_addrs}
+        # WHEN the bulk path asks whether the batch allocates at a live address
+        got = table_mod._allocates_live(live, batch)
+        # THEN it answers what the lookup of every address in the table answers
+        assert got == (not live.keys().isdisjoint(batch.tolist()))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_sampler_levels_taken_in_order_equal_the_stable_sort(seed: int) -> None:
     # GIVEN level changes of two devices in chunks, most of them following each other in time, some not
     rng = np.random.default_rng(seed)

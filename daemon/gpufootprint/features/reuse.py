@@ -27,7 +27,7 @@ import operator
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
-from gpufootprint.records import MemoryKind, MemoryOp
+from gpufootprint.records import MemoryKind, MemoryOp, select
 
 REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
@@ -97,7 +97,7 @@ class ReuseTracker:
             self._add_small(recs)
             return
         device = recs["mk"] == MemoryKind.DEVICE
-        sel = recs if bool(device.all()) else recs[device]
+        sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return
         ts = sel["ts"]

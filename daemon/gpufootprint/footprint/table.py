@@ -39,6 +39,7 @@ from gpufootprint.records import (
     MemoryOp,
     PoolOp,
     ReusedAddresses,
+    select,
     sorted_positions,
     um_counter_values,
 )
@@ -84,6 +85,19 @@ class IngestErrors:
 #: look). Read them by unpacking, or with the indexes below.
 LiveAllocation = tuple[int, int, int, bool]
 LIVE_BYTES, LIVE_KIND, LIVE_TS, LIVE_ASYNC = 0, 1, 2, 3
+
+
+def _allocates_live(live: dict[int, LiveAllocation], addrs: np.ndarray) -> bool:
+    """Whether any of ``addrs`` (distinct addresses in ascending order) is a key of ``live``. A table
+    much smaller than the batch (a large batch of new allocations) has its keys searched in ``addrs``;
+    otherwise each address is looked up in the table."""
+    n = len(live)
+    if 8 * n < len(addrs):
+        keys = np.fromiter(live, np.uint64, n)
+        at = addrs.searchsorted(keys)
+        at[at == len(addrs)] = 0
+        return bool((addrs[at] == keys).any())
+    return not live.keys().isdisjoint(addrs.tolist())
 
 
 @dataclass
@@ -165,7 +179,7 @@ class DeviceFootprint:
         f_op = o[fpos]
         f_addr = a[fpos]
         live = self.live
-        if live and not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
+        if live and _allocates_live(live, f_addr[f_op == 1]):
             return None  # an allocation at an address that is already live (none is, in an empty table)
         if self.reused and not self.reused.addresses().isdisjoint(f_addr.tolist()):
             return None  # perhaps the late release of an allocation whose address was reused
@@ -405,7 +419,7 @@ class DeviceFootprint:
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
         if not mask.any():
             return
-        sel = recs if bool(mask.all()) else recs[mask]
+        sel = recs if bool(mask.all()) else select(recs, mask)  # as recs[mask], rows of words at once
         addr, size, used = sel["pool_addr"], sel["pool_size"], sel["pool_used"]
         if addr[0] != addr[-1] or not bool((addr == addr[0]).all()):
             order = np.argsort(addr, kind="stable")  # by pool, then in time order
