@@ -372,18 +372,27 @@ def join(chunks: list[np.ndarray]) -> np.ndarray:
     return raw.view(dtype)
 
 
+#: ``sorted_positions`` leaves values in fewer runs than this (descents less one) to the stable sort.
+_FEW_RUNS = 8
+
+
 def sorted_positions(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.argsort(values, kind="stable")`` and the values in that order, for unsigned 64-bit values.
 
-    numpy's stable sort of 64-bit integers is a merge sort (about 1.2 ms for 14,000 addresses here); its
-    default sort is a vectorised one about five times faster, but not stable. Where the values' span
-    (largest less smallest) leaves room below bit 64 for a record's position, each value less the smallest
-    is shifted up and its position put in the bits below: the keys are then distinct and their order is
-    (value, position), the stable order, whichever sort gives it. Otherwise the stable sort itself."""
+    numpy's stable sort of 64-bit integers is a merge sort of the runs already in order: nearly free for
+    a few runs (a batch of addresses allocated in order), about 1.2 ms for 14,000 addresses in no order.
+    Its default sort is a vectorised one about ten times faster there, but not stable. For values in more
+    than a few runs whose span (largest less smallest) leaves room below bit 64 for a record's position,
+    each value less the smallest is shifted up and its position put in the bits below: the keys are then
+    distinct and their order is (value, position), the stable order, whichever sort gives it. Otherwise
+    the stable sort itself."""
     n = len(values)
+    if n < 2 or int(np.count_nonzero(values[1:] < values[:-1])) < _FEW_RUNS:
+        order = np.argsort(values, kind="stable")
+        return order, values[order]
     bits = max(1, (n - 1).bit_length())
-    lo = int(values.min()) if n else 0
-    if n < 2 or (int(values.max()) - lo) >> (64 - bits):
+    lo = int(values.min())
+    if (int(values.max()) - lo) >> (64 - bits):
         order = np.argsort(values, kind="stable")
         return order, values[order]
     shift = np.uint64(bits)

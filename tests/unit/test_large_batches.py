@@ -193,7 +193,7 @@ def test_reuse_of_large_batches_equals_the_record_by_record_walk(seed: int, monk
 def test_sorted_positions_equal_the_stable_argsort(seed: int) -> None:
     # GIVEN random unsigned 64-bit values of every size up to a few thousand, with many repeats (addresses
     # allocated and released in one batch), spans small, right at and past the room left for positions,
-    # from zero or from a random smallest value
+    # from zero or from a random smallest value, in no order or in a few sorted runs
     rng = np.random.default_rng(seed)
     for _ in range(80):
         n = int(rng.choice([0, 1, 2, 3, 7, 192, 1347, 4096, 4097, 14100]))
@@ -205,6 +205,9 @@ def test_sorted_positions_equal_the_stable_argsort(seed: int) -> None:
         if n > 1 and rng.random() < 0.3:
             values[int(rng.integers(n))] = np.uint64(lo)
             values[int(rng.integers(n))] = np.uint64(lo + top - 1)  # the widest span the range allows
+        if n > 1 and rng.random() < 0.4:  # in a few sorted runs (addresses allocated in order), around _FEW_RUNS
+            runs = np.array_split(values, int(rng.choice([1, 2, 7, 8, 9, 30])))
+            values = np.concatenate([np.sort(r) for r in runs])
         recs = np.zeros(n, MEMORY_DTYPE)
         recs["addr"] = values
         # WHEN sorted by sorted_positions (here of a column of records, as the footprint asks)
