@@ -372,6 +372,43 @@ def join(chunks: list[np.ndarray]) -> np.ndarray:
     return raw.view(dtype)
 
 
+#: ``sorted_positions`` leaves values in fewer runs than this (descents less one) to the stable sort.
+_FEW_RUNS = 8
+
+
+def sorted_positions(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.argsort(values, kind="stable")`` and the values in that order, for unsigned 64-bit values.
+
+    numpy's stable sort of 64-bit integers is a merge sort of the runs already in order: nearly free for
+    a few runs (a batch of addresses allocated in order), about 1.2 ms for 14,000 addresses in no order.
+    Its default sort is a vectorised one about ten times faster there, but not stable. For values in more
+    than a few runs whose span (largest less smallest) leaves room below bit 64 for a record's position,
+    each value less the smallest is shifted up and its position put in the bits below: the keys are then
+    distinct and their order is (value, position), the stable order, whichever sort gives it. Otherwise
+    the stable sort itself."""
+    n = len(values)
+    if n < 2 or int(np.count_nonzero(values[1:] < values[:-1])) < _FEW_RUNS:
+        order = np.argsort(values, kind="stable")
+        return order, values[order]
+    bits = max(1, (n - 1).bit_length())
+    lo = int(values.min())
+    if (int(values.max()) - lo) >> (64 - bits):
+        order = np.argsort(values, kind="stable")
+        return order, values[order]
+    shift = np.uint64(bits)
+    keys = values.astype(np.uint64)
+    if lo:
+        keys -= np.uint64(lo)
+    keys <<= shift
+    keys |= np.arange(n, dtype=np.uint64)
+    keys.sort()
+    order = (keys & np.uint64((1 << bits) - 1)).astype(np.intp)
+    keys >>= shift
+    if lo:
+        keys += np.uint64(lo)
+    return order, keys
+
+
 def take(recs: np.ndarray, order: np.ndarray) -> np.ndarray:
     """``recs[order]`` (a new array) for a 1-D record array and integer positions: numpy copies a
     structured dtype field by field and record by record (about 90 us for 1,300 MEMORY records), rows

@@ -50,7 +50,7 @@ class Daemon:
         proc = self.pipeline.processes.get(result["pid"])
         fp = proc.devices.get(result["dev"]) if proc else None
         live = dict(fp.live) if fp else {}
-        result["entries"] = {a: (e.bytes, e.kind, e.is_async) for a, e in live.items()}
+        result["entries"] = {a: (e[0], e[1], e[3]) for a, e in live.items()}
         self.marks.append(result)
 
     def stop(self) -> None:

@@ -181,7 +181,7 @@ def test_records_of_several_devices_and_processes_are_kept_apart() -> None:
 
 
 def _state(fp) -> tuple:  # type: ignore[no-untyped-def]
-    return ({a: (e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()}, list(fp.live_by_kind),
+    return ({a: tuple(e) for a, e in fp.live.items()}, list(fp.live_by_kind),
             fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level)
 

@@ -33,6 +33,7 @@ from gpufootprint.records import (
     MemoryKind,
     MemoryOp,
     RecordKind,
+    sorted_positions,
 )
 from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler.state import ProcessSampler
@@ -164,6 +165,80 @@ def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_reuse_of_large_batches_equals_the_record_by_record_walk(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large random
+    # batches (keys repeat within a batch: an address allocated, released and allocated again), one of them
+    # walking every batch record by record (``_add_small``, the reference for the batch path's matching of
+    # allocations that missed the set against the first release of their key in the batch)
+    rng = np.random.default_rng(seed)
+    batch_path, walked = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
+    t = 10**15
+    keys: set[int] = set()
+    for _ in range(40):
+        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([8, 64, 512, 8192])),
+                              sizeless=rng.random() < 0.1)
+        t += 60_000_000
+        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
+        batch_path.add(batch)
+        monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 1 << 62)
+        walked.add(batch)
+        monkeypatch.undo()
+        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
+        probe = sorted(keys)[:600]
+        assert reuse_state(batch_path, probe) == reuse_state(walked, probe)
+    assert batch_path.reused > 0 and batch_path.allocations > batch_path.reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sorted_positions_equal_the_stable_argsort(seed: int) -> None:
+    # GIVEN random unsigned 64-bit values of every size up to a few thousand, with many repeats (addresses
+    # allocated and released in one batch), spans small, right at and past the room left for positions,
+    # from zero or from a random smallest value, in no order or in a few sorted runs
+    rng = np.random.default_rng(seed)
+    for _ in range(80):
+        n = int(rng.choice([0, 1, 2, 3, 7, 192, 1347, 4096, 4097, 14100]))
+        bits = max(1, (n - 1).bit_length())
+        top = int(rng.choice([1 << 20, 1 << 48, 1 << (64 - bits), (1 << (64 - bits)) + 1, 1 << 64]))
+        lo = 0 if top == 1 << 64 or rng.random() < 0.4 else int(rng.integers(0, (1 << 64) - top, dtype=np.uint64))
+        pool = rng.integers(0, top, max(1, n // int(rng.choice([1, 3, 50]))), dtype=np.uint64, endpoint=False)
+        values = rng.choice(pool, n) + np.uint64(lo) if n else np.zeros(0, np.uint64)
+        if n > 1 and rng.random() < 0.3:
+            values[int(rng.integers(n))] = np.uint64(lo)
+            values[int(rng.integers(n))] = np.uint64(lo + top - 1)  # the widest span the range allows
+        if n > 1 and rng.random() < 0.4:  # in a few sorted runs (addresses allocated in order), around _FEW_RUNS
+            runs = np.array_split(values, int(rng.choice([1, 2, 7, 8, 9, 30])))
+            values = np.concatenate([np.sort(r) for r in runs])
+        recs = np.zeros(n, MEMORY_DTYPE)
+        recs["addr"] = values
+        # WHEN sorted by sorted_positions (here of a column of records, as the footprint asks)
+        order, ordered = sorted_positions(recs["addr"])
+        # THEN the positions are the stable sort's, and the values are the values in that order
+        expected = np.argsort(values, kind="stable")
+        assert order.dtype == expected.dtype and np.array_equal(order, expected)
+        assert ordered.dtype == np.uint64 and np.array_equal(ordered, values[expected])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_live_table_searched_in_the_batch_equals_the_lookup_of_each_address(seed: int) -> None:
+    # GIVEN live tables of 0 to a few hundred addresses and batches' allocation addresses (distinct,
+    # ascending) of up to a few thousand, overlapping the table now and then: at the first or last address
+    # of the batch, past its end, before its start, anywhere
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        space = int(rng.choice([64, 4096, 1 << 40, 1 << 64]))
+        n_live, n_batch = int(rng.choice([0, 1, 2, 31, 32, 300])), int(rng.choice([0, 1, 8, 250, 257, 900, 3000]))
+        batch = np.unique(rng.integers(0, space, n_batch, dtype=np.uint64, endpoint=False))
+        live_addrs = set(rng.integers(0, space, n_live, dtype=np.uint64, endpoint=False).tolist())
+        if len(batch) and rng.random() < 0.5:
+            live_addrs.add(int(batch[int(rng.choice([0, len(batch) - 1, int(rng.integers(len(batch)))]))]))
+        live = {a: (1, 3, 0, False) for a in live_addrs}
+        # WHEN the bulk path asks whether the batch allocates at a live address
+        got = table_mod._allocates_live(live, batch)
+        # THEN it answers what the lookup of every address in the table answers
+        assert got == (not live.keys().isdisjoint(batch.tolist()))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_sampler_levels_taken_in_order_equal_the_stable_sort(seed: int) -> None:
     # GIVEN level changes of two devices in chunks, most of them following each other in time, some not
     rng = np.random.default_rng(seed)
@@ -244,7 +319,7 @@ def test_frames_read_out_of_the_pieces_equal_frames_gathered_from_small_pieces(s
 
 
 def _footprint_state(fp: DeviceFootprint, levels: Any) -> tuple[Any, ...]:
-    return ({a: (e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()}, list(fp.live_by_kind),
+    return ({a: tuple(e) for a, e in fp.live.items()}, list(fp.live_by_kind),
             fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level, levels.ts.tolist(), levels.deltas.tolist(),
             levels.level_after)

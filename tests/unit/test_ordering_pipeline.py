@@ -256,7 +256,7 @@ def test_coalesced_watermarks_leave_the_state_that_applying_each_at_once_leaves(
                 waited += lazy.processes[7].due_to > lazy.processes[7].applied_to
             elif r < 0.95:
                 # the probe's totals at its latest watermark: the lazy pipeline applies what waits first
-                fp_totals = {dev: {DEV: (int(fp.live_by_kind[DEV]), sum(1 for e in fp.live.values() if e.kind == DEV))}
+                fp_totals = {dev: {DEV: (int(fp.live_by_kind[DEV]), sum(1 for e in fp.live.values() if e[1] == DEV))}
                              for dev, fp in eager.processes[7].devices.items()}
                 for p in (eager, lazy):
                     p.verify(7, eager.processes[7].applied_to, fp_totals)

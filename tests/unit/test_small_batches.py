@@ -407,7 +407,7 @@ def _pipeline_state(p: Any) -> tuple[Any, ...]:
     for pid, proc in sorted(p.processes.items()):
         devs = []
         for dev, fp in sorted(proc.devices.items()):
-            devs.append((dev, sorted((a, e.bytes, e.kind, e.ts, e.is_async) for a, e in fp.live.items()),
+            devs.append((dev, sorted((a, *e) for a, e in fp.live.items()),
                          list(fp.live_by_kind), fp.async_device_bytes, dict(fp.pools), fp.pool_floor,
                          fp.peaks.frames(), list(fp.memcpy_count.items()), list(fp.memcpy_bytes.items()),
                          list(fp.memcpy_ns.items()), fp.memset_count, fp.memset_bytes, fp.kernel_count, fp.kernel_ns))

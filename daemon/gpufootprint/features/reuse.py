@@ -27,7 +27,7 @@ import operator
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
-from gpufootprint.records import MemoryKind, MemoryOp
+from gpufootprint.records import MemoryKind, MemoryOp, select
 
 REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
@@ -48,6 +48,20 @@ def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
     with equal mixed values (about n^2 / 2^64): it could only nudge the reuse ratio."""
     with np.errstate(over="ignore"):
         return addr.astype(np.uint64) ^ (size.astype(np.uint64) * np.uint64(_MIX))
+
+
+def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``keys`` in ascending order, and the smallest of ``pos`` of each. Sorted with numpy's
+    default (unstable) sort, a quarter of a stable sort's time for 64-bit keys; where a key repeats, its
+    positions are reduced to their minimum, so the order among equal keys does not matter."""
+    order = keys.argsort()
+    keys, pos = keys[order], pos[order]
+    if len(keys) > 1:
+        change = keys[1:] != keys[:-1]
+        if not change.all():
+            starts = np.flatnonzero(np.concatenate(([True], change)))
+            keys, pos = keys[starts], np.minimum.reduceat(pos, starts)
+    return keys, pos
 
 
 class ReuseTracker:
@@ -83,7 +97,7 @@ class ReuseTracker:
             self._add_small(recs)
             return
         device = recs["mk"] == MemoryKind.DEVICE
-        sel = recs if bool(device.all()) else recs[device]
+        sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return
         ts = sel["ts"]
@@ -120,23 +134,26 @@ class ReuseTracker:
                 freed.add(keys[rel_pos])
             return
         if len(rel_pos) and len(keys) >= _PROBE_TOGETHER_MIN:
-            hit, rel_slots, new = self._probe_together(alloc_keys, keys[rel_pos])
-            rel_pos, rel_slots = rel_pos[new], rel_slots[new]  # the releases that may match a miss below
+            hit, _, new = self._probe_together(alloc_keys, keys[rel_pos])
+            rel_pos = rel_pos[new]  # the releases that may match a miss below
         else:
             hit = freed.contains(alloc_keys)
-            rel_slots = freed.add(keys[rel_pos]) if len(rel_pos) else rel_pos
+            if len(rel_pos):
+                freed.add(keys[rel_pos])
         if len(rel_pos):
             miss = np.flatnonzero(~hit)
             if len(miss):
-                slots = freed.find(alloc_keys[miss])
-                here = slots != -1  # freed only by this batch's releases
+                # A missed allocation was freed only by this batch's releases, if by any: its key is one
+                # of theirs. Matched by key against each release key's first position in the batch
+                # (no second probe of the set: under churn most misses are such keys).
+                rel_keys, first_pos = _first_positions(keys[rel_pos], rel_pos)
+                miss_keys = alloc_keys[miss]
+                at = rel_keys.searchsorted(miss_keys)
+                at[at == len(rel_keys)] = 0
+                here = rel_keys[at] == miss_keys
                 if here.any():
-                    miss, slots = miss[here], slots[here]
-                    # The first release of each key in this batch, by slot (sorted by slot, then position).
-                    order = np.lexsort((rel_pos, rel_slots))
-                    s_sorted, p_sorted = rel_slots[order], rel_pos[order]
-                    at = np.searchsorted(s_sorted, slots)
-                    hit[miss] = p_sorted[at] < np.flatnonzero(is_alloc)[miss]
+                    miss, at = miss[here], at[here]
+                    hit[miss] = first_pos[at] < np.flatnonzero(is_alloc)[miss]
         ts_out = sel["ts"][is_alloc]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit

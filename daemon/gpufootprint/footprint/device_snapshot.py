@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpufootprint.footprint.table import DeviceFootprint
+from gpufootprint.footprint.table import LIVE_BYTES, LIVE_KIND, LIVE_TS, DeviceFootprint
 from gpufootprint.records import MEMORY_KIND_NAMES
 from gpufootprint.snapshot import DeviceSnapshot
 
@@ -22,9 +22,9 @@ def live_table(fp: DeviceFootprint) -> np.ndarray:
     table = np.empty(n, LIVE_TABLE_DTYPE)
     if n:
         entries = fp.live.values()
-        table["ts"] = np.fromiter((a.ts for a in entries), np.uint64, n)
-        table["bytes"] = np.fromiter((a.bytes for a in entries), np.uint64, n)
-        table["mk"] = np.fromiter((a.kind for a in entries), np.uint8, n)
+        table["ts"] = np.fromiter((a[LIVE_TS] for a in entries), np.uint64, n)
+        table["bytes"] = np.fromiter((a[LIVE_BYTES] for a in entries), np.uint64, n)
+        table["mk"] = np.fromiter((a[LIVE_KIND] for a in entries), np.uint8, n)
     table.flags.writeable = False
     return table
 

@@ -39,6 +39,8 @@ from gpufootprint.records import (
     MemoryOp,
     PoolOp,
     ReusedAddresses,
+    select,
+    sorted_positions,
     um_counter_values,
 )
 
@@ -77,12 +79,25 @@ class IngestErrors:
         self.counts[reason] += n
 
 
-@dataclass(slots=True)
-class LiveAllocation:
-    bytes: int
-    kind: int
-    ts: int  # allocation time, for leak suspicion
-    is_async: bool
+#: One live allocation: (bytes, kind, allocation time (for leak suspicion), is_async). A plain tuple, not
+#: an object with named fields: a large batch enters about 900 at once, and plain tuples of numbers cost
+#: a third of a slotted dataclass's to make (and the garbage collector stops tracking them after its first
+#: look). Read them by unpacking, or with the indexes below.
+LiveAllocation = tuple[int, int, int, bool]
+LIVE_BYTES, LIVE_KIND, LIVE_TS, LIVE_ASYNC = 0, 1, 2, 3
+
+
+def _allocates_live(live: dict[int, LiveAllocation], addrs: np.ndarray) -> bool:
+    """Whether any of ``addrs`` (distinct addresses in ascending order) is a key of ``live``. A table
+    much smaller than the batch (a large batch of new allocations) has its keys searched in ``addrs``;
+    otherwise each address is looked up in the table."""
+    n = len(live)
+    if 8 * n < len(addrs):
+        keys = np.fromiter(live, np.uint64, n)
+        at = addrs.searchsorted(keys)
+        at[at == len(addrs)] = 0
+        return bool((addrs[at] == keys).any())
+    return not live.keys().isdisjoint(addrs.tolist())
 
 
 @dataclass
@@ -139,7 +154,8 @@ class DeviceFootprint:
         """Live allocations by memory kind."""
         counts: dict[int, int] = {}
         for entry in self.live.values():
-            counts[entry.kind] = counts.get(entry.kind, 0) + 1
+            kind = entry[LIVE_KIND]
+            counts[kind] = counts.get(kind, 0) + 1
         return counts
 
     def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges | None:
@@ -150,8 +166,7 @@ class DeviceFootprint:
         if k_hi >= _N_KINDS or not bool(((ops == 1) | (ops == 2)).all()):
             return None
         n = len(recs)
-        order = np.argsort(recs["addr"], kind="stable")  # by address, then time
-        a = recs["addr"][order]
+        order, a = sorted_positions(recs["addr"])  # by address, then time
         o = ops[order]
         first = np.ones(n, dtype=bool)
         first[1:] = a[1:] != a[:-1]
@@ -164,7 +179,7 @@ class DeviceFootprint:
         f_op = o[fpos]
         f_addr = a[fpos]
         live = self.live
-        if live and not live.keys().isdisjoint(f_addr[f_op == 1].tolist()):
+        if live and _allocates_live(live, f_addr[f_op == 1]):
             return None  # an allocation at an address that is already live (none is, in an empty table)
         if self.reused and not self.reused.addresses().isdisjoint(f_addr.tolist()):
             return None  # perhaps the late release of an allocation whose address was reused
@@ -176,9 +191,9 @@ class DeviceFootprint:
         # A batch of one memory kind whose releases free allocations of that kind, and one without
         # stream-ordered allocations (the common cases), need no per-record kind or async flag to be
         # gathered and carried to the releases: they are the same for every record.
-        one_kind = _UNIFORM_FAST and k_hi == int(kinds.min()) and all(m.kind == k_hi for m in matched)  # type: ignore[union-attr]
+        one_kind = _UNIFORM_FAST and k_hi == int(kinds.min()) and all(m[LIVE_KIND] == k_hi for m in matched)  # type: ignore[index]
         raw_async = recs["is_async"]
-        no_async = _UNIFORM_FAST and not raw_async.any() and not any(m.is_async for m in matched)  # type: ignore[union-attr]
+        no_async = _UNIFORM_FAST and not raw_async.any() and not any(m[LIVE_ASYNC] for m in matched)  # type: ignore[index]
         size = recs["bytes"][order].astype(np.int64)
         kind = np.full(n, k_hi, np.int64) if one_kind else kinds[order].astype(np.int64)
         is_async = np.zeros(n, bool) if no_async else raw_async[order].astype(bool)
@@ -190,11 +205,11 @@ class DeviceFootprint:
         if not no_async:
             is_async[rel_inner] = is_async[rel_inner - 1]
         if matched:
-            size[rel_first] = [m.bytes for m in matched]  # type: ignore[union-attr]
+            size[rel_first] = [m[LIVE_BYTES] for m in matched]  # type: ignore[index]
             if not one_kind:
-                kind[rel_first] = [m.kind for m in matched]  # type: ignore[union-attr]
+                kind[rel_first] = [m[LIVE_KIND] for m in matched]  # type: ignore[index]
             if not no_async:
-                is_async[rel_first] = [m.is_async for m in matched]  # type: ignore[union-attr]
+                is_async[rel_first] = [m[LIVE_ASYNC] for m in matched]  # type: ignore[index]
         is_rel = o == 2
         mismatch = is_rel & (claimed != 0) & (claimed != size)
         if mismatch.any():
@@ -245,7 +260,7 @@ class DeviceFootprint:
         ins = lpos[l_op == 1]
         if len(ins):
             ts_sorted = recs["ts"][order]
-            live.update(zip(a[ins].tolist(), map(LiveAllocation, size[ins].tolist(), kind[ins].tolist(),
+            live.update(zip(a[ins].tolist(), zip(size[ins].tolist(), kind[ins].tolist(),
                                                  ts_sorted[ins].tolist(), is_async[ins].tolist())))
         for addr in a[lpos[(l_op == 2) & (f_op == 2)]].tolist():
             del live[addr]
@@ -286,15 +301,16 @@ class DeviceFootprint:
                     # driver reuses only free addresses), its release lost or still to come stamped
                     # later. Released now, and remembered for its late release (module doc).
                     self._lost(self.reused.reused(addr, ts_list[i], corrs[i]), errors)
-                    by_kind[old.kind] -= old.bytes
-                    releases[old.kind] += 1
-                    released_bytes[old.kind] += old.bytes
-                    if old.is_async:
-                        self.async_device_bytes -= old.bytes
-                    if resident[old.kind]:
-                        deltas[i] -= old.bytes
+                    old_bytes, old_kind, _, old_async = old
+                    by_kind[old_kind] -= old_bytes
+                    releases[old_kind] += 1
+                    released_bytes[old_kind] += old_bytes
+                    if old_async:
+                        self.async_device_bytes -= old_bytes
+                    if resident[old_kind]:
+                        deltas[i] -= old_bytes
                 is_async = asyncs[i] != 0
-                live[addr] = LiveAllocation(size, kind, ts_list[i], is_async)
+                live[addr] = (size, kind, ts_list[i], is_async)
                 by_kind[kind] += size
                 allocations[kind] += 1
                 allocated_bytes[kind] += size
@@ -313,17 +329,17 @@ class DeviceFootprint:
                 if entry is None:
                     errors.add("release_without_allocation", f"pid={self.pid} dev={self.dev} addr={addr:#x}")
                     continue
-                if entry.bytes != sizes[i] and sizes[i]:
+                e_bytes, kind, _, e_async = entry
+                if e_bytes != sizes[i] and sizes[i]:
                     errors.add("release_size_mismatch",
-                               f"pid={self.pid} addr={addr:#x} allocated {entry.bytes} released {sizes[i]}")
-                kind = entry.kind
-                by_kind[kind] -= entry.bytes
+                               f"pid={self.pid} addr={addr:#x} allocated {e_bytes} released {sizes[i]}")
+                by_kind[kind] -= e_bytes
                 releases[kind] += 1
-                released_bytes[kind] += entry.bytes
-                if entry.is_async:
-                    self.async_device_bytes -= entry.bytes
+                released_bytes[kind] += e_bytes
+                if e_async:
+                    self.async_device_bytes -= e_bytes
                 if resident[kind]:
-                    deltas[i] -= entry.bytes
+                    deltas[i] -= e_bytes
             else:
                 errors.add("unknown_memory_op", f"pid={self.pid} memory operation {op}")
         levels = self.peaks.add(recs["ts"], np.asarray(deltas, dtype=np.int64))
@@ -356,7 +372,7 @@ class DeviceFootprint:
             if addr in self.live:
                 errors.add("double_allocation", f"pid={self.pid} resync addr={addr:#x}")
                 continue
-            self.live[addr] = LiveAllocation(size, kind, rts, bool(is_async))
+            self.live[addr] = (size, kind, rts, bool(is_async))
             self.live_by_kind[kind] += size
             if is_async:
                 self.async_device_bytes += size
@@ -403,7 +419,7 @@ class DeviceFootprint:
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
         if not mask.any():
             return
-        sel = recs if bool(mask.all()) else recs[mask]
+        sel = recs if bool(mask.all()) else select(recs, mask)  # as recs[mask], rows of words at once
         addr, size, used = sel["pool_addr"], sel["pool_size"], sel["pool_used"]
         if addr[0] != addr[-1] or not bool((addr == addr[0]).all()):
             order = np.argsort(addr, kind="stable")  # by pool, then in time order

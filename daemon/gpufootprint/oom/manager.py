@@ -135,7 +135,7 @@ class OomManager:
             p.info = dict(proc.info)
             p.source = proc.source
             p.tables_as_of = proc.applied_to
-            p.tables = {dev: {addr: Entry(a.bytes, a.kind, a.ts, a.is_async) for addr, a in fp.live.items()}
+            p.tables = {dev: {addr: Entry(*a) for addr, a in fp.live.items()}
                         for dev, fp in proc.devices.items()}
         if self.config.coalesce_seconds <= 0:
             self._finish(p)
