@@ -217,7 +217,10 @@ def run_worker(src: Path, path: Path, footprint_only: bool) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(src), str(path)]
     if footprint_only:
         cmd.append("--footprint-only")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    # One BLAS thread: a run on 2026-12-06 saw OpenBLAS's pool busy inside one variant's timed replays only
+    # (CPU time above wall time); the daemon makes no BLAS call, so this only removes that noise.
+    env = {**os.environ, "PYTHONPATH": "", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
