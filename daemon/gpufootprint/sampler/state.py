@@ -346,12 +346,18 @@ class ProcessSampler:
         elif self.walk_bursts and (j_ev := int(ev_ts.searchsorted(stop, "left"))) - i_ev <= _WALK_MANY:
             # More events, in no more frames (kernels by the hundred in a few 5 ms frames): the walk finds
             # each frame's end by bisection, so its cost follows the frames more than the events; numpy's
-            # forty calls judge every frame up to burst_max_ms, most of them after the window closed.
+            # thirty calls judge every frame up to burst_max_ms, most of them after the window closed.
             j_mem = int(mem_ts.searchsorted(stop, "left"))
             judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
                                  total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
         elif self.walk_bursts and frames <= _FEW_FRAMES:
             judged = judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
+        elif self.walk_bursts and (empty := min(frames, (min(m_ts[:1] + e_ts[:1]) - cursor) // iv)) > 0 and (
+                (judged := walk_frames(cfg, cursor, iv, empty, [], [], [], i_mem, i_ev, seen)) is None
+                or judged.frames < empty):
+            # The window closes in the frames before the first event (calm frames after a change, a
+            # large batch's events further on): walked in Python, as the judgement of all of them would find.
+            pass
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
