@@ -36,6 +36,7 @@ from gpufootprint.records import (
     sorted_positions,
 )
 from gpufootprint.sampler import burst as burst_mod
+from gpufootprint.sampler import state as state_mod
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
@@ -589,3 +590,33 @@ def test_large_batch_bursts_judged_ahead_leave_what_walking_them_one_by_one_leav
         s.finish(t + 5000 * MS)
     assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
     assert walk.bursts > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_what_a_burst_walk_reads_before_it_makes_lists_is_what_the_lists_would_say(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN random timelines (ties, runs of equal times), random starts and ends of a stretch, a few or many
+    # events allowed, and waiting level changes (each chunk in time order) and events (in any order)
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        walk_events = int(rng.choice([0, 1, 3, 64]))
+        monkeypatch.setattr(state_mod, "_WALK_EVENTS", walk_events)
+        ts = np.sort(rng.integers(0, int(rng.choice([5, 100, 10**6])), int(rng.integers(0, 150)))).astype(np.int64)
+        i = int(rng.integers(0, len(ts) + 1))
+        stop = int(rng.integers(-2, 10**6 + 2))
+        # THEN "at most _WALK_EVENTS events from i before stop" is the count's answer
+        assert state_mod._few_before(ts, i, stop) == (int((ts[i:] < stop).sum()) <= walk_events)
+        if i < len(ts):
+            other = np.sort(rng.integers(0, 10**6, int(rng.integers(1, 5)))).astype(np.int64)
+            j = int(rng.integers(0, len(other) + 1))
+            assert state_mod._first(ts, i, other, j) == int(np.concatenate([ts[i:], other[j:]]).min())
+        s = ProcessSampler(1, SamplerConfig())
+        for _ in range(int(rng.integers(0, 4))):
+            chunk = np.sort(rng.integers(0, 1000, int(rng.integers(0, 6))))
+            s.add_levels(chunk, np.ones(len(chunk), np.int64), 0)
+        for _ in range(int(rng.integers(0, 3))):
+            s.add_events(rng.integers(0, 1000, int(rng.integers(0, 6))))
+        cursor = int(rng.integers(0, 1000))
+        # THEN "nothing waiting before the cursor" reads every waiting time
+        everything = [c[0] for c in s._mem] + s._events
+        assert s._nothing_before(cursor) == all(bool((c >= cursor).all()) for c in everything)
