@@ -36,6 +36,7 @@ from gpufootprint.records import (
     sorted_positions,
 )
 from gpufootprint.sampler import burst as burst_mod
+from gpufootprint.sampler import state as state_mod
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
@@ -504,3 +505,118 @@ def test_few_burst_frames_judged_in_python_equal_the_numpy_judgement(seed: int) 
         # THEN judging them in Python, their events found with numpy, judges as numpy does
         want = burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win)
         assert burst_mod.judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win) == want
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_burst_frames_judged_with_numpy_equal_the_frame_by_frame_walk(seed: int) -> None:
+    # GIVEN random stretches of up to sixty burst frames (a large batch's burst: a thousand events in forty
+    # frames, most of them empty), events right at the frames' ends now and then, late and early windows,
+    # volatile and calm stretches, the sampler on or off
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                            burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
+                            volatile_min_bytes=int(rng.choice([1, 1 << 20, 64 << 20])),
+                            enabled=bool(rng.random() < 0.95))
+        iv = 5 * MS
+        cursor = 10**12 + int(rng.integers(0, 10**6))
+        frames = int(rng.integers(1, 61))
+        grain = int(rng.choice([1, iv // 4]))
+        n_ahead = int(rng.choice([0, 5, 60, 1200]))
+        late = int(rng.choice([0, 3])) * iv  # a first event a few frames in, now and then
+        ahead = np.sort(cursor + rng.integers(late // grain, (frames + 5) * iv // grain, n_ahead) * grain)
+        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
+        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
+        n_mem, i_mem = len(mem_ts), len(before)
+        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 300)))).astype(np.int64)
+        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
+        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
+        level = int(rng.integers(0, 1 << 32))
+        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
+        level = int(total[i_mem - 1]) if i_mem else level
+        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
+                               calm=int(rng.integers(0, 25)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
+                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
+                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        # THEN numpy's judgement of all of them at once is the Python walk's, frame after frame
+        want = burst_mod.walk_frames(cfg, cursor, iv, frames, mem_ts[i_mem:].tolist(), ev_ts[i_ev:].tolist(),
+                                     total[i_mem:].tolist(), i_mem, i_ev, win)
+        assert burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win) == want
+
+
+def _sampler_state(s: ProcessSampler) -> tuple[Any, ...]:
+    return (s.intervals(), s.closed_windows, s.last_peak, s.level_dev, s.level, s.mode, s.interval_ns,
+            s.cursor, s.bursts, s.rate_ewma, s.range_ewma, s.window)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_large_batch_bursts_judged_ahead_leave_what_walking_them_one_by_one_leaves(seed: int) -> None:
+    # GIVEN a process quiet for seconds, then a large batch: clusters of up to hundreds of level changes and
+    # other events, some frames apart, some far apart (windows that close in the calm frames before the next
+    # cluster), on one or several devices, fed with watermarks that fall anywhere
+    rng = np.random.default_rng(seed)
+    cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 30, 100])), burst_min_frames=int(rng.integers(1, 6)),
+                        burst_max_ms=int(rng.choice([40, 300, 2000])))
+    bulk, walk, judged = ProcessSampler(1, cfg), ProcessSampler(1, cfg), ProcessSampler(1, cfg)
+    walk.bulk_bursts = False
+    judged.walk_bursts = False
+    samplers = (bulk, walk, judged)
+    t = 10**12
+    devices = 1 if seed % 2 else 3
+    last_mark = 0
+    for _ in range(30):
+        t = last_mark + int(rng.integers(1, 4000)) * MS  # quiet
+        parts = []
+        for _ in range(int(rng.integers(1, 10))):
+            t += int(rng.choice([0, 1, 5, 10, 15, 20, 150])) * MS + int(rng.integers(0, 5 * MS))
+            parts.append(t + np.sort(rng.integers(0, int(rng.choice([1, 5, 15])) * MS, int(rng.integers(1, 300)))))
+        ts = np.sort(np.concatenate(parts))  # in time order, as add_levels takes them
+        deltas = rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], len(ts))
+        dev = int(rng.integers(0, devices))
+        other = np.sort(rng.choice(ts, int(rng.integers(0, len(ts) + 1))))
+        for s in samplers:
+            s.add_levels(ts, deltas, dev)
+            if len(other):
+                s.add_events(other)
+        t = int(ts[-1])
+        marks = sorted(t - rng.integers(0, 400, int(rng.integers(1, 4))) * MS) + [t + int(rng.integers(1, 300)) * MS]
+        for mark in marks:
+            last_mark = max(last_mark, int(mark))  # in time order, and no record comes before one
+            for s in samplers:
+                s.advance(last_mark)
+            # THEN after every watermark all hold the same intervals, windows, peaks, levels and mode
+            assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
+    for s in samplers:
+        s.finish(t + 5000 * MS)
+    assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
+    assert walk.bursts > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_what_a_burst_walk_reads_before_it_makes_lists_is_what_the_lists_would_say(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN random timelines (ties, runs of equal times), random starts and ends of a stretch, a few or many
+    # events allowed, and waiting level changes (each chunk in time order) and events (in any order)
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        walk_events = int(rng.choice([0, 1, 3, 64]))
+        monkeypatch.setattr(state_mod, "_WALK_EVENTS", walk_events)
+        ts = np.sort(rng.integers(0, int(rng.choice([5, 100, 10**6])), int(rng.integers(0, 150)))).astype(np.int64)
+        i = int(rng.integers(0, len(ts) + 1))
+        stop = int(rng.integers(-2, 10**6 + 2))
+        # THEN "at most _WALK_EVENTS events from i before stop" is the count's answer
+        assert state_mod._few_before(ts, i, stop) == (int((ts[i:] < stop).sum()) <= walk_events)
+        if i < len(ts):
+            other = np.sort(rng.integers(0, 10**6, int(rng.integers(1, 5)))).astype(np.int64)
+            j = int(rng.integers(0, len(other) + 1))
+            assert state_mod._first(ts, i, other, j) == int(np.concatenate([ts[i:], other[j:]]).min())
+        s = ProcessSampler(1, SamplerConfig())
+        for _ in range(int(rng.integers(0, 4))):
+            chunk = np.sort(rng.integers(0, 1000, int(rng.integers(0, 6))))
+            s.add_levels(chunk, np.ones(len(chunk), np.int64), 0)
+        for _ in range(int(rng.integers(0, 3))):
+            s.add_events(rng.integers(0, 1000, int(rng.integers(0, 6))))
+        cursor = int(rng.integers(0, 1000))
+        # THEN "nothing waiting before the cursor" reads every waiting time
+        everything = [c[0] for c in s._mem] + s._events
+        assert s._nothing_before(cursor) == all(bool((c >= cursor).all()) for c in everything)

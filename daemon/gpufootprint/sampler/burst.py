@@ -8,7 +8,7 @@ its state past them. Two ways to the same answer:
 * ``judge_frames``: every frame of the stretch at once, with numpy (a long stretch, many events);
 * ``walk_frames``: frame after frame in Python, stopping at the first that closes the window. A
   burst frame holds a few events, and a window usually closes a few frames after its last change,
-  while the numpy judgement costs about forty calls of fixed cost whatever the frames hold.
+  while the numpy judgement costs about thirty calls of fixed cost whatever the frames hold.
 
 Both decide as ``ProcessSampler._burst_frame`` does frame by frame (a unit test holds the sampler
 with either to what the plain walk leaves).
@@ -56,54 +56,59 @@ def _tolerance(cfg: SamplerConfig, baseline: int) -> float:
 
 def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,
                  total: np.ndarray, i_mem: int, i_ev: int, win: Window) -> Judged | None:
-    """All ``frames`` frames from ``cursor`` at once; None when the first one closes the window."""
-    f = np.arange(frames, dtype=np.int64)
-    ends = cursor + iv * (f + 1)
-    jm = mem_ts.searchsorted(ends, "left")
-    je = ev_ts.searchsorted(ends, "left")
-    sm = np.empty_like(jm)
-    sm[0], sm[1:] = i_mem, jm[:-1]
-    n_ev = je - np.concatenate(([i_ev], je[:-1]))
-    # The level entering each frame and after it (the level at the cursor before any event).
-    entering = np.where(sm > i_mem, total[np.maximum(sm - 1, 0)], win.level) if len(total) else \
-        np.full(frames, win.level, np.int64)
-    after = np.where(jm > i_mem, total[np.maximum(jm - 1, 0)], win.level) if len(total) else entering
-    hi, lo = entering.copy(), entering.copy()
-    busy = (jm > sm).nonzero()[0]
-    if len(busy):
-        seg = total[i_mem:int(jm[-1])]
-        at = sm[busy] - i_mem
-        hi[busy] = np.maximum(hi[busy], np.maximum.reduceat(seg, at))
-        lo[busy] = np.minimum(lo[busy], np.minimum.reduceat(seg, at))
-    rng = hi - lo
-    secs = iv / 1e9
+    """All ``frames`` frames from ``cursor`` at once; None when the first one closes the window.
+
+    About thirty numpy calls whatever the frames hold (a large batch's burst: forty frames, a thousand
+    events): the levels are read from one array that starts with the level at the cursor, so each
+    frame's entering level, the level it leaves and its range come of one index and two reductions."""
+    f1 = np.arange(frames + 1, dtype=np.int64)
+    bounds = f1 * iv + cursor  # bounds[f + 1]: the end of frame f
+    jm = mem_ts.searchsorted(bounds, "left")
+    je = ev_ts.searchsorted(bounds, "left")
+    jm[0], je[0] = i_mem, i_ev  # jm[f], jm[f + 1]: frame f's first memory event and the one after its last
+    n_ev = je[1:] - je[:-1]
+    # tp[k]: the level after memory event i_mem + k - 1 (tp[0]: at the cursor); frame f enters at
+    # tp[a[f]], leaves at tp[a[f + 1]] and holds tp[a[f]:a[f + 1] + 1] on the way.
+    a = jm - i_mem
+    tp = np.empty(int(a[-1]) + 1, np.int64)
+    tp[0] = win.level
+    tp[1:] = total[i_mem:int(jm[-1])]
+    at = tp[a]
+    entering, after = at[:-1], at[1:]
+    first = a[:-1]  # reduceat: tp[a[f]:a[f + 1]] (tp[a[f]] alone for a frame without events; the last to the end)
+    rng = np.maximum(np.maximum.reduceat(tp, first), after) - np.minimum(np.minimum.reduceat(tp, first), after)
+    ends, f1 = bounds[1:], f1[1:]
     if cfg.enabled:
-        floor = np.maximum(entering, cfg.volatile_min_bytes)
-        volatile = ((rng >= cfg.volatile_min_bytes) & (rng > 0) & (rng >= cfg.volatile_rel_change * floor)
+        volatile = ((rng >= max(cfg.volatile_min_bytes, 1))
+                    & (rng >= cfg.volatile_rel_change * np.maximum(entering, cfg.volatile_min_bytes))
                     & (rng > cfg.range_jump_factor * win.range_ewma))
         volatile |= (n_ev >= cfg.rate_min_events) & (
-            n_ev / secs >= cfg.rate_jump_factor * max(win.rate_ewma, cfg.quiet_max_rate))
+            n_ev / (iv / 1e9) >= cfg.rate_jump_factor * max(win.rate_ewma, cfg.quiet_max_rate))
+        # The last volatile frame up to each (its f + 1), or -calm before any: calm = f + 1 - mx either way.
+        mx = np.maximum.accumulate(np.where(volatile, f1, -win.calm))
     else:
-        volatile = np.zeros(frames, bool)
-    last_vol = np.maximum.accumulate(np.where(volatile, f, -1))
-    calm = np.where(last_vol >= 0, f - last_vol, win.calm + f + 1)
-    lve = np.where(last_vol >= 0, ends[np.maximum(last_vol, 0)], win.last_volatile_end)
-    back = np.abs(after - win.baseline) < _tolerance(cfg, win.baseline)
-    settled = ends - lve >= cfg.burst_settle_ms * _MS
-    closes = ((calm >= cfg.burst_min_frames) & (back | settled)) | (ends - win.start >= cfg.burst_max_ms * _MS)
-    hit = closes.nonzero()[0]
-    c = int(hit[0]) if len(hit) else frames
+        mx = np.full(frames, -win.calm, np.int64)
+    calm = f1 - mx
+    bounds[0] = win.last_volatile_end  # bounds[mx]: the end of the last volatile frame, or the window's
+    lve = bounds[np.maximum(mx, 0)]
+    closes = (calm >= cfg.burst_min_frames) & ((np.abs(after - win.baseline) < _tolerance(cfg, win.baseline))
+                                              | (ends - lve >= cfg.burst_settle_ms * _MS))
+    # burst_max_ms closes every frame from the first that ends that long after the window's start.
+    c = min(frames, max(0, -(-(cfg.burst_max_ms * _MS + win.start - cursor) // iv) - 1))
+    k = int(closes.argmax())
+    if k < c and closes[k]:
+        c = k
     if c == 0:
         return None
     last = c - 1
-    return Judged(c, int(sm[last]), int(jm[last]), int(je[last]), int(calm[last]), int(lve[last]))
+    return Judged(c, int(jm[last]), int(jm[c]), int(je[c]), int(calm[last]), int(lve[last]))
 
 
 def judge_few_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,
                      total: np.ndarray, i_mem: int, i_ev: int, win: Window) -> Judged | None:
     """``walk_frames``'s judgement of a few frames that hold many events: each frame's events found with
     one ``searchsorted`` for all of them, its range with two reductions, the decisions in Python, stopping
-    at the frame that closes the window. ``judge_frames`` costs about forty numpy calls whatever the
+    at the frame that closes the window. ``judge_frames`` costs about thirty numpy calls whatever the
     frames hold; a large batch's walk judges two or three frames of hundreds of events each."""
     ends = [cursor + iv * (f + 1) for f in range(frames)]
     jm = np.searchsorted(mem_ts, ends, "left").tolist()

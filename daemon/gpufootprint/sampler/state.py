@@ -68,6 +68,18 @@ class _OpenWindow:
     last_volatile_end: int = 0
 
 
+def _few_before(ts: np.ndarray, i: int, stop: int) -> bool:
+    """Whether at most _WALK_EVENTS events from ``i`` on come before ``stop`` (``ts`` in time order): then
+    the _WALK_EVENTS + 1 from ``i`` hold every one of them (read before a list of them is made)."""
+    k = i + _WALK_EVENTS
+    return k >= len(ts) or ts[k] >= stop
+
+
+def _first(mem_ts: np.ndarray, i_mem: int, ev_ts: np.ndarray, i_ev: int) -> int:
+    """The time of the first event from ``i_mem`` / ``i_ev`` on (at least one is there)."""
+    return int(min(mem_ts[i_mem:i_mem + 1].tolist() + ev_ts[i_ev:i_ev + 1].tolist()))
+
+
 def _in_order(ts: np.ndarray) -> bool:
     return len(ts) < 2 or bool((ts[1:] >= ts[:-1]).all())
 
@@ -132,7 +144,11 @@ class ProcessSampler:
         one_dev = self._mem_dev
         mem_ts, delta, devs = self._take_mem()
         other = self._take_events()
-        ev_ts = np.sort(np.concatenate([other, mem_ts]), kind="stable") if len(other) else mem_ts
+        if len(other):
+            ev_ts = np.concatenate([other, mem_ts])
+            ev_ts.sort(kind="stable")  # in place: np.sort's wrapper and copy cost more than the sort of a few
+        else:
+            ev_ts = mem_ts
         if self.cursor is None:
             if len(ev_ts) == 0:
                 return
@@ -337,21 +353,25 @@ class ProcessSampler:
         # frames, it holds every event before their end.
         walk = min(frames, _WALK_FRAMES)
         stop = cursor + walk * iv
-        m_ts = mem_ts[i_mem:i_mem + _WALK_EVENTS + 1].tolist()
-        e_ts = ev_ts[i_ev:i_ev + _WALK_EVENTS + 1].tolist()
-        if self.walk_bursts and (len(m_ts) <= _WALK_EVENTS or m_ts[-1] >= stop) \
-                and (len(e_ts) <= _WALK_EVENTS or e_ts[-1] >= stop):
-            judged = walk_frames(cfg, cursor, iv, walk, m_ts, e_ts, total[i_mem:i_mem + len(m_ts)].tolist(),
-                                 i_mem, i_ev, seen)
+        if self.walk_bursts and _few_before(mem_ts, i_mem, stop) and _few_before(ev_ts, i_ev, stop):
+            k_mem, k_ev = i_mem + _WALK_EVENTS + 1, i_ev + _WALK_EVENTS + 1
+            judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:k_mem].tolist(), ev_ts[i_ev:k_ev].tolist(),
+                                 total[i_mem:k_mem].tolist(), i_mem, i_ev, seen)
         elif self.walk_bursts and (j_ev := int(ev_ts.searchsorted(stop, "left"))) - i_ev <= _WALK_MANY:
             # More events, in no more frames (kernels by the hundred in a few 5 ms frames): the walk finds
             # each frame's end by bisection, so its cost follows the frames more than the events; numpy's
-            # forty calls judge every frame up to burst_max_ms, most of them after the window closed.
+            # thirty calls judge every frame up to burst_max_ms, most of them after the window closed.
             j_mem = int(mem_ts.searchsorted(stop, "left"))
             judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
                                  total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
         elif self.walk_bursts and frames <= _FEW_FRAMES:
             judged = judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
+        elif self.walk_bursts and (empty := min(frames, (_first(mem_ts, i_mem, ev_ts, i_ev) - cursor) // iv)) > 0 and (
+                (judged := walk_frames(cfg, cursor, iv, empty, [], [], [], i_mem, i_ev, seen)) is None
+                or judged.frames < empty):
+            # The window closes in the frames before the first event (calm frames after a change, a
+            # large batch's events further on): walked in Python, as the judgement of all of them would find.
+            pass
         else:
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
@@ -486,8 +506,8 @@ class ProcessSampler:
     def _nothing_before(self, cursor: int) -> bool:
         """Whether nothing waiting is stamped before ``cursor``. A walk drops such events and moves such
         level changes to the cursor, which orders them among later ones: they must go its way."""
-        return all(not len(c) or int(c.min()) >= cursor for c in self._events) and \
-            all(not len(c[0]) or int(c[0].min()) >= cursor for c in self._mem)
+        return all(not len(c[0]) or int(c[0][0]) >= cursor for c in self._mem) and \
+            all(not len(c) or int(c.min()) >= cursor for c in self._events)  # level changes: each in time order
 
     def _take_mem(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         chunks, self._mem = self._mem, []
@@ -508,7 +528,9 @@ class ProcessSampler:
         chunks, self._events = self._events, []
         if not chunks:
             return _NO_TIMES
-        return np.sort(chunks[0] if len(chunks) == 1 else np.concatenate(chunks), kind="stable")
+        ts = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        ts.sort(kind="stable")  # in place: each chunk is the sampler's own (add_events copies; a walk keeps a sorted rest)
+        return ts
 
     def intervals(self) -> list[dict[str, Any]]:
         return [{"start": s, "end": e, "interval_ms": iv, "mode": m, "count": n} for s, e, iv, m, n in self.history]
