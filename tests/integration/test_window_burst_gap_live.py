@@ -13,12 +13,10 @@ first burst's window is the only one in the run, however many bursts follow it. 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,8 @@ from gpufootprint.configload import load_config
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from nvml_fake import FakeNvml
+
+from tests.daemon_process import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -90,17 +90,13 @@ CHILD = textwrap.dedent('''
     print(json.dumps({"windows": got, "steps_sent": steps_sent}))
 ''')
 
-_SENT = re.compile(r'^gpufootprint_sampler_controls_total\{op="kernel_window",result="sent"\} (\S+)$', re.MULTILINE)
-_BURSTS = re.compile(r'^gpufootprint_anomaly_windows_total\{reason="footprint_change"\} (\S+)$', re.MULTILINE)
-
-
-def _get(port: int, path: str) -> str:
-    return str(urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).read().decode())
-
-
-def _value(pattern: re.Pattern[str], text: str) -> int:
-    m = pattern.search(text)
-    return int(float(m.group(1))) if m else 0
+def _counts(port: int) -> tuple[int, int]:
+    """/metrics now: kernel_window CONTROLs sent, and anomaly windows closed on a footprint change (bursts)."""
+    samples = scrape(port)
+    sent = [v for lb, v in samples.get("gpufootprint_sampler_controls_total", [])
+            if lb == {"op": "kernel_window", "result": "sent"}]
+    bursts = [v for lb, v in samples.get("gpufootprint_anomaly_windows_total", []) if lb == {"reason": "footprint_change"}]
+    return int(sum(sent)), int(sum(bursts))
 
 
 @dataclass
@@ -138,9 +134,9 @@ def _run(tmp_path: Path, overrides: dict[str, Any]) -> Run:
                                  stderr=subprocess.PIPE, text=True)
         t0 = time.monotonic()
         while child.poll() is None:  # scrape while it runs, as Prometheus would
-            metrics = _get(app.http.port, "/metrics")
+            sent, bursts = _counts(app.http.port)
             if child.poll() is None:
-                live.append((time.monotonic() - t0, _value(_SENT, metrics), _value(_BURSTS, metrics)))
+                live.append((time.monotonic() - t0, sent, bursts))
             time.sleep(0.2)
         out, err = child.communicate(timeout=30)
     finally:
