@@ -70,8 +70,9 @@ class DaemonConfig:
                                         "dropped")
     max_retained_kernels: int = _spec(500_000, lo=0, hi=100_000_000,
                                       doc="KERNEL and launch records the graph advisor keeps for all processes "
-                                          "together (graph_advisor.kernel_retention of each each); past it a "
-                                          "process's records of that kind are dropped (kernel_limit)")
+                                          "together (graph_advisor.kernel_retention of each each); at its share "
+                                          "a process's newest records replace its oldest, and a batch larger "
+                                          "than the whole share loses its oldest (kernel_limit)")
     max_processes: int = _spec(1024, lo=1, hi=1_000_000,
                                doc="processes held in all; past it the longest-exited are forgotten early")
     tick_stall_seconds: float = _spec(10.0, lo=0.1, hi=3600,
