@@ -40,7 +40,7 @@ from gpufootprint.sampler import state as state_mod
 from gpufootprint.sampler.state import ProcessSampler
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType, encode_batch, encode_json
 
-from tests.random_batches import memory_batch, reuse_state
+from tests.random_batches import as_lists, burst_stretch, memory_batch, reuse_state
 
 SEEDS = range(12)
 MS = 1_000_000
@@ -483,28 +483,10 @@ def test_few_burst_frames_judged_in_python_equal_the_numpy_judgement(seed: int) 
         cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100])), burst_min_frames=int(rng.integers(1, 6)),
                             burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
                             enabled=bool(rng.random() < 0.95))
-        iv = 5 * MS
-        cursor = 10**12 + int(rng.integers(0, 10**6))
-        frames = int(rng.integers(1, 9))
-        grain = int(rng.choice([1, iv // 4]))  # now and then events right at the frames' ends
-        n_ahead = int(rng.choice([0, 5, 300, 2000]))
-        ahead = np.sort(cursor + rng.integers(0, (frames + 2) * iv // grain, n_ahead) * grain)
-        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
-        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
-        n_mem, i_mem = len(mem_ts), len(before)
-        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 300)))).astype(np.int64)
-        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
-        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
-        level = int(rng.integers(0, 1 << 32))
-        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
-        level = int(total[i_mem - 1]) if i_mem else level  # the level at the cursor
-        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
-                               calm=int(rng.integers(0, 5)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
-                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
-                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        stretch = burst_stretch(rng, max_frames=9, n_ahead=lambda: int(rng.choice([0, 5, 300, 2000])), other_max=300)
         # THEN judging them in Python, their events found with numpy, judges as numpy does
-        want = burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win)
-        assert burst_mod.judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win) == want
+        want = burst_mod.judge_frames(cfg, *stretch)
+        assert burst_mod.judge_few_frames(cfg, *stretch) == want
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -518,30 +500,12 @@ def test_burst_frames_judged_with_numpy_equal_the_frame_by_frame_walk(seed: int)
                             burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
                             volatile_min_bytes=int(rng.choice([1, 1 << 20, 64 << 20])),
                             enabled=bool(rng.random() < 0.95))
-        iv = 5 * MS
-        cursor = 10**12 + int(rng.integers(0, 10**6))
-        frames = int(rng.integers(1, 61))
-        grain = int(rng.choice([1, iv // 4]))
-        n_ahead = int(rng.choice([0, 5, 60, 1200]))
-        late = int(rng.choice([0, 3])) * iv  # a first event a few frames in, now and then
-        ahead = np.sort(cursor + rng.integers(late // grain, (frames + 5) * iv // grain, n_ahead) * grain)
-        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
-        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
-        n_mem, i_mem = len(mem_ts), len(before)
-        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 300)))).astype(np.int64)
-        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
-        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
-        level = int(rng.integers(0, 1 << 32))
-        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
-        level = int(total[i_mem - 1]) if i_mem else level
-        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
-                               calm=int(rng.integers(0, 25)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
-                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
-                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        # (a first event a few frames in, now and then)
+        stretch = burst_stretch(rng, max_frames=61, n_ahead=lambda: int(rng.choice([0, 5, 60, 1200])), other_max=300,
+                                late_frames=(0, 3), calm_max=25)
         # THEN numpy's judgement of all of them at once is the Python walk's, frame after frame
-        want = burst_mod.walk_frames(cfg, cursor, iv, frames, mem_ts[i_mem:].tolist(), ev_ts[i_ev:].tolist(),
-                                     total[i_mem:].tolist(), i_mem, i_ev, win)
-        assert burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win) == want
+        want = burst_mod.walk_frames(cfg, *as_lists(stretch))
+        assert burst_mod.judge_frames(cfg, *stretch) == want
 
 
 def _sampler_state(s: ProcessSampler) -> tuple[Any, ...]:

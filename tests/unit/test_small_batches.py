@@ -26,7 +26,7 @@ from gpufootprint.sampler import burst as burst_mod
 from gpufootprint.sampler import state as state_mod
 from gpufootprint.sampler.state import ProcessSampler
 
-from tests.random_batches import memory_batch, reuse_state
+from tests.random_batches import as_lists, burst_stretch, memory_batch, reuse_state
 
 SEEDS = range(12)
 MS = 1_000_000
@@ -151,29 +151,11 @@ def test_burst_frames_judged_one_by_one_equal_the_numpy_judgement(seed: int) -> 
         cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100])), burst_min_frames=int(rng.integers(1, 6)),
                             burst_max_ms=int(rng.choice([20, 300, 2000])), rate_min_events=int(rng.choice([1, 3, 50])),
                             enabled=bool(rng.random() < 0.95))
-        iv = 5 * MS
-        cursor = 10**12 + int(rng.integers(0, 10**6))
-        frames = int(rng.integers(1, 40))
-        # Events before the cursor were walked already (i_mem, i_ev of them); the rest lie ahead.
-        grain = int(rng.choice([1, iv // 4]))  # now and then events right at the frames' ends
-        ahead = np.sort(cursor + rng.integers(0, (frames + 2) * iv // grain, int(rng.integers(0, 60))) * grain)
-        before = np.sort(cursor - rng.integers(1, 10 * iv, int(rng.integers(0, 4))))
-        mem_ts = np.concatenate([before, ahead]).astype(np.int64)
-        n_mem, i_mem = len(mem_ts), len(before)
-        other = np.sort(cursor + rng.integers(0, (frames + 2) * iv, int(rng.integers(0, 20)))).astype(np.int64)
-        ev_ts = np.sort(np.concatenate([mem_ts, other]), kind="stable")
-        i_ev = int(np.searchsorted(ev_ts, cursor, "left"))
-        level = int(rng.integers(0, 1 << 32))
-        total = level + np.cumsum(rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], n_mem))
-        level = int(total[i_mem - 1]) if i_mem else level  # the level at the cursor
-        win = burst_mod.Window(start=cursor - int(rng.integers(0, 2000)) * MS, baseline=int(rng.integers(0, 1 << 32)),
-                               calm=int(rng.integers(0, 5)), last_volatile_end=cursor - int(rng.integers(0, 200)) * MS,
-                               level=level, range_ewma=float(rng.choice([0.0, 1e6, 1e9])),
-                               rate_ewma=float(rng.choice([0.0, 50.0, 1e4])))
+        # Events before the cursor were walked already; the rest lie ahead.
+        stretch = burst_stretch(rng, max_frames=40, n_ahead=lambda: int(rng.integers(0, 60)), other_max=20)
         # THEN walking them frame by frame (from the lists of what lies ahead) judges as numpy does
-        want = burst_mod.judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, win)
-        got = burst_mod.walk_frames(cfg, cursor, iv, frames, mem_ts[i_mem:].tolist(), ev_ts[i_ev:].tolist(),
-                                    total[i_mem:].tolist(), i_mem, i_ev, win)
+        want = burst_mod.judge_frames(cfg, *stretch)
+        got = burst_mod.walk_frames(cfg, *as_lists(stretch))
         assert got == want
 
 
