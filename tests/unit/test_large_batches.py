@@ -142,52 +142,42 @@ def test_key_set_first_round_and_python_tail_equal_the_probe_rounds(seed: int,
     assert any(got[0][2]) and not all(got[0][2])
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large
-    # random batches, one looking up allocations and releases apart (the lookup, then the add of every release)
+def _reuse_against(seed: int, monkeypatch: pytest.MonkeyPatch, knob: str, batches: int,
+                   addrs: list[int]) -> None:
+    """Two trackers (small capacity and history: clears and compaction happen) fed the same large random
+    batches, the second with ``knob`` of features/reuse.py set past any batch (the reference path); after
+    every batch both hold the same counts, events, remembered sizes and freed keys."""
     rng = np.random.default_rng(seed)
-    together, apart = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
+    fast, reference = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
     t = 10**15
     keys: set[int] = set()
-    for _ in range(60):
-        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([64, 512, 8192])),
-                              sizeless=rng.random() < 0.1)
+    for _ in range(batches):
+        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice(addrs)), sizeless=rng.random() < 0.1)
         t += 60_000_000
         keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
-        together.add(batch)
-        monkeypatch.setattr(reuse_mod, "_PROBE_TOGETHER_MIN", 1 << 62)
-        apart.add(batch)
+        fast.add(batch)
+        monkeypatch.setattr(reuse_mod, knob, 1 << 62)
+        reference.add(batch)
         monkeypatch.undo()
-        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
         probe = sorted(keys)[:600]
-        assert reuse_state(together, probe) == reuse_state(apart, probe)
-    assert together.reused > 0 and together.allocations > together.reused
+        assert reuse_state(fast, probe) == reuse_state(reference, probe)
+    assert fast.reused > 0 and fast.allocations > fast.reused
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reuse_looked_up_together_equals_lookup_then_add(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN large random batches, looked up together and apart (the lookup, then the add of every release)
+    # THEN after every batch both trackers hold the same state
+    _reuse_against(seed, monkeypatch, "_PROBE_TOGETHER_MIN", 60, [64, 512, 8192])
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reuse_of_large_batches_equals_the_record_by_record_walk(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # GIVEN two trackers (small capacity and history: clears and compaction happen) fed the same large random
-    # batches (keys repeat within a batch: an address allocated, released and allocated again), one of them
-    # walking every batch record by record (``_add_small``, the reference for the batch path's matching of
-    # allocations that missed the set against the first release of their key in the batch)
-    rng = np.random.default_rng(seed)
-    batch_path, walked = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
-    t = 10**15
-    keys: set[int] = set()
-    for _ in range(40):
-        batch = memory_batch(rng, t, int(rng.integers(97, 2500)), int(rng.choice([8, 64, 512, 8192])),
-                              sizeless=rng.random() < 0.1)
-        t += 60_000_000
-        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
-        batch_path.add(batch)
-        monkeypatch.setattr(reuse_mod, "SMALL_BATCH", 1 << 62)
-        walked.add(batch)
-        monkeypatch.undo()
-        # THEN after every batch both hold the same counts, events, remembered sizes and freed keys
-        probe = sorted(keys)[:600]
-        assert reuse_state(batch_path, probe) == reuse_state(walked, probe)
-    assert batch_path.reused > 0 and batch_path.allocations > batch_path.reused
+    # GIVEN large random batches (keys repeat within a batch: an address allocated, released and allocated
+    # again), through the batch path and walked record by record (``_add_small``, the reference for the batch
+    # path's matching of allocations that missed the set against the first release of their key in the batch)
+    # THEN after every batch both trackers hold the same state
+    _reuse_against(seed, monkeypatch, "SMALL_BATCH", 40, [8, 64, 512, 8192])
 
 
 @pytest.mark.parametrize("seed", SEEDS)
