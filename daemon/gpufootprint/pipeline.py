@@ -135,9 +135,8 @@ class KernelRetention:
         """Forget the ``n`` oldest records (the process's share of the node's retention shrank or is spent)."""
         if n <= 0:
             return
-        keep = self.array()[n:]
-        self._joined = None
-        self._chunks, self._n = ([keep] if len(keep) else []), len(keep)
+        keep = self.array()[n:]  # a view of the joined records: still joined, read-only
+        self._joined, self._chunks, self._n = keep, ([keep] if len(keep) else []), len(keep)
 
     def array(self) -> np.ndarray:
         if self._joined is None:
