@@ -129,7 +129,8 @@ def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) 
         replay_file(path, app.pipeline, guard=app.ingest.lock)
         base = f"http://127.0.0.1:{app.http.port}"  # type: ignore[union-attr]
         # A tick in busy mode publishes no new snapshot within a second of the last one (the loop's own
-        # CPU share decides: a loaded machine can tip it), so the replay's end is asked for until it shows.
+        # CPU share decides: a loaded machine can tip it), and the NVML thread's first poll may come after
+        # the replay on a loaded machine, so the replay's end and the NVML view are asked for until they show.
         deadline = time.monotonic() + 3.0
         while True:
             app.ingest.tick()
@@ -137,10 +138,10 @@ def test_app_serves_anomalies_json_and_sampler_and_nvml_metrics(tmp_path: Path) 
             anomalies = json.load(urllib.request.urlopen(base + "/api/anomalies", timeout=5))
             spike = [a for a in anomalies
                      if a["start"] <= facts["spike_start"] and a["end"] >= facts["spike_end"]]
-            if spike or time.monotonic() > deadline:
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
+            if (spike and "gpufootprint_nvml_field_supported{" in metrics) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        metrics = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
     finally:
         app.stop()
     assert len(spike) == 1 and spike[0]["peak_bytes"] == facts["peak"]
