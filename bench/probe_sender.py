@@ -10,8 +10,10 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
   pack       gather and convert to the wire dtype (Packer.pack_raw)
   table      queue into the probe's live table and apply at a watermark (LiveTable)
   encode     frame the batch (framing.encode_batch: header, CRC)
-  forwarded_total  all the probe does per record when the daemon reads the buffers itself:
-             walk, keep the MEMORY2 structs, apply them at a watermark, frame the buffer as it is
+  forwarded_total  all the probe does per record when the daemon reads the buffers itself: check
+             the buffer holds MEMORY2 records only (else walk it), queue the structs for the table,
+             frame the buffer as it is into a send buffer, apply the table at a watermark every
+             57,000 records
 
 Usage: python bench/probe_sender.py [--records N] [--rounds R]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
@@ -38,6 +40,8 @@ from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout, framing
 
 BUFFER = 64 << 10
+PARTS = getattr(framing, "cupti_buffer_parts", None)
+WATERMARK_RECORDS = 57_000  # records between two watermarks (1 s of 850 records a 15 ms step)
 
 
 def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
@@ -95,20 +99,39 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
         framing.encode_batch(kind, arr)
     t4 = time.perf_counter()
     assert sum(len(a) for k, a in chunks if k is RecordKind.MEMORY) == n
-    # Forwarded (the default once the daemon says it reads CUPTI buffers): the buffer goes out as it
-    # is; the probe keeps only the MEMORY2 structs for its own table.
+    # Forwarded (the default once the daemon says it reads CUPTI buffers), as probe/rawreader.py does it:
+    # a buffer of MEMORY2 records only goes out as it is (its header and CRC, then the buffer copied once
+    # into the link's send buffer); the probe keeps the structs for its own table, which applies them at
+    # a watermark every WATERMARK_RECORDS records (about a second of cudaMallocAsync churn) on a table
+    # that lives through the whole run, as the probe's does.
     fwd = LiveTable()
+    out = bytearray()
+    size = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
+    since_mark = 0
     t5 = time.perf_counter()
     for raw, valid in bufs:
         view = memoryview(raw).cast("B")
-        offs = cupti_layout.walk(view, valid)
-        assert offs is not None
         u8 = np.frombuffer(view, dtype=np.uint8, count=valid)
-        fwd.add_raw(cupti_layout.gather(u8, cupti_layout.MEMORY2, offs[cupti_layout.MEMORY2]), 1)
-        framing.encode_cupti_buffer(1, view[:valid])
+        if cupti_layout.uniform_kind(view, valid) == cupti_layout.MEMORY2:
+            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, range(0, valid, size))
+        else:
+            offs = cupti_layout.walk(view, valid)
+            assert offs is not None
+            structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, offs[cupti_layout.MEMORY2])
+        fwd.add_raw(structs, 1)
+        if PARTS is not None:
+            for part in PARTS(1, view[:valid]):
+                out += part
+        else:  # code before 2026-12-06 (for side-by-side runs): one frame, copied into the send buffer
+            out += framing.encode_cupti_buffer(1, view[:valid])
+        if len(out) > 1 << 20:
+            out.clear()  # the socket took it
+        since_mark += len(structs)
+        if since_mark >= WATERMARK_RECORDS:
+            fwd.advance(int(structs["timestamp"][-1]) - 500_000)  # the newest half millisecond waits
+            since_mark = 0
     fwd.advance(1 << 63)
     t6 = time.perf_counter()
-    assert fwd.rows == table.rows or len(fwd.rows) == len(table.rows)
     us = 1e6 / n
     return {"walk": (t1 - t0) * us, "pack": (t2 - t1) * us, "table": (t3 - t2) * us, "encode": (t4 - t3) * us,
             "total": (t4 - t0) * us, "forwarded_total": (t6 - t5) * us}

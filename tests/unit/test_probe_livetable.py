@@ -125,3 +125,87 @@ def test_the_probes_table_takes_a_quick_free_after_a_lost_release_as_the_new_all
             for r in rows:
                 table.apply(arr([r]))
         assert list(table.rows) == [0x99] and table.late_release_repairs == 0 and table.lost_releases == 1
+
+
+def _structs(rows: list[tuple]) -> np.ndarray:
+    """MEMORY records as the MEMORY2 structs CUPTI writes (the fields the table reads)."""
+    from gpufootprint.wire import cupti_layout
+
+    recs = arr(rows)
+    out = np.zeros(len(recs), cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+    for theirs, ours in (("timestamp", "ts"), ("address", "addr"), ("bytes", "bytes"), ("dev", "dev"),
+                         ("ctx", "ctx"), ("stream", "stream"), ("corr", "corr"), ("op", "op"), ("mk", "mk"),
+                         ("is_async", "is_async")):
+        out[theirs] = recs[ours]
+    return out
+
+
+def _random_stream(seed: int) -> tuple[list[tuple], list[int]]:
+    """Churn over a few addresses as CUPTI delivers it: out of time order, with now and then an
+    address allocated again while live (its release lost or stamped late), a release of nothing,
+    a large allocation that stays; and watermarks that leave the newest records waiting."""
+    rng = random.Random(seed)
+    rows: list[tuple] = []
+    live: dict[int, int] = {}
+    ts, corr = 1_000_000, 1
+    for _ in range(rng.randrange(50, 1500)):
+        ts += rng.randrange(1, 5_000)
+        corr += 1
+        addr = 0x7F00_0000_0000 + rng.randrange(rng.choice((4, 40, 400))) * 0x1_0000
+        roll = rng.random()
+        if addr in live and roll < 0.9:
+            rows.append(rec(2, addr, live.pop(addr), ts, is_async=1, corr=corr))
+        elif roll < 0.97 or addr in live:
+            size = rng.randrange(1, 64) * 512
+            rows.append(rec(1, addr, size, ts, is_async=1, corr=corr))
+            live[addr] = size
+        else:
+            rows.append(rec(2, addr, 512, ts, is_async=1, corr=corr))  # a release of nothing
+    window = rng.choice((1, 8, 64))  # how far delivery strays from time order
+    keys = [i + rng.random() * window for i in range(len(rows))]
+    delivered = [r for _, r in sorted(zip(keys, rows), key=lambda kr: kr[0])]
+    marks = sorted(rng.sample(range(len(rows)), k=min(len(rows), rng.randrange(1, 12))))
+    return delivered, [rows[i][0] - rng.randrange(0, 20_000) for i in marks] + [ts + 1]
+
+
+def test_the_table_applies_cuptis_structs_exactly_as_it_applies_records() -> None:
+    """Forwarded buffers reach the table as CUPTI's structs (``add_raw``), queued back to back and
+    applied where they lie; packed batches as records (``add``). Both must leave the same table,
+    counters and waiting records after every watermark, on churn delivered out of order."""
+    for seed in range(60):
+        delivered, watermarks = _random_stream(seed)
+        rng = random.Random(-seed)
+        by_records, by_structs = LiveTable(), LiveTable()
+        at = 0
+        for mark in watermarks:
+            upto = min(len(delivered), at + rng.randrange(0, 2 * len(delivered) // len(watermarks) + 2))
+            while at < upto:  # CUPTI's buffers: a few to a few hundred records each
+                part = delivered[at:min(upto, at + rng.randrange(1, 300))]
+                by_records.add(arr(part))
+                by_structs.add_raw(_structs(part), pid=1)
+                at += len(part)
+            by_records.advance(mark)
+            by_structs.advance(mark)
+            assert by_structs.rows == by_records.rows, seed
+            assert (by_structs.stale_releases, by_structs.late_release_repairs, by_structs.lost_releases) == \
+                (by_records.stale_releases, by_records.late_release_repairs, by_records.lost_releases), seed
+            assert by_structs.resident_bytes_now(0) == by_records.resident_bytes_now(0), seed
+        assert by_structs.pending_array().tolist() == by_records.pending_array().tolist(), seed
+
+
+def test_the_struct_queue_keeps_order_grows_and_gives_memory_back_after_a_burst() -> None:
+    from gpufootprint.probe.livetable import StructQueue
+
+    q = StructQueue(np.dtype([("ts", "<u8"), ("x", "<u4")]))
+    burst = np.zeros(100_000, q.view().dtype)
+    burst["ts"] = np.arange(len(burst))
+    for i in range(0, len(burst), 777):  # appended in pieces, read back as one array
+        q.append(burst[i:i + 777])
+    assert q.view()["ts"].tolist() == list(range(len(burst)))
+    q.keep(q.view()["ts"] % 3 == 0)  # what a watermark leaves waiting stays, in order
+    assert q.view()["ts"].tolist() == list(range(0, len(burst), 3))
+    held = q._buf.nbytes
+    for _ in range(2 * StructQueue._SHRINK_EVERY):  # quiet watermarks after the burst (a whole period of them)
+        q.append(burst[:10])
+        q.clear()
+    assert len(q) == 0 and q._buf.nbytes < held // 4

@@ -126,15 +126,22 @@ class SocketLink:
 
     def put(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
         """Queue a frame; False (dropped) when not connected or the buffer is full."""
+        return self.put_parts((frame,), must=must, records=records, mark=mark)
+
+    def put_parts(self, parts: tuple[bytes | memoryview, ...], *, must: bool = False, records: int = 0,
+                  mark: bool = False) -> bool:
+        """``put`` for one frame given as consecutive parts (each copied once, into the send buffer)."""
         if self._sock is None:
             return False
-        if not must and len(self._out) + len(frame) > self.buffer_bytes:
+        size = sum(len(p) for p in parts)
+        if not must and len(self._out) + size > self.buffer_bytes:
             self.frames_dropped += 1
             return False
-        self._put_total += len(frame)
+        self._put_total += size
         if records or mark:
             self._ledger.append((self._put_total, records, int(mark)))
-        self._out += frame
+        for part in parts:
+            self._out += part
         return True
 
     def _sent(self, n: int) -> None:
@@ -150,7 +157,9 @@ class SocketLink:
             return
         try:
             while self._out:
-                n = sock.send(self._out[:1 << 20])
+                # through a view: slicing the bytearray would copy up to 1 MiB before each send
+                with memoryview(self._out) as view, view[:1 << 20] as chunk:
+                    n = sock.send(chunk)
                 if n <= 0:
                     break
                 del self._out[:n]

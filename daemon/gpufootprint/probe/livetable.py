@@ -46,7 +46,7 @@ class LiveTable:
     pending: list[np.ndarray] = field(default_factory=list)  # delivered, not yet applied (time order)
     # MEMORY2 records as CUPTI wrote them (cupti_layout.RAW_DTYPES[MEMORY2]), from buffers forwarded
     # to the daemon unread: converted here only for the allocations that stay live.
-    pending_raw: list[np.ndarray] = field(default_factory=list)
+    pending_raw: StructQueue = field(default_factory=lambda: StructQueue(cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]))
     raw_pid: int = 0
     stale_releases: int = 0
     _untracked: dict[int, Row] = field(default_factory=dict)  # device -> the UNTRACKED entry declared last
@@ -64,32 +64,48 @@ class LiveTable:
     def add_raw(self, structs: np.ndarray, pid: int) -> None:
         """Queue MEMORY2 structs (a view of a CUPTI buffer: copied here) for ``advance``."""
         if len(structs):
-            self.pending_raw.append(structs.copy())
+            self.pending_raw.append(structs)
             self.raw_pid = pid
 
     def _raw_as_records(self) -> None:
-        for structs in self.pending_raw:
-            self.pending.append(cupti_layout.convert(cupti_layout.MEMORY2, structs, self.raw_pid))
-        self.pending_raw = []
+        if len(self.pending_raw):
+            self.pending.append(cupti_layout.convert(cupti_layout.MEMORY2, self.pending_raw.view(), self.raw_pid))
+            self.pending_raw.clear()
 
     def _advance_raw(self, ts: int) -> None:
-        raw = self.pending_raw[0] if len(self.pending_raw) == 1 else np.concatenate(self.pending_raw)
-        due = raw["timestamp"] <= ts
-        self.pending_raw = [raw[~due]] if not bool(due.all()) else []
-        ready = raw[due]
-        if len(ready) < _BULK_MIN or self.ranges:
-            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
-            self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
+        """``advance`` for structs only: applied where they lie in the queue (sorted by index, not
+        copied: under churn a watermark's structs are about 7 MB and almost all of them are due)."""
+        raw = self.pending_raw.view()
+        stamps = raw["timestamp"]
+        due = stamps <= ts
+        every = bool(due.all())
+        if every or bool(due.any()):
+            self._apply_raw(raw, None if every else due)
+        if every:
+            self.pending_raw.clear()
+        else:
+            self.pending_raw.keep(~due)
+
+    def _apply_raw(self, raw: np.ndarray, due: np.ndarray | None) -> None:
+        """Apply the structs of ``raw`` (those where ``due``; None: all) in time order."""
+        n = len(raw) if due is None else int(np.count_nonzero(due))
+        if n < _BULK_MIN or self.ranges:
+            self._apply_raw_each(raw if due is None else raw[due])
             return
-        addrs = ready["address"]
-        stay = self._apply_by_address(addrs, ready["op"], np.lexsort((ready["timestamp"], addrs)))
+        addrs = raw["address"]
+        order = np.lexsort((raw["timestamp"], addrs))
+        if due is not None:
+            order = order[due[order]]
+        stay = self._apply_by_address(addrs, raw["op"], order)
         if stay is None:  # a reused address: the record-by-record rule
-            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
-            self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
-            return
-        if len(stay):
-            recs = cupti_layout.convert(cupti_layout.MEMORY2, ready[stay], self.raw_pid)
+            self._apply_raw_each(raw if due is None else raw[due])
+        elif len(stay):
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, raw[stay], self.raw_pid)
             self.rows.update(zip(recs["addr"].tolist(), recs.tolist()))
+
+    def _apply_raw_each(self, ready: np.ndarray) -> None:
+        recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
+        self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
 
     def advance(self, ts: int) -> None:
         """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
@@ -98,7 +114,7 @@ class LiveTable:
         address within microseconds; in time order allocation and release of an
         address alternate exactly (measured on the H200), so the table stays exact.
         """
-        if self.pending_raw:
+        if len(self.pending_raw):
             if not self.pending:
                 self._advance_raw(ts)
                 return
@@ -250,7 +266,8 @@ class LiveTable:
         total = self.resident_bytes(dev)
         for recs in self.pending:
             total += _resident_change(recs["dev"], recs["mk"], recs["op"], recs["bytes"], dev)
-        for structs in self.pending_raw:
+        if len(self.pending_raw):
+            structs = self.pending_raw.view()
             total += _resident_change(structs["dev"], structs["mk"] & 0xFF, structs["op"], structs["bytes"], dev)
         return total
 
@@ -315,6 +332,62 @@ class LiveTable:
                 self.rows[addr] = row  # a CUPTI record of it came in after re-arming
             else:
                 self.ranges[addr] = row
+
+
+class StructQueue:
+    """Structured records back to back in one array that grows by doubling: appending copies a
+    CUPTI buffer's structs once, and a watermark reads them all as one view (a list of per-buffer
+    copies cost a second copy of every record at each watermark, to concatenate them)."""
+
+    _MIN = 1024  # records: the first allocation, and the size it shrinks back towards
+    _SHRINK_EVERY = 32  # emptyings: how often a peak far below the array's size lets it shrink
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self._buf = np.zeros(0, dtype=dtype)
+        self._n = 0
+        self._peak = 0  # the most records held since the last look at shrinking
+        self._emptied = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, structs: np.ndarray) -> None:
+        end = self._n + len(structs)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf), self._MIN), dtype=self._buf.dtype)
+            grown[:self._n].view(np.uint8)[:] = self._buf[:self._n].view(np.uint8)
+            self._buf = grown
+        if structs.dtype == self._buf.dtype and structs.flags.c_contiguous:
+            # as bytes: numpy copies a structured dtype with gaps field by field, about 10x slower
+            self._buf[self._n:end].view(np.uint8)[:] = structs.view(np.uint8)
+        else:
+            self._buf[self._n:end] = structs
+        self._n = end
+
+    def view(self) -> np.ndarray:
+        """Every queued struct, in the order appended (valid until the next change)."""
+        return self._buf[:self._n]
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep only the structs where ``mask`` (over ``view()``), in their order."""
+        rest = self._buf[:self._n][mask]
+        self._emptying()
+        self.append(rest)
+
+    def clear(self) -> None:
+        self._emptying()
+
+    def _emptying(self) -> None:
+        # The array is kept between watermarks (growing it again each time costs copies and fresh
+        # pages), but after a burst it may be far larger than what now passes through it: every
+        # _SHRINK_EVERY emptyings it shrinks to twice the most it held meanwhile.
+        self._peak = max(self._peak, self._n)
+        self._n = 0
+        self._emptied += 1
+        if self._emptied >= self._SHRINK_EVERY:
+            if len(self._buf) > 4 * max(self._peak, self._MIN):
+                self._buf = np.zeros(max(2 * self._peak, self._MIN), dtype=self._buf.dtype)
+            self._peak = self._emptied = 0
 
 
 #: Memory kinds that hold GPU memory and that CUPTI reports (the synthetic UNTRACKED one aside).

@@ -131,9 +131,9 @@ class RawBufferReader:
         self.counters["raw_records"] += n
         self.counters["forwarded_buffers"] += 1
         t0 = time.thread_time()
-        frame = framing.encode_cupti_buffer(self.pid, buf[:valid])
+        parts = framing.cupti_buffer_parts(self.pid, buf[:valid])
         self.forward_seconds += time.thread_time() - t0
-        if link.put(frame, records=n):
+        if link.put_parts(parts, records=n):
             self.counters["records_sent"] += n
             self.counters["batches_sent"] += 1
         else:

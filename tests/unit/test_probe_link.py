@@ -1,0 +1,49 @@
+"""The probe's socket link: frames given in parts arrive whole and in order, across partial sends."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from gpufootprint.probe.link import SocketLink
+from gpufootprint.wire import framing
+from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType
+
+
+def test_a_cupti_buffer_given_in_parts_is_the_same_frame_as_encoded_whole() -> None:
+    data = os.urandom(65_536)
+    head, body = framing.cupti_buffer_parts(4242, memoryview(data))
+    assert head + bytes(body) == framing.encode_cupti_buffer(4242, data)
+    (frame,) = FrameDecoder().feed(PREAMBLE + head + bytes(body))  # the CRC covers every part
+    assert frame.type is FrameType.CUPTI_BUFFER and framing.cupti_buffer(frame) == (4242, memoryview(data))
+
+
+def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "d.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
+        assert link.try_connect()
+        peer, _ = server.accept()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the socket takes a little at a time
+        buffers = [os.urandom(n) for n in (128, 65_536, 1, 300_000, 4096) * 8]
+        for i, data in enumerate(buffers):
+            assert link.put_parts(framing.cupti_buffer_parts(i, data), records=1)
+            if i % 3 == 0:
+                assert link.put(framing.encode_watermark(i))
+        decoder, frames = FrameDecoder(), []
+        peer.settimeout(5)
+        while link.buffered or len(frames) < len(buffers) + (len(buffers) + 2) // 3:
+            link.pump()  # never blocks: sends what the socket takes, keeps the rest
+            frames += decoder.feed(peer.recv(1 << 16))
+        got = [framing.cupti_buffer(f) for f in frames if f.type is FrameType.CUPTI_BUFFER]
+        assert [(pid, bytes(b)) for pid, b in got] == list(enumerate(buffers))
+        marks = [f.watermark() for f in frames if f.type is FrameType.WATERMARK]
+        assert marks == list(range(0, len(buffers), 3)) and decoder.error is None
+        assert link.bytes_sent == len(PREAMBLE) + sum(len(f.payload) + framing.HEADER_SIZE for f in frames)
+        peer.close()
+        server.close()
