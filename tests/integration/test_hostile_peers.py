@@ -25,7 +25,7 @@ from gpufootprint.configload import load_config
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
+from gpufootprint.wire.framing import PREAMBLE, UNCHECKED, FrameType, encode_batch, encode_json, encode_watermark
 
 from tests.conftest import ALLOC, FREE, ROOT, cli_env, mem, mem_batch
 
@@ -152,6 +152,14 @@ def _raw_frame(length: int, ftype: int, payload: bytes = b"") -> bytes:
     return head + zlib.crc32(payload, zlib.crc32(head)).to_bytes(4, "little") + payload
 
 
+def _unchecked(frame: bytes) -> bytes:
+    """``frame`` marked as carrying no checksum."""
+    out = bytearray(frame)
+    out[5] |= UNCHECKED
+    out[8:12] = bytes(4)
+    return bytes(out)
+
+
 def _bad_checksum() -> bytes:
     frame = bytearray(_hello())
     frame[-2] ^= 0x55
@@ -163,6 +171,8 @@ CASES = {
     "wrong wire version": (lambda pid: b"GPUFP" + bytes([9]) + b"\r\n" + _hello(pid), "bad_version"),
     "absurd length": (lambda pid: PREAMBLE + _raw_frame(0xFFFF_FFF0, FrameType.BATCH), "frame_too_large"),
     "damaged payload": (lambda pid: _bad_checksum(), "bad_checksum"),
+    # only a forwarded CUPTI buffer may come without a checksum (framing.UNCHECKED)
+    "unchecked BATCH": (lambda pid: PREAMBLE + _hello(pid) + _unchecked(_batch(pid)), "bad_checksum"),
     "unknown frame type": (lambda pid: PREAMBLE + _hello(pid) + _raw_frame(3, 200, b"abc"), "bad_frame_type"),
     "BATCH before HELLO": (lambda pid: PREAMBLE + _batch(pid), "frame_before_hello"),
     "two HELLOs": (lambda pid: PREAMBLE + _hello(pid) + _hello(pid), "duplicate_hello"),

@@ -35,6 +35,8 @@ def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_n
     # after its first watermark the daemon read CUPTI's buffers itself (the probe forwarded them unread)
     forwarded = status["status"]["forwarded_buffers"]
     assert forwarded > 50 if forward == "1" else forwarded == 0, status["status"]
+    # each without a checksum: this daemon said it takes them so (framing.CUPTI_BUFFERS_UNCHECKED)
+    assert status["status"]["forwarded_unchecked"] == forwarded, status["status"]
     assert status["status"]["records_dropped"] == 0
     pipeline = daemon.pipeline
     assert dict(pipeline.errors.counts) == {}

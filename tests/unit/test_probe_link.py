@@ -47,3 +47,29 @@ def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order() -> None:
         assert link.bytes_sent == len(PREAMBLE) + sum(len(f.payload) + framing.HEADER_SIZE for f in frames)
         peer.close()
         server.close()
+
+
+def test_a_cupti_buffer_without_a_checksum_is_read_only_where_the_stream_allows_it() -> None:
+    data = os.urandom(4096)
+    unchecked = b"".join(bytes(p) for p in framing.cupti_buffer_parts(7, data, checked=False))
+    assert unchecked == framing.encode_cupti_buffer(7, data, checked=False)
+    damaged = bytearray(unchecked)
+    damaged[-1] ^= 0xFF  # nothing finds this but the records' own checks (the daemon's decoding)
+    probe_socket = frozenset({FrameType.CUPTI_BUFFER})
+    (frame,) = FrameDecoder(unchecked=probe_socket).feed(PREAMBLE + bytes(damaged))
+    assert framing.cupti_buffer(frame)[1].tobytes() == bytes(damaged[-4096:])
+    # a file (or any stream not told otherwise) still needs every checksum: one clear error, naming where
+    before = framing.encode_watermark(5)
+    decoder = FrameDecoder()
+    assert [f.watermark() for f in decoder.feed(PREAMBLE + before + unchecked)] == [5]
+    assert str(decoder.error) == (f"byte {len(PREAMBLE) + len(before)}: a CUPTI_BUFFER frame without a checksum, "
+                                  "which this stream does not allow")
+    # and the flag frees no other frame type from its checksum, nor a checked buffer that is damaged
+    bare = bytearray(framing.encode_watermark(9))
+    bare[5] |= framing.UNCHECKED
+    decoder = FrameDecoder(unchecked=probe_socket)
+    assert decoder.feed(PREAMBLE + bytes(bare)) == [] and "WATERMARK frame without a checksum" in str(decoder.error)
+    checked = bytearray(framing.encode_cupti_buffer(7, data))
+    checked[-1] ^= 0xFF
+    decoder = FrameDecoder(unchecked=probe_socket)
+    assert decoder.feed(PREAMBLE + bytes(checked)) == [] and "checksum mismatch" in str(decoder.error)

@@ -28,7 +28,8 @@ def _connection() -> Connection:
 
 @pytest.mark.parametrize("hello,asked", [
     ({"pid": 1}, 1),  # an older probe: says nothing
-    ({"pid": 1, "cupti_buffers": 2}, 2),
+    ({"pid": 1, "cupti_buffers": 2}, 2),  # a probe that always checksums its buffers
+    ({"pid": 1, "cupti_buffers": 3}, 3),
     ({"pid": 1, "cupti_buffers": 7}, CUPTI_BUFFERS_LEVEL),  # a newer probe: this daemon's level
     ({"pid": 1, "cupti_buffers": "2"}, 1),
     ({"pid": 1, "cupti_buffers": True}, 1),
@@ -71,7 +72,7 @@ def test_the_probes_hello_says_its_level(tmp_path: Path) -> None:
     assert probe.start()
     probe.stop()
     (hello,) = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HELLO]
-    assert hello["cupti_buffers"] == CUPTI_BUFFERS_LEVEL == 2
+    assert hello["cupti_buffers"] == CUPTI_BUFFERS_LEVEL == 3
 
 
 @pytest.mark.parametrize("hello,launches", [

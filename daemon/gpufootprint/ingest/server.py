@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from gpufootprint.config import Config
 from gpufootprint.ingest.protocol import (
@@ -61,6 +61,10 @@ if TYPE_CHECKING:
     from gpufootprint.nvml.poller import NvmlPoller
 
 log = logging.getLogger(__name__)
+
+#: Frames a probe may send without a checksum (framing.UNCHECKED): its forwarded CUPTI buffers, once this
+#: daemon's verify CONTROL named a level that allows it. Their records are checked as any others are.
+PROBE_UNCHECKED: Final = frozenset({FrameType.CUPTI_BUFFER})
 
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
 #: While the ingest loop is busy (``_Load``), a probe's watermarks may wait this long so that several of
@@ -301,7 +305,8 @@ class IngestServer:
                               on_mark=self._on_mark)
             session.future_limit_ns = self._future_limit_ns  # a clock step on the probe's host is bounded
             session.guard, session.limits = self.guard, self.guard.limits
-            conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes), session, pid, uid)
+            conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED), session,
+                              pid, uid)
             conn.tenant = tenant
             self._conns[sock.fileno()] = conn
             self.guard.census.connect(pid, uid, tenant)

@@ -50,6 +50,9 @@ class RawBufferReader:
         self.dropped_by_reason = dropped_by_reason
         self._clock_ns = clock_ns
         self.forward_seconds = 0.0  # CPU time framing forwarded buffers (part of callback_seconds)
+        # Forwarded buffers with a checksum: False once the daemon said it takes them without (its
+        # level, framing.CUPTI_BUFFERS_UNCHECKED), until the next connection.
+        self.checked = True
 
     def read(self, address: int, valid: int, *, forward_to: SocketLink | None, forwardable: frozenset[int],
              tee: FileSink | None, in_gap: bool) -> None:
@@ -130,8 +133,10 @@ class RawBufferReader:
                         self.counters["tee_errors"] += 1
         self.counters["raw_records"] += n
         self.counters["forwarded_buffers"] += 1
+        if not self.checked:
+            self.counters["forwarded_unchecked"] += 1
         t0 = time.thread_time()
-        parts = framing.cupti_buffer_parts(self.pid, buf[:valid])
+        parts = framing.cupti_buffer_parts(self.pid, buf[:valid], checked=self.checked)
         self.forward_seconds += time.thread_time() - t0
         if link.put_parts(parts, records=n):
             self.counters["records_sent"] += n

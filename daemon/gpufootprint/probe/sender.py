@@ -403,6 +403,7 @@ class Sender:
         # What the last daemon said it reads need not hold for this one (a restart into an older
         # build): TOTALS and forwarded buffers wait until this daemon asks, at the first watermark.
         self._verify = self._forward = False
+        self._raw_reader.checked = True
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
@@ -474,6 +475,7 @@ class Sender:
         if cupti_buffers >= 1:
             self._forward = self.settings.forward_buffers
             self._forwardable = FORWARDABLE if cupti_buffers >= 2 else FORWARDABLE_V1
+            self._raw_reader.checked = cupti_buffers < framing.CUPTI_BUFFERS_UNCHECKED
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
                            max_records: int = 0, min_ms: int = 0) -> None:

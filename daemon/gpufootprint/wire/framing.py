@@ -140,17 +140,23 @@ def encode_batch(kind: RecordKind, records: np.ndarray) -> bytes:
 _RAW_HEAD: Final = struct.Struct("<II")
 
 
-def encode_cupti_buffer(pid: int, data: bytes | memoryview) -> bytes:
+def encode_cupti_buffer(pid: int, data: bytes | memoryview, *, checked: bool = True) -> bytes:
     """A CUPTI buffer's valid bytes, unread, for the daemon to decode (``FrameType.CUPTI_BUFFER``)."""
-    head, body = cupti_buffer_parts(pid, data)
+    head, body = cupti_buffer_parts(pid, data, checked=checked)
     return head + bytes(body)
 
 
-def cupti_buffer_parts(pid: int, data: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
+def cupti_buffer_parts(pid: int, data: bytes | memoryview, *, checked: bool = True) -> tuple[bytes, bytes | memoryview]:
     """``encode_cupti_buffer`` in two parts, the frame's first 20 bytes and ``data`` itself, for a sink
     that copies them straight into its own buffer (``SocketLink.put_parts``): the buffer is copied
-    once in the workload's process instead of three times."""
+    once in the workload's process instead of three times.
+
+    ``checked=False``: no checksum (``UNCHECKED`` in the flags, 0 in its place), only for a daemon
+    that said it takes such frames (``CUPTI_BUFFERS_UNCHECKED``)."""
     raw_head = _RAW_HEAD.pack(pid & 0xFFFFFFFF, 0)
+    if not checked:
+        head = _HEADER_V1.pack(len(raw_head) + len(data), FrameType.CUPTI_BUFFER, UNCHECKED, 0)
+        return head + b"\0\0\0\0" + raw_head, data
     head = _HEADER_V1.pack(len(raw_head) + len(data), FrameType.CUPTI_BUFFER, 0, 0)
     crc = zlib.crc32(data, zlib.crc32(raw_head, zlib.crc32(head)))
     return head + crc.to_bytes(4, "little") + raw_head, data
@@ -164,9 +170,17 @@ def cupti_buffer(frame: Frame) -> tuple[int, memoryview]:
     return pid, memoryview(frame.payload)[_RAW_HEAD.size:]
 
 
-#: The forwarded-buffer level this code reads and writes: 2, CUPTI_BUFFER frames may hold DRIVER and
-#: RUNTIME API records (1: DRIVER only, what probes and daemons before RUNTIME records know).
-CUPTI_BUFFERS_LEVEL: Final = 2
+#: The forwarded-buffer level this code reads and writes: 3, CUPTI_BUFFER frames may hold DRIVER and
+#: RUNTIME API records and may come without a checksum (2: the same, always checked; 1: DRIVER only,
+#: what probes and daemons before RUNTIME records know). Levels are cumulative.
+CUPTI_BUFFERS_LEVEL: Final = 3
+#: The level from which a probe may leave its CUPTI_BUFFER frames unchecked (the daemon said so).
+CUPTI_BUFFERS_UNCHECKED: Final = 3
+#: Frame flag: the frame carries no checksum (0 in its place). Only CUPTI_BUFFER frames on a probe's
+#: socket, and only where the decoder allows it: a checksum finds damage in a file at rest; the bytes
+#: of a local socket arrive as written (the kernel copies them), and the CRC of a 64 KiB buffer cost
+#: about 12 us in the workload's process and again in the daemon's, per buffer.
+UNCHECKED: Final = 0x01
 
 
 def cupti_buffers_level(body: dict[str, Any]) -> int:
@@ -193,8 +207,11 @@ class FrameDecoder:
     is lost.
     """
 
-    def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(self, max_payload: int = DEFAULT_MAX_PAYLOAD, *, unchecked: frozenset[FrameType] = frozenset()) -> None:
+        """``unchecked``: frame types that may come without a checksum (``UNCHECKED``): a daemon's probe
+        connections allow CUPTI_BUFFER; files and every other frame are always checked."""
         self.error: FrameError | None = None  # set once the stream is broken
+        self._unchecked = unchecked
         self._buf = bytearray()
         self._pos = 0  # stream offset of self._buf[0]
         self._preamble_seen = False
@@ -319,7 +336,11 @@ class FrameDecoder:
             if end > n:
                 break
             payload = view[at + hsize : end].tobytes()
-            if checked and zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
+            if checked and _flags & UNCHECKED:
+                if frame_type not in self._unchecked:
+                    raise FrameError(f"byte {base + at}: a {frame_type.name} frame without a checksum, "
+                                     f"which this stream does not allow")
+            elif checked and zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
                 raise FrameError(f"byte {base + at}: checksum mismatch in a {frame_type.name} frame "
                                  f"of {length} bytes (damaged data)")
             frames.append(Frame(frame_type, tag, payload, base + at))
