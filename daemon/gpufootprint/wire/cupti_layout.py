@@ -22,8 +22,8 @@ the end); the caller then falls back to another way of reading it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Final, overload
 
 import numpy as np
 
@@ -103,21 +103,160 @@ _SIZES: Final[dict[int, int]] = {**{k: dt.itemsize for k, dt in RAW_DTYPES.items
 _KIND = struct.Struct("<i")
 
 
-def walk(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None:
-    """Offsets of each kind's records in ``buf[:valid]``; None when it cannot be walked exactly.
+#: Records (or cycles of records) of a run that the first vectorised look checks; each next look
+#: checks four times as many, so a look costs about what the run it finds is long, in a 64 KiB
+#: buffer or a 16 MiB frame alike.
+_FIRST_LOOK: Final = 512
+#: The longest cycle of distinct kinds (MEMORY2, RUNTIME, DRIVER, ...: a launch window's calls
+#: between allocations) looked for in a buffer.
+_MAX_PERIOD: Final = 4
+#: Records past a cycle read one by one before the look at the rest of it.
+_PEEK: Final = 4
+#: Records (of 128 bytes) read one by one, at most, after a cycle that did not last, before the next look.
+_MAX_BACKOFF: Final = 32
+#: Bytes from one record to the next of its kind in the longest cycle looked for.
+_MAX_SPAN: Final = _MAX_PERIOD * 216
+#: A look pays for itself when it spares reading about this many records one by one.
+_WORTH_A_LOOK: Final = 8
 
-    A buffer of one kind only (what allocation churn fills: MEMORY2 records back to back) is
-    recognised in one vectorised check; any other is walked record by record, and a run of
-    one kind inside it is measured in one vectorised look.
+
+class Runs(Sequence[int]):
+    """Record offsets of one kind in buffer order, as pieces: a ``range`` for each run the walk
+    found (records back to back, or one every so many bytes in a cycle of kinds), a list of ints
+    for records read one by one (``walk``'s answer; ``gather`` copies a piece at a time and reads
+    a buffer that is one run as a view).
+
+    Equal to any list, tuple, range or Runs holding the same offsets."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Iterable[range | list[int]] = ()) -> None:
+        self.pieces: list[range | list[int]] = []
+        for piece in pieces:
+            if isinstance(piece, range):
+                self.add_run(piece)
+            else:
+                for off in piece:
+                    self.append(off)
+
+    def append(self, offset: int) -> None:
+        """One offset past every offset held."""
+        pieces = self.pieces
+        if pieces and isinstance(pieces[-1], list):
+            pieces[-1].append(offset)
+        else:
+            pieces.append([offset])
+
+    def add_run(self, run: range) -> None:
+        """A run past every offset held; offsets just before it that it continues join it."""
+        if not run:
+            return
+        pieces, step, start = self.pieces, run.step, run.start
+        stop = start + len(run) * step
+        last = pieces[-1] if pieces else None
+        if isinstance(last, list):
+            while last and last[-1] == start - step:
+                start = last.pop()
+            if not last:
+                pieces.pop()
+                last = pieces[-1] if pieces else None
+        if isinstance(last, range):
+            if last[-1] + last.step == start and (last.step == step or len(run) == 1):
+                pieces[-1] = range(last.start, start + len(run) * last.step, last.step)  # it continues the last
+                return
+            if len(last) == 1 and start - last.start == step:
+                pieces[-1] = range(last.start, stop, step)  # the last is one record, then the run
+                return
+        pieces.append(range(start, stop, step))
+
+    def continues(self, offset: int) -> bool:
+        """Whether ``offset`` is the next of the last run (then it is held, as part of it)."""
+        last = self.pieces[-1] if self.pieces else None
+        if isinstance(last, range) and last[-1] + last.step == offset:
+            self.pieces[-1] = range(last.start, offset + last.step, last.step)
+            return True
+        return False
+
+    def array(self) -> np.ndarray:
+        """The offsets as an ``np.intp`` array."""
+        parts = [np.arange(p.start, p.stop, p.step, dtype=np.intp) if isinstance(p, range)
+                 else np.asarray(p, dtype=np.intp) for p in self.pieces]
+        return np.concatenate(parts) if parts else np.zeros(0, np.intp)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.array()
+        return a if dtype is None else a.astype(dtype)
+
+    def __len__(self) -> int:
+        return sum(map(len, self.pieces))
+
+    def __iter__(self) -> Iterator[int]:
+        for piece in self.pieces:
+            yield from piece
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            lo, hi, stride = i.indices(len(self))
+            if stride != 1:
+                return list(self)[i]
+            out = Runs()
+            at = 0  # index of the current piece's first offset
+            for piece in self.pieces:
+                n = len(piece)
+                a, b = max(lo, at), min(hi, at + n)
+                if a < b:
+                    cut = piece[a - at:b - at]
+                    out.pieces.append(cut if isinstance(cut, range) else list(cut))
+                at += n
+                if at >= hi:
+                    break
+            return out
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("Runs index out of range")
+        for piece in self.pieces:
+            if i < len(piece):
+                return piece[i]
+            i -= len(piece)
+        raise AssertionError("unreachable")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Runs, list, tuple, range)):
+            return len(self) == len(other) and list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Runs({self.pieces!r})"
+
+
+def walk(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
+    """Offsets of each kind's records in ``buf[:valid]`` (as ``Runs``); None when it cannot be
+    walked exactly.
+
+    Records are read one by one until one comes again soon: right after one of its kind, or
+    after a cycle of up to ``_MAX_PERIOD`` distinct kinds (MEMORY2, RUNTIME, MEMORY2). The cycle
+    is then followed in vectorised looks at the kinds where it puts its records, and the records
+    it covers are kept as runs (``range``), never as one int each. A buffer of one kind (what
+    allocation churn fills: MEMORY2 records back to back) is two records read and one look.
+    Where looks find little (kinds mixed at random), they are tried less and less often.
     """
-    uniform = _walk_uniform(buf, valid)
-    if uniform is not None:
-        return uniform
-    offsets: dict[int, list[int]] = {}
+    runs: dict[int, Runs] = {}
+    loose: dict[int, list[int]] = {}  # each kind's list of offsets read one by one, since its last run
     sizes = _SIZES
     unpack = _KIND.unpack_from
+    max_span = _MAX_SPAN
+    quiet, backoff = 0, 1  # after a look that found (almost) nothing, no look before byte ``quiet``
     off = 0
-    prev, same = -1, 0
     while off < valid:
         if off + 4 > valid:
             return None
@@ -125,23 +264,94 @@ def walk(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None
         size = sizes.get(kind)
         if size is None or off + size > valid:
             return None
-        lst = offsets.get(kind)
+        lst = loose.get(kind)
         if lst is None:
-            offsets[kind] = lst = []
+            r = runs.get(kind)
+            if r is None:
+                runs[kind] = r = Runs()
+            elif r.continues(off):  # the record after the last cycle found, as the cycle had it
+                off += size
+                continue
+            loose[kind] = lst = [off]
+            r.pieces.append(lst)
+            off += size
+            continue
+        gap = off - lst[-1]  # bytes since this kind came last: a cycle's, if it is one
         lst.append(off)
         off += size
-        same = same + 1 if kind == prev else 0
-        prev = kind
-        if same >= 8 and valid - off >= 8 * size:
-            # A run of one kind: find where it ends with one vectorised look at the rest.
-            n = (valid - off) // size
-            kinds = np.ndarray(shape=(n,), dtype="<i4", buffer=buf, offset=off, strides=(size,))
-            other = np.flatnonzero(kinds != kind)
-            run = int(other[0]) if len(other) else n
-            lst.extend(range(off, off + run * size, size))
-            off += run * size
-            same = 0
-    return offsets  # type: ignore[return-value]
+        if gap > max_span or off < quiet:
+            continue
+        found = 0
+        cycle = [kind] if gap == size else _cycle(buf, off - size - gap, off - size)
+        if cycle is not None:
+            skip, found = _follow(buf, valid, off, cycle, runs)
+            if found:
+                off += skip
+                for k in cycle:
+                    loose.pop(k, None)
+        if found < _WORTH_A_LOOK:
+            quiet, backoff = off + backoff * 128, min(backoff * 2, _MAX_BACKOFF)
+        else:
+            backoff = 1
+    return runs
+
+
+def _cycle(buf: bytes | memoryview, start: int, end: int) -> list[int] | None:
+    """The kinds of the records from ``start`` (one of the kind at ``end``) to ``end``, in the order
+    they come again from the record after ``end``; None unless they are at most ``_MAX_PERIOD``
+    distinct kinds."""
+    unpack = _KIND.unpack_from
+    kinds: list[int] = []
+    at = start
+    while at < end:
+        if len(kinds) == _MAX_PERIOD:
+            return None
+        k = unpack(buf, at)[0]
+        kinds.append(k)
+        at += _SIZES[k]
+    if len(set(kinds)) != len(kinds):
+        return None
+    return kinds[1:] + kinds[:1]
+
+
+def _follow(buf: bytes | memoryview, valid: int, off: int, cycle: list[int],
+            runs: dict[int, Runs]) -> tuple[int, int]:
+    """Bytes from ``off`` that repeat ``cycle`` (distinct kinds, in order) whole, recorded in ``runs``,
+    and how many records they hold."""
+    sizes = [_SIZES[k] for k in cycle]
+    span = sum(sizes)
+    avail = (valid - off) // span
+    # The next few records first, one by one: where kinds are mixed at random, most cycles end
+    # there, for much less than a vectorised look costs.
+    at = off
+    unpack = _KIND.unpack_from
+    for j in range(min(_PEEK, avail * len(cycle))):
+        if unpack(buf, at)[0] != cycle[j % len(cycle)]:
+            return 0, 0
+        at += sizes[j % len(cycle)]
+    done = 0
+    look = _FIRST_LOOK
+    while done < avail:
+        m = min(look, avail - done)
+        at = off + done * span
+        bad: np.ndarray | None = None
+        for k, size in zip(cycle, sizes):
+            other = np.ndarray(shape=(m,), dtype="<i4", buffer=buf, offset=at, strides=(span,)) != k
+            bad = other if bad is None else np.logical_or(bad, other, out=bad)
+            at += size
+        assert bad is not None
+        i = int(bad.argmax())
+        if bad[i]:
+            done += i
+            break
+        done += m
+        look *= 4
+    if done:
+        at = off
+        for k, size in zip(cycle, sizes):
+            runs[k].add_run(range(at, at + done * span, span))
+            at += size
+    return done * span, done * len(cycle)
 
 
 def uniform_kind(buf: bytes | memoryview, valid: int) -> int | None:
@@ -156,49 +366,51 @@ def uniform_kind(buf: bytes | memoryview, valid: int) -> int | None:
     return int(kind) if bool((kinds == kind).all()) else None
 
 
-def _walk_uniform(buf: bytes | memoryview, valid: int) -> dict[int, Sequence[int]] | None:
-    """``{kind: range(0, valid, size)}`` when every record of the buffer is of the first one's kind."""
-    if valid < 4:
-        return None
-    kind = _KIND.unpack_from(buf, 0)[0]
-    size = _SIZES.get(kind)
-    if size is None or valid % size or valid // size < 2:
-        return None
-    n = valid // size
-    kinds = np.ndarray(shape=(n,), dtype="<i4", buffer=buf, offset=0, strides=(size,))
-    if not bool((kinds == kind).all()):
-        return None
-    return {kind: list(range(0, valid, size))}
-
-
 def gather(u8: np.ndarray, kind: int, offsets: Sequence[int]) -> np.ndarray:
     """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``
     (``API_RAW_DTYPE`` for DRIVER and RUNTIME records).
 
-    Records back to back (a ``range`` stepping by the struct's size) are a view of the buffer,
-    valid until the buffer is given back; any other offsets are copied out."""
+    One run (``Runs`` of one run: records back to back, or one every so many bytes; a ``range``
+    stepping by the struct's size) is a view of the buffer, valid until the buffer is given back;
+    any other offsets are copied out, as bytes (a run at a time where ``Runs`` knows the runs):
+    numpy copies structured records field by field, several times slower."""
     dt = _GATHERED[kind]
     size = dt.itemsize
+    if isinstance(offsets, Runs):
+        pieces = offsets.pieces
+        if len(pieces) == 1 and isinstance(pieces[0], range):
+            run = pieces[0]
+            return np.ndarray(shape=(len(run),), dtype=dt, buffer=u8, offset=run.start,
+                              strides=(run.step if len(run) > 1 else size,))
+        out = np.empty((len(offsets), size), dtype=np.uint8)
+        at = 0
+        rows = None
+        for piece in pieces:
+            n = len(piece)
+            if isinstance(piece, range):
+                out[at:at + n] = np.ndarray(shape=(n, size), dtype=np.uint8, buffer=u8, offset=piece.start,
+                                            strides=(piece.step, 1))
+            else:
+                if rows is None:
+                    rows = _byte_rows(u8, size)
+                out[at:at + n] = rows[np.asarray(piece, dtype=np.intp)]
+            at += n
+        return out.view(dt).reshape(len(out))
     if isinstance(offsets, range) and offsets.step == size and len(offsets):
         start = offsets.start
         return u8[start:start + len(offsets) * size].view(dt)
     offs = np.asarray(offsets, dtype=np.intp)
-    if len(offs) > 1:
-        # Mostly back to back (runs broken by a record of another kind): a view per run.
-        breaks = np.flatnonzero(np.diff(offs) != size) + 1
-        if len(breaks) * 8 < len(offs):
-            starts = np.concatenate(([0], breaks))
-            ends = np.concatenate((breaks, [len(offs)]))
-            return np.concatenate([u8[offs[i]:offs[i] + (j - i) * size].view(dt)
-                                   for i, j in zip(starts.tolist(), ends.tolist())])
     if not len(offs):
         return np.zeros(0, dt)
-    # Records at any offsets: one structured view starting at every byte (overlapping, nothing
-    # copied), indexed by the offsets, copies exactly the records. (An index matrix of every byte
-    # of every record took eight times the buffer: 111 MiB for a 16 MiB frame of two kinds.)
-    starts = np.ndarray(shape=(len(u8) - size + 1,), dtype=dt, buffer=u8, offset=0, strides=(1,))
-    rows: np.ndarray = starts[offs]
-    return rows
+    got: np.ndarray = _byte_rows(u8, size)[offs].view(dt).reshape(len(offs))
+    return got
+
+
+def _byte_rows(u8: np.ndarray, size: int) -> np.ndarray:
+    """``size`` bytes from every byte of ``u8`` (overlapping rows, nothing copied): indexed by record
+    offsets, it copies exactly the records. (An index matrix of every byte of every record took
+    eight times the buffer: 111 MiB for a 16 MiB frame of two kinds.)"""
+    return np.ndarray(shape=(len(u8) - size + 1, size), dtype=np.uint8, buffer=u8, offset=0, strides=(1, 1))
 
 
 def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] | None = None) -> np.ndarray:
