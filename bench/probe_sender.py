@@ -15,8 +15,11 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
              frame the buffer as it is into a send buffer, apply the table at a watermark every
              57,000 records
 
-Usage: python bench/probe_sender.py [--records N] [--rounds R]
+Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
+``--api-every K`` adds a third layout: a 40-byte RUNTIME record (CUpti_ActivityAPI, a call no
+launch window or OOM watch reads) before every K-th MEMORY2 record, as a launch window's buffers
+mix them (K=1: MEMORY2 and RUNTIME records alternating).
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ PARTS = getattr(framing, "cupti_buffer_parts", None)
 WATERMARK_RECORDS = 57_000  # records between two watermarks (1 s of 850 records a 15 ms step)
 
 
-def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
-    """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses."""
+def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER,
+            api_record_every: int = 0) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
+    """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses (a
+    MEMORY_POOL record before every ``pool_record_every``-th, a RUNTIME record before every
+    ``api_record_every``-th, where set)."""
     dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
     pool_dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY_POOL]
+    api_dt = cupti_layout.API_RAW_DTYPE
     out = []
     i = 0
     t = 1_700_000_000_000_000_000
@@ -61,6 +68,12 @@ def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER) -> list[t
                 u8[off:off + pool_dt.itemsize] = rec.view(np.uint8)
                 u8[off:off + 4].view("<i4")[0] = cupti_layout.MEMORY_POOL
                 off += pool_dt.itemsize
+            if api_record_every and i % api_record_every == 0 and off + api_dt.itemsize + dt.itemsize <= size:
+                api = np.zeros(1, api_dt)
+                api["start"] = api["end"] = t + i * 1000
+                u8[off:off + api_dt.itemsize] = api.view(np.uint8)
+                u8[off:off + 4].view("<i4")[0] = cupti_layout.RUNTIME
+                off += api_dt.itemsize
             rec = np.zeros(1, dt)
             rec["op"] = 1 + i % 2
             rec["mk"] = 3
@@ -142,12 +155,18 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--buffer-bytes", type=int, default=BUFFER, help="CUPTI buffer size (the probe's cupti_buffer_bytes)")
+    ap.add_argument("--api-every", type=int, default=0,
+                    help="also time buffers with a RUNTIME record before every K-th MEMORY2 record")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.processor() or platform.machine()} cpus={os.cpu_count()} "
           f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round, "
           f"{args.buffer_bytes} B buffers")
-    for name, bufs in (("memory2 only", buffers(args.records, size=args.buffer_bytes)),
-                       ("a pool record every 200", buffers(args.records, pool_record_every=200, size=args.buffer_bytes))):
+    layouts = [("memory2 only", buffers(args.records, size=args.buffer_bytes)),
+               ("a pool record every 200", buffers(args.records, pool_record_every=200, size=args.buffer_bytes))]
+    if args.api_every:
+        layouts.append((f"a RUNTIME record every {args.api_every}",
+                        buffers(args.records, api_record_every=args.api_every, size=args.buffer_bytes)))
+    for name, bufs in layouts:
         rows = [run(bufs, args.records) for _ in range(args.rounds)]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         print(f"{name:26s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + "  (us per record, median)")
