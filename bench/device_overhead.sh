@@ -10,6 +10,8 @@
 # .whl when there) to $OUT/NAME.diag and stops the bench: a worker that never became ready (run 22's
 # start-up hang) is then named, not guessed.
 #
+# PYSPY_SECONDS=N (env) also samples a probe and a floor worker with py-spy during the run (below).
+#
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
@@ -27,13 +29,29 @@ export GPUFOOTPRINT_COMMIT=${GPUFOOTPRINT_COMMIT:-$(cat dist/COMMIT 2>/dev/null)
   python3 -m pip list 2>/dev/null | grep -i -E "gpufootprint|cupti|^torch |numpy|cuda-bindings|nvidia-ml"; python3 -V
   echo "installed at $(el) s"; } > "$O/$name.machine.txt" 2>&1 || { cat "$O/$name.machine.txt"; exit 1; }
 watch=${WATCH:-150}
+# PYSPY_SECONDS=N: once round ${PYSPY_ROUND:-5} has begun, py-spy samples the first worker of each of
+# ${PYSPY_CONFIGS:-probe cupti_floor} for N seconds, without stopping it (--nonblocking), twice: the
+# thread holding the GIL (--gil) and every thread (--idle); collapsed stacks in $O/NAME.pyspy-CONFIG-*.txt.
+profile_workers() {
+  until grep -q "^round ${PYSPY_ROUND:-5} " "$O/$name.err" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
+  for c in ${PYSPY_CONFIGS:-probe cupti_floor}; do
+    pid=$(pgrep -f -- "overhead.py --worker $c --socket" | head -1)
+    [ -n "$pid" ] || { echo "py-spy: no worker $c" >> "$O/$name.diag"; continue; }
+    py-spy record -p "$pid" -d "$PYSPY_SECONDS" -r 200 -f raw --threads --gil --nonblocking \
+      -o "$O/$name.pyspy-$c-gil.txt" >> "$O/$name.diag" 2>&1 &
+    py-spy record -p "$pid" -d "$PYSPY_SECONDS" -r 200 -f raw --threads --idle --nonblocking \
+      -o "$O/$name.pyspy-$c-all.txt" >> "$O/$name.diag" 2>&1 &
+  done
+}
 python3 bench/overhead.py --configs "$configs" --rounds "$rounds" --steps-a 12 --steps-b 80 --alloc "$alloc" \
   --max-seconds "$maxsec" --progress --out "$O/$name.json" "$@" > "$O/$name.txt" 2> "$O/$name.err" &
 bench=$!
 started=$(date +%s)
 while kill -0 $bench 2>/dev/null; do
   if grep -q "^round 0" "$O/$name.err"; then
-    echo "round 0 at $(el) s" >> "$O/$name.diag"; wait $bench; echo "rc=$? at $(el) s" >> "$O/$name.diag"; break
+    echo "round 0 at $(el) s" >> "$O/$name.diag"
+    if [ "${PYSPY_SECONDS:-0}" -gt 0 ]; then profile_workers; fi
+    wait $bench; echo "rc=$? at $(el) s" >> "$O/$name.diag"; break
   fi
   if [ $(( $(date +%s) - started )) -ge "$watch" ]; then
     { echo "no round 0 after $watch s; at $(el) s"

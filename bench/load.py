@@ -35,20 +35,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Daemon, machine, percentile, total  # noqa: E402
 
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
-from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark  # noqa: E402
+from gpufootprint.wire import cupti_layout  # noqa: E402
+from gpufootprint.wire.framing import (  # noqa: E402
+    CUPTI_BUFFERS_LEVEL,
+    PREAMBLE,
+    FrameType,
+    encode_batch,
+    encode_cupti_buffer,
+    encode_json,
+    encode_watermark,
+)
 
 FLUSH_S = 0.1
 BUFFER_BYTES = 16 << 20
 
 
+def _cupti_frames(pid: int, recs: np.ndarray, checked: bool) -> bytes:
+    """``recs`` as the default probe sends them: CUPTI's MEMORY2 structs, 512 to a frame (a 64 KiB buffer)."""
+    raw = np.zeros(len(recs), cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+    raw.view(np.uint8).reshape(len(recs), -1)[:, :4].view("<i4")[:, 0] = cupti_layout.MEMORY2
+    for theirs, ours in (("timestamp", "ts"), ("address", "addr"), ("bytes", "bytes"), ("dev", "dev"), ("op", "op"),
+                         ("mk", "mk")):
+        raw[theirs] = recs[ours]
+    data = raw.tobytes()
+    step = 512 * raw.dtype.itemsize
+    return b"".join(encode_cupti_buffer(pid, data[i:i + step], checked=checked) for i in range(0, len(data), step))
+
+
 def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: float, go: float,
-          results: mp.Queue, devices: int = 1) -> None:  # type: ignore[type-arg]
+          results: mp.Queue, devices: int = 1, frames: str = "batch") -> None:  # type: ignore[type-arg]
     pid = os.getpid()
     s = socket.socket(socket.AF_UNIX)
     s.connect(sock_path)
     last_mark = time.time_ns()  # the latest watermark sent
-    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": time.time_ns(), "bench": "load"})
-              + encode_watermark(last_mark))
+    hello = {"pid": pid, "start_time": time.time_ns(), "bench": "load"}
+    if frames != "batch":
+        hello["cupti_buffers"] = CUPTI_BUFFERS_LEVEL
+    s.sendall(PREAMBLE + encode_json(FrameType.HELLO, hello) + encode_watermark(last_mark))
     s.setblocking(False)
     per_batch = max(2, int(round(per_second * FLUSH_S / 2)) * 2)
     recs = np.zeros(per_batch, MEMORY_DTYPE)
@@ -87,7 +110,9 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
             recs["ts"] = last_mark + 1 + (np.arange(per_batch, dtype=np.uint64) * (now - last_mark - 1)) // per_batch
             last_mark = now
             k += 1
-            frame = encode_batch(RecordKind.MEMORY, recs) + encode_watermark(now)
+            body = encode_batch(RecordKind.MEMORY, recs) if frames == "batch" else \
+                _cupti_frames(pid, recs, checked=frames == "cupti-checked")
+            frame = body + encode_watermark(now)
             if len(out) + len(frame) > BUFFER_BYTES:
                 dropped += per_batch
             else:
@@ -135,7 +160,7 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
     stop_at = go + warm + measure
     per_probe = rate / args.probes
     procs = [ctx.Process(target=probe, args=(daemon.sock, i, args.gpus, per_probe, stop_at, go, results,
-                                             args.devices_per_probe), daemon=True)
+                                             args.devices_per_probe, args.frames), daemon=True)
              for i in range(args.probes)]
     for p in procs:
         p.start()
@@ -168,7 +193,7 @@ def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
     rc = daemon.stop()
     ingested = total(m1, "gpufootprint_records_ingested_total") - total(m0, "gpufootprint_records_ingested_total")
     return {
-        "target_records_per_second": rate, "probes": args.probes, "gpus": args.gpus,
+        "target_records_per_second": rate, "frames": args.frames, "probes": args.probes, "gpus": args.gpus,
         "devices_per_probe": args.devices_per_probe,
         "ingested_records_per_second": round(ingested / wall),
         "daemon_cpu_cores": round((u1.cpu_s - u0.cpu_s) / wall, 3),
@@ -192,6 +217,10 @@ def main() -> int:
                     help="GPUs each probe's process uses (8 with --gpus 8: every process on all of them)")
     ap.add_argument("--rates", default="32000,200000", help="total records/s, comma-separated")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--frames", choices=("batch", "cupti", "cupti-checked"), default="batch",
+                    help="what each probe sends: BATCH frames of our records (a probe before the daemon's first "
+                         "verify), or CUPTI's MEMORY2 structs in CUPTI_BUFFER frames as the default probe forwards "
+                         "them, without a checksum (cupti, wire level 3) or with one (cupti-checked)")
     ap.add_argument("--scrape-interval", type=float, default=0.1, help="seconds between timed scrapes")
     ap.add_argument("--json")
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
