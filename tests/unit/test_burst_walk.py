@@ -1,0 +1,79 @@
+"""``sampler.burst.walk_frames`` passes runs of empty frames in one step; here it is held to the plain
+walk, frame after frame, that it replaced (kept below as the reference)."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+import pytest
+from gpufootprint.config import SamplerConfig
+from gpufootprint.sampler import burst as burst_mod
+
+from tests.random_batches import as_lists, burst_stretch
+
+_MS = 1_000_000
+
+
+def _walk_one_by_one(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: list[int], ev_ts: list[int],
+                     total: list[int], i_mem: int, i_ev: int, win: burst_mod.Window) -> burst_mod.Judged | None:
+    """``walk_frames`` as it was: every frame judged on its own, empty or not."""
+    tolerance = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * max(win.baseline, cfg.volatile_min_bytes))
+    settle_ns, max_ns = cfg.burst_settle_ms * _MS, cfg.burst_max_ms * _MS
+    secs = iv / 1e9
+    rate_floor = cfg.rate_jump_factor * max(win.rate_ewma, cfg.quiet_max_rate)
+    range_floor = cfg.range_jump_factor * win.range_ewma
+    calm, lve, level = win.calm, win.last_volatile_end, win.level
+    n_mem, n_ev = len(mem_ts), len(ev_ts)
+    pm = pe = 0
+    judged: tuple[int, int, int, int, int, int] | None = None
+    for f in range(frames):
+        end = cursor + iv * (f + 1)
+        qm = bisect_left(mem_ts, end, pm) if pm < n_mem and mem_ts[pm] < end else pm
+        qe = bisect_left(ev_ts, end, pe) if pe < n_ev and ev_ts[pe] < end else pe
+        entering = after = level
+        rng = 0
+        if qm > pm:
+            seg = total[pm:qm]
+            after = seg[-1]
+            rng = max(entering, max(seg)) - min(entering, min(seg))
+        events = qe - pe
+        volatile = cfg.enabled and (
+            (rng >= cfg.volatile_min_bytes and rng > 0
+             and rng >= cfg.volatile_rel_change * max(entering, cfg.volatile_min_bytes) and rng > range_floor)
+            or (events >= cfg.rate_min_events and events / secs >= rate_floor))
+        if volatile:
+            calm, lve = 0, end
+        else:
+            calm += 1
+        back = abs(after - win.baseline) < tolerance
+        if (calm >= cfg.burst_min_frames and (back or end - lve >= settle_ns)) or end - win.start >= max_ns:
+            break
+        judged = (f + 1, pm, qm, qe, calm, lve)
+        level, pm, pe = after, qm, qe
+    if judged is None:
+        return None
+    c, start, mem_end, ev_end, calm, lve = judged
+    return burst_mod.Judged(c, i_mem + start, i_mem + mem_end, i_ev + ev_end, calm, lve)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_walk_frames_passing_empty_frames_together_judges_as_the_frame_by_frame_walk(seed: int) -> None:
+    # GIVEN random stretches of up to 250 burst frames holding few events (long runs of empty frames between
+    # them, or none at all), windows young and old, calm counts low and high, levels near and far from the
+    # baseline, settle times of none to longer than the stretch, and configurations where an empty frame
+    # is a rate jump (rate_min_events 0 with a zero rate floor) or the sampler is off
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        cfg = SamplerConfig(burst_settle_ms=int(rng.choice([0, 10, 100, 3000])),
+                            burst_min_frames=int(rng.integers(1, 30)),
+                            burst_max_ms=int(rng.choice([5, 20, 300, 2000])),
+                            rate_min_events=int(rng.choice([0, 1, 3, 50])),
+                            quiet_max_rate=float(rng.choice([0.0, 100.0])),
+                            volatile_min_bytes=int(rng.choice([1, 1 << 20, 64 << 20])),
+                            enabled=bool(rng.random() < 0.9))
+        stretch = burst_stretch(rng, max_frames=251, n_ahead=lambda: int(rng.choice([0, 1, 3, 8, 40])), other_max=6,
+                                late_frames=(0, 3), calm_max=30)
+        args = as_lists(stretch)
+        # THEN the stretch walked with its empty frames passed together is judged as frame after frame
+        assert burst_mod.walk_frames(cfg, *args) == _walk_one_by_one(cfg, *args)
