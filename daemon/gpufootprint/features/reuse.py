@@ -34,7 +34,9 @@ _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
 _NO_EVENTS.flags.writeable = False
 
 
+_DEVICE = MemoryKind.DEVICE.value
 _MIX = 0x9E3779B97F4A7C15
+_MIX_U64 = np.uint64(_MIX)
 _U64 = (1 << 64) - 1
 #: Batches of at most this many records are taken one record at a time in Python (``_add_small``):
 #: below it the numpy path's few dozen calls of fixed cost outweigh a loop over the records.
@@ -46,8 +48,9 @@ _PROBE_TOGETHER_MIN = 256
 def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
     """One 64-bit key per (address, size): cheap to hash in sets. A collision needs two pairs
     with equal mixed values (about n^2 / 2^64): it could only nudge the reuse ratio."""
-    with np.errstate(over="ignore"):
-        return addr.astype(np.uint64) ^ (size.astype(np.uint64) * np.uint64(_MIX))
+    # Arrays: numpy wraps integer arrays silently (only scalar arithmetic warns of overflow), so no errstate
+    # context (two calls into numpy's error state) and no copies of columns that are uint64 already.
+    return addr.astype(np.uint64, copy=False) ^ (size.astype(np.uint64, copy=False) * _MIX_U64)
 
 
 def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +99,7 @@ class ReuseTracker:
         if len(recs) <= SMALL_BATCH:
             self._add_small(recs)
             return
-        device = recs["mk"] == MemoryKind.DEVICE
+        device = recs["mk"] == _DEVICE  # a plain int: numpy compares with an IntEnum member several times slower
         sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return

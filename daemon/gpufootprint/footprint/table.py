@@ -52,6 +52,7 @@ _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arra
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
 _RESIDENT_LIST = _RESIDENT.tolist()  # the same, read record by record (a list item, not a numpy scalar)
+_PTOP = CopyKind.PTOP.value
 #: The bulk path's shortcut for a batch of one memory kind without stream-ordered allocations (off: the
 #: per-record kinds and flags always, for the test that holds both equal).
 _UNIFORM_FAST = True
@@ -486,7 +487,7 @@ class DeviceFootprint:
                 self.memcpy_count[k] += int(sel.sum())
                 self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
                 self.memcpy_ns[k] += int(dur[sel].sum())
-        peer = ck == CopyKind.PTOP
+        peer = ck == _PTOP  # a plain int: numpy compares with an IntEnum member several times slower
         if peer.any():
             pairs = np.stack([recs["src_dev"][peer], recs["dst_dev"][peer]], axis=1)
             sizes = recs["bytes"][peer]
