@@ -77,3 +77,62 @@ def test_walk_frames_passing_empty_frames_together_judges_as_the_frame_by_frame_
         args = as_lists(stretch)
         # THEN the stretch walked with its empty frames passed together is judged as frame after frame
         assert burst_mod.walk_frames(cfg, *args) == _walk_one_by_one(cfg, *args)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_judgement_ahead_that_says_the_next_frame_closes_the_window_is_right(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a sampler fed quiet seconds, then clusters of up to hundreds of level changes and other events,
+    # watermarks anywhere, windows that close within a few frames or stay open for hundreds (a long settle
+    # time: judgements ahead that run out of frames before one closes); every judgement of burst frames
+    # ahead that says the frame it stopped at closes the window (so the walk takes that frame as usual,
+    # without judging ahead from it)
+    import copy
+
+    from gpufootprint.sampler.state import ProcessSampler
+
+    rng = np.random.default_rng(seed)
+    long_windows = seed % 2 == 1
+    cfg = SamplerConfig(burst_settle_ms=1500 if long_windows else int(rng.choice([0, 30, 100])),
+                        burst_min_frames=int(rng.integers(1, 6)),
+                        burst_max_ms=2000 if long_windows else int(rng.choice([40, 300, 2000])))
+    sampler = ProcessSampler(1, cfg)
+    judge_ahead = ProcessSampler._burst_run
+    said = checked = unsaid = 0
+
+    def checking(self: ProcessSampler, cursor: int, iv: int, frames: int, *rest: object) -> object:
+        nonlocal said, checked, unsaid
+        got = judge_ahead(self, cursor, iv, frames, *rest)
+        unsaid += got is not None and not got[3] and frames - (got[0] - cursor) // iv >= 2
+        if got is not None and got[3]:
+            said += 1
+            # THEN judging ahead again from that frame, with the state the judgement left, stops at once
+            again = copy.deepcopy(self)
+            c = (got[0] - cursor) // iv
+            mem_ts, ev_ts, total, devs, per_dev = rest[:5]
+            if frames - c >= 1:
+                checked += 1
+                assert judge_ahead(again, got[0], iv, frames - c, mem_ts, ev_ts, total, devs, per_dev,
+                                   got[1], got[2]) is None
+        return got
+
+    monkeypatch.setattr(ProcessSampler, "_burst_run", checking)
+    t = 10**12
+    last_mark = 0
+    for _ in range(30):
+        t = last_mark + int(rng.integers(1, 4000)) * _MS  # quiet
+        parts = []
+        for _ in range(int(rng.integers(1, 10))):
+            t += int(rng.choice([0, 1, 5, 10, 15, 20, 150])) * _MS + int(rng.integers(0, 5 * _MS))
+            parts.append(t + np.sort(rng.integers(0, int(rng.choice([1, 5, 15])) * _MS, int(rng.integers(1, 300)))))
+        ts = np.sort(np.concatenate(parts))
+        sampler.add_levels(ts, rng.choice([1 << 20, -(1 << 20), 64 << 20, -(64 << 20), 4 << 10], len(ts)), 0)
+        other = np.sort(rng.choice(ts, int(rng.integers(0, len(ts) + 1))))
+        if len(other):
+            sampler.add_events(other)
+        t = int(ts[-1])
+        for mark in sorted(t - rng.integers(0, 400, int(rng.integers(1, 4))) * _MS) + [t + int(rng.integers(1, 300)) * _MS]:
+            last_mark = max(last_mark, int(mark))
+            sampler.advance(last_mark)
+    sampler.finish(t + 5000 * _MS)
+    assert said > 0 and checked > 0 and (unsaid > 0 or not long_windows)
