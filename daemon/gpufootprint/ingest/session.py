@@ -45,6 +45,7 @@ MarkCallback = Callable[[dict[str, Any]], None]
 # What a live probe may store about itself: any local process can connect and say anything. HELLO
 # values reach reports, engine scopes (pod, namespace) and label values, so they are bounded in size and characters.
 _MAX_COUNTERS = 64
+_NUMBER = (int, float)
 _BATCH, _WATERMARK, _MARK, _HEARTBEAT = FrameType.BATCH, FrameType.WATERMARK, FrameType.MARK, FrameType.HEARTBEAT
 _COUNTER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _MAX_INFO_KEYS = 64
@@ -455,7 +456,7 @@ class Session:
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return
-        clean = {str(k): float(v) for k, v in counters.items() if isinstance(v, (int, float))}
+        clean = {k: float(v) for k, v in counters.items() if isinstance(v, _NUMBER)}  # JSON's keys: str already
         if self.peer_pid is not None:  # a live peer chooses them, and keys become label values (connections_*, ...)
             clean = {k: v for k, v in list(clean.items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
         for pid in self._speakers(body):
