@@ -136,3 +136,17 @@ def test_a_judgement_ahead_that_says_the_next_frame_closes_the_window_is_right(
             sampler.advance(last_mark)
     sampler.finish(t + 5000 * _MS)
     assert said > 0 and checked > 0 and (unsaid > 0 or not long_windows)
+
+
+def test_waiting_level_changes_are_joined_in_time_order_as_a_full_check_finds() -> None:
+    # GIVEN random lists of chunks of level-change times, each chunk in time order (as add_levels takes
+    # them and a walk keeps the rest of one), some empty, joined in or out of order, with ties
+    from gpufootprint.sampler import state as state_mod
+
+    rng = np.random.default_rng(5)
+    for _ in range(3000):
+        chunks = [np.sort(rng.integers(0, int(rng.choice([3, 50, 10**6])), int(rng.choice([0, 1, 2, 40]))))
+                  for _ in range(int(rng.integers(1, 6)))]
+        joined = np.concatenate(chunks)
+        # THEN the boundaries alone tell what comparing every neighbour tells
+        assert state_mod._joined_in_order(chunks) == bool(len(joined) < 2 or (joined[1:] >= joined[:-1]).all())

@@ -80,8 +80,17 @@ def _first(mem_ts: np.ndarray, i_mem: int, ev_ts: np.ndarray, i_ev: int) -> int:
     return int(min(mem_ts[i_mem:i_mem + 1].tolist() + ev_ts[i_ev:i_ev + 1].tolist()))
 
 
-def _in_order(ts: np.ndarray) -> bool:
-    return len(ts) < 2 or bool((ts[1:] >= ts[:-1]).all())
+def _joined_in_order(chunks: list[np.ndarray]) -> bool:
+    """Whether ``chunks`` joined end to end are in time order, each chunk being so (``add_levels``' contract,
+    and what a walk keeps of one): when each starts no earlier than the last one before it ended. A few
+    comparisons of numbers in Python, not one of every record's time with its neighbour's."""
+    last = None
+    for c in chunks:
+        if len(c):
+            if last is not None and c.item(0) < last:
+                return False
+            last = c.item(-1)
+    return True
 
 
 class ProcessSampler:
@@ -115,7 +124,8 @@ class ProcessSampler:
     def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
         """GPU-resident level changes of one device, in time order (one per memory record)."""
         self._mem_dev = dev if not self._mem or self._mem_dev == dev else _MIXED
-        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64), np.full(len(ts), dev, np.int32)))
+        # (The deltas as they come when they are int64 already: the sampler only reads them, as the footprint does.)
+        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64, copy=False), np.full(len(ts), dev, np.int32)))
 
     def add_events(self, ts: np.ndarray) -> None:
         """Timestamps of records that are events but move no level (copies, sets, pools, ...)."""
@@ -525,7 +535,7 @@ class ProcessSampler:
         ts = np.concatenate([c[0] for c in chunks])
         deltas = np.concatenate([c[1] for c in chunks])
         devs = np.concatenate([c[2] for c in chunks])
-        if _in_order(ts):
+        if _joined_in_order([c[0] for c in chunks]):
             # The usual case (what a walk left, then what came since): a stable sort would leave it as it is.
             return ts, deltas, devs
         order = np.argsort(ts, kind="stable")
