@@ -151,6 +151,12 @@ class FrameBuilder:
 
     def on_levels(self, ts: np.ndarray, deltas: np.ndarray, level_after: int) -> None:
         """GPU-resident level changes just applied to the footprint (time order)."""
+        runs = self.peaks.runs
+        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
+            # The footprint's peaks just cut these changes into the same frames: their end levels.
+            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
+                self._end_level[fid] = lvl
+            return
         if len(ts) <= SMALL_BATCH:
             frame_ns, end_level = self.frame_ns, self._end_level
             d_list = deltas.tolist()
@@ -158,12 +164,6 @@ class FrameBuilder:
             for t, d in zip(ts.tolist(), d_list):  # the last event of each frame's run sets its end level
                 level += d
                 end_level[t // frame_ns] = level
-            return
-        runs = self.peaks.runs
-        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
-            # The footprint's peaks just cut these changes into the same frames: their end levels.
-            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
-                self._end_level[fid] = lvl
             return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
@@ -179,7 +179,7 @@ class FrameBuilder:
             self._prune()
             return
         ts = recs["ts"]
-        if runs is not None and runs.of(ts):  # the footprint's peaks cut these times into frames already
+        if runs is not None and runs.starts is not None and runs.of(ts):  # the peaks cut these times already
             starts, fids = runs.starts, runs.frame_ids
         else:
             starts, fids = _runs(ts.astype(np.int64) // self.frame_ns)
