@@ -23,6 +23,7 @@ the address is used, remembered from the first batch with such a release on.
 from __future__ import annotations
 
 import operator
+from itertools import compress
 
 import numpy as np
 
@@ -192,35 +193,34 @@ class ReuseTracker:
         """``add`` for a few records, one at a time: what the batch path decides for the whole batch
         (a reuse is a key freed by an earlier batch or by an earlier release of this one) is what
         walking the records in time order decides. A unit test holds the two equal."""
-        dev_kind = MemoryKind.DEVICE.value
         kinds = recs["mk"].tolist()
-        if kinds.count(dev_kind) == len(kinds):  # the common case: device memory only, taken whole
-            ts = recs["ts"].tolist()
-            rows = list(zip(ts, recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist(), kinds))
-        else:
-            rows = [r for r in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(),
-                                   recs["bytes"].tolist(), kinds) if r[4] == dev_kind]
-            ts = [r[0] for r in rows]
-        if not rows:
-            return
+        ts, ops, addrs, sizes = recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist()
+        # Column lists walked together (no list of row tuples made first); other memory kinds take no part.
+        if kinds.count(_DEVICE) != len(kinds):
+            keep = [k == _DEVICE for k in kinds]
+            ts, ops, addrs, sizes = (list(compress(c, keep)) for c in (ts, ops, addrs, sizes))
+            if not ts:
+                return
         if not all(map(operator.le, ts, ts[1:])):
-            rows.sort(key=_time)  # stable, as the batch path's argsort
+            order = sorted(range(len(ts)), key=ts.__getitem__)  # stable, as the batch path's argsort
+            ts, ops, addrs, sizes = ([c[i] for i in order] for c in (ts, ops, addrs, sizes))
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         if len(live) >= self._capacity:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()
-        if not self._sizeless and any(r[1] == release and r[3] == 0 for r in rows):
+        n_rel = ops.count(release)
+        if not self._sizeless and n_rel and 0 in sizes and any(
+                op == release and b == 0 for op, b in zip(ops, sizes)):
             self._sizeless = True
-        n_rel = sum(1 for r in rows if r[1] == release)
         if n_rel:
             freed.reserve(n_rel)
         times: list[int] = []
         hits: list[bool] = []
         sizeless = self._sizeless
         has, add_one = freed.has, freed.add_one
-        for t, op, a, b, _ in rows:
+        for t, op, a, b in zip(ts, ops, addrs, sizes):
             if sizeless:
                 if op == alloc:
                     live[a] = b
@@ -269,10 +269,6 @@ class ReuseTracker:
             self._events = self._chunks[0].copy()
             self._events.flags.writeable = False
         return self._events
-
-
-def _time(row: tuple[int, int, int, int, int]) -> int:
-    return row[0]
 
 
 def steady_ratio(events: np.ndarray, allocations: int, since: int | None) -> float | None:
