@@ -38,7 +38,7 @@ class KeySet:
         self._mask = np.int64((1 << bits) - 1)
         self._shift_int, self._mask_int = 64 - bits, (1 << bits) - 1  # the same, for one key at a time
         # The table's slots read and written one at a time as Python ints (half the cost of ``item``).
-        self._slots = memoryview(self._table)
+        self._slots = self._table.data
 
     def __len__(self) -> int:
         return self.size
