@@ -511,3 +511,19 @@ def test_a_small_batch_is_split_by_pid_as_the_numpy_path_splits_it(seed: int,
                 other.pending_records, other.pending_seq, other.max_ts)
             mine, theirs = proc.pending[RecordKind.MEMORY], other.pending[RecordKind.MEMORY]
             assert [(a, s, r.tobytes(), h) for a, s, r, h in mine] == [(a, s, r.tobytes(), h) for a, s, r, h in theirs]
+
+
+def test_per_kind_lists_named_by_kind_skip_the_zeros_as_a_comprehension_does() -> None:
+    # GIVEN per-kind lists (indexed by memory kind number, 32 of them or more) mostly of zeros, now and then
+    # a value at a named kind or an unnamed one, negative ones too
+    from gpufootprint.footprint.device_snapshot import by_kind_name
+    from gpufootprint.records import MEMORY_KIND_NAMES
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        n = int(rng.choice([32, 32, 40]))
+        values = [int(v) for v in rng.choice([0, 0, 0, 1, -5, 1 << 40], n, p=[0.7, 0.1, 0.05, 0.05, 0.05, 0.05])]
+        # THEN the kinds holding anything, named (or numbered) as the comprehension names them, in kind order
+        want = {MEMORY_KIND_NAMES.get(k, str(k)): v for k, v in enumerate(values) if v}
+        got = by_kind_name(values)
+        assert list(got.items()) == list(want.items())
