@@ -101,7 +101,7 @@ def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: 
     if c == 0:
         return None
     last = c - 1
-    return Judged(c, int(jm[last]), int(jm[c]), int(je[c]), int(calm[last]), int(lve[last]))
+    return Judged(c, jm.item(last), jm.item(c), je.item(c), calm.item(last), lve.item(last))
 
 
 def judge_few_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,

@@ -208,7 +208,8 @@ class ProcessSampler:
                     early = True
                 end = limit  # a partial interval: only a burst may start from it
             # Nothing happens for a while in a quiet process at its longest interval: skip in bulk.
-            nxt = min(int(mem_ts[i_mem]) if i_mem < n_mem else limit, int(ev_ts[i_ev]) if i_ev < n_ev else limit)
+            # (``item``: a Python int straight from the array, not a numpy scalar converted.)
+            nxt = min(mem_ts.item(i_mem) if i_mem < n_mem else limit, ev_ts.item(i_ev) if i_ev < n_ev else limit)
             if (self.mode == QUIET and iv == cfg.max_ms * _MS and self.window is None
                     and end == cursor + iv and nxt >= end):
                 k = max(1, (min(nxt, limit) - cursor) // iv)
@@ -469,9 +470,9 @@ class ProcessSampler:
 
     def _levels_to(self, devs: np.ndarray, total: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> None:
         """Move the levels to after event ``j - 1`` (events ``i`` to ``j`` were walked)."""
-        self.level = int(total[j - 1])
+        self.level = total.item(j - 1)
         if self._one_dev is not None:
-            self.level_dev[self._one_dev] = int(per_dev[j - 1])
+            self.level_dev[self._one_dev] = per_dev.item(j - 1)
             return
         if j - i <= _SMALL:
             # A few events: a dict built in order keeps each device's last level (numpy's unique and
