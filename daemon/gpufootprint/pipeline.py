@@ -212,7 +212,13 @@ class Pipeline:
             return
         self.records_ingested[_KIND_NAMES[kind]] += len(recs)
         pids = recs["pid"]
-        if pids[0] == pids[-1] and (len(recs) < 3 or bool((pids == pids[0]).all())):
+        if len(recs) <= _FEW:
+            # A few records: their pids as a list (numpy's scalar reads and comparison cost more).
+            listed = pids.tolist()
+            if listed.count(listed[0]) == len(listed):
+                self._submit_one(self.process(listed[0]), kind, recs)
+                return
+        elif pids[0] == pids[-1] and bool((pids == pids[0]).all()):
             self._submit_one(self.process(int(pids[0])), kind, recs)
             return
         for pid in np.unique(pids).tolist():

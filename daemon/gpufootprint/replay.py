@@ -130,6 +130,17 @@ def replay_file(
     session = Session(pipeline, source="trace", name=str(path), on_mark=mark)
     pacer = Pacer(speed, stop) if speed else None
     started = time.perf_counter()
+    if pacer is None and stop is None and on_frame is None and guard is None:
+        # The plain replay (``gpufootprint replay``, abtest, the benches): each frame straight to the session,
+        # without the per-frame tuple, inner loop and four checks of the general loop below.
+        handle = session.handle
+        for frame in trace.frames(max_frame_bytes):
+            handle(frame)
+        session.close()
+        return ReplayResult(
+            path=str(path), format=trace.format, records=session.records, frames=session.frames,
+            elapsed_s=time.perf_counter() - started, marks=marks, problems=trace.problems + session.problems,
+        )
     for whole in trace.frames(max_frame_bytes):
         for frame in (paced(whole, pacer) if pacer is not None else (whole,)):
             if stop is not None and stop.is_set():

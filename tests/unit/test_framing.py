@@ -154,3 +154,31 @@ def test_json_frames_read_by_the_scanner_alone_equal_json_loads(seed: int) -> No
         else:
             got = frame.json()
             assert type(got) is dict and json.dumps(got) == json.dumps(want)  # NaN != NaN: compared as text
+
+
+def test_the_decoder_makes_the_frames_the_dataclass_makes() -> None:
+    # GIVEN a stream of random frames of every type, read in random pieces (frames whole in a piece take
+    # the decoder's own constructor, frames cut across pieces too)
+    rng = np.random.default_rng(4)
+    data = bytearray(PREAMBLE)
+    want: list[Frame] = []
+    for _ in range(300):
+        ftype = FrameType(int(rng.choice([t.value for t in FrameType])))
+        tag = int(rng.integers(0, 256))
+        payload = rng.bytes(int(rng.integers(0, 200)))
+        want.append(Frame(ftype, tag, payload, len(data)))  # at the byte where its header starts
+        data += encode(ftype, payload, tag)
+    decoder = FrameDecoder()
+    got: list[Frame] = []
+    at = 0
+    while at < len(data):
+        step = int(rng.integers(1, 3000))
+        got.extend(decoder.feed(bytes(data[at:at + step])))
+        at += step
+    decoder.close()
+    # THEN each frame is the one the dataclass makes of its fields: equal, same hash and repr, frozen
+    assert got == want
+    for f, made in zip(got, want):
+        assert hash(f) == hash(made) and repr(f) == repr(made) and type(f) is Frame
+        with pytest.raises(AttributeError):
+            f.tag = 1  # type: ignore[misc]

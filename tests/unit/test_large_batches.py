@@ -574,3 +574,43 @@ def test_what_a_burst_walk_reads_before_it_makes_lists_is_what_the_lists_would_s
         # THEN "nothing waiting before the cursor" reads every waiting time
         everything = [c[0] for c in s._mem] + s._events
         assert s._nothing_before(cursor) == all(bool((c >= cursor).all()) for c in everything)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pool_sizes_of_one_pool_read_from_columns_equal_the_per_pool_runs(seed: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN three footprints fed the same large MEMORY batches (past the record-by-record size): mostly
+    # every stream-ordered record of one pool, its size the same or moving inside the batch or against the
+    # table, now and then several pools, records without a pool or a size among them, or none with one
+    rng = np.random.default_rng(seed)
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    ref_pools: dict[int, tuple[int, int]] = {}
+    ref_floor = 0
+    one_pool = 0
+    for _ in range(40):
+        n = int(rng.integers(table_mod._SMALL_POOL_BATCH + 1, 700))
+        recs = np.zeros(n, MEMORY_DTYPE)
+        pools = [0x100] if rng.random() < 0.7 else [0x100, 0x200, 0x300]
+        recs["pool_addr"] = rng.choice(pools + [0] * int(rng.integers(0, 3)), size=n)
+        sizes = [1 << 20] if rng.random() < 0.5 else [1 << 20, 2 << 20]
+        recs["pool_size"] = rng.choice(sizes + [0] * int(rng.integers(0, 2)), size=n)
+        recs["pool_used"] = rng.integers(0, 1 << 20, size=n)
+        if rng.random() < 0.1:
+            recs["pool_addr"] = 0
+        asyncs = int(rng.integers(0, 1 << 30))
+        for a, s, u in zip(recs["pool_addr"].tolist(), recs["pool_size"].tolist(), recs["pool_used"].tolist()):
+            if a and s:
+                if ref_pools.get(a, (None,))[0] != s:
+                    ref_floor = asyncs
+                ref_pools[a] = (s, u)
+        one_pool += len(np.unique(recs["pool_addr"][(recs["pool_addr"] != 0) & (recs["pool_size"] != 0)])) == 1
+        for fp, on in zip(fps, (True, False)):
+            fp.async_device_bytes = asyncs
+            monkeypatch.setattr(table_mod, "_ONE_POOL_FAST", on)
+            fp.note_pool_config(recs)
+        monkeypatch.undo()
+        # THEN the pools read from the columns are the per-pool runs' (dict order included) and the
+        # record-by-record rule's, and so is the floor
+        assert list(fps[0].pools.items()) == list(fps[1].pools.items()) and fps[0].pools == ref_pools
+        assert fps[0].pool_floor == fps[1].pool_floor == ref_floor
+    assert 0 < one_pool < 40  # both paths were taken

@@ -476,3 +476,54 @@ def test_what_a_mark_reports_is_what_the_device_snapshot_says(seed: int) -> None
             assert figures == (state.live_bytes, state.pool_reserved_bytes, state.window_peak_bytes)
             asked += 1
     assert asked > 100
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_small_batch_is_split_by_pid_as_the_numpy_path_splits_it(seed: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN two pipelines (a wide reorder window: records wait) fed the same random batches of 1 to 130
+    # records of one pid, or of several (the first and last records' pids alike or not), one of them only
+    # ever down the numpy path
+    from gpufootprint import pipeline as pipeline_mod
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.pipeline import Pipeline
+    from gpufootprint.records import RecordKind
+
+    rng = np.random.default_rng(seed)
+    few, bulk = Pipeline(FootprintConfig(reorder_window_ms=10**6)), Pipeline(FootprintConfig(reorder_window_ms=10**6))
+    t = 10**15
+    for _ in range(100):
+        batch = memory_batch(rng, t, int(rng.integers(1, 131)), 64, sizeless=False)
+        pids = [int(p) for p in rng.choice([7, 8, 9], int(rng.integers(1, 4)), replace=False)]
+        batch["pid"] = pids[0] if rng.random() < 0.6 else rng.choice(pids, len(batch))
+        if rng.random() < 0.3:
+            batch["pid"][[0, -1]] = pids[0]
+        t += 60_000_000
+        few.submit(RecordKind.MEMORY, batch)
+        monkeypatch.setattr(pipeline_mod, "_FEW", 0)
+        bulk.submit(RecordKind.MEMORY, batch)
+        monkeypatch.undo()
+        # THEN both hold the same processes (in the same order), each the same waiting records in order
+        assert list(few.processes) == list(bulk.processes)
+        for pid, proc in few.processes.items():
+            other = bulk.processes[pid]
+            assert (proc.pending_records, proc.pending_seq, proc.max_ts) == (
+                other.pending_records, other.pending_seq, other.max_ts)
+            mine, theirs = proc.pending[RecordKind.MEMORY], other.pending[RecordKind.MEMORY]
+            assert [(a, s, r.tobytes(), h) for a, s, r, h in mine] == [(a, s, r.tobytes(), h) for a, s, r, h in theirs]
+
+
+def test_per_kind_lists_named_by_kind_skip_the_zeros_as_a_comprehension_does() -> None:
+    # GIVEN per-kind lists (indexed by memory kind number, 32 of them or more) mostly of zeros, now and then
+    # a value at a named kind or an unnamed one, negative ones too
+    from gpufootprint.footprint.device_snapshot import by_kind_name
+    from gpufootprint.records import MEMORY_KIND_NAMES
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        n = int(rng.choice([32, 32, 40]))
+        values = [int(v) for v in rng.choice([0, 0, 0, 1, -5, 1 << 40], n, p=[0.7, 0.1, 0.05, 0.05, 0.05, 0.05])]
+        # THEN the kinds holding anything, named (or numbered) as the comprehension names them, in kind order
+        want = {MEMORY_KIND_NAMES.get(k, str(k)): v for k, v in enumerate(values) if v}
+        got = by_kind_name(values)
+        assert list(got.items()) == list(want.items())

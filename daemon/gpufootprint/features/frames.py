@@ -96,6 +96,8 @@ SMALL_BATCH = 128
 #: per-kind runs, whose cost follows the records, not the time they span.
 _CELLS_PER_RECORD = 4
 
+_ALLOCATION, _RELEASE = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+
 # Column indexes of the per-frame counters.
 _A_N, _A_B, _R_N, _R_B, _SET_B = range(5)
 # Migration-window columns: transfers htod/dtoh/dtod, bytes htod/dtoh/dtod, faults cpu/gpu, copies, copy bytes.
@@ -149,6 +151,12 @@ class FrameBuilder:
 
     def on_levels(self, ts: np.ndarray, deltas: np.ndarray, level_after: int) -> None:
         """GPU-resident level changes just applied to the footprint (time order)."""
+        runs = self.peaks.runs
+        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
+            # The footprint's peaks just cut these changes into the same frames: their end levels.
+            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
+                self._end_level[fid] = lvl
+            return
         if len(ts) <= SMALL_BATCH:
             frame_ns, end_level = self.frame_ns, self._end_level
             d_list = deltas.tolist()
@@ -156,12 +164,6 @@ class FrameBuilder:
             for t, d in zip(ts.tolist(), d_list):  # the last event of each frame's run sets its end level
                 level += d
                 end_level[t // frame_ns] = level
-            return
-        runs = self.peaks.runs
-        if runs is not None and runs.deltas is deltas and runs.level_after == level_after and runs.of(ts):
-            # The footprint's peaks just cut these changes into the same frames: their end levels.
-            for fid, lvl in zip(runs.frame_ids, runs.end_levels):
-                self._end_level[fid] = lvl
             return
         idx = ts.astype(np.int64) // self.frame_ns
         levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
@@ -177,14 +179,14 @@ class FrameBuilder:
             self._prune()
             return
         ts = recs["ts"]
-        if runs is not None and runs.of(ts):  # the footprint's peaks cut these times into frames already
+        if runs is not None and runs.starts is not None and runs.of(ts):  # the peaks cut these times already
             starts, fids = runs.starts, runs.frame_ids
         else:
             starts, fids = _runs(ts.astype(np.int64) // self.frame_ns)
         op = recs["op"]
         size = recs["bytes"].astype(np.int64)
-        is_alloc = op == MemoryOp.ALLOCATION
-        is_rel = op == MemoryOp.RELEASE
+        is_alloc = op == _ALLOCATION  # a plain int: numpy compares with an IntEnum member several times slower
+        is_rel = op == _RELEASE
         cols = (np.add.reduceat(is_alloc.astype(np.int64), starts).tolist(),
                 np.add.reduceat(np.where(is_alloc, size, 0), starts).tolist(),
                 np.add.reduceat(is_rel.astype(np.int64), starts).tolist(),

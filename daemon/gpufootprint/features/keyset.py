@@ -37,6 +37,8 @@ class KeySet:
         self._shift = np.uint64(64 - bits)
         self._mask = np.int64((1 << bits) - 1)
         self._shift_int, self._mask_int = 64 - bits, (1 << bits) - 1  # the same, for one key at a time
+        # The table's slots read and written one at a time as Python ints (half the cost of ``item``).
+        self._slots = self._table.data
 
     def __len__(self) -> int:
         return self.size
@@ -149,10 +151,10 @@ class KeySet:
         """Whether the key (a Python int in [0, 2**64)) is held."""
         if key == 0:
             return self._zero
-        table, mask = self._table, self._mask_int
+        table, mask = self._slots, self._mask_int
         slot = ((key * _MIX_INT) & _U64) >> self._shift_int
         while True:
-            seen = table.item(slot)
+            seen = table[slot]
             if seen == key:
                 return True
             if seen == 0:
@@ -168,10 +170,10 @@ class KeySet:
             return
         if 2 * (self.size + 1) > len(self._table):
             self._grow(self.size + 1)
-        table, mask = self._table, self._mask_int
+        table, mask = self._slots, self._mask_int
         slot = ((key * _MIX_INT) & _U64) >> self._shift_int
         while True:
-            seen = table.item(slot)
+            seen = table[slot]
             if seen == key:
                 return
             if seen == 0:

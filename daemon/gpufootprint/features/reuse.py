@@ -23,6 +23,7 @@ the address is used, remembered from the first batch with such a release on.
 from __future__ import annotations
 
 import operator
+from itertools import compress
 
 import numpy as np
 
@@ -34,7 +35,9 @@ _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
 _NO_EVENTS.flags.writeable = False
 
 
+_DEVICE = MemoryKind.DEVICE.value
 _MIX = 0x9E3779B97F4A7C15
+_MIX_U64 = np.uint64(_MIX)
 _U64 = (1 << 64) - 1
 #: Batches of at most this many records are taken one record at a time in Python (``_add_small``):
 #: below it the numpy path's few dozen calls of fixed cost outweigh a loop over the records.
@@ -46,8 +49,9 @@ _PROBE_TOGETHER_MIN = 256
 def reuse_keys(addr: np.ndarray, size: np.ndarray) -> np.ndarray:
     """One 64-bit key per (address, size): cheap to hash in sets. A collision needs two pairs
     with equal mixed values (about n^2 / 2^64): it could only nudge the reuse ratio."""
-    with np.errstate(over="ignore"):
-        return addr.astype(np.uint64) ^ (size.astype(np.uint64) * np.uint64(_MIX))
+    # Arrays: numpy wraps integer arrays silently (only scalar arithmetic warns of overflow), so no errstate
+    # context (two calls into numpy's error state) and no copies of columns that are uint64 already.
+    return addr.astype(np.uint64, copy=False) ^ (size.astype(np.uint64, copy=False) * _MIX_U64)
 
 
 def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +100,7 @@ class ReuseTracker:
         if len(recs) <= SMALL_BATCH:
             self._add_small(recs)
             return
-        device = recs["mk"] == MemoryKind.DEVICE
+        device = recs["mk"] == _DEVICE  # a plain int: numpy compares with an IntEnum member several times slower
         sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return
@@ -189,35 +193,34 @@ class ReuseTracker:
         """``add`` for a few records, one at a time: what the batch path decides for the whole batch
         (a reuse is a key freed by an earlier batch or by an earlier release of this one) is what
         walking the records in time order decides. A unit test holds the two equal."""
-        dev_kind = MemoryKind.DEVICE.value
         kinds = recs["mk"].tolist()
-        if kinds.count(dev_kind) == len(kinds):  # the common case: device memory only, taken whole
-            ts = recs["ts"].tolist()
-            rows = list(zip(ts, recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist(), kinds))
-        else:
-            rows = [r for r in zip(recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(),
-                                   recs["bytes"].tolist(), kinds) if r[4] == dev_kind]
-            ts = [r[0] for r in rows]
-        if not rows:
-            return
+        ts, ops, addrs, sizes = recs["ts"].tolist(), recs["op"].tolist(), recs["addr"].tolist(), recs["bytes"].tolist()
+        # Column lists walked together (no list of row tuples made first); other memory kinds take no part.
+        if kinds.count(_DEVICE) != len(kinds):
+            keep = [k == _DEVICE for k in kinds]
+            ts, ops, addrs, sizes = (list(compress(c, keep)) for c in (ts, ops, addrs, sizes))
+            if not ts:
+                return
         if not all(map(operator.le, ts, ts[1:])):
-            rows.sort(key=_time)  # stable, as the batch path's argsort
+            order = sorted(range(len(ts)), key=ts.__getitem__)  # stable, as the batch path's argsort
+            ts, ops, addrs, sizes = ([c[i] for i in order] for c in (ts, ops, addrs, sizes))
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         if len(live) >= self._capacity:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()
-        if not self._sizeless and any(r[1] == release and r[3] == 0 for r in rows):
+        n_rel = ops.count(release)
+        if not self._sizeless and n_rel and 0 in sizes and any(
+                op == release and b == 0 for op, b in zip(ops, sizes)):
             self._sizeless = True
-        n_rel = sum(1 for r in rows if r[1] == release)
         if n_rel:
             freed.reserve(n_rel)
         times: list[int] = []
         hits: list[bool] = []
         sizeless = self._sizeless
         has, add_one = freed.has, freed.add_one
-        for t, op, a, b, _ in rows:
+        for t, op, a, b in zip(ts, ops, addrs, sizes):
             if sizeless:
                 if op == alloc:
                     live[a] = b
@@ -266,10 +269,6 @@ class ReuseTracker:
             self._events = self._chunks[0].copy()
             self._events.flags.writeable = False
         return self._events
-
-
-def _time(row: tuple[int, int, int, int, int]) -> int:
-    return row[0]
 
 
 def steady_ratio(events: np.ndarray, allocations: int, since: int | None) -> float | None:

@@ -44,7 +44,7 @@ class FrameRuns(NamedTuple):
     ts: np.ndarray  # the event times they were cut from
     address: int  # where those times lie in memory (another view of them is the same times)
     deltas: np.ndarray
-    starts: np.ndarray  # position of each run's first event
+    starts: np.ndarray | None  # position of each run's first event (None: a small batch, walked in Python)
     frame_ids: list[int]  # each run's frame
     end_levels: list[int]  # the level after each run's last event
     level_after: int
@@ -80,7 +80,11 @@ class FramePeaks:
             return LevelChanges(ts, deltas, self.level)
         self.runs = None
         if len(ts) <= SMALL_BATCH:
-            frame_ids, peaks, last = _frame_peaks_small(ts.tolist(), deltas.tolist(), self.level, self.frame_ns)
+            frame_ids, peaks, ends, last = _frame_peaks_small(ts.tolist(), deltas.tolist(), self.level, self.frame_ns)
+            # Its runs' end levels too: the feature frames read them instead of walking the batch again. Known
+            # by these very arrays only (no address: the frames' own view of a record batch's times is not
+            # read against a small batch's runs).
+            self.runs = FrameRuns(ts, -1, deltas, None, frame_ids, ends, last)
         else:
             levels = self.level + np.cumsum(deltas, dtype=np.int64)
             idx = ts.astype(np.int64) // self.frame_ns
@@ -168,11 +172,13 @@ class FramePeaks:
 
 
 def _frame_peaks_small(ts: list[int], deltas: list[int], level: int,
-                       frame_ns: int) -> tuple[list[int], list[int], int]:
-    """What the numpy path computes, walked: per run of events in one frame, its frame and the highest
-    level in it (the level on entering it included); and the level after the last event."""
+                       frame_ns: int) -> tuple[list[int], list[int], list[int], int]:
+    """What the numpy path computes, walked: per run of events in one frame, its frame, the highest
+    level in it (the level on entering it included) and the level after its last event; and the level
+    after the last event."""
     frame_ids: list[int] = []
     peaks: list[int] = []
+    ends: list[int] = []
     fid = -1
     peak = 0
     for t, d in zip(ts, deltas):
@@ -180,13 +186,15 @@ def _frame_peaks_small(ts: list[int], deltas: list[int], level: int,
         if f != fid or not frame_ids:
             if frame_ids:
                 peaks.append(peak)
+                ends.append(level)
             frame_ids.append(f)
             fid, peak = f, level  # the level held on entering the frame
         level += d
         if level > peak:  # noqa: PLR1730 - a comparison, not a call of max, per event
             peak = level
     peaks.append(peak)
-    return frame_ids, peaks, level
+    ends.append(level)
+    return frame_ids, peaks, ends, level
 
 
 def _frame_id(frame: tuple[int, int]) -> int:

@@ -52,9 +52,13 @@ _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arra
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
 _RESIDENT[list(DEVICE_RESIDENT_KINDS)] = True
 _RESIDENT_LIST = _RESIDENT.tolist()  # the same, read record by record (a list item, not a numpy scalar)
+_PTOP = CopyKind.PTOP.value
 #: The bulk path's shortcut for a batch of one memory kind without stream-ordered allocations (off: the
 #: per-record kinds and flags always, for the test that holds both equal).
 _UNIFORM_FAST = True
+#: ``note_pool_config``'s shortcut for a batch whose pool records are all of one pool (off: the per-pool runs
+#: always, for the test that holds both equal).
+_ONE_POOL_FAST = True
 
 
 def _bytes_fit(col: np.ndarray) -> bool:
@@ -417,7 +421,22 @@ class DeviceFootprint:
             self._note_pool_config_small(recs)
             return
         mask = (recs["pool_addr"] != 0) & (recs["pool_size"] != 0)
-        if not mask.any():
+        if _ONE_POOL_FAST:
+            # The usual batch under cudaMallocAsync: every stream-ordered record of one pool (the default
+            # one). Its last record's (size, used) and whether a size moved are read from the pool columns
+            # at the records' positions, with no copy of whole records and no per-pool runs.
+            at = mask.nonzero()[0]
+            if not len(at):
+                return
+            pool = recs["pool_addr"][at]
+            if bool((pool == pool[0]).all()):
+                sizes = recs["pool_size"][at]
+                a = int(pool[0])
+                if self.pools.get(a, (None,))[0] != int(sizes[0]) or bool((sizes[1:] != sizes[:-1]).any()):
+                    self.pool_floor = self.async_device_bytes  # a new reported size: the bound starts over
+                self.pools[a] = (int(sizes[-1]), int(recs["pool_used"][at[-1]]))
+                return
+        elif not mask.any():
             return
         sel = recs if bool(mask.all()) else select(recs, mask)  # as recs[mask], rows of words at once
         addr, size, used = sel["pool_addr"], sel["pool_size"], sel["pool_used"]
@@ -486,7 +505,7 @@ class DeviceFootprint:
                 self.memcpy_count[k] += int(sel.sum())
                 self.memcpy_bytes[k] += int(recs["bytes"][sel].sum())
                 self.memcpy_ns[k] += int(dur[sel].sum())
-        peer = ck == CopyKind.PTOP
+        peer = ck == _PTOP  # a plain int: numpy compares with an IntEnum member several times slower
         if peer.any():
             pairs = np.stack([recs["src_dev"][peer], recs["dst_dev"][peer]], axis=1)
             sizes = recs["bytes"][peer]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -107,9 +108,15 @@ def in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:
         return False
     words = _time_word_limits(kind, limits)
     if words is not None and recs.flags.c_contiguous and recs.dtype == DTYPES[kind]:
-        view = recs.view(np.uint8).view("<u8").reshape(n, -1)
+        # One view as (records, words): a subarray dtype of the record's size (not three views and a reshape).
+        view = recs.view(_WORDS[kind])
         return not bool((view > words).any())
     return n <= FEW_RECORDS and _few_in_range(kind, recs, limits)
+
+
+#: Per kind, a record as its little-endian 64-bit words (where its size is a multiple of 8).
+_WORDS: dict[RecordKind, np.dtype[Any]] = {k: np.dtype(("<u8", (d.itemsize // 8,))) for k, d in DTYPES.items()
+                                          if d.itemsize % 8 == 0}
 
 
 def _few_in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:

@@ -101,7 +101,7 @@ def judge_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: 
     if c == 0:
         return None
     last = c - 1
-    return Judged(c, int(jm[last]), int(jm[c]), int(je[c]), int(calm[last]), int(lve[last]))
+    return Judged(c, jm.item(last), jm.item(c), je.item(c), calm.item(last), lve.item(last))
 
 
 def judge_few_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,
@@ -153,7 +153,10 @@ def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: l
     """The same judgement frame after frame, stopping at the one that closes the window.
 
     ``mem_ts``, ``ev_ts`` and ``total`` are the walk's arrays from ``i_mem`` / ``i_ev`` on, as lists,
-    holding at least every event before the end of the ``frames`` frames."""
+    holding at least every event before the end of the ``frames`` frames.
+
+    Frames without events are passed a stretch at a time (``_calm_frames``): most walked frames are the
+    empty ones a window waits through before it closes (``burst_settle_ms`` is twenty 5 ms frames)."""
     tolerance = _tolerance(cfg, win.baseline)
     settle_ns, max_ns = cfg.burst_settle_ms * _MS, cfg.burst_max_ms * _MS
     secs = iv / 1e9
@@ -161,10 +164,27 @@ def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: l
     range_floor = cfg.range_jump_factor * win.range_ewma
     calm, lve, level = win.calm, win.last_volatile_end, win.level
     n_mem, n_ev = len(mem_ts), len(ev_ts)
+    # An empty frame is calm only when no event is no rate jump (rate_min_events >= 1, as the config's
+    # bounds have it); else each frame is judged as it comes.
+    skip = cfg.rate_min_events >= 1
     pm = pe = 0  # the frame's first memory event and event, in the lists
     judged: tuple[int, int, int, int, int, int] | None = None
-    for f in range(frames):
+    f = 0
+    while f < frames:
         end = cursor + iv * (f + 1)
+        if skip and (pm == n_mem or mem_ts[pm] >= end) and (pe == n_ev or ev_ts[pe] >= end):
+            # Frames f, f + 1, ... up to the one holding the next event are empty: judged together.
+            nxt = min(mem_ts[pm] if pm < n_mem else end + frames * iv, ev_ts[pe] if pe < n_ev else end + frames * iv)
+            empty = min(frames, (nxt - cursor) // iv) - f  # at least 1: nothing comes before ``end``
+            k = _calm_frames(cfg, end, iv, calm, lve, abs(level - win.baseline) < tolerance, win.start)
+            if k < empty:  # the (k + 1)-th of them closes the window
+                if k:
+                    judged = (f + k, pm, pm, pe, calm + k, lve)
+                break
+            f += empty
+            calm += empty
+            judged = (f, pm, pm, pe, calm, lve)
+            continue
         # The first event at or after the frame's end (the lists are in time order).
         qm = bisect_left(mem_ts, end, pm) if pm < n_mem and mem_ts[pm] < end else pm
         qe = bisect_left(ev_ts, end, pe) if pe < n_ev and ev_ts[pe] < end else pe
@@ -186,9 +206,22 @@ def walk_frames(cfg: SamplerConfig, cursor: int, iv: int, frames: int, mem_ts: l
         back = abs(after - win.baseline) < tolerance
         if (calm >= cfg.burst_min_frames and (back or end - lve >= settle_ns)) or end - win.start >= max_ns:
             break
-        judged = (f + 1, pm, qm, qe, calm, lve)
+        f += 1
+        judged = (f, pm, qm, qe, calm, lve)
         level, pm, pe = after, qm, qe
     if judged is None:
         return None
     c, start, mem_end, ev_end, calm, lve = judged
     return Judged(c, i_mem + start, i_mem + mem_end, i_ev + ev_end, calm, lve)
+
+
+def _calm_frames(cfg: SamplerConfig, end: int, iv: int, calm: int, lve: int, back: bool, start: int) -> int:
+    """How many calm frames in a row, the first ending at ``end``, pass before one closes the window (that
+    one is the next): each adds one to ``calm`` and moves ``end`` by ``iv``, the level and so ``back``
+    stay, and the window closes at the first frame where ``calm >= burst_min_frames`` and (``back`` or
+    ``end - lve >= burst_settle_ms``), or ``end - start >= burst_max_ms``."""
+    # Frame k of them ends at end + k * iv with calm + k + 1 calm frames.
+    k = max(0, cfg.burst_min_frames - calm - 1)
+    if not back:
+        k = max(k, -(-(cfg.burst_settle_ms * _MS - (end - lve)) // iv))
+    return min(k, max(0, -(-(cfg.burst_max_ms * _MS - (end - start)) // iv)))

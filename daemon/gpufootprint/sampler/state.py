@@ -80,8 +80,17 @@ def _first(mem_ts: np.ndarray, i_mem: int, ev_ts: np.ndarray, i_ev: int) -> int:
     return int(min(mem_ts[i_mem:i_mem + 1].tolist() + ev_ts[i_ev:i_ev + 1].tolist()))
 
 
-def _in_order(ts: np.ndarray) -> bool:
-    return len(ts) < 2 or bool((ts[1:] >= ts[:-1]).all())
+def _joined_in_order(chunks: list[np.ndarray]) -> bool:
+    """Whether ``chunks`` joined end to end are in time order, each chunk being so (``add_levels``' contract,
+    and what a walk keeps of one): when each starts no earlier than the last one before it ended. A few
+    comparisons of numbers in Python, not one of every record's time with its neighbour's."""
+    last = None
+    for c in chunks:
+        if len(c):
+            if last is not None and c.item(0) < last:
+                return False
+            last = c.item(-1)
+    return True
 
 
 class ProcessSampler:
@@ -115,7 +124,8 @@ class ProcessSampler:
     def add_levels(self, ts: np.ndarray, deltas: np.ndarray, dev: int) -> None:
         """GPU-resident level changes of one device, in time order (one per memory record)."""
         self._mem_dev = dev if not self._mem or self._mem_dev == dev else _MIXED
-        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64), np.full(len(ts), dev, np.int32)))
+        # (The deltas as they come when they are int64 already: the sampler only reads them, as the footprint does.)
+        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64, copy=False), np.full(len(ts), dev, np.int32)))
 
     def add_events(self, ts: np.ndarray) -> None:
         """Timestamps of records that are events but move no level (copies, sets, pools, ...)."""
@@ -182,6 +192,7 @@ class ProcessSampler:
                 per_dev[sel] = self.level_dev.get(d, 0) + delta[sel].cumsum()
         i_mem = i_ev = 0
         n_mem, n_ev = len(mem_ts), len(ev_ts)
+        closes = False  # the frame at the cursor closes the window: the last judgement ahead stopped before it
         while True:
             iv = self.interval_ns
             end = cursor + iv
@@ -197,7 +208,8 @@ class ProcessSampler:
                     early = True
                 end = limit  # a partial interval: only a burst may start from it
             # Nothing happens for a while in a quiet process at its longest interval: skip in bulk.
-            nxt = min(int(mem_ts[i_mem]) if i_mem < n_mem else limit, int(ev_ts[i_ev]) if i_ev < n_ev else limit)
+            # (``item``: a Python int straight from the array, not a numpy scalar converted.)
+            nxt = min(mem_ts.item(i_mem) if i_mem < n_mem else limit, ev_ts.item(i_ev) if i_ev < n_ev else limit)
             if (self.mode == QUIET and iv == cfg.max_ms * _MS and self.window is None
                     and end == cursor + iv and nxt >= end):
                 k = max(1, (min(nxt, limit) - cursor) // iv)
@@ -207,7 +219,7 @@ class ProcessSampler:
                     self.last_peak[d] = self.level_dev[d]
                 cursor += k * iv
                 continue
-            if (self.mode == BURST and self.window is not None and self.bulk_bursts
+            if (self.mode == BURST and self.window is not None and self.bulk_bursts and not closes
                     and end == cursor + iv and limit - cursor >= 2 * iv):
                 # A burst walks 5 ms frames one by one: 200 steps a second of a process's time, each a
                 # dozen numpy calls, whether the frames hold records or not. The frames before the one
@@ -215,8 +227,10 @@ class ProcessSampler:
                 c = self._burst_run(cursor, iv, (limit - cursor) // iv, mem_ts, ev_ts, total, devs, per_dev,
                                     i_mem, i_ev)
                 if c is not None:
-                    cursor, i_mem, i_ev = c
+                    cursor, i_mem, i_ev, closes = c
                     continue
+            # (Judged ahead again from a frame that closes, the judgement would stop at once: it is walked.)
+            closes = False
             if nxt >= end:  # no event before the interval's end (events before i_mem/i_ev all came before it)
                 j_mem, j_ev = i_mem, i_ev
             else:
@@ -334,11 +348,12 @@ class ProcessSampler:
 
     def _burst_run(self, cursor: int, iv: int, frames: int, mem_ts: np.ndarray, ev_ts: np.ndarray,
                    total: np.ndarray, devs: np.ndarray, per_dev: np.ndarray, i_mem: int,
-                   i_ev: int) -> tuple[int, int, int] | None:
+                   i_ev: int) -> tuple[int, int, int, bool] | None:
         """Walk the next ``frames`` whole burst frames from ``cursor`` at once, up to (not including)
         the one at which the open window closes: what ``_burst_frame`` would leave after each of them
         is judged ahead (``sampler.burst``), then the state moves past them. Returns the new
-        (cursor, memory index, event index), or None when the first frame already closes the window."""
+        (cursor, memory index, event index, whether the frame there closes the window), or None when the
+        first frame already closes the window."""
         win = self.window
         assert win is not None
         cfg = self.config
@@ -353,6 +368,7 @@ class ProcessSampler:
         # frames, it holds every event before their end.
         walk = min(frames, _WALK_FRAMES)
         stop = cursor + walk * iv
+        judging = walk  # how many frames are judged: fewer judged ahead means the next one closes the window
         if self.walk_bursts and _few_before(mem_ts, i_mem, stop) and _few_before(ev_ts, i_ev, stop):
             k_mem, k_ev = i_mem + _WALK_EVENTS + 1, i_ev + _WALK_EVENTS + 1
             judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:k_mem].tolist(), ev_ts[i_ev:k_ev].tolist(),
@@ -365,14 +381,16 @@ class ProcessSampler:
             judged = walk_frames(cfg, cursor, iv, walk, mem_ts[i_mem:j_mem].tolist(), ev_ts[i_ev:j_ev].tolist(),
                                  total[i_mem:j_mem].tolist(), i_mem, i_ev, seen)
         elif self.walk_bursts and frames <= _FEW_FRAMES:
+            judging = frames
             judged = judge_few_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         elif self.walk_bursts and (empty := min(frames, (_first(mem_ts, i_mem, ev_ts, i_ev) - cursor) // iv)) > 0 and (
                 (judged := walk_frames(cfg, cursor, iv, empty, [], [], [], i_mem, i_ev, seen)) is None
                 or judged.frames < empty):
             # The window closes in the frames before the first event (calm frames after a change, a
             # large batch's events further on): walked in Python, as the judgement of all of them would find.
-            pass
+            judging = empty
         else:
+            judging = frames
             judged = judge_frames(cfg, cursor, iv, frames, mem_ts, ev_ts, total, i_mem, i_ev, seen)
         if judged is None:
             return None
@@ -398,7 +416,7 @@ class ProcessSampler:
         win.calm = calm
         win.last_volatile_end = lve
         self._record(cursor, cursor + c * iv, BURST, c, iv)
-        return cursor + c * iv, j_last, je_last
+        return cursor + c * iv, j_last, je_last, c < judging
 
     def _back(self, win: _OpenWindow) -> bool:
         cfg = self.config
@@ -452,9 +470,9 @@ class ProcessSampler:
 
     def _levels_to(self, devs: np.ndarray, total: np.ndarray, per_dev: np.ndarray, i: int, j: int) -> None:
         """Move the levels to after event ``j - 1`` (events ``i`` to ``j`` were walked)."""
-        self.level = int(total[j - 1])
+        self.level = total.item(j - 1)
         if self._one_dev is not None:
-            self.level_dev[self._one_dev] = int(per_dev[j - 1])
+            self.level_dev[self._one_dev] = per_dev.item(j - 1)
             return
         if j - i <= _SMALL:
             # A few events: a dict built in order keeps each device's last level (numpy's unique and
@@ -518,7 +536,7 @@ class ProcessSampler:
         ts = np.concatenate([c[0] for c in chunks])
         deltas = np.concatenate([c[1] for c in chunks])
         devs = np.concatenate([c[2] for c in chunks])
-        if _in_order(ts):
+        if _joined_in_order([c[0] for c in chunks]):
             # The usual case (what a walk left, then what came since): a stable sort would leave it as it is.
             return ts, deltas, devs
         order = np.argsort(ts, kind="stable")
