@@ -194,3 +194,19 @@ def test_gather_of_a_chunk_of_runs_as_the_daemon_decodes_a_forwarded_buffer() ->
         rows = cl.gather(u8, cl.MEMORY2, offs[at:at + 333])
         want = reference_gather(data, cl.MEMORY2, expect[cl.MEMORY2][at:at + 333])
         assert np.array_equal(rows["address"], want["address"]) and np.array_equal(rows["timestamp"], want["timestamp"])
+
+
+def test_runs_built_from_pieces_keep_every_offset() -> None:
+    """``Runs`` is built from pieces by its constructor, ``append`` and ``add_run`` (not only by ``walk``):
+    loose offsets joined to a run that follows a run of another step stay (found by review)."""
+    assert list(cl.Runs([range(0, 256, 128), [256], range(296, 336, 40)])) == [0, 128, 256, 296]
+    r = cl.Runs()
+    r.add_run(range(0, 256, 128))
+    r.append(256)
+    r.append(296)
+    r.add_run(range(336, 376, 40))
+    assert list(r) == [0, 128, 256, 296, 336] and len(r) == 5
+    r = cl.Runs()
+    r.add_run(range(0, 256, 128))
+    r.add_run(range(256, 296, 40))  # one record, the last run's next: joins it
+    assert list(r) == [0, 128, 256] and len(r.pieces) == 1

@@ -162,7 +162,10 @@ class Probe:
         return {"started": self.started, "connected": bool(s.link and s.link.connected),
                 "in_gap": s.in_gap, "flush_mode": self.settings.flush_mode, "libcupti": self.libcupti,
                 "delivery": "raw" if s.raw is not None else "objects",
-                "sender_errors": s.counters["sender_errors"], **s._counter_values()}
+                "sender_errors": s.counters["sender_errors"],
+                # not in heartbeats (a daemon keeps a bounded number of counters): it is 0 or equal to
+                # forwarded_buffers, by the level the daemon answered
+                "forwarded_unchecked": s.counters["forwarded_unchecked"], **s._counter_values()}
 
     # --- torch.profiler hand-over (workload thread) ----------------------------------------
 

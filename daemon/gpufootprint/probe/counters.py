@@ -61,7 +61,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "cupti_gap_seconds": round(gap_seconds, 6),
         "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
         "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],
-        "forwarded_buffers": c["forwarded_buffers"], "forwarded_unchecked": c["forwarded_unchecked"], "table_seconds": round(p.table_seconds, 6),
+        "forwarded_buffers": c["forwarded_buffers"], "table_seconds": round(p.table_seconds, 6),
         "table_late_releases": p.table.late_release_repairs, "table_lost_releases": p.table.lost_releases,
         "forward_seconds": round(p.forward_seconds, 6),
         "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9, "sender_wakeups": c["sender_wakeups"],

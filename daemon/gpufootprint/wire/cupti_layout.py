@@ -160,9 +160,13 @@ class Runs(Sequence[int]):
             if not last:
                 pieces.pop()
                 last = pieces[-1] if pieces else None
+        n = (stop - start) // step  # the run with the offsets it took over
         if isinstance(last, range):
-            if last[-1] + last.step == start and (last.step == step or len(run) == 1):
-                pieces[-1] = range(last.start, start + len(run) * last.step, last.step)  # it continues the last
+            if last[-1] + last.step == start and last.step == step:
+                pieces[-1] = range(last.start, stop, step)  # it continues the last
+                return
+            if last[-1] + last.step == start and n == 1:
+                pieces[-1] = range(last.start, start + last.step, last.step)  # one record, the last's next
                 return
             if len(last) == 1 and start - last.start == step:
                 pieces[-1] = range(last.start, stop, step)  # the last is one record, then the run
