@@ -107,6 +107,11 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # completions, wakes and GIL hand-overs under churn (run 26, 2026-12-06). Not the default: CUPTI 13
     # holds a buffer per recording thread, and 64 run out at 65 threads.
     "probe_big_buffers": {"cupti_buffer_bytes": 256 << 10, "raw_buffers": 64},
+    # Launch windows, the (b) workload's cost in runs 28-31 (2026-12-06): half as often (every 60 s, and a
+    # burst's window at most once a minute), or over 2 steps instead of 4. The probe's defaults; the daemon's
+    # sampler differs (DAEMON_SAMPLER).
+    "probe_windows_60s": {},
+    "probe_windows_2steps": {},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -133,6 +138,8 @@ DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_dense": {**_KERNELS, **_DENSE},
     "probe_launch_windows_dense": {"kernel_window_ms": 50, **_DENSE},
     "probe_windows_every_burst": {"kernel_window_burst_gap_seconds": 0.0},
+    "probe_windows_60s": {"kernel_window_every_seconds": 60.0, "kernel_window_burst_gap_seconds": 60.0},
+    "probe_windows_2steps": {"kernel_window_steps": 2},
 }
 # Workers that run the same configuration as another. Run 12 read 1.016 between two
 # uninstrumented workers on (a) with a 95 % interval of [1.006, 1.026]: each process carries a
@@ -145,7 +152,8 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 # Groups also compared with others, round by round: the default's launch windows against none, against the
 # probe that opens none, and against windows that close only when the daemon says so.
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
-                                         "probe_windows_every_burst", "probe_big_buffers"]}
+                                         "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
+                                         "probe_windows_2steps"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
