@@ -210,3 +210,55 @@ def test_runs_built_from_pieces_keep_every_offset() -> None:
     r.add_run(range(0, 256, 128))
     r.add_run(range(256, 296, 40))  # one record, the last run's next: joins it
     assert list(r) == [0, 128, 256] and len(r.pieces) == 1
+
+
+def _convert_memory2_field_by_field(src: np.ndarray, pid: int) -> np.ndarray:
+    """``convert`` for MEMORY2 as it was written before 2026-12-06: one assignment a field."""
+    from gpufootprint.records import MEMORY_DTYPE
+
+    out = np.zeros(len(src), dtype=MEMORY_DTYPE)
+    out["pid"] = pid
+    for ours, theirs in (("dev", "dev"), ("stream", "stream"), ("corr", "corr"), ("bytes", "bytes"),
+                         ("ts", "timestamp"), ("addr", "address"), ("ctx", "ctx"), ("op", "op"), ("mk", "mk")):
+        out[ours] = src[theirs]
+    is_async = src["is_async"] != 0
+    out["is_async"] = is_async
+    ptype = np.where(is_async, src["pool_type"], 0)
+    out["pool_type"] = ptype
+    has_pool = ptype != 0
+    out["pool_addr"] = np.where(has_pool, src["pool_addr"], 0)
+    out["pool_thresh"] = np.where(has_pool, src["pool_thresh"], 0)
+    out["pool_used"] = np.where(has_pool, src["pool_used"], 0)
+    out["pool_size"] = np.where(ptype == cl.POOL_LOCAL, src["pool_size"], 0)
+    return out
+
+
+def test_convert_of_memory2_equals_the_field_by_field_conversion() -> None:
+    """Random bytes in every field (out of range ones too), some records stream-ordered or none, as a
+    view of a buffer and as a copy: the one-assignment conversion gives the same bytes."""
+    rng = np.random.default_rng(7)
+    dt = cl.RAW_DTYPES[cl.MEMORY2]
+    for trial in range(60):
+        n = int(rng.integers(0, 700))
+        raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
+        src = raw.view(dt)
+        if trial % 3 == 0:
+            src["is_async"] = 0  # none stream-ordered: the pool fields are skipped
+        elif trial % 3 == 1:
+            src["is_async"] = rng.integers(0, 2, n)
+            src["pool_type"] = rng.integers(0, 3, n)
+        for s in (src, src.copy(), src[::2]):
+            assert cl.convert(cl.MEMORY2, s, 4242).tobytes() == _convert_memory2_field_by_field(s, 4242).tobytes()
+
+
+def test_a_buffer_of_one_kind_is_read_without_the_walk_as_the_walk_reads_it() -> None:
+    rng = random.Random(11)
+    for _ in range(40):
+        kind = rng.choice([cl.MEMORY2, cl.MEMORY_POOL, cl.RUNTIME, cl.MEMCPY])
+        buf = bytes(build([kind] * rng.randrange(1, 600), rng))
+        assert cl.uniform_runs(buf, len(buf)) == cl.walk(buf, len(buf))
+    mixed = bytes(build([cl.MEMORY2] * 40 + [cl.MEMORY_POOL] + [cl.MEMORY2] * 40, rng))
+    assert cl.uniform_runs(mixed, len(mixed)) is None
+    truncated = bytes(build([cl.MEMORY2] * 3, rng))[:-8]
+    assert cl.uniform_runs(truncated, len(truncated)) is None and cl.walk(truncated, len(truncated)) is None
+    assert cl.uniform_runs(b"", 0) is None

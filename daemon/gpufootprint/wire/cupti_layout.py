@@ -370,6 +370,16 @@ def uniform_kind(buf: bytes | memoryview, valid: int) -> int | None:
     return int(kind) if bool((kinds == kind).all()) else None
 
 
+def uniform_runs(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
+    """``walk``'s answer for a buffer of records of one kind (``uniform_kind``: one vectorised look, what
+    allocation churn fills); None for any other buffer, which ``walk`` then reads (and refuses what cannot
+    be walked). The daemon read every forwarded buffer through the walk, twice (records_in too)."""
+    kind = uniform_kind(buf, valid)
+    if kind is None:
+        return None
+    return {kind: Runs([range(0, valid, _SIZES[kind])])}
+
+
 def gather(u8: np.ndarray, kind: int, offsets: Sequence[int]) -> np.ndarray:
     """The records of one kind at ``offsets`` as a structured array of ``RAW_DTYPES[kind]``
     (``API_RAW_DTYPE`` for DRIVER and RUNTIME records).
