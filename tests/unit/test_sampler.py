@@ -467,3 +467,45 @@ def test_burst_frames_judged_together_leave_what_walking_them_one_by_one_leaves(
         s.finish(t + 5000 * MS)
     assert _sampler_state(bulk) == _sampler_state(walk) == _sampler_state(judged)
     assert walk.bursts > 0  # the traffic did burst (the bulk pass had frames to pass)
+
+
+def _walked_one_by_one(s: ProcessSampler) -> ProcessSampler:
+    """``s`` walking every empty interval of a sampler that is off on its own (the reference)."""
+    s.bulk_steady = False
+    return s
+
+
+def test_a_disabled_sampler_passes_a_long_gap_in_a_few_steps_as_it_would_interval_by_interval() -> None:
+    """With the sampler off, empty intervals are passed in bulk, as a quiet process's are: two records a
+    year apart (a record stamped in 1970, then one now) were walked 20 ms at a time, hours of the ingest
+    thread. The history, levels and peaks equal an interval-by-interval walk; the usual rate and range
+    agree to rounding (decayed at once, not step by step)."""
+    t0 = 1_000_000_000
+    steps = itertools.count()
+    fast = ProcessSampler(1, SamplerConfig(enabled=False))
+    real_update = fast._update_usual
+
+    def counted(*a: Any) -> None:
+        next(steps)
+        real_update(*a)
+
+    fast._update_usual = counted  # type: ignore[method-assign]
+    year = 365 * 86_400 * 1_000_000_000
+    fast.add_levels(np.array([t0, t0 + 7 * MS], np.int64), np.array([1 << 20, 2 << 20], np.int64), 0)
+    fast.add_levels(np.array([t0 + year], np.int64), np.array([-(1 << 20)], np.int64), 0)
+    fast.advance(t0 + year + 1_000 * MS)
+    assert next(steps) < 200  # 50 a second of its time when walked one by one: 1.6 billion for the year
+    assert fast.level == 2 << 20 and sum(i["count"] for i in fast.intervals()) == (year + 1_000 * MS) // (20 * MS)
+    # against the walk one by one, over 40 s (a year of 20 ms steps would take hours), watermarks anywhere
+    ref = _walked_one_by_one(ProcessSampler(1, SamplerConfig(enabled=False)))
+    short = ProcessSampler(1, SamplerConfig(enabled=False))
+    for s in (ref, short):
+        s.add_levels(np.array([t0, t0 + 7 * MS, t0 + 2_500 * MS, t0 + 31_003 * MS], np.int64),
+                     np.array([1 << 20, 2 << 20, -(1 << 20), 5 << 20], np.int64), 0)
+        for mark in (3_000, 3_001, 17_777, 40_000):
+            s.advance(t0 + mark * MS)
+    assert short.intervals() == ref.intervals()
+    assert (short.level, short.level_dev, short.last_peak, short.cursor) == (ref.level, ref.level_dev, ref.last_peak,
+                                                                              ref.cursor)
+    assert short.rate_ewma == pytest.approx(ref.rate_ewma, rel=1e-9, abs=0)
+    assert short.range_ewma == pytest.approx(ref.range_ewma, rel=1e-9, abs=0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ MarkCallback = Callable[[dict[str, Any]], None]
 # still cannot make the daemon keep an unbounded number of label values.
 _MAX_COUNTERS = 96
 _NUMBER = (int, float)
+_FLOAT_MAX = sys.float_info.max  # compared with a JSON integer exactly, whatever its size
 _BATCH, _WATERMARK, _MARK, _HEARTBEAT = FrameType.BATCH, FrameType.WATERMARK, FrameType.MARK, FrameType.HEARTBEAT
 _COUNTER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _MAX_INFO_KEYS = 64
@@ -459,7 +461,9 @@ class Session:
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return
-        clean = {k: float(v) for k, v in counters.items() if isinstance(v, _NUMBER)}  # JSON's keys: str already
+        # JSON's keys are str already. A value must be a finite number a float holds: JSON's integers have
+        # no bound (float() of 400 digits raises) and NaN or Infinity would poison the sums read from them.
+        clean = {k: float(v) for k, v in counters.items() if isinstance(v, _NUMBER) and -_FLOAT_MAX < v < _FLOAT_MAX}
         if self.peer_pid is not None:  # a live peer chooses them, and keys become label values (connections_*, ...)
             clean = {k: v for k, v in list(clean.items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
         for pid in self._speakers(body):

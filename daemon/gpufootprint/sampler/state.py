@@ -116,6 +116,7 @@ class ProcessSampler:
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
         self._one_dev: int | None = None  # set per walk: the only device in it, if one
         self.bulk_bursts = True  # burst frames judged together (off: one by one, for tests)
+        self.bulk_steady = True  # the sampler off: empty intervals passed together (off: one by one, for tests)
         self.walk_bursts = True  # ... a few frames of few events in Python (off: always with numpy, for tests)
         self.wait_in_frame = True  # new records inside an unfinished burst frame wait untouched (off: for tests)
 
@@ -217,6 +218,20 @@ class ProcessSampler:
                 self._decay(k)  # k empty intervals: the usual rate and range fall as if each was seen
                 for d in self.level_dev:
                     self.last_peak[d] = self.level_dev[d]
+                cursor += k * iv
+                continue
+            if (not cfg.enabled and self.bulk_steady and self.mode == STEADY and self.window is None
+                    and end == cursor + iv and nxt >= end):
+                # The sampler off: every interval is a steady one. Empty ones in bulk too, as a quiet
+                # process's are: a gap of a year (a record stamped in 1970, then one now) was walked 20 ms
+                # at a time, hours of the ingest thread.
+                k = max(1, (min(nxt, limit) - cursor) // iv)
+                self._update_usual(0, 0, iv / 1e9)
+                self._decay(k - 1)
+                for d in self.level_dev:
+                    self.last_peak[d] = self.level_dev[d]
+                self._record(cursor, cursor + k * iv, STEADY, k, iv)
+                self.interval_ns = cfg.steady_ms * _MS
                 cursor += k * iv
                 continue
             if (self.mode == BURST and self.window is not None and self.bulk_bursts and not closes
