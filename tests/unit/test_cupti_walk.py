@@ -251,14 +251,18 @@ def test_convert_of_memory2_equals_the_field_by_field_conversion() -> None:
             assert cl.convert(cl.MEMORY2, s, 4242).tobytes() == _convert_memory2_field_by_field(s, 4242).tobytes()
 
 
-def test_a_buffer_of_one_kind_is_read_without_the_walk_as_the_walk_reads_it() -> None:
+def test_a_buffer_of_one_kind_is_read_in_one_look_as_record_by_record() -> None:
+    """``walk`` answers a buffer of one kind with one vectorised look (``uniform_runs``): the same offsets as
+    the record-by-record reference, one run; a mixed, truncated or empty buffer is not answered that way."""
     rng = random.Random(11)
     for _ in range(40):
         kind = rng.choice([cl.MEMORY2, cl.MEMORY_POOL, cl.RUNTIME, cl.MEMCPY])
         buf = bytes(build([kind] * rng.randrange(1, 600), rng))
-        assert cl.uniform_runs(buf, len(buf)) == cl.walk(buf, len(buf))
+        got = cl.walk(buf, len(buf))
+        assert got == reference_walk(buf, len(buf)) and got is not None and len(got[kind].pieces) == 1
+        assert cl.uniform_runs(buf, len(buf)) == got
     mixed = bytes(build([cl.MEMORY2] * 40 + [cl.MEMORY_POOL] + [cl.MEMORY2] * 40, rng))
-    assert cl.uniform_runs(mixed, len(mixed)) is None
+    assert cl.uniform_runs(mixed, len(mixed)) is None and cl.walk(mixed, len(mixed)) == reference_walk(mixed, len(mixed))
     truncated = bytes(build([cl.MEMORY2] * 3, rng))[:-8]
     assert cl.uniform_runs(truncated, len(truncated)) is None and cl.walk(truncated, len(truncated)) is None
     assert cl.uniform_runs(b"", 0) is None

@@ -209,7 +209,7 @@ def records_in(frame: Frame) -> int:
             _pid, data = cupti_buffer(frame)
         except FrameError:
             return 0
-        offsets = cupti_layout.uniform_runs(data, len(data)) or cupti_layout.walk(data, len(data))
+        offsets = cupti_layout.walk(data, len(data))
         return sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND) if offsets else 0
     try:
         return len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize

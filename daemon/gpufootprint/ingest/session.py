@@ -290,7 +290,7 @@ class Session:
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
         pid, data = cupti_buffer(frame)
-        offsets = cupti_layout.uniform_runs(data, len(data)) or cupti_layout.walk(data, len(data))
+        offsets = cupti_layout.walk(data, len(data))
         if offsets is None:
             self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
                                              f"walked (an unknown record kind, or a record past its end): dropped")

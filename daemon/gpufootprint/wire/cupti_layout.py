@@ -254,6 +254,9 @@ def walk(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
     allocation churn fills: MEMORY2 records back to back) is two records read and one look.
     Where looks find little (kinds mixed at random), they are tried less and less often.
     """
+    uniform = uniform_runs(buf, valid)
+    if uniform is not None:
+        return uniform
     runs: dict[int, Runs] = {}
     loose: dict[int, list[int]] = {}  # each kind's list of offsets read one by one, since its last run
     sizes = _SIZES
@@ -372,8 +375,8 @@ def uniform_kind(buf: bytes | memoryview, valid: int) -> int | None:
 
 def uniform_runs(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
     """``walk``'s answer for a buffer of records of one kind (``uniform_kind``: one vectorised look, what
-    allocation churn fills); None for any other buffer, which ``walk`` then reads (and refuses what cannot
-    be walked). The daemon read every forwarded buffer through the walk, twice (records_in too)."""
+    allocation churn fills, where the walk read two records and followed their run); None for any other
+    buffer, which ``walk`` reads (and refuses what cannot be walked)."""
     kind = uniform_kind(buf, valid)
     if kind is None:
         return None
