@@ -27,22 +27,13 @@ from gpufootprint.configload import load_config  # noqa: E402
 from gpufootprint.ingest.session import Session  # noqa: E402
 from gpufootprint.pipeline import Pipeline  # noqa: E402
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, RecordKind  # noqa: E402
-from gpufootprint.wire import cupti_layout, framing  # noqa: E402
+from gpufootprint.wire import framing  # noqa: E402
 from gpufootprint.wire.framing import FrameDecoder, FrameType  # noqa: E402
 
-
-def _cupti_frames(pid: int, recs: np.ndarray, checked: bool) -> bytes:
-    """``recs`` as the default probe sends them: MEMORY2 structs, 512 to a CUPTI_BUFFER frame (as bench/load.py;
-    not imported from there, whose helper module puts this checkout's daemon first on the path)."""
-    raw = np.zeros(len(recs), cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
-    raw.view(np.uint8).reshape(len(recs), -1)[:, :4].view("<i4")[:, 0] = cupti_layout.MEMORY2
-    for theirs, ours in (("timestamp", "ts"), ("address", "addr"), ("bytes", "bytes"), ("dev", "dev"), ("op", "op"),
-                         ("mk", "mk")):
-        raw[theirs] = recs[ours]
-    data = raw.tobytes()
-    step = 512 * raw.dtype.itemsize
-    kw = {} if checked else {"checked": False}  # a tree before wire level 3 knows only checked frames
-    return b"".join(framing.encode_cupti_buffer(pid, data[i:i + step], **kw) for i in range(0, len(data), step))
+# After gpufootprint is imported from TREE: bench/load.py's helper module puts this checkout's daemon first
+# on the path, which then changes nothing (the package is loaded).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import _cupti_frames  # noqa: E402
 
 
 def stream(kind: str, per: int, batches: int, pid: int = 4321) -> bytes:

@@ -59,7 +59,8 @@ def _cupti_frames(pid: int, recs: np.ndarray, checked: bool) -> bytes:
         raw[theirs] = recs[ours]
     data = raw.tobytes()
     step = 512 * raw.dtype.itemsize
-    return b"".join(encode_cupti_buffer(pid, data[i:i + step], checked=checked) for i in range(0, len(data), step))
+    kw = {} if checked else {"checked": False}  # a tree before wire level 3 (bench/ingest_frames.py TREE=) knows only checked frames
+    return b"".join(encode_cupti_buffer(pid, data[i:i + step], **kw) for i in range(0, len(data), step))
 
 
 def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: float, go: float,
