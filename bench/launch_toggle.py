@@ -1,0 +1,223 @@
+"""Does switching CUPTI's per-API launch records on and off leave a loop of launches slower for good?
+
+In the overhead bench (docs/performance.md, runs 28 to 31) some probed workers' loop of tiny launches
+stepped up by 4-13 % at one round and stayed there, while workers without launch windows never did.
+This diagnostic repeats a launch window's switching many times in one process, with nothing else of
+the probe, and records every step: a lasting slowdown shows as a step change in the step time.
+
+Each process arms CUPTI exactly as the probe does (bench/overhead.py's ``CuptiFloor``: buffers handed
+back unread, launch-call priming while CUDA starts), runs a loop of 100 tiny ``add_`` launches and a
+synchronize for ``--seconds`` (timed: the 100 launches, not the wait,
+so the processes side by side sharing the GPU's time slices do not blur it), and opens a window (the launch and wait calls' per-API switches, as
+``CuptiBackend.launch_api_records``) of ``--window-ms`` every ``--period`` seconds. Modes, by who
+switches and when:
+
+  none       no window (the control)
+  side       a thread of its own, through ctypes with the GIL released (the probe's way)
+  side_gil   a thread of its own, through cupti-python with the GIL held (the probe's way until 2026-12-03)
+  main_idle  the loop's own thread, between two steps (after the synchronize: no launch in flight)
+  main_busy  the loop's own thread, in the middle of a step's launches
+
+    python bench/launch_toggle.py --out OUT.json --modes none,side,side_gil,main_idle,main_busy --replicas 2
+
+Each mode runs in ``--replicas`` processes side by side. The summary gives, per process, the step time
+of the first and last tenth of the run (outside windows) and the largest lasting jump: the median of
+the steps after a point over the median of the steps before it, taken at each window's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+MODES = ("none", "side", "side_gil", "main_idle", "main_busy")
+
+
+def child(mode: str, seconds: float, period: float, window_ms: float) -> dict[str, Any]:
+    from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
+    from overhead import CuptiFloor  # the probe's own arming, buffers handed back unread
+
+    floor = CuptiFloor()
+    import torch
+
+    tiny = torch.zeros(256, device="cuda")
+    for _ in range(200):
+        tiny.add_(1.0)
+    torch.cuda.synchronize()
+    deadline = time.monotonic() + 10
+    while floor.priming and time.monotonic() < deadline:  # as the probe: priming ends at the first buffer
+        for _ in range(100):
+            tiny.add_(1.0)
+        torch.cuda.synchronize()
+        time.sleep(0.01)
+    backend = floor.backend
+
+    def switch(on: bool) -> None:
+        if mode == "side_gil":
+            backend._per_api("launch windows", DRIVER_CBIDS, RUNTIME_CBIDS, on)
+        else:
+            backend.launch_api_records(on)
+
+    windows: list[tuple[float, float]] = []
+    stop = threading.Event()
+
+    def side() -> None:
+        nxt = time.perf_counter() + period
+        while not stop.is_set():
+            time.sleep(max(0.0, nxt - time.perf_counter()))
+            if stop.is_set():
+                break
+            t0 = time.perf_counter()
+            switch(True)
+            time.sleep(window_ms / 1000)
+            switch(False)
+            windows.append((t0, time.perf_counter()))
+            nxt = t0 + period
+
+    th = None
+    if mode in ("side", "side_gil"):
+        th = threading.Thread(target=side, daemon=True)
+        th.start()
+    steps: list[tuple[float, float]] = []
+    t_start = time.perf_counter()
+    nxt = t_start + period
+    open_at = None
+    while True:
+        now = time.perf_counter()
+        if now - t_start >= seconds:
+            break
+        if mode == "main_idle":
+            if open_at is None and now >= nxt:
+                switch(True)
+                open_at = now
+            elif open_at is not None and now - open_at >= window_ms / 1000:
+                switch(False)
+                windows.append((open_at, time.perf_counter()))
+                nxt, open_at = open_at + period, None
+        t0 = time.perf_counter()
+        for i in range(100):
+            tiny.add_(1.0)
+            if mode == "main_busy" and i == 50:
+                t = time.perf_counter()
+                if open_at is None and t >= nxt:
+                    switch(True)
+                    open_at = t
+                elif open_at is not None and t - open_at >= window_ms / 1000:
+                    switch(False)
+                    windows.append((open_at, time.perf_counter()))
+                    nxt, open_at = open_at + period, None
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        steps.append((t0 - t_start, t1 - t0))  # the host's launching only: GPU time-slicing between
+        # the processes side by side moves the synchronize, not the launches
+    stop.set()
+    if th is not None:
+        th.join(5)
+    floor.stop()
+    return {"mode": mode, "pid": os.getpid(), "steps": steps, "windows": [(a - t_start, b - t_start) for a, b in windows],
+            "errors": backend.errors[:5], "priming_ended": not floor.priming}
+
+
+def outside(steps: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Steps that began and ended outside every window (a window's own records cost what they cost)."""
+    out, wi = [], 0
+    ws = sorted(windows)
+    for t, d in steps:
+        while wi < len(ws) and ws[wi][1] < t:
+            wi += 1
+        if wi < len(ws) and ws[wi][0] <= t + d:
+            continue
+        out.append((t, d))
+    return out
+
+
+def summarise(res: dict[str, Any]) -> dict[str, Any]:
+    steps = outside(res["steps"], res["windows"])
+    d = [s for _, s in steps]
+    n = len(d)
+    tenth = max(1, n // 10)
+    first, last = statistics.median(d[:tenth]), statistics.median(d[-tenth:])
+    # The largest jump: at each window's end (or every second without windows), the median of the steps
+    # in the next 5 s over the median of those in the 5 s before; and the median of each 2 s, to see it.
+    import bisect
+
+    times = [t for t, _ in steps]
+    cuts = [b for _, b in res["windows"]] or list(range(1, int(times[-1])))
+    best: tuple[float, float | None] = (1.0, None)
+    for c in cuts:
+        i0, i, i1 = (bisect.bisect_left(times, x) for x in (c - 5, c, c + 5))
+        if i - i0 < 100 or i1 - i < 100:
+            continue
+        r = statistics.median(d[i:i1]) / statistics.median(d[i0:i])
+        if abs(r - 1) > abs(best[0] - 1):
+            best = (r, c)
+    bins = [round(statistics.median(d[bisect.bisect_left(times, b):bisect.bisect_left(times, b + 2)]) * 1e3, 4)
+            for b in range(0, int(times[-1]) - 1, 2) if bisect.bisect_left(times, b + 2) > bisect.bisect_left(times, b)]
+    return {"mode": res["mode"], "steps": len(res["steps"]), "steps_outside": n, "windows": len(res["windows"]),
+            "first_tenth_ms": round(first * 1e3, 4), "last_tenth_ms": round(last * 1e3, 4),
+            "last_over_first": round(last / first, 4), "largest_jump": round(best[0], 4),
+            "jump_at_s": None if best[1] is None else round(best[1], 2), "errors": res["errors"],
+            "median_ms_each_2s": bins}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--period", type=float, default=0.5, help="seconds from one window to the next")
+    ap.add_argument("--window-ms", type=float, default=50.0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.seconds, args.period, args.window_ms)), flush=True)
+        return
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"launch_toggle: unknown mode {m!r} (known: {', '.join(MODES)})")
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = []
+    for r in range(args.replicas):
+        for i, m in enumerate(modes):
+            k = r * len(modes) + i
+            mine = {cpus[(2 * k) % len(cpus)], cpus[(2 * k + 1) % len(cpus)]}  # two CPUs a process, as the bench
+            cmd = [sys.executable, __file__, "--child", m, "--seconds", str(args.seconds), "--period", str(args.period),
+                   "--window-ms", str(args.window_ms), "--out", "-"]
+            procs.append(subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(mine))), *cmd],
+                                          stdout=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=args.seconds + 300)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if p.returncode or not lines:
+            results.append({"error": f"child exited {p.returncode}"})
+            continue
+        results.append(json.loads(lines[-1]))
+    rows = [summarise(r) if "steps" in r else r for r in results]
+    meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
+            "commit": os.environ.get("GPUFOOTPRINT_COMMIT"), "args": vars(args)}
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": rows, "raw": results}))
+    print(f"{'mode':10s} {'windows':>7s} {'steps':>6s} {'first ms':>9s} {'last ms':>9s} {'last/first':>10s} {'jump':>7s} {'at s':>6s}")
+    for r in rows:
+        if "error" in r:
+            print(r)
+            continue
+        print(f"{r['mode']:10s} {r['windows']:7d} {r['steps']:6d} {r['first_tenth_ms']:9.4f} {r['last_tenth_ms']:9.4f} "
+              f"{r['last_over_first']:10.4f} {r['largest_jump']:7.4f} {r['jump_at_s']!s:>6s}")
+
+
+if __name__ == "__main__":
+    main()
