@@ -6,11 +6,12 @@ This diagnostic repeats a launch window's switching many times in one process, w
 the probe, and records every step: a lasting slowdown shows as a step change in the step time.
 
 Each process arms CUPTI exactly as the probe does (bench/overhead.py's ``CuptiFloor``: buffers handed
-back unread, launch-call priming while CUDA starts), runs a loop of 100 tiny ``add_`` launches and a
-synchronize for ``--seconds`` (timed: the 100 launches, not the wait,
-so the processes side by side sharing the GPU's time slices do not blur it), and opens a window (the launch and wait calls' per-API switches, as
-``CuptiBackend.launch_api_records``) of ``--window-ms`` every ``--period`` seconds. Modes, by who
-switches and when:
+back unread, launch-call priming while CUDA starts) and runs a loop of 100 tiny ``add_`` launches and a
+synchronize in turns of ``--turn-ms``, one process at a time (all on the same two CPUs, in a fresh
+random order each cycle, as the bench's workers take turns: processes running side by side moved each
+other's steps by 30 %). Each step's launching is timed, not its wait. In each turn a window (the launch
+and wait calls' per-API switches, as ``CuptiBackend.launch_api_records``) of ``--window-ms`` opens
+10 ms in. Modes, by who switches and when:
 
   none       no window (the control)
   side       a thread of its own, through ctypes with the GIL released (the probe's way)
@@ -20,9 +21,9 @@ switches and when:
 
     python bench/launch_toggle.py --out OUT.json --modes none,side,side_gil,main_idle,main_busy --replicas 2
 
-Each mode runs in ``--replicas`` processes side by side. The summary gives, per process, the step time
-of the first and last tenth of the run (outside windows) and the largest lasting jump: the median of
-the steps after a point over the median of the steps before it, taken at each window's end.
+Each mode runs in ``--replicas`` processes. The summary gives, per process, the median step of the
+first and last tenth of the run (steps outside windows), the largest jump (the median of the steps in
+the 5 s after a window's end over the 5 s before it) and the median of each 2 s.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ sys.path.insert(0, str(HERE))
 MODES = ("none", "side", "side_gil", "main_idle", "main_busy")
 
 
-def child(mode: str, seconds: float, period: float, window_ms: float) -> dict[str, Any]:
+def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
+    """One process: set up, then a turn of steps at each ``go`` on stdin (``done`` on stdout), its
+    window opened and closed inside the turn; at ``stop`` every step and window as JSON."""
     from gpufootprint.probe.launches import DRIVER_CBIDS, RUNTIME_CBIDS
-    from overhead import CuptiFloor  # the probe's own arming, buffers handed back unread
+    from overhead import CuptiFloor, pin_all_threads  # the probe's own arming, buffers handed back unread
 
     floor = CuptiFloor()
     import torch
@@ -70,63 +73,68 @@ def child(mode: str, seconds: float, period: float, window_ms: float) -> dict[st
             backend.launch_api_records(on)
 
     windows: list[tuple[float, float]] = []
-    stop = threading.Event()
+    go, side_done = threading.Event(), threading.Event()
+    offset = 0.010  # a window opens this long into a turn, while the steps run
 
     def side() -> None:
-        nxt = time.perf_counter() + period
-        while not stop.is_set():
-            time.sleep(max(0.0, nxt - time.perf_counter()))
-            if stop.is_set():
-                break
+        while True:
+            go.wait()
+            go.clear()
+            time.sleep(offset)
             t0 = time.perf_counter()
             switch(True)
             time.sleep(window_ms / 1000)
             switch(False)
             windows.append((t0, time.perf_counter()))
-            nxt = t0 + period
+            side_done.set()
 
-    th = None
     if mode in ("side", "side_gil"):
-        th = threading.Thread(target=side, daemon=True)
-        th.start()
+        threading.Thread(target=side, daemon=True).start()
+    pin_all_threads({int(c) for c in cpus.split(",")})  # once warm, CUPTI's threads too, as the bench
     steps: list[tuple[float, float]] = []
     t_start = time.perf_counter()
-    nxt = t_start + period
-    open_at = None
-    while True:
-        now = time.perf_counter()
-        if now - t_start >= seconds:
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
             break
-        if mode == "main_idle":
-            if open_at is None and now >= nxt:
-                switch(True)
-                open_at = now
-            elif open_at is not None and now - open_at >= window_ms / 1000:
-                switch(False)
-                windows.append((open_at, time.perf_counter()))
-                nxt, open_at = open_at + period, None
-        t0 = time.perf_counter()
-        for i in range(100):
-            tiny.add_(1.0)
-            if mode == "main_busy" and i == 50:
-                t = time.perf_counter()
-                if open_at is None and t >= nxt:
+        side_done.clear()
+        t_turn = time.perf_counter()
+        open_at: float | None = None
+        closed = mode == "none"
+        if mode in ("side", "side_gil"):
+            go.set()
+        while True:
+            now = time.perf_counter()
+            if now - t_turn >= turn_ms / 1000 and (closed or side_done.is_set()):
+                break
+            if mode == "main_idle":  # between two steps: nothing in flight on this thread
+                if open_at is None and not closed and now - t_turn >= offset:
                     switch(True)
-                    open_at = t
-                elif open_at is not None and t - open_at >= window_ms / 1000:
+                    open_at = now
+                elif open_at is not None and now - open_at >= window_ms / 1000:
                     switch(False)
                     windows.append((open_at, time.perf_counter()))
-                    nxt, open_at = open_at + period, None
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        steps.append((t0 - t_start, t1 - t0))  # the host's launching only: GPU time-slicing between
-        # the processes side by side moves the synchronize, not the launches
-    stop.set()
-    if th is not None:
-        th.join(5)
+                    open_at, closed = None, True
+            t0 = time.perf_counter()
+            for i in range(100):
+                tiny.add_(1.0)
+                if mode == "main_busy" and i == 50:  # among the step's launches, half of them queued
+                    t = time.perf_counter()
+                    if open_at is None and not closed and t - t_turn >= offset:
+                        switch(True)
+                        open_at = t
+                    elif open_at is not None and t - open_at >= window_ms / 1000:
+                        switch(False)
+                        windows.append((open_at, time.perf_counter()))
+                        open_at, closed = None, True
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            steps.append((t0 - t_start, t1 - t0))  # the host's launching only, not the wait
+        print("done", flush=True)
     floor.stop()
-    return {"mode": mode, "pid": os.getpid(), "steps": steps, "windows": [(a - t_start, b - t_start) for a, b in windows],
-            "errors": backend.errors[:5], "priming_ended": not floor.priming}
+    print(json.dumps({"mode": mode, "pid": os.getpid(), "steps": steps,
+                      "windows": [(a - t_start, b - t_start) for a, b in windows],
+                      "errors": backend.errors[:5], "priming_ended": not floor.priming}), flush=True)
 
 
 def outside(steps: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -176,38 +184,48 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--period", type=float, default=0.5, help="seconds from one window to the next")
-    ap.add_argument("--window-ms", type=float, default=50.0)
+    ap.add_argument("--turn-ms", type=float, default=100.0, help="a process's turn of steps, one window in each")
+    ap.add_argument("--window-ms", type=float, default=20.0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--cpus", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.seconds, args.period, args.window_ms)), flush=True)
+        child(args.child, args.turn_ms, args.window_ms, args.cpus)
         return
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"launch_toggle: unknown mode {m!r} (known: {', '.join(MODES)})")
     cpus = sorted(os.sched_getaffinity(0))
+    mine = ",".join(map(str, cpus[-2:]))  # every process on the same two CPUs once warm, as the bench's workers
     procs = []
-    for r in range(args.replicas):
-        for i, m in enumerate(modes):
-            k = r * len(modes) + i
-            mine = {cpus[(2 * k) % len(cpus)], cpus[(2 * k + 1) % len(cpus)]}  # two CPUs a process, as the bench
-            cmd = [sys.executable, __file__, "--child", m, "--seconds", str(args.seconds), "--period", str(args.period),
-                   "--window-ms", str(args.window_ms), "--out", "-"]
-            procs.append(subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(mine))), *cmd],
-                                          stdout=subprocess.PIPE, text=True))
+    for _ in range(args.replicas):
+        for m in modes:
+            cmd = [sys.executable, __file__, "--child", m, "--turn-ms", str(args.turn_ms),
+                   "--window-ms", str(args.window_ms), "--cpus", mine, "--out", "-"]
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True, bufsize=1))
+    for p in procs:
+        if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise SystemExit(f"launch_toggle: a child did not start (exit {p.poll()})")
+    # Turns, one process at a time in a fresh random order each cycle: the machine is the same for all.
+    import random
+
+    t_end, cycles = time.monotonic() + args.seconds, 0
+    while time.monotonic() < t_end:
+        for p in random.sample(procs, len(procs)):
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            if p.stdout.readline().strip() != "done":  # type: ignore[union-attr]
+                raise SystemExit(f"launch_toggle: a child stopped (exit {p.poll()})")
+        cycles += 1
     results = []
     for p in procs:
-        out, _ = p.communicate(timeout=args.seconds + 300)
+        out, _ = p.communicate("stop\n", timeout=120)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if p.returncode or not lines:
-            results.append({"error": f"child exited {p.returncode}"})
-            continue
-        results.append(json.loads(lines[-1]))
+        results.append(json.loads(lines[-1]) if lines and not p.returncode else {"error": f"child exited {p.returncode}"})
     rows = [summarise(r) if "steps" in r else r for r in results]
-    meta = {"utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
+    meta = {"cycles": cycles, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
             "commit": os.environ.get("GPUFOOTPRINT_COMMIT"), "args": vars(args)}
     Path(args.out).write_text(json.dumps({"meta": meta, "summary": rows, "raw": results}))
     print(f"{'mode':10s} {'windows':>7s} {'steps':>6s} {'first ms':>9s} {'last ms':>9s} {'last/first':>10s} {'jump':>7s} {'at s':>6s}")
