@@ -16,10 +16,11 @@ and wait calls' per-API switches, as ``CuptiBackend.launch_api_records``) of ``-
   none       no window (the control)
   side       a thread of its own, through ctypes with the GIL released (the probe's way)
   side_gil   a thread of its own, through cupti-python with the GIL held (the probe's way until 2026-12-03)
+  side_ctx   as side, the thread having made the loop's CUDA context current on itself first
   main_idle  the loop's own thread, between two steps (after the synchronize: no launch in flight)
   main_busy  the loop's own thread, in the middle of a step's launches
 
-    python bench/launch_toggle.py --out OUT.json --modes none,side,side_gil,main_idle,main_busy --replicas 2
+    python bench/launch_toggle.py --out OUT.json --modes none,side,side_ctx,main_idle --replicas 2
 
 Each mode runs in ``--replicas`` processes. The summary gives, per process, the median step of the
 first and last tenth of the run (steps outside windows), the largest jump (the median of the steps in
@@ -29,6 +30,7 @@ the 5 s after a window's end over the 5 s before it) and the median of each 2 s.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -42,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-MODES = ("none", "side", "side_gil", "main_idle", "main_busy")
+MODES = ("none", "side", "side_gil", "side_ctx", "main_idle", "main_busy")
 
 
 def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
@@ -76,7 +78,15 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
     go, side_done = threading.Event(), threading.Event()
     offset = 0.010  # a window opens this long into a turn, while the steps run
 
+    ctx = ctypes.c_void_p()
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    if libcuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        raise SystemExit("launch_toggle: no current CUDA context on the loop's thread")
+
     def side() -> None:
+        if mode == "side_ctx" and libcuda.cuCtxSetCurrent(ctx) != 0:
+            print("launch_toggle: cuCtxSetCurrent failed on the side thread", file=sys.stderr, flush=True)
+            os._exit(3)
         while True:
             go.wait()
             go.clear()
@@ -88,7 +98,7 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
             windows.append((t0, time.perf_counter()))
             side_done.set()
 
-    if mode in ("side", "side_gil"):
+    if mode.startswith("side"):
         threading.Thread(target=side, daemon=True).start()
     pin_all_threads({int(c) for c in cpus.split(",")})  # once warm, CUPTI's threads too, as the bench
     steps: list[tuple[float, float]] = []
@@ -101,7 +111,7 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
         t_turn = time.perf_counter()
         open_at: float | None = None
         closed = mode == "none"
-        if mode in ("side", "side_gil"):
+        if mode.startswith("side"):
             go.set()
         while True:
             now = time.perf_counter()
