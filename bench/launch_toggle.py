@@ -17,10 +17,13 @@ and wait calls' per-API switches, as ``CuptiBackend.launch_api_records``) of ``-
   side       a thread of its own, through ctypes with the GIL released (the probe's way)
   side_gil   a thread of its own, through cupti-python with the GIL held (the probe's way until 2026-12-03)
   side_ctx   as side, the thread having made the loop's CUDA context current on itself first
+  side_warm  as side, the thread having launched a kernel of its own first (CUDA and CUPTI know it)
+  pending    a thread of its own decides when; the switching itself runs on the loop's thread, at its
+             next bytecode boundary (Py_AddPendingCall: no signal handler, nothing the program sees)
   main_idle  the loop's own thread, between two steps (after the synchronize: no launch in flight)
   main_busy  the loop's own thread, in the middle of a step's launches
 
-    python bench/launch_toggle.py --out OUT.json --modes none,side,side_ctx,main_idle --replicas 2
+    python bench/launch_toggle.py --out OUT.json --modes none,side,side_warm,pending,main_idle --replicas 2
 
 Each mode runs in ``--replicas`` processes. The summary gives, per process, the median step of the
 first and last tenth of the run (steps outside windows), the largest jump (the median of the steps in
@@ -44,7 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-MODES = ("none", "side", "side_gil", "side_ctx", "main_idle", "main_busy")
+MODES = ("none", "side", "side_gil", "side_ctx", "side_warm", "pending", "main_idle", "main_busy")
 
 
 def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
@@ -83,22 +86,48 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
     if libcuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
         raise SystemExit("launch_toggle: no current CUDA context on the loop's thread")
 
+    pending_done = threading.Event()
+    pending_fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+    def on_main(arg: int | None) -> int:  # the loop's thread, between two bytecodes, GIL held
+        switch(arg == 1)
+        pending_done.set()
+        return 0
+
+    pending_cb = pending_fn(on_main)  # kept alive as long as the process
+    add_pending = ctypes.pythonapi.Py_AddPendingCall
+    add_pending.argtypes = [pending_fn, ctypes.c_void_p]
+    add_pending.restype = ctypes.c_int
+
+    def switch_from_side(on: bool) -> None:
+        if mode != "pending":
+            switch(on)
+            return
+        pending_done.clear()
+        if add_pending(pending_cb, 1 if on else 2) != 0:
+            print("launch_toggle: Py_AddPendingCall refused", file=sys.stderr, flush=True)
+            os._exit(3)
+        pending_done.wait()
+
     def side() -> None:
         if mode == "side_ctx" and libcuda.cuCtxSetCurrent(ctx) != 0:
             print("launch_toggle: cuCtxSetCurrent failed on the side thread", file=sys.stderr, flush=True)
             os._exit(3)
+        if mode == "side_warm":
+            torch.zeros(1, device="cuda").add_(1.0)
+            torch.cuda.synchronize()
         while True:
             go.wait()
             go.clear()
             time.sleep(offset)
             t0 = time.perf_counter()
-            switch(True)
+            switch_from_side(True)
             time.sleep(window_ms / 1000)
-            switch(False)
+            switch_from_side(False)
             windows.append((t0, time.perf_counter()))
             side_done.set()
 
-    if mode.startswith("side"):
+    if mode.startswith("side") or mode == "pending":
         threading.Thread(target=side, daemon=True).start()
     pin_all_threads({int(c) for c in cpus.split(",")})  # once warm, CUPTI's threads too, as the bench
     steps: list[tuple[float, float]] = []
@@ -111,7 +140,7 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
         t_turn = time.perf_counter()
         open_at: float | None = None
         closed = mode == "none"
-        if mode.startswith("side"):
+        if mode.startswith("side") or mode == "pending":
             go.set()
         while True:
             now = time.perf_counter()
