@@ -20,6 +20,10 @@ and wait calls' per-API switches, as ``CuptiBackend.launch_api_records``) of ``-
   side_warm  as side, the thread having launched a kernel of its own first (CUDA and CUPTI know it)
   pending    a thread of its own decides when; the switching itself runs on the loop's thread, at its
              next bytecode boundary (Py_AddPendingCall: no signal handler, nothing the program sees)
+  thread_side     the loop on a thread of its own (not the main thread), switched as side
+  thread_pending  the loop on a thread of its own, switched on the main thread as pending (which
+                  only waits, a millisecond at a time): does the switching thread need to be the
+                  launching one, or only not a side thread?
   main_idle  the loop's own thread, between two steps (after the synchronize: no launch in flight)
   main_busy  the loop's own thread, in the middle of a step's launches
 
@@ -47,7 +51,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-MODES = ("none", "side", "side_gil", "side_ctx", "side_warm", "pending", "main_idle", "main_busy")
+MODES = ("none", "side", "side_gil", "side_ctx", "side_warm", "pending", "main_idle", "main_busy",
+         "thread_side", "thread_pending")
 
 
 def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
@@ -100,7 +105,7 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
     add_pending.restype = ctypes.c_int
 
     def switch_from_side(on: bool) -> None:
-        if mode != "pending":
+        if mode not in ("pending", "thread_pending"):
             switch(on)
             return
         pending_done.clear()
@@ -127,49 +132,63 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
             windows.append((t0, time.perf_counter()))
             side_done.set()
 
-    if mode.startswith("side") or mode == "pending":
-        threading.Thread(target=side, daemon=True).start()
-    pin_all_threads({int(c) for c in cpus.split(",")})  # once warm, CUPTI's threads too, as the bench
-    steps: list[tuple[float, float]] = []
-    t_start = time.perf_counter()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
-        side_done.clear()
-        t_turn = time.perf_counter()
-        open_at: float | None = None
-        closed = mode == "none"
-        if mode.startswith("side") or mode == "pending":
-            go.set()
-        while True:
-            now = time.perf_counter()
-            if now - t_turn >= turn_ms / 1000 and (closed or side_done.is_set()):
+    sided = mode.startswith(("side", "thread_")) or mode == "pending"
+
+    def serve_turns(tiny: Any, steps: list[tuple[float, float]], t_start: float) -> None:
+        """A turn of steps at each ``go`` on stdin, ``done`` after it, until ``stop``."""
+        for line in sys.stdin:
+            if line.strip() != "go":
                 break
-            if mode == "main_idle":  # between two steps: nothing in flight on this thread
-                if open_at is None and not closed and now - t_turn >= offset:
-                    switch(True)
-                    open_at = now
-                elif open_at is not None and now - open_at >= window_ms / 1000:
-                    switch(False)
-                    windows.append((open_at, time.perf_counter()))
-                    open_at, closed = None, True
-            t0 = time.perf_counter()
-            for i in range(100):
-                tiny.add_(1.0)
-                if mode == "main_busy" and i == 50:  # among the step's launches, half of them queued
-                    t = time.perf_counter()
-                    if open_at is None and not closed and t - t_turn >= offset:
+            side_done.clear()
+            t_turn = time.perf_counter()
+            open_at: float | None = None
+            closed = mode == "none"
+            if sided:
+                go.set()
+            while True:
+                now = time.perf_counter()
+                if now - t_turn >= turn_ms / 1000 and (closed or side_done.is_set()):
+                    break
+                if mode == "main_idle":  # between two steps: nothing in flight on this thread
+                    if open_at is None and not closed and now - t_turn >= offset:
                         switch(True)
-                        open_at = t
-                    elif open_at is not None and t - open_at >= window_ms / 1000:
+                        open_at = now
+                    elif open_at is not None and now - open_at >= window_ms / 1000:
                         switch(False)
                         windows.append((open_at, time.perf_counter()))
                         open_at, closed = None, True
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            steps.append((t0 - t_start, t1 - t0))  # the host's launching only, not the wait
-        print("done", flush=True)
+                t0 = time.perf_counter()
+                for i in range(100):
+                    tiny.add_(1.0)
+                    if mode == "main_busy" and i == 50:  # among the step's launches, half of them queued
+                        t = time.perf_counter()
+                        if open_at is None and not closed and t - t_turn >= offset:
+                            switch(True)
+                            open_at = t
+                        elif open_at is not None and t - open_at >= window_ms / 1000:
+                            switch(False)
+                            windows.append((open_at, time.perf_counter()))
+                            open_at, closed = None, True
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                steps.append((t0 - t_start, t1 - t0))  # the host's launching only, not the wait
+            print("done", flush=True)
+
+    if sided:
+        threading.Thread(target=side, daemon=True).start()
+    steps: list[tuple[float, float]] = []
+    t_start = time.perf_counter()
+    if mode.startswith("thread_"):
+        loop = threading.Thread(target=serve_turns, args=(tiny, steps, t_start), daemon=True)
+        loop.start()
+        pin_all_threads({int(c) for c in cpus.split(",")})
+        print("ready", flush=True)
+        while loop.is_alive():  # the main thread only waits: pending calls run between its sleeps
+            time.sleep(0.001)
+    else:
+        pin_all_threads({int(c) for c in cpus.split(",")})  # once warm, CUPTI's threads too, as the bench
+        print("ready", flush=True)
+        serve_turns(tiny, steps, t_start)
     floor.stop()
     print(json.dumps({"mode": mode, "pid": os.getpid(), "steps": steps,
                       "windows": [(a - t_start, b - t_start) for a, b in windows],

@@ -111,6 +111,8 @@ class FakeCupti:
         self.runtime_api_cbids: set[int] = set()  # cuptiActivityEnableRuntimeApi for the runtime's
         self.api_switch_refused = False  # scenario: this CUPTI refuses the per-API switch
         self.launch_switch: list[bool] = []  # launch_api_records calls (a launch window's per-API switches)
+        self.launch_switch_threads: list[int] = []  # the thread that made each of those calls
+        self.launch_switch_at: list[float] = []  # and when (time.monotonic)
         self.launch_cbids: dict[int, set[int]] = {DRIVER: set(), RUNTIME: set()}
         self.errors: list[str] = []
         self.flush_periods: list[int] = []  # cuptiActivityFlushPeriod calls, in ms
@@ -162,6 +164,8 @@ class FakeCupti:
         if self.api_switch_refused:
             return False
         self.launch_switch.append(on)
+        self.launch_switch_threads.append(threading.get_ident())
+        self.launch_switch_at.append(time.monotonic())
         self.launch_cbids = {DRIVER: set(DRIVER_CBIDS) if on else set(), RUNTIME: set(RUNTIME_CBIDS) if on else set()}
         return True
 

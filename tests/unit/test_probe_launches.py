@@ -54,6 +54,12 @@ def _wait(cond: object, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def _wait_closed(p: Probe) -> None:
+    """Until the open window has closed and its calls are packed (the sender closes it in steps: the
+    window first, then the switches, through the main thread, then the flush that brings its calls)."""
+    _wait(lambda: p.sender.windows.kernel_window is None and p.sender.packer.launch_span is None)
+
+
 def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_path: Path) -> None:
     # GIVEN a probe started before CUDA (the per-API switches record only if on when CUDA starts)
     fake = fk.FakeCupti()
@@ -75,7 +81,7 @@ def test_the_switches_are_on_while_cuda_starts_then_only_in_launch_windows(tmp_p
         for i in range(3):
             assert fake.host_call(211, start=t + i * 100, end=t + 50 + i * 100)
         assert fake.host_call(131, start=t + 400, end=t + 900)
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         # a call CUPTI still records after the window closed (switching off takes it a while): not the window's
         assert fake.host_call(211, start=time.time_ns(), end=time.time_ns() + 10) is False  # off in this fake
         assert fake.launch_switch == [True, False, True, False]
@@ -123,7 +129,7 @@ def test_a_window_of_kernel_records_asked_for_during_a_launch_window_ends_it_and
         assert fake.launch_switch[-1] is False and fk.CONCURRENT_KERNEL in fake.enabled
         assert p.sender.windows.kernel_window is not None and p.sender.windows.kernel_window["id"] == 7
         assert p.sender.windows.kernel_window["records"] == "kernels"
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         assert fk.CONCURRENT_KERNEL not in fake.enabled
     finally:
         p.stop()
@@ -188,7 +194,7 @@ def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_
         calls = [211, 131, 131] + [211, 211, 211, 131] * 2
         for i, cbid in enumerate(calls):
             assert fake.host_call(cbid, start=t + i * 100, end=t + i * 100 + 50)
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         # THEN the window closed at its second whole step, long before its lease
         assert p.sender.windows.kernel_window is None and time.monotonic() - opened < 5.0
         assert fake.launch_switch == [True, False, True, False]
@@ -203,7 +209,7 @@ def test_a_launch_window_closes_itself_once_it_holds_the_steps_the_daemon_asked_
             assert fake.host_call(cbid, start=time.time_ns() + i, end=time.time_ns() + i + 10)
         time.sleep(0.15)
         assert p.sender.windows.kernel_window is not None  # four steps, no bound: open until its lease ends
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         st = p.status()
         assert st["launch_windows"] == 2 and st["launch_windows_counted"] == 1
     frames = list(iter_frames(TraceFile(tmp_path / "t.gfp").chunks()))
@@ -222,7 +228,7 @@ def test_a_launch_window_closes_itself_at_the_calls_the_daemon_asked_for_without
         for i in range(60):
             assert fake.host_call(211, start=t + i, end=t + i + 1)
         # THEN it closes at its calls' bound, not at its 10 s lease
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         assert p.sender.windows.kernel_window is None and p.status()["launch_windows_counted"] == 1
 
 
@@ -269,7 +275,7 @@ def test_a_counting_window_stays_open_for_the_shortest_window_the_daemon_asked_f
             assert fake.host_call(cbid, start=t + i, end=t + i + 10)
         time.sleep(0.4)
         assert p.sender.windows.kernel_window is not None  # counted, but younger than min_ms
-        _wait(lambda: p.sender.windows.kernel_window is None)
+        _wait_closed(p)
         assert 0.65 < time.monotonic() - opened < 3.0 and p.status()["launch_windows_counted"] == 1
 
 

@@ -58,6 +58,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "own_host_bytes": host, "kernel_windows": c["kernel_windows"], "control_unknown": c["control_unknown"],
         "launch_windows": c["launch_windows"], "launch_records": packer.launch_records,
         "launch_windows_ended": c["launch_windows_ended"], "launch_windows_counted": c["launch_windows_counted"],
+        "launch_switches_main": c["launch_switches_main"], "launch_switches_fallback": c["launch_switches_fallback"],
         "cupti_gap_seconds": round(gap_seconds, 6),
         "profiler_gaps": c["profiler_gaps"], "resyncs": c["resyncs"], "marks_dropped": c["marks_dropped"],
         "drop_resyncs": c["drop_resyncs"], "resyncs_requested": c["resyncs_requested"],

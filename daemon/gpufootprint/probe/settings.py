@@ -44,6 +44,10 @@ class ProbeSettings(ProbeOptions):
     # Launch windows (probe/launches.py): the launch calls' per-API switches on while CUDA starts, so the
     # daemon's launch windows can record; 0: none (the daemon then sends this probe none)
     launch_windows: bool = True
+    # A launch window's switches made on the program's main thread (probe/mainthread.py), the sender's
+    # own thread only when the main thread does not come within 0.25 s; off: always the sender's (before
+    # 2026-12-06; left the program's launches slower for good, more with every window)
+    launch_switch_on_main: bool = True
     copy_kinds: str = ",".join(COPY_KINDS)  # which of ``copies`` (comma-separated)
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpufootprint.probe.mainthread import MainThreadCall
 from gpufootprint.records import LaunchSteps
 from gpufootprint.wire import framing
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 LAUNCH_WINDOW = "launches"
 #: While a launch window waits for its count, a forced flush at least this often (Windows.counting).
 COUNT_FLUSH_S = 0.1
+#: How long the sender waits for the main thread to switch a launch window's calls on or off before it
+#: switches them itself (probe/mainthread.py): a step's backward or a long synchronize holds the main
+#: thread in C, and a window must not stay open (every launch recorded) much longer than asked.
+MAIN_SWITCH_WAIT_S = 0.25
 
 
 class Windows:
@@ -50,6 +55,9 @@ class Windows:
         self.records_wanted = 0
         self.counted_id = 0
         self.counted_from = 0.0  # monotonic time before which the count does not close it (min_ms)
+        # A launch window's switches go through the program's main thread (probe/mainthread.py): switched
+        # from the sender's thread they left the program's launches slower for good.
+        self.main_thread = MainThreadCall() if sender.settings.launch_switch_on_main else None
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
                            max_records: int = 0, min_ms: int = 0) -> None:
@@ -134,7 +142,14 @@ class Windows:
         backend = self.sender._backend
         assert backend is not None
         if kind == LAUNCH_WINDOW:
-            return backend.launch_api_records(on)
+            main = self.main_thread
+            if main is None:
+                return backend.launch_api_records(on)
+            fallbacks = main.fallbacks
+            ok = bool(main.run(lambda: backend.launch_api_records(on), MAIN_SWITCH_WAIT_S))
+            self.sender.counters["launch_switches_fallback" if main.fallbacks > fallbacks
+                                 else "launch_switches_main"] += 1
+            return ok
         assert isinstance(kind, int)
         return backend.enable(kind) if on else backend.disable(kind)
 

@@ -257,6 +257,9 @@ def test_the_probe_closes_a_default_daemons_launch_window_at_its_steps_and_the_v
              if f.type is FrameType.HEARTBEAT and "kernel_window" in f.json()]
     assert spans and status["launch_windows_counted"] == len(spans), (spans, status)
     assert all(w.get("closed") == "counted" for w in spans), spans
+    # the windows' switches were made on the child's main thread (its loop's Python), not the sender's
+    assert status["launch_switches_main"] >= len(spans), status
+    assert status["launch_switches_fallback"] < status["launch_switches_main"], status
     # 5 waits of about 21 ms and CUPTI's next delivery (flush_ms, 100): far under the second it took before
     lengths_ms = [(w["end_ns"] - w["start_ns"]) / 1e6 for w in spans]
     assert max(lengths_ms) < 600, lengths_ms

@@ -1,0 +1,165 @@
+"""A launch window's switches are made on the program's main thread (probe/mainthread.py).
+
+Switched from a thread of the probe's own, CUPTI's per-API launch switches left the program's launches
+slower for good, more with every window (bench/launch_toggle.py on three H100 hosts, 2026-12-06); the
+loop's own thread switching them left none. The sender therefore hands the switch to the main thread
+and waits for it, and makes the switch itself only when the main thread does not come in time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpufootprint.probe import windows as windows_module
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.mainthread import MainThreadCall
+from gpufootprint.probe.settings import ProbeSettings
+
+from tests import probe_fakes as fk
+
+MAIN = threading.main_thread().ident
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["result"] = fn()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+        out["at"] = time.monotonic()
+
+    th = threading.Thread(target=body)
+    th.start()
+    return th, out
+
+
+def _spin_until(th: threading.Thread, timeout: float = 5.0) -> None:
+    """The main thread runs bytecode (as a training loop's Python does) until ``th`` ends."""
+    deadline = time.monotonic() + timeout
+    while th.is_alive() and time.monotonic() < deadline:
+        sum(range(50))
+
+
+def test_a_call_from_another_thread_runs_on_the_main_thread() -> None:
+    call = MainThreadCall()
+    ran_on: list[int | None] = []
+    th, out = _in_thread(lambda: call.run(lambda: ran_on.append(threading.get_ident()) or 7, timeout=5.0))
+    _spin_until(th)
+    assert out == {"result": 7, "at": out["at"]} and ran_on == [MAIN]
+    assert call.on_main == 1 and call.fallbacks == 0
+
+
+def test_the_main_thread_calls_directly() -> None:
+    call = MainThreadCall()
+    assert call.run(lambda: threading.get_ident(), timeout=5.0) == MAIN
+    assert call.on_main == 0 and call.fallbacks == 0
+
+
+def test_a_main_thread_held_in_c_gets_the_call_made_by_the_caller_after_the_timeout_and_never_twice() -> None:
+    # GIVEN the main thread waiting in C (an Event's lock: no bytecode boundary), as in a backward pass
+    call = MainThreadCall()
+    ran_on: list[int | None] = []
+    asked: list[float] = []
+
+    def ask() -> None:
+        time.sleep(0.1)  # the main thread is in its wait by now
+        asked.append(time.monotonic())
+        call.run(lambda: ran_on.append(threading.get_ident()), timeout=0.2)
+
+    th, out = _in_thread(ask)
+    threading.Event().wait(0.7)  # held in C past the timeout
+    # THEN the caller made the call itself, after about the timeout, once
+    th.join(5)
+    assert 0.15 < out["at"] - asked[0] < 0.5, out["at"] - asked[0]
+    assert ran_on == [th.ident] and call.fallbacks == 1 and call.on_main == 0
+    # AND the pending call that now reaches the main thread makes nothing
+    for _ in range(1000):
+        sum(range(10))
+    assert ran_on == [th.ident] and call.on_main == 0
+
+
+def test_an_error_in_the_call_reaches_the_caller_not_the_program() -> None:
+    call = MainThreadCall()
+
+    def boom() -> None:
+        raise RuntimeError("cupti said no")
+
+    th, out = _in_thread(lambda: call.run(boom, timeout=5.0))
+    _spin_until(th)  # the main thread runs it: nothing may be raised here
+    assert isinstance(out.get("error"), RuntimeError) and call.on_main == 1
+
+
+def _probe(tmp_path: Path, fake: fk.FakeCupti, **kw: Any) -> Probe:
+    p = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, **kw), fake, discover_devices=False)
+    assert p.start()
+    fake.alloc(0x1000, 4096)  # CUDA is up: the priming ends
+    deadline = time.monotonic() + 5
+    while fake.launch_switch != [True, False] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fake.launch_switch == [True, False]
+    return p
+
+
+def test_a_window_the_sender_opens_and_closes_is_switched_on_the_main_thread(tmp_path: Path) -> None:
+    # GIVEN a probe whose sender thread opens a launch window (as on the daemon's CONTROL)
+    fake = fk.FakeCupti()
+    p = _probe(tmp_path, fake)
+    try:
+        th, _ = _in_thread(lambda: p.sender.open_kernel_window(100, 3, "launches"))
+        _spin_until(th)
+        assert fake.launch_switch[-1] is True and p.sender.windows.kernel_window is not None
+        # WHEN its lease ends and the sender closes it, while the program's Python runs
+        deadline = time.monotonic() + 5
+        while p.status()["launch_switches_main"] < 2 and time.monotonic() < deadline:
+            sum(range(50))
+        # THEN both switches were made on the main thread
+        assert fake.launch_switch == [True, False, True, False]
+        assert fake.launch_switch_threads[2:] == [MAIN, MAIN]
+        st = p.status()
+        assert st["launch_switches_main"] == 2 and st["launch_switches_fallback"] == 0
+    finally:
+        p.stop()
+
+
+def test_with_the_main_thread_held_the_window_still_closes_within_the_wait(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN a window open, and the main thread held in C when its lease ends
+    monkeypatch.setattr(windows_module, "MAIN_SWITCH_WAIT_S", 0.2)
+    fake = fk.FakeCupti()
+    p = _probe(tmp_path, fake)
+    try:
+        th, _ = _in_thread(lambda: p.sender.open_kernel_window(50, 4, "launches"))
+        _spin_until(th)
+        opened = time.monotonic()
+        threading.Event().wait(1.0)  # the lease ends 50 ms in: the sender asks, and the main thread is away
+        deadline = time.monotonic() + 5
+        while p.status()["launch_switches_fallback"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # THEN the sender switched off itself, about the wait after the lease, not when the main thread came
+        assert fake.launch_switch == [True, False, True, False]
+        assert fake.launch_switch_threads[2] == MAIN and fake.launch_switch_threads[3] != MAIN
+        assert fake.host_call(211) is False  # off: no launch recorded any more
+        st = p.status()
+        assert st["launch_switches_main"] == 1 and st["launch_switches_fallback"] == 1
+        assert p.sender.windows.kernel_window is None and time.monotonic() - opened < 1.5
+        assert fake.launch_switch_at[3] - opened < 0.5  # the lease (50 ms) and the wait (0.2 s), not the 1 s
+    finally:
+        p.stop()
+
+
+def test_switching_from_the_sender_as_before_is_one_setting(tmp_path: Path) -> None:
+    fake = fk.FakeCupti()
+    p = _probe(tmp_path, fake, launch_switch_on_main=False)
+    try:
+        th, _ = _in_thread(lambda: p.sender.open_kernel_window(50, 5, "launches"))
+        th.join(5)  # no bytecode from the main thread needed
+        assert fake.launch_switch[-1] is True and fake.launch_switch_threads[-1] == th.ident
+        assert p.status()["launch_switches_main"] == 0
+    finally:
+        p.stop()
