@@ -237,6 +237,44 @@ def summarise(res: dict[str, Any]) -> dict[str, Any]:
             "median_ms_each_2s": bins}
 
 
+def turn_medians(res: dict[str, Any]) -> list[float]:
+    """The median step of each turn (steps more than 50 ms apart start a new turn), windows' steps left out."""
+    out: list[float] = []
+    cur: list[float] = []
+    last = None
+    for t, d in outside(res["steps"], res["windows"]):
+        if last is not None and t - last > 0.05 and cur:
+            out.append(statistics.median(cur))
+            cur = []
+        cur.append(d)
+        last = t + d
+    if cur:
+        out.append(statistics.median(cur))
+    return out
+
+
+def against_none(results: list[dict[str, Any]], parts: int = 3) -> list[dict[str, Any]]:
+    """Each process's turns against the mean of the ``none`` processes' same turns (the machine's drift
+    hits both, as the bench's rounds): the median ratio over each third of the run."""
+    turns = [turn_medians(r) if "steps" in r else [] for r in results]
+    nones = [t for r, t in zip(results, turns, strict=True) if r.get("mode") == "none" and t]
+    if not nones:
+        return []
+    n = min(len(t) for t in turns if t)
+    if n < parts:  # not taken in turns (the first, side-by-side run): one long turn each
+        return []
+    ref = [statistics.mean(t[k] for t in nones) for k in range(n)]
+    rows = []
+    for r, t in zip(results, turns, strict=True):
+        if not t:
+            continue
+        ratios = [t[k] / ref[k] for k in range(n)]
+        size = max(1, n // parts)
+        rows.append({"mode": r["mode"], "turns": n, "windows": len(r["windows"]),
+                     "vs_none_by_part": [round(statistics.median(ratios[i * size:(i + 1) * size]), 4) for i in range(parts)]})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default=",".join(MODES))
@@ -247,9 +285,17 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", help=argparse.SUPPRESS)
+    ap.add_argument("--analyse", metavar="JSON", help="print the turn-by-turn table of an earlier run's JSON (.gz too)")
     args = ap.parse_args()
     if args.child:
         child(args.child, args.turn_ms, args.window_ms, args.cpus)
+        return
+    if args.analyse:
+        import gzip
+
+        opener: Any = gzip.open if args.analyse.endswith(".gz") else open
+        with opener(args.analyse, "rt") as f:
+            print_against_none(json.load(f)["raw"])
         return
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
@@ -285,7 +331,8 @@ def main() -> None:
     rows = [summarise(r) if "steps" in r else r for r in results]
     meta = {"cycles": cycles, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
             "commit": os.environ.get("GPUFOOTPRINT_COMMIT"), "args": vars(args)}
-    Path(args.out).write_text(json.dumps({"meta": meta, "summary": rows, "raw": results}))
+    Path(args.out).write_text(json.dumps({"meta": meta, "summary": rows, "against_none": against_none(results),
+                                          "raw": results}))
     print(f"{'mode':10s} {'windows':>7s} {'steps':>6s} {'first ms':>9s} {'last ms':>9s} {'last/first':>10s} {'jump':>7s} {'at s':>6s}")
     for r in rows:
         if "error" in r:
@@ -293,6 +340,15 @@ def main() -> None:
             continue
         print(f"{r['mode']:10s} {r['windows']:7d} {r['steps']:6d} {r['first_tenth_ms']:9.4f} {r['last_tenth_ms']:9.4f} "
               f"{r['last_over_first']:10.4f} {r['largest_jump']:7.4f} {r['jump_at_s']!s:>6s}")
+    print()
+    print_against_none(results)
+
+
+def print_against_none(results: list[dict[str, Any]]) -> None:
+    print(f"{'mode':15s} {'windows':>7s} {'turns':>6s}  step against none's, by third of the run")
+    for row in against_none(results):
+        print(f"{row['mode']:15s} {row['windows']:7d} {row['turns']:6d}  "
+              + "  ".join(f"{x:.3f}" for x in row["vs_none_by_part"]))
 
 
 if __name__ == "__main__":
