@@ -290,6 +290,25 @@ def pin_all_threads(cpus: set[int]) -> None:
             pass  # a thread that ended meanwhile
 
 
+def _commands() -> Any:
+    """The parent's commands, a line at a time. Waiting for the next, the main thread wakes every 5 ms
+    (select, then back to Python), as a training loop's main thread never sits in C for long: the probe
+    switches a launch window on the main thread when it comes within 0.25 s (probe/mainthread.py), and a
+    worker blocked on its pipe for 15 other workers' steps of the transformer would not come."""
+    import select
+
+    fd, buf = sys.stdin.fileno(), b""
+    while True:
+        while b"\n" not in buf:
+            if select.select([fd], [], [], 0.005)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return
+                buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        yield line.decode()
+
+
 def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str) -> None:
     config = base_of(config)
     if config == "none_discover":
@@ -357,7 +376,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         pin_all_threads({int(c) for c in cpus.split(",")})
     print(json.dumps({"ready": config}), flush=True)
     prof: Any = None
-    for line in sys.stdin:
+    for line in _commands():
         cmd = line.strip()
         if cmd in ("a", "b"):  # one step, timed (--interleave step)
             print(json.dumps({"t": timed(step_a if cmd == "a" else step_b, 1)[0]}), flush=True)
