@@ -84,6 +84,31 @@ def test_a_main_thread_held_in_c_gets_the_call_made_by_the_caller_after_the_time
     assert ran_on == [th.ident] and call.on_main == 0
 
 
+def test_the_main_thread_makes_no_call_from_inside_cuptis_call_of_the_probe() -> None:
+    # GIVEN the main thread running the probe's buffer callback (CUPTI may hold its lock there), at
+    # bytecode boundaries all along
+    def buffer_callback(until: float) -> None:
+        while time.monotonic() < until:
+            sum(range(50))
+
+    call = MainThreadCall(avoid=[buffer_callback.__code__])
+    ran_on: list[int | None] = []
+
+    def ask() -> None:
+        time.sleep(0.1)  # the main thread is in the callback by now
+        call.run(lambda: ran_on.append(threading.get_ident()), timeout=0.2)
+
+    th, _ = _in_thread(ask)
+    buffer_callback(time.monotonic() + 0.7)
+    th.join(5)
+    # THEN the main thread left it to the caller, who made it after the wait
+    assert ran_on == [th.ident] and call.fallbacks == 1 and call.on_main == 0
+    # AND the probe's windows avoid exactly CUPTI's callbacks into the probe
+    names = {c.co_qualname for c in windows_module.cupti_callback_codes()}
+    assert names == {"RawDelivery._requested", "RawDelivery._completed", "Intake.requested",
+                     "Intake.completed", "Intake.raw_completed"}
+
+
 def test_an_error_in_the_call_reaches_the_caller_not_the_program() -> None:
     call = MainThreadCall()
 

@@ -9,6 +9,11 @@ of its own did no better. So the sender asks the main thread to switch: ``Py_Add
 call on the main thread at its next bytecode boundary, as CPython runs signal handlers, without
 installing one: nothing the program can see or has to allow.
 
+A bytecode boundary can fall inside the probe's own Python that CUPTI calls on the program's thread
+(its buffer callbacks), where CUPTI may hold its lock: a switch made there could wait on that lock for
+good. Such frames (``avoid``) are looked for on the main thread's stack; inside one, the call is left
+for the caller's fallback.
+
 The main thread may not reach a bytecode boundary soon (it waits in C: a ``loss.backward()``, a
 ``join``, a long kernel's synchronize). The sender waits at most ``timeout`` seconds and then makes the
 call itself (the old way), the pending call cancelled so that it runs nothing when it comes. Exactly
@@ -18,8 +23,10 @@ one of the two makes the call: a lock decides.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import CodeType
 from typing import Any, Final
 
 #: int (*)(void *), what Py_AddPendingCall takes.
@@ -29,7 +36,8 @@ _PENDING_FN: Final = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 class MainThreadCall:
     """One call at a time on the main thread, or on the caller's after ``timeout`` (``run``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, avoid: Iterable[CodeType] = ()) -> None:
+        self._avoid = frozenset(avoid)  # frames inside which the main thread must not make the call
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._fn: Callable[[], Any] | None = None
@@ -49,6 +57,11 @@ class MainThreadCall:
     def _on_main(self, _arg: Any) -> int:
         """The main thread, between two bytecodes, GIL held. Never raises into the program."""
         try:
+            frame = sys._getframe(1)
+            while frame is not None:
+                if frame.f_code in self._avoid:
+                    return 0  # inside CUPTI's call of the probe: left for the caller's fallback
+                frame = frame.f_back  # type: ignore[assignment]
             with self._lock:
                 fn, self._fn = self._fn, None
                 if fn is None:

@@ -17,6 +17,7 @@ sender's backend, gap state, packer and sinks, so it holds the sender rather tha
 from __future__ import annotations
 
 import time
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from gpufootprint.probe.mainthread import MainThreadCall
@@ -38,6 +39,16 @@ COUNT_FLUSH_S = 0.1
 MAIN_SWITCH_WAIT_S = 0.25
 
 
+def cupti_callback_codes() -> list[CodeType]:
+    """The probe's Python that CUPTI calls on the program's threads (buffer callbacks), perhaps holding
+    its lock: no launch switch is made on the main thread from inside these (probe/mainthread.py)."""
+    from gpufootprint.probe.intake import Intake
+    from gpufootprint.probe.rawcallbacks import RawDelivery
+
+    return [RawDelivery._requested.__code__, RawDelivery._completed.__code__, Intake.requested.__code__,
+            Intake.completed.__code__, Intake.raw_completed.__code__]
+
+
 class Windows:
     def __init__(self, sender: Sender, kernel_window_kind: str) -> None:
         self.sender = sender
@@ -57,7 +68,7 @@ class Windows:
         self.counted_from = 0.0  # monotonic time before which the count does not close it (min_ms)
         # A launch window's switches go through the program's main thread (probe/mainthread.py): switched
         # from the sender's thread they left the program's launches slower for good.
-        self.main_thread = MainThreadCall() if sender.settings.launch_switch_on_main else None
+        self.main_thread = MainThreadCall(cupti_callback_codes()) if sender.settings.launch_switch_on_main else None
 
     def open_kernel_window(self, ms: int, wid: int, records: str = "kernels", steps: int = 0,
                            max_records: int = 0, min_ms: int = 0) -> None:
