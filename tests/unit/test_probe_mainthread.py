@@ -8,12 +8,16 @@ and waits for it, and makes the switch itself only when the main thread does not
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import gpufootprint
 import pytest
 from gpufootprint.probe import windows as windows_module
 from gpufootprint.probe.core import Probe
@@ -280,3 +284,69 @@ def test_an_exception_of_the_programs_signal_handler_during_the_call_is_the_prog
         assert out.get("result") is True and made_on == [th.ident] and call.fallbacks == 1
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+_FORK_SCRIPT = r"""
+import ctypes, os, sys, threading, time
+from gpufootprint.probe.mainthread import MainThreadCall
+
+call = MainThreadCall()
+r, w = os.pipe()
+parent = os.getpid()
+
+def switch():
+    os.write(w, b"%d\n" % os.getpid())  # who made the switch
+    return True
+
+@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+def forker(_arg):
+    # the program forks (a DataLoader worker, say) while the sender's pending call is still queued
+    if call._fn is None:
+        print("NOT_QUEUED", flush=True)  # the test's own set-up went wrong: fail, not pass
+        return 0
+    os.fork()  # the child goes on: CPython's next pending call in its queue is the sender's
+    return 0
+
+add = ctypes.pythonapi.Py_AddPendingCall
+add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+go = threading.Event()
+
+def sender():
+    time.sleep(0.2)  # the main thread is held in C by now (go.wait): the two calls stay queued
+    add(ctypes.cast(forker, ctypes.c_void_p), None)
+    threading.Timer(0.3, go.set).start()
+    call.run(switch, timeout=5.0)
+
+threading.Thread(target=sender, daemon=True).start()
+go.wait(10)  # held in C while both calls are queued; the pending calls run once it returns
+for _ in range(1000):
+    sum(range(10))
+if os.getpid() != parent:
+    os._exit(0)
+time.sleep(0.5)
+os.close(w)
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+pids = os.read(r, 4096).decode().split()
+print("PARENT", parent, "SWITCHED_IN", " ".join(pids))
+"""
+
+
+def test_a_call_still_queued_when_the_program_forks_makes_nothing_in_the_child(tmp_path: Path) -> None:
+    # GIVEN the sender's pending call queued in CPython when the program forks: the child inherits the
+    # queue and runs it (the CUDA parent's CUPTI is unusable there; its locks may be held by threads
+    # that did not survive the fork)
+    script = tmp_path / "fork_queued.py"
+    script.write_text(_FORK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(gpufootprint.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+    assert done.returncode == 0 and "NOT_QUEUED" not in done.stdout, (done.stdout, done.stderr)
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("PARENT"))
+    parent, switched = line.split()[1], line.split()[3:]
+    # THEN the switch was made once, in the parent, never in the child
+    assert switched == [parent], line

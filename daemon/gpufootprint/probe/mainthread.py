@@ -23,6 +23,7 @@ one of the two makes the call: a lock decides.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ class MainThreadCall:
     """One call at a time on the main thread, or on the caller's after ``timeout`` (``run``)."""
 
     def __init__(self, avoid: Iterable[CodeType] = ()) -> None:
+        self._pid = os.getpid()  # the process whose main thread makes the calls (not a forked child)
         self._avoid = frozenset(avoid)  # frames inside which the main thread must not make the call
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -58,6 +60,11 @@ class MainThreadCall:
     def _on_main(self, _arg: Any) -> int:
         """The main thread, between two bytecodes, GIL held. Never raises into the program."""
         try:
+            if os.getpid() != self._pid:
+                # A child forked while the call was queued (CPython's queue of pending calls survives the
+                # fork): the parent's CUPTI is unusable here and the lock may have been held by the parent's
+                # sender, which is gone. Nothing to make, nothing to touch.
+                return 0
             frame = sys._getframe(1)
             while frame is not None:
                 if frame.f_code in self._avoid:
