@@ -350,3 +350,30 @@ def test_a_call_still_queued_when_the_program_forks_makes_nothing_in_the_child(t
     parent, switched = line.split()[1], line.split()[3:]
     # THEN the switch was made once, in the parent, never in the child
     assert switched == [parent], line
+
+
+def test_a_ctrl_c_during_the_call_reaches_the_program_even_when_the_call_fails_for_the_caller_too() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        call = MainThreadCall()
+
+        def switch() -> bool:
+            if threading.current_thread() is threading.main_thread():
+                signal.raise_signal(signal.SIGINT)
+            raise RuntimeError("cupti said no")
+
+        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        interrupted = False
+        try:
+            _spin_until(th, timeout=3.0)
+            th.join(0.5)
+            for _ in range(1000):
+                sum(range(10))
+        except KeyboardInterrupt:
+            interrupted = True
+        th.join(3.0)
+        # THEN the caller got fn's error, and the program its Ctrl-C all the same
+        assert not th.is_alive() and isinstance(out.get("error"), RuntimeError), out
+        assert interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -80,7 +80,7 @@ class MainThreadCall:
                     # fn's own error, or the program's: its signal handlers run at the bytecode boundaries
                     # inside fn (Ctrl-C's KeyboardInterrupt, a timeout's exception), and fn stopped half-way
                     self._outcome = (False, exc)
-            self._done.set()  # only wakes the caller early: the outcome, read under the lock, is what counts
+                self._done.set()  # only wakes the caller early: the outcome, read under the lock, is what counts
         except BaseException:  # noqa: BLE001, S110 - nothing may reach the ctypes callback (it would be lost)
             pass
         return 0
@@ -110,7 +110,12 @@ class MainThreadCall:
             self.on_main += 1
             return outcome[1]
         self.fallbacks += 1  # the main thread did not come, refused, or was interrupted in fn
-        result = fn()  # an exception here is fn's own: the caller's, and the main thread's was the same one
+        try:
+            result = fn()  # an exception here is fn's own: the caller's, and the main thread's was the same one
+        except Exception:
+            if outcome is not None and not isinstance(outcome[1], Exception):
+                self._give_back(outcome[1])  # a KeyboardInterrupt there is the program's, whatever fn does
+            raise
         if outcome is not None:
             self._give_back(outcome[1])
         return result
