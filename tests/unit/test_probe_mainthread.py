@@ -8,11 +8,16 @@ and waits for it, and makes the switch itself only when the main thread does not
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import gpufootprint
 import pytest
 from gpufootprint.probe import windows as windows_module
 from gpufootprint.probe.core import Probe
@@ -117,7 +122,11 @@ def test_an_error_in_the_call_reaches_the_caller_not_the_program() -> None:
 
     th, out = _in_thread(lambda: call.run(boom, timeout=5.0))
     _spin_until(th)  # the main thread runs it: nothing may be raised here
-    assert isinstance(out.get("error"), RuntimeError) and call.on_main == 1
+    for _ in range(1000):
+        sum(range(10))  # nor later
+    # the main thread's failed call is made again by the caller (it may have been a signal handler's
+    # exception, not fn's): raised there too, it is fn's own and the caller's
+    assert isinstance(out.get("error"), RuntimeError) and call.on_main == 0 and call.fallbacks == 1
 
 
 def _probe(tmp_path: Path, fake: fk.FakeCupti, **kw: Any) -> Probe:
@@ -188,3 +197,183 @@ def test_switching_from_the_sender_as_before_is_one_setting(tmp_path: Path) -> N
         assert p.status()["launch_switches_main"] == 0
     finally:
         p.stop()
+
+
+def _daemon_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """As ``_in_thread``, but a daemon: a caller that never returns must fail the test, not hang the session."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            out["error"] = exc
+
+    th = threading.Thread(target=body, daemon=True)
+    th.start()
+    return th, out
+
+
+def test_a_ctrl_c_while_the_main_thread_switches_reaches_the_program_and_the_caller_still_returns() -> None:
+    # GIVEN Python's own SIGINT handler (KeyboardInterrupt), and a Ctrl-C that arrives while the main thread
+    # makes the call: its handler runs at the call's next bytecode boundary, inside the call
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        call = MainThreadCall()
+        made_on: list[int | None] = []
+
+        def switch() -> bool:
+            if threading.current_thread() is threading.main_thread():
+                signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, delivered here
+            made_on.append(threading.get_ident())
+            return True
+
+        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        interrupted = False
+        try:
+            _spin_until(th, timeout=3.0)
+            th.join(0.5)  # the main thread's bytecode keeps running while it waits (Event.wait's Python)
+            for _ in range(1000):
+                sum(range(10))
+        except KeyboardInterrupt:
+            interrupted = True
+        th.join(3.0)
+        # THEN the program got its KeyboardInterrupt (not swallowed by the probe)
+        assert interrupted
+        # AND the caller did not wait forever: it made the switch itself, whole, and returned
+        assert not th.is_alive(), "the caller waits forever for a call the main thread abandoned"
+        assert out.get("result") is True and made_on == [th.ident] and call.fallbacks == 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_an_exception_of_the_programs_signal_handler_during_the_call_is_the_programs_not_the_callers() -> None:
+    # GIVEN the program's handler that raises its own exception (a timeout by SIGALRM, say), run by the main
+    # thread at a bytecode boundary inside the call
+    class ProgramTimeout(Exception):
+        pass
+
+    def on_alarm(_sig: int, _frame: Any) -> None:
+        raise ProgramTimeout("the program's own timeout")
+
+    previous = signal.signal(signal.SIGUSR1, on_alarm)
+    try:
+        call = MainThreadCall()
+        made_on: list[int | None] = []
+
+        def switch() -> bool:
+            if threading.current_thread() is threading.main_thread():
+                signal.raise_signal(signal.SIGUSR1)
+            made_on.append(threading.get_ident())
+            return True
+
+        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        got: BaseException | None = None
+        try:
+            _spin_until(th, timeout=3.0)
+            th.join(0.5)
+            for _ in range(1000):
+                sum(range(10))
+        except ProgramTimeout as exc:
+            got = exc
+        th.join(3.0)
+        # THEN the program's exception reached the program, as it is
+        assert isinstance(got, ProgramTimeout) and got.args == ("the program's own timeout",)
+        # AND the caller got no error: the switch was made, whole, by the caller
+        assert not th.is_alive() and "error" not in out, out
+        assert out.get("result") is True and made_on == [th.ident] and call.fallbacks == 1
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+_FORK_SCRIPT = r"""
+import ctypes, os, sys, threading, time
+from gpufootprint.probe.mainthread import MainThreadCall
+
+call = MainThreadCall()
+r, w = os.pipe()
+parent = os.getpid()
+
+def switch():
+    os.write(w, b"%d\n" % os.getpid())  # who made the switch
+    return True
+
+@ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+def forker(_arg):
+    # the program forks (a DataLoader worker, say) while the sender's pending call is still queued
+    if call._fn is None:
+        print("NOT_QUEUED", flush=True)  # the test's own set-up went wrong: fail, not pass
+        return 0
+    os.fork()  # the child goes on: CPython's next pending call in its queue is the sender's
+    return 0
+
+add = ctypes.pythonapi.Py_AddPendingCall
+add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+go = threading.Event()
+
+def sender():
+    time.sleep(0.2)  # the main thread is held in C by now (go.wait): the two calls stay queued
+    add(ctypes.cast(forker, ctypes.c_void_p), None)
+    threading.Timer(0.3, go.set).start()
+    call.run(switch, timeout=5.0)
+
+threading.Thread(target=sender, daemon=True).start()
+go.wait(10)  # held in C while both calls are queued; the pending calls run once it returns
+for _ in range(1000):
+    sum(range(10))
+if os.getpid() != parent:
+    os._exit(0)
+time.sleep(0.5)
+os.close(w)
+while True:
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+pids = os.read(r, 4096).decode().split()
+print("PARENT", parent, "SWITCHED_IN", " ".join(pids))
+"""
+
+
+def test_a_call_still_queued_when_the_program_forks_makes_nothing_in_the_child(tmp_path: Path) -> None:
+    # GIVEN the sender's pending call queued in CPython when the program forks: the child inherits the
+    # queue and runs it (the CUDA parent's CUPTI is unusable there; its locks may be held by threads
+    # that did not survive the fork)
+    script = tmp_path / "fork_queued.py"
+    script.write_text(_FORK_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(gpufootprint.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+    assert done.returncode == 0 and "NOT_QUEUED" not in done.stdout, (done.stdout, done.stderr)
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("PARENT"))
+    parent, switched = line.split()[1], line.split()[3:]
+    # THEN the switch was made once, in the parent, never in the child
+    assert switched == [parent], line
+
+
+def test_a_ctrl_c_during_the_call_reaches_the_program_even_when_the_call_fails_for_the_caller_too() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        call = MainThreadCall()
+
+        def switch() -> bool:
+            if threading.current_thread() is threading.main_thread():
+                signal.raise_signal(signal.SIGINT)
+            raise RuntimeError("cupti said no")
+
+        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        interrupted = False
+        try:
+            _spin_until(th, timeout=3.0)
+            th.join(0.5)
+            for _ in range(1000):
+                sum(range(10))
+        except KeyboardInterrupt:
+            interrupted = True
+        th.join(3.0)
+        # THEN the caller got fn's error, and the program its Ctrl-C all the same
+        assert not th.is_alive() and isinstance(out.get("error"), RuntimeError), out
+        assert interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
