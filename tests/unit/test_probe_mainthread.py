@@ -377,3 +377,24 @@ def test_a_ctrl_c_during_the_call_reaches_the_program_even_when_the_call_fails_f
         assert interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_probe_in_a_subinterpreter_makes_every_call_on_the_callers_thread() -> None:
+    # Since 3.12 CPython runs every pending call on the main interpreter's main thread: a probe in a
+    # subinterpreter would have its objects used by another interpreter. There, no pending calls at all.
+    interpreters = pytest.importorskip("_xxsubinterpreters", reason="this Python has no _xxsubinterpreters")
+    daemon_dir = str(Path(windows_module.__file__).resolve().parents[2])
+    interp = interpreters.create()
+    try:
+        interpreters.run_string(interp, f"""
+import importlib.util
+spec = importlib.util.spec_from_file_location("mt", {daemon_dir!r} + "/gpufootprint/probe/mainthread.py")
+mt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mt)
+call = mt.MainThreadCall()
+assert call._add is None, "pending calls used in a subinterpreter"
+assert call.run(lambda: 5, timeout=0.1) == 5
+""")
+    finally:
+        interpreters.destroy(interp)
+    assert MainThreadCall()._add is not None  # and in the main interpreter, they are used

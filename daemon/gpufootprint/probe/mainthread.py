@@ -47,13 +47,15 @@ class MainThreadCall:
         # The main thread's outcome: (True, result) or (False, what fn raised there); None: it made none
         self._outcome: tuple[bool, Any] | None = None
         self._callback = _PENDING_FN(self._on_main)  # kept for the process's life: CPython may call it late
+        self._add: Any = None  # None: the caller's thread makes every call
         try:
-            add = ctypes.pythonapi.Py_AddPendingCall
-            add.argtypes = [_PENDING_FN, ctypes.c_void_p]
-            add.restype = ctypes.c_int
-            self._add: Any = add
-        except AttributeError:  # not CPython: the caller's thread makes every call
-            self._add = None
+            if _in_main_interpreter():
+                add = ctypes.pythonapi.Py_AddPendingCall
+                add.argtypes = [_PENDING_FN, ctypes.c_void_p]
+                add.restype = ctypes.c_int
+                self._add = add
+        except AttributeError:  # not CPython
+            pass
         self.on_main = 0  # calls the main thread made
         self.fallbacks = 0  # calls the caller made itself: the main thread did not come in time, or refused
 
@@ -157,6 +159,14 @@ def _set_async_exc(thread_id: int, cls: type[BaseException]) -> None:
         fn(thread_id, cls)
     except Exception:  # noqa: BLE001, S110 - not CPython: the exception stays the probe's, lost
         pass
+
+
+def _in_main_interpreter() -> bool:
+    """Whether this code runs in the main interpreter. Since 3.12 CPython runs every pending call on the
+    main interpreter's main thread: a probe in a subinterpreter would have its objects used there."""
+    get, main = ctypes.pythonapi.PyInterpreterState_Get, ctypes.pythonapi.PyInterpreterState_Main
+    get.restype = main.restype = ctypes.c_void_p
+    return bool(get() == main())
 
 
 _ON_MAIN_CODE: Final = MainThreadCall._on_main.__code__
