@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -263,9 +264,12 @@ class DeviceFootprint:
         l_op = o[lpos]
         ins = lpos[l_op == 1]
         if len(ins):
-            ts_sorted = recs["ts"][order]
-            live.update(zip(a[ins].tolist(), zip(size[ins].tolist(), kind[ins].tolist(),
-                                                 ts_sorted[ins].tolist(), is_async[ins].tolist())))
+            # Only the inserted records' times are gathered; a kind or async flag that is the same for the
+            # whole batch is repeated, not made into a list of ~900 equal ints.
+            live.update(zip(a[ins].tolist(), zip(size[ins].tolist(),
+                                                 repeat(k_hi) if one_kind else kind[ins].tolist(),
+                                                 recs["ts"][order[ins]].tolist(),
+                                                 repeat(False) if no_async else is_async[ins].tolist())))
         for addr in a[lpos[(l_op == 2) & (f_op == 2)]].tolist():
             del live[addr]
         deltas = np.empty(n, dtype=np.int64)
