@@ -573,7 +573,7 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
             return recs
     elif bool((times[1:] >= times[:-1]).all()):
         return recs
-    return take(recs, np.argsort(times, kind="stable"))
+    return take(recs, times.argsort(kind="stable"))
 
 
 def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:

@@ -62,11 +62,11 @@ class KeySet:
             seen = table[slot]
             hit = seen == keys
             out = np.where(hit, slot, -1)
-            todo = np.flatnonzero((seen != 0) & ~hit)
+            todo = ((seen != 0) & ~hit).nonzero()[0]
             slot, want = (slot[todo] + 1) & mask, keys[todo]
         else:
             out = np.full(len(keys), -1, np.int64)
-            todo = np.flatnonzero(keys)
+            todo = keys.nonzero()[0]
             slot = self._home(keys[todo])
             want = keys[todo]
         while len(todo):
@@ -107,7 +107,7 @@ class KeySet:
         out = np.full(len(keys), -2, np.int64)
         table, mask = self._table, self._mask
         whole = len(keys) >= _ROUND_ONE_MIN and bool(keys.all())  # first round without selections
-        todo = np.arange(len(keys)) if whole else np.flatnonzero(keys)
+        todo = np.arange(len(keys)) if whole else keys.nonzero()[0]
         if len(todo) < len(keys):
             if not self._zero:
                 self.size += 1
@@ -130,7 +130,7 @@ class KeySet:
             if whole:  # every key is in its own place: no positions to look up
                 whole = False
                 out = np.where(hit, slot, -2)
-                go = np.flatnonzero(~hit)
+                go = (~hit).nonzero()[0]
                 todo, slot, want = go, (slot[go] + 1) & mask, want[go]
                 continue
             out[todo[hit]] = slot[hit]

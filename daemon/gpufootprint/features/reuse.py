@@ -63,7 +63,7 @@ def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.
     if len(keys) > 1:
         change = keys[1:] != keys[:-1]
         if not change.all():
-            starts = np.flatnonzero(np.concatenate(([True], change)))
+            starts = np.concatenate(([True], change)).nonzero()[0]
             keys, pos = keys[starts], np.minimum.reduceat(pos, starts)
     return keys, pos
 
@@ -106,7 +106,7 @@ class ReuseTracker:
             return
         ts = sel["ts"]
         if len(sel) > 1 and bool((ts[1:] < ts[:-1]).any()):
-            sel = sel[np.argsort(sel["ts"], kind="stable")]
+            sel = sel[sel["ts"].argsort(kind="stable")]
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         ops, addr, size = sel["op"], sel["addr"], sel["bytes"]
@@ -132,7 +132,7 @@ class ReuseTracker:
         keys = reuse_keys(addr, size)
         is_rel = ops == release
         alloc_keys = keys[is_alloc]
-        rel_pos = np.flatnonzero(is_rel)
+        rel_pos = is_rel.nonzero()[0]
         if len(alloc_keys) == 0:
             if len(rel_pos):
                 freed.add(keys[rel_pos])
@@ -145,7 +145,7 @@ class ReuseTracker:
             if len(rel_pos):
                 freed.add(keys[rel_pos])
         if len(rel_pos):
-            miss = np.flatnonzero(~hit)
+            miss = (~hit).nonzero()[0]
             if len(miss):
                 # A missed allocation was freed only by this batch's releases, if by any: its key is one
                 # of theirs. Matched by key against each release key's first position in the batch
@@ -157,7 +157,7 @@ class ReuseTracker:
                 here = rel_keys[at] == miss_keys
                 if here.any():
                     miss, at = miss[here], at[here]
-                    hit[miss] = first_pos[at] < np.flatnonzero(is_alloc)[miss]
+                    hit[miss] = first_pos[at] < is_alloc.nonzero()[0][miss]
         ts_out = sel["ts"][is_alloc]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit
@@ -184,7 +184,7 @@ class ReuseTracker:
         slots = freed.find(np.concatenate((alloc_keys, rel_keys)))
         hit = slots[:n] != -1
         rel_slots = slots[n:]  # a view of find's fresh answer: written into below, read nowhere else
-        new = np.flatnonzero(rel_slots == -1)
+        new = (rel_slots == -1).nonzero()[0]
         if len(new):
             rel_slots[new] = freed.add(rel_keys[new])
         return hit, rel_slots, new

@@ -173,11 +173,12 @@ class DeviceFootprint:
         n = len(recs)
         order, a = sorted_positions(recs["addr"])  # by address, then time
         o = ops[order]
-        first = np.ones(n, dtype=bool)
+        first = np.empty(n, dtype=bool)  # (np.ones: a Python wrapper that fills what is written again below)
+        first[0] = True
         first[1:] = a[1:] != a[:-1]
         if bool(((o[1:] == o[:-1]) & ~first[1:]).any()):
             return None  # two allocations or two releases in a row at one address
-        fpos = np.flatnonzero(first)
+        fpos = first.nonzero()[0]
         lpos = np.empty_like(fpos)
         lpos[:-1] = fpos[1:] - 1
         lpos[-1] = n - 1
@@ -203,7 +204,7 @@ class DeviceFootprint:
         kind = np.full(n, k_hi, np.int64) if one_kind else kinds[order].astype(np.int64)
         is_async = np.zeros(n, bool) if no_async else raw_async[order].astype(bool)
         claimed = size.copy()
-        rel_inner = np.flatnonzero((o == 2) & ~first)
+        rel_inner = ((o == 2) & ~first).nonzero()[0]
         size[rel_inner] = size[rel_inner - 1]
         if not one_kind:
             kind[rel_inner] = kind[rel_inner - 1]
