@@ -101,11 +101,12 @@ class ReuseTracker:
             self._add_small(recs)
             return
         device = recs["mk"] == _DEVICE  # a plain int: numpy compares with an IntEnum member several times slower
-        sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
+        # (np.count_nonzero for all/any: no Python wrapper or reduction setup, about 0.3 us less a call.)
+        sel = recs if np.count_nonzero(device) == len(device) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return
         ts = sel["ts"]
-        if len(sel) > 1 and bool((ts[1:] < ts[:-1]).any()):
+        if len(sel) > 1 and np.count_nonzero(ts[1:] < ts[:-1]):
             sel = sel[sel["ts"].argsort(kind="stable")]
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
@@ -115,7 +116,7 @@ class ReuseTracker:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-        if self._sizeless or (int(size.min()) == 0 and bool(((ops == release) & (size == 0)).any())):
+        if self._sizeless or (int(size.min()) == 0 and np.count_nonzero((ops == release) & (size == 0))):
             # CUPTI's release records carry the size; a trace that omits it gets each release the
             # size last allocated at its address, remembered from the first such batch on (one pass
             # in Python; the common case never pays for it).
