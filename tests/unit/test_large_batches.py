@@ -381,6 +381,28 @@ def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_footprint_batches_in_bulk_leave_the_live_table_the_per_record_walk_leaves(seed: int) -> None:
+    # GIVEN two footprints fed the same well-formed batches, records in no address order (one memory kind
+    # or several, stream-ordered allocations or none), one through the bulk path, one record by record
+    rng = np.random.default_rng(seed)
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    errs = [table_mod.IngestErrors(), table_mod.IngestErrors()]
+    live: dict[int, int] = {}
+    t = 10**15
+    for _ in range(25):
+        batch = _well_formed_batch(rng, t, live, one_kind=rng.random() < 0.5, with_async=rng.random() < 0.5)
+        t += 10**9
+        bulk = fps[0]._apply_memory_bulk(batch, errs[0])
+        assert bulk is not None  # the bulk path took it
+        each = fps[1]._apply_memory_each(batch, errs[1])
+        # THEN both hold the same table (each entry's size, kind, time and async flag, of the same types),
+        # sums, peaks and errors, and returned the same level changes
+        assert _footprint_state(fps[0], bulk) == _footprint_state(fps[1], each)
+        assert [tuple(map(type, e)) for e in fps[0].live.values()] == [tuple(map(type, e)) for e in fps[1].live.values()]
+        assert dict(errs[0].counts) == dict(errs[1].counts)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_frame_counters_from_the_peaks_runs_equal_their_own_runs(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # GIVEN two footprints with a frame builder each, fed the same memory batches in time order; one
     # builder reads the footprint's own peaks (their runs), the other a peaks table of its own that is

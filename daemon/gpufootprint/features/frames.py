@@ -166,7 +166,7 @@ class FrameBuilder:
                 end_level[t // frame_ns] = level
             return
         idx = ts.astype(np.int64) // self.frame_ns
-        levels = level_after - int(deltas.sum()) + np.cumsum(deltas, dtype=np.int64)
+        levels = level_after - int(deltas.sum()) + deltas.cumsum(dtype=np.int64)
         ends = run_ends(idx)
         for fid, lvl in zip(idx[ends].tolist(), levels[ends].tolist()):
             self._end_level[fid] = lvl

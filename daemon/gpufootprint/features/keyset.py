@@ -55,18 +55,19 @@ class KeySet:
         """Per key, its slot in the table, or -1 when absent (the key 0: -2 when present)."""
         keys = keys.astype(np.uint64, copy=False)
         table, mask = self._table, self._mask
-        if len(keys) >= _ROUND_ONE_MIN and bool(keys.all()):
+        # (np.count_nonzero for all/any: no Python wrapper or reduction setup, about 0.3 us less a call.)
+        if len(keys) >= _ROUND_ONE_MIN and np.count_nonzero(keys) == len(keys):
             # The first round over the whole batch without selections (most keys settle in it); the
             # keys still probing go on below, the last few of them in Python.
             slot = self._home(keys)
             seen = table[slot]
             hit = seen == keys
             out = np.where(hit, slot, -1)
-            todo = np.flatnonzero((seen != 0) & ~hit)
+            todo = ((seen != 0) & ~hit).nonzero()[0]
             slot, want = (slot[todo] + 1) & mask, keys[todo]
         else:
             out = np.full(len(keys), -1, np.int64)
-            todo = np.flatnonzero(keys)
+            todo = keys.nonzero()[0]
             slot = self._home(keys[todo])
             want = keys[todo]
         while len(todo):
@@ -106,8 +107,8 @@ class KeySet:
             self._grow(self.size + len(keys))
         out = np.full(len(keys), -2, np.int64)
         table, mask = self._table, self._mask
-        whole = len(keys) >= _ROUND_ONE_MIN and bool(keys.all())  # first round without selections
-        todo = np.arange(len(keys)) if whole else np.flatnonzero(keys)
+        whole = len(keys) >= _ROUND_ONE_MIN and np.count_nonzero(keys) == len(keys)  # first round without selections
+        todo = np.arange(len(keys)) if whole else keys.nonzero()[0]
         if len(todo) < len(keys):
             if not self._zero:
                 self.size += 1
@@ -117,7 +118,7 @@ class KeySet:
         while len(todo):
             seen = table[slot]
             empty = seen == 0
-            if empty.any():
+            if np.count_nonzero(empty):
                 # Claim the empty slots; where two different keys claimed one, the last write won and
                 # the other sees a foreign key below and probes on. Equal keys write the same value.
                 claimed = slot[empty]
@@ -130,7 +131,7 @@ class KeySet:
             if whole:  # every key is in its own place: no positions to look up
                 whole = False
                 out = np.where(hit, slot, -2)
-                go = np.flatnonzero(~hit)
+                go = (~hit).nonzero()[0]
                 todo, slot, want = go, (slot[go] + 1) & mask, want[go]
                 continue
             out[todo[hit]] = slot[hit]

@@ -63,7 +63,7 @@ def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.
     if len(keys) > 1:
         change = keys[1:] != keys[:-1]
         if not change.all():
-            starts = np.flatnonzero(np.concatenate(([True], change)))
+            starts = np.concatenate(([True], change)).nonzero()[0]
             keys, pos = keys[starts], np.minimum.reduceat(pos, starts)
     return keys, pos
 
@@ -101,12 +101,13 @@ class ReuseTracker:
             self._add_small(recs)
             return
         device = recs["mk"] == _DEVICE  # a plain int: numpy compares with an IntEnum member several times slower
-        sel = recs if bool(device.all()) else select(recs, device)  # as recs[device], rows of words at once
+        # (np.count_nonzero for all/any: no Python wrapper or reduction setup, about 0.3 us less a call.)
+        sel = recs if np.count_nonzero(device) == len(device) else select(recs, device)  # as recs[device], rows of words at once
         if len(sel) == 0:
             return
         ts = sel["ts"]
-        if len(sel) > 1 and bool((ts[1:] < ts[:-1]).any()):
-            sel = sel[np.argsort(sel["ts"], kind="stable")]
+        if len(sel) > 1 and np.count_nonzero(ts[1:] < ts[:-1]):
+            sel = sel[sel["ts"].argsort(kind="stable")]
         freed, live = self._freed, self._live
         alloc, release = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
         ops, addr, size = sel["op"], sel["addr"], sel["bytes"]
@@ -115,7 +116,7 @@ class ReuseTracker:
             live.clear()
         if len(freed) >= self._capacity:
             freed.clear()  # bounded memory: start remembering afresh (the ratio dips, briefly)
-        if self._sizeless or (int(size.min()) == 0 and bool(((ops == release) & (size == 0)).any())):
+        if self._sizeless or (int(size.min()) == 0 and np.count_nonzero((ops == release) & (size == 0))):
             # CUPTI's release records carry the size; a trace that omits it gets each release the
             # size last allocated at its address, remembered from the first such batch on (one pass
             # in Python; the common case never pays for it).
@@ -132,7 +133,7 @@ class ReuseTracker:
         keys = reuse_keys(addr, size)
         is_rel = ops == release
         alloc_keys = keys[is_alloc]
-        rel_pos = np.flatnonzero(is_rel)
+        rel_pos = is_rel.nonzero()[0]
         if len(alloc_keys) == 0:
             if len(rel_pos):
                 freed.add(keys[rel_pos])
@@ -145,7 +146,7 @@ class ReuseTracker:
             if len(rel_pos):
                 freed.add(keys[rel_pos])
         if len(rel_pos):
-            miss = np.flatnonzero(~hit)
+            miss = (~hit).nonzero()[0]
             if len(miss):
                 # A missed allocation was freed only by this batch's releases, if by any: its key is one
                 # of theirs. Matched by key against each release key's first position in the batch
@@ -157,7 +158,7 @@ class ReuseTracker:
                 here = rel_keys[at] == miss_keys
                 if here.any():
                     miss, at = miss[here], at[here]
-                    hit[miss] = first_pos[at] < np.flatnonzero(is_alloc)[miss]
+                    hit[miss] = first_pos[at] < is_alloc.nonzero()[0][miss]
         ts_out = sel["ts"][is_alloc]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit
@@ -184,7 +185,7 @@ class ReuseTracker:
         slots = freed.find(np.concatenate((alloc_keys, rel_keys)))
         hit = slots[:n] != -1
         rel_slots = slots[n:]  # a view of find's fresh answer: written into below, read nowhere else
-        new = np.flatnonzero(rel_slots == -1)
+        new = (rel_slots == -1).nonzero()[0]
         if len(new):
             rel_slots[new] = freed.add(rel_keys[new])
         return hit, rel_slots, new

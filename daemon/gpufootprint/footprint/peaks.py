@@ -86,7 +86,7 @@ class FramePeaks:
             # read against a small batch's runs).
             self.runs = FrameRuns(ts, -1, deltas, None, frame_ids, ends, last)
         else:
-            levels = self.level + np.cumsum(deltas, dtype=np.int64)
+            levels = self.level + deltas.cumsum(dtype=np.int64)
             idx = ts.astype(np.int64) // self.frame_ns
             starts = run_starts(idx)
             seg_max = np.maximum.reduceat(levels, starts)

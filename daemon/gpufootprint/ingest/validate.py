@@ -110,7 +110,9 @@ def in_range(kind: RecordKind, recs: np.ndarray, limits: Limits) -> bool:
     if words is not None and recs.flags.c_contiguous and recs.dtype == DTYPES[kind]:
         # One view as (records, words): a subarray dtype of the record's size (not three views and a reshape).
         view = recs.view(_WORDS[kind])
-        return not bool((view > words).any())
+        # count_nonzero: one C loop, where ndarray.any goes through a Python wrapper and a ufunc reduction's
+        # setup (about 0.3 us more, and every batch is asked).
+        return not np.count_nonzero(view > words)
     return n <= FEW_RECORDS and _few_in_range(kind, recs, limits)
 
 

@@ -75,6 +75,13 @@ def _few_before(ts: np.ndarray, i: int, stop: int) -> bool:
     return k >= len(ts) or ts[k] >= stop
 
 
+def _filled(n: int, dev: int) -> np.ndarray:
+    """``np.full(n, dev, np.int32)`` without ``np.full``'s Python wrapper (about 0.2 us of 0.6, once a batch)."""
+    out = np.empty(n, np.int32)
+    out.fill(dev)
+    return out
+
+
 def _first(mem_ts: np.ndarray, i_mem: int, ev_ts: np.ndarray, i_ev: int) -> int:
     """The time of the first event from ``i_mem`` / ``i_ev`` on (at least one is there)."""
     return int(min(mem_ts[i_mem:i_mem + 1].tolist() + ev_ts[i_ev:i_ev + 1].tolist()))
@@ -126,7 +133,7 @@ class ProcessSampler:
         """GPU-resident level changes of one device, in time order (one per memory record)."""
         self._mem_dev = dev if not self._mem or self._mem_dev == dev else _MIXED
         # (The deltas as they come when they are int64 already: the sampler only reads them, as the footprint does.)
-        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64, copy=False), np.full(len(ts), dev, np.int32)))
+        self._mem.append((ts.astype(np.int64), deltas.astype(np.int64, copy=False), _filled(len(ts), dev)))
 
     def add_events(self, ts: np.ndarray) -> None:
         """Timestamps of records that are events but move no level (copies, sets, pools, ...)."""
@@ -554,7 +561,7 @@ class ProcessSampler:
         if _joined_in_order([c[0] for c in chunks]):
             # The usual case (what a walk left, then what came since): a stable sort would leave it as it is.
             return ts, deltas, devs
-        order = np.argsort(ts, kind="stable")
+        order = ts.argsort(kind="stable")
         return ts[order], deltas[order], devs[order]
 
     def _take_events(self) -> np.ndarray:
