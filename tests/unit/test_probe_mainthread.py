@@ -60,10 +60,18 @@ def test_a_call_from_another_thread_runs_on_the_main_thread() -> None:
     assert call.on_main == 1 and call.fallbacks == 0
 
 
+def test_without_pending_calls_the_caller_makes_the_call_and_it_counts_as_a_fallback() -> None:
+    call = MainThreadCall()
+    call._add = None  # as in a subinterpreter, or a Python without Py_AddPendingCall
+    th, out = _in_thread(lambda: call.run(lambda: threading.get_ident(), timeout=5.0))
+    th.join(5)
+    assert out["result"] == th.ident and call.fallbacks == 1 and call.on_main == 0
+
+
 def test_the_main_thread_calls_directly() -> None:
     call = MainThreadCall()
     assert call.run(lambda: threading.get_ident(), timeout=5.0) == MAIN
-    assert call.on_main == 0 and call.fallbacks == 0
+    assert call.on_main == 1 and call.fallbacks == 0
 
 
 def test_a_main_thread_held_in_c_gets_the_call_made_by_the_caller_after_the_timeout_and_never_twice() -> None:
@@ -393,7 +401,7 @@ mt = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mt)
 call = mt.MainThreadCall()
 assert call._add is None, "pending calls used in a subinterpreter"
-assert call.run(lambda: 5, timeout=0.1) == 5
+assert call.run(lambda: 5, timeout=0.1) == 5  # (no threads in an isolated subinterpreter to call from)
 """)
     finally:
         interpreters.destroy(interp)

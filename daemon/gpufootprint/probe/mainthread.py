@@ -93,8 +93,13 @@ class MainThreadCall:
         Whatever the main thread's ``fn()`` raised, the call is made again here: a signal handler of the
         program may have raised there, at a bytecode boundary, leaving it half made. An exception it raises
         here too is ``fn``'s own and the caller's; one raised only there is the program's and is raised again
-        in the program's main thread (``_give_back``)."""
-        if self._add is None or threading.current_thread() is threading.main_thread():
+        in the program's main thread (``_give_back``): ``fn`` should report its own failures by its result,
+        as the probe's switches do, not by raising."""
+        if threading.current_thread() is threading.main_thread():
+            self.on_main += 1
+            return fn()
+        if self._add is None:  # no pending calls here (not CPython, or a subinterpreter)
+            self.fallbacks += 1
             return fn()
         with self._lock:
             self._fn, self._outcome = fn, None
