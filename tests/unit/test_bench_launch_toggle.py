@@ -7,20 +7,17 @@ process alike, and leave each window's own steps out.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 from typing import Any
+
+from tests.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _toggle() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_launch_toggle", ROOT / "bench" / "launch_toggle.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "launch_toggle.py", "bench_launch_toggle")
 
 
 def _process(mode: str, turns: int, slowdown_per_window: float, drift: list[float], seed: int,

@@ -6,7 +6,6 @@ switched on less than the probe would charge CUPTI's own work to the probe.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from gpufootprint.probe.core import Probe
 from gpufootprint.probe.settings import ProbeSettings
 
 from tests import probe_fakes as fk
+from tests.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SWITCHES = ("configure", "per_thread_buffer", "register_raw", "register", "enable", "disable", "driver_hooks",
@@ -22,11 +22,7 @@ SWITCHES = ("configure", "per_thread_buffer", "register_raw", "register", "enabl
 
 
 def _overhead() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_overhead", ROOT / "bench" / "overhead.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "bench" / "overhead.py", "bench_overhead")
 
 
 class Recorded(fk.FakeRawCupti):

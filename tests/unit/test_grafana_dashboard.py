@@ -4,13 +4,14 @@ metric names from the contract (docs/metrics.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 GEN = ROOT / "deploy" / "grafana" / "generate.py"
@@ -35,12 +36,7 @@ METRIC = re.compile(r"\b(gpufootprint_[a-z0-9_]+)\b")
 
 
 def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpufootprint_dashboard_generate", GEN)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(GEN, "gpufootprint_dashboard_generate")
 
 
 def test_regenerating_gives_the_checked_in_file() -> None:

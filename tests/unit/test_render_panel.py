@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.script_module import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "render_panel.py"
 NS = "{http://www.w3.org/2000/svg}"
 
 
 def _mod() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpufootprint_render_panel", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "gpufootprint_render_panel")
 
 
 def test_stacked_panel_has_one_band_per_series_and_legend_values() -> None:
