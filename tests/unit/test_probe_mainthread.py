@@ -30,16 +30,18 @@ MAIN = threading.main_thread().ident
 
 
 def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """``fn`` on a thread of its own: its result or exception, and when it returned, in ``out``. A daemon
+    thread: a caller that never returns must fail the test, not hang the session."""
     out: dict[str, Any] = {}
 
     def body() -> None:
         try:
             out["result"] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test reads it
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
             out["error"] = exc
         out["at"] = time.monotonic()
 
-    th = threading.Thread(target=body)
+    th = threading.Thread(target=body, daemon=True)
     th.start()
     return th, out
 
@@ -207,21 +209,6 @@ def test_switching_from_the_sender_as_before_is_one_setting(tmp_path: Path) -> N
         p.stop()
 
 
-def _daemon_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    """As ``_in_thread``, but a daemon: a caller that never returns must fail the test, not hang the session."""
-    out: dict[str, Any] = {}
-
-    def body() -> None:
-        try:
-            out["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
-            out["error"] = exc
-
-    th = threading.Thread(target=body, daemon=True)
-    th.start()
-    return th, out
-
-
 def test_a_ctrl_c_while_the_main_thread_switches_reaches_the_program_and_the_caller_still_returns() -> None:
     # GIVEN Python's own SIGINT handler (KeyboardInterrupt), and a Ctrl-C that arrives while the main thread
     # makes the call: its handler runs at the call's next bytecode boundary, inside the call
@@ -236,7 +223,7 @@ def test_a_ctrl_c_while_the_main_thread_switches_reaches_the_program_and_the_cal
             made_on.append(threading.get_ident())
             return True
 
-        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        th, out = _in_thread(lambda: call.run(switch, timeout=0.2))
         interrupted = False
         try:
             _spin_until(th, timeout=3.0)
@@ -275,7 +262,7 @@ def test_an_exception_of_the_programs_signal_handler_during_the_call_is_the_prog
             made_on.append(threading.get_ident())
             return True
 
-        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        th, out = _in_thread(lambda: call.run(switch, timeout=0.2))
         got: BaseException | None = None
         try:
             _spin_until(th, timeout=3.0)
@@ -370,7 +357,7 @@ def test_a_ctrl_c_during_the_call_reaches_the_program_even_when_the_call_fails_f
                 signal.raise_signal(signal.SIGINT)
             raise RuntimeError("cupti said no")
 
-        th, out = _daemon_thread(lambda: call.run(switch, timeout=0.2))
+        th, out = _in_thread(lambda: call.run(switch, timeout=0.2))
         interrupted = False
         try:
             _spin_until(th, timeout=3.0)
