@@ -136,13 +136,26 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
 
     def serve_turns(tiny: Any, steps: list[tuple[float, float]], t_start: float) -> None:
         """A turn of steps at each ``go`` on stdin, ``done`` after it, until ``stop``."""
+        t_turn, closed = 0.0, False  # this turn's start, and whether its window has come and gone
+        open_at: float | None = None  # when this turn's window opened (None: not open)
+
+        def switch_here(now: float) -> None:
+            """The loop's own thread opens the turn's window ``offset`` in, and closes it ``window_ms`` later."""
+            nonlocal open_at, closed
+            if open_at is None and not closed and now - t_turn >= offset:
+                switch(True)
+                open_at = now
+            elif open_at is not None and now - open_at >= window_ms / 1000:
+                switch(False)
+                windows.append((open_at, time.perf_counter()))
+                open_at, closed = None, True
+
         for line in sys.stdin:
             if line.strip() != "go":
                 break
             side_done.clear()
             t_turn = time.perf_counter()
-            open_at: float | None = None
-            closed = mode == "none"
+            open_at, closed = None, mode == "none"
             if sided:
                 go.set()
             while True:
@@ -150,25 +163,12 @@ def child(mode: str, turn_ms: float, window_ms: float, cpus: str) -> None:
                 if now - t_turn >= turn_ms / 1000 and (closed or side_done.is_set()):
                     break
                 if mode == "main_idle":  # between two steps: nothing in flight on this thread
-                    if open_at is None and not closed and now - t_turn >= offset:
-                        switch(True)
-                        open_at = now
-                    elif open_at is not None and now - open_at >= window_ms / 1000:
-                        switch(False)
-                        windows.append((open_at, time.perf_counter()))
-                        open_at, closed = None, True
+                    switch_here(now)
                 t0 = time.perf_counter()
                 for i in range(100):
                     tiny.add_(1.0)
                     if mode == "main_busy" and i == 50:  # among the step's launches, half of them queued
-                        t = time.perf_counter()
-                        if open_at is None and not closed and t - t_turn >= offset:
-                            switch(True)
-                            open_at = t
-                        elif open_at is not None and t - open_at >= window_ms / 1000:
-                            switch(False)
-                            windows.append((open_at, time.perf_counter()))
-                            open_at, closed = None, True
+                        switch_here(time.perf_counter())
                 t1 = time.perf_counter()
                 torch.cuda.synchronize()
                 steps.append((t0 - t_start, t1 - t0))  # the host's launching only, not the wait
