@@ -282,7 +282,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--turn-ms", type=float, default=100.0, help="a process's turn of steps, one window in each")
     ap.add_argument("--window-ms", type=float, default=20.0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the run's JSON (required for a run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", help=argparse.SUPPRESS)
     ap.add_argument("--analyse", metavar="JSON", help="print the turn-by-turn table of an earlier run's JSON (.gz too)")
@@ -297,6 +297,8 @@ def main() -> None:
         with opener(args.analyse, "rt") as f:
             print_against_none(json.load(f)["raw"])
         return
+    if not args.out:
+        ap.error("--out is required for a run (only --analyse goes without)")
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:

@@ -190,6 +190,13 @@ class SamplerConfig:
                                                    doc="a burst opens a window only when none opened this long "
                                                        "before (under allocation churn a burst starts every "
                                                        "second; 0: every burst, past the gap)")
+    kernel_window_every_max_seconds: float = _spec(600.0, lo=0, hi=86_400,
+                                                   doc="each window a process has had doubles both gaps above "
+                                                       "(periodic and burst) for its next one, up to this long "
+                                                       "(0: no back-off): every window's switches may leave "
+                                                       "launches from threads other than the main one slower for "
+                                                       "good (docs/performance.md), so a long job gets a few a "
+                                                       "hour, not one every 30 s")
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class FeatureHub:
         self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
         self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window (its close)
         self._window_opened: dict[int, int] = {}  # pid -> watermark time its last kernel window opened
+        self._windows_had: dict[int, int] = {}  # pid -> kernel windows opened (or tried) so far: the back-off
         self._kernel_window_id = 0
         self._followed: dict[int, _FollowedWindow] = {}  # pid -> its open launch window
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
@@ -163,6 +164,7 @@ class FeatureHub:
         self._window_due.pop(pid, None)
         self._window_last.pop(pid, None)
         self._window_opened.pop(pid, None)
+        self._windows_had.pop(pid, None)
         self._followed.pop(pid, None)
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
@@ -268,17 +270,23 @@ class FeatureHub:
         together than ``kernel_window_min_gap_seconds`` (the duty cycle stays low). A burst opens one only when
         none opened in the last ``kernel_window_burst_gap_seconds``: under allocation churn a burst starts
         every second, and while a window is open every launch costs the workload a CUPTI record; windows at
-        every burst cost a loop of tiny launches 2.5-5 % (H100, 2026-12-06, docs/performance.md)."""
+        every burst cost a loop of tiny launches 2.5-5 % (H100, 2026-12-06, docs/performance.md).
+
+        Both gaps double with each window the process has had, up to ``kernel_window_every_max_seconds``: a
+        window's per-API switches can leave the launches of threads other than the one that switched (PyTorch's
+        backward runs on autograd's) slower for good, more with every window, so what a long job pays is
+        bounded by the few windows a back-off gives it (ten in its first hour, then six an hour, against 120)."""
         cfg = self.config
-        every_ns = int(cfg.kernel_window_every_seconds * 1e9)
+        had = self._windows_had.get(s.pid, 0)
         due = self._window_due.get(s.pid)
-        if due is None and every_ns:
+        if due is None and cfg.kernel_window_every_seconds > 0:
             due = self._window_due[s.pid] = now_ns + int(cfg.kernel_window_first_seconds * 1e9)
         burst = s.bursts != self._bursts_seen.get(s.pid, 0)
         self._bursts_seen[s.pid] = s.bursts  # one window per step that saw a burst start (one is enough)
         periodic = due is not None and now_ns >= due
         opened = self._window_opened.get(s.pid)
-        if burst and opened is not None and now_ns - opened < cfg.kernel_window_burst_gap_seconds * 1e9:
+        burst_gap_ns = self._backed_off_ns(cfg.kernel_window_burst_gap_seconds, had - 1)
+        if burst and opened is not None and now_ns - opened < burst_gap_ns:
             burst = False  # under churn every second bursts: windows at each would record much of the time
         if not (burst or periodic):
             return
@@ -299,8 +307,17 @@ class FeatureHub:
             self._followed[s.pid] = _FollowedWindow(self._kernel_window_id, now_ns, body["ms"])
         self._window_last[s.pid] = now_ns
         self._window_opened[s.pid] = now_ns
+        self._windows_had[s.pid] = had + 1
         if periodic:
-            self._window_due[s.pid] = now_ns + every_ns
+            self._window_due[s.pid] = now_ns + self._backed_off_ns(cfg.kernel_window_every_seconds, had)
+
+    def _backed_off_ns(self, gap_seconds: float, doublings: int) -> int:
+        """``gap_seconds`` doubled ``doublings`` times (none below 0), at most ``kernel_window_every_max_seconds``
+        (0: never backed off), never below ``gap_seconds``; a gap of 0 (windows at every burst) stays 0."""
+        cap = self.config.kernel_window_every_max_seconds
+        if doublings <= 0 or cap <= 0 or gap_seconds <= 0:
+            return int(gap_seconds * 1e9)
+        return int(max(gap_seconds, min(gap_seconds * 2.0 ** min(doublings, 64), cap)) * 1e9)
 
     def _send(self, pid: int, body: dict[str, Any]) -> bool:
         assert self.control is not None

@@ -12,6 +12,7 @@ first burst's window is the only one in the run, however many bursts follow it. 
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -187,3 +188,29 @@ def test_under_allocation_churn_the_burst_gap_leaves_one_window_where_the_1s_gap
     late = [(n, b) for t, n, b in bounded.live if t >= 2.0]
     assert late and {n for n, _ in late} == {2}, bounded.live
     assert late[-1][1] - late[0][1] >= 15, bounded.live
+
+
+def test_each_window_doubles_the_burst_gap_before_the_next_while_the_child_runs(tmp_path: Path) -> None:
+    # GIVEN the same churning child, a burst gap of 0.5 s, no minimum gap after a close and no periodic window
+    # within the run: only bursts open windows, as often as the back-off lets them
+    quick = {"sampler.kernel_window_first_seconds": 600.0, "sampler.kernel_window_burst_gap_seconds": 0.5,
+             "sampler.kernel_window_min_gap_seconds": 0.0}
+    # WHEN the daemon backs off (the default, up to 600 s) and WHEN it does not (every_max 0)
+    backed = _run(tmp_path / "backed", quick)
+    flat = _run(tmp_path / "flat", {**quick, "sampler.kernel_window_every_max_seconds": 0.0})
+    for run in (backed, flat):
+        assert run.steps_sent >= 5 and run.openings, run  # the windows got the child's steps
+    # THEN each gap between openings is at least the last one doubled (0.5, 1, 2 s: the gate counts on the
+    # daemon's watermarks, a step behind the child's clock), so a 6.5 s run sees three to five windows
+    times = [o["t"] for o in backed.openings]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert 3 <= len(times) <= 5, backed.controls
+    assert all(g >= 0.5 * 2 ** k - 0.15 for k, g in enumerate(gaps)), gaps
+    # AND without the back-off a window reopens every half second or so, past its close, all run long
+    assert len(flat.openings) >= 6, flat.controls
+    # AND /metrics, read while the child ran, shows it: the backed-off daemon's kernel_window CONTROLs (openings,
+    # renewals, closes) stopped climbing in the run's last 1.5 s, the flat one's did not
+    for run, climbs in ((backed, False), (flat, True)):
+        late = [n for t, n, _ in run.live if t >= RUN_S - 1.5]
+        assert late, run.live
+        assert (late[-1] > late[0]) is climbs, (climbs, run.live)

@@ -70,3 +70,21 @@ def test_processes_not_taken_in_turns_give_no_table() -> None:
     lt = _toggle()
     one_turn = {"mode": "none", "steps": [(i * 0.001, 0.001) for i in range(1000)], "windows": []}
     assert lt.against_none([one_turn, dict(one_turn, mode="side")]) == []
+
+
+def test_the_published_table_is_read_back_from_a_committed_run_without_an_out_file() -> None:
+    # the command docs/performance.md gives for its table: --analyse alone (no --out, no GPU, no torch)
+    import subprocess
+    import sys
+
+    run = ROOT / "bench" / "results" / "h100_2026-12-06T1117Z_launch_toggle_threads.json.gz"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "launch_toggle.py"), "--analyse", str(run)],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
+    assert set(rows) >= {"none", "side", "thread_side", "thread_pending"}, out.stdout
+    assert rows["none"][-3:] == ["1.000", "1.000", "1.000"], out.stdout
+    # and a run still needs its --out
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "launch_toggle.py"), "--modes", "none"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--out is required" in bad.stderr, bad.stderr

@@ -65,23 +65,25 @@ def test_a_close_of_another_window_leaves_the_followed_one_alone() -> None:
     assert [b["id"] for b in sent if b["op"] == "kernel_window"] == [opened["id"]], sent
 
 
-def _churn(burst_gap_s: float, seconds: int = 120) -> list[tuple[int, int]]:
-    """A process whose every 100 ms watermark starts a burst (allocation churn under a stream-ordered
-    allocator) and which runs ten steps (a launch and a wait) between watermarks; each launch window it
-    is sent records them. Returns each window's (opened, closed) watermark times in ms."""
-    hub = FeatureHub(sampler=SamplerConfig(kernel_window_burst_gap_seconds=burst_gap_s))
+def _churn(burst_gap_s: float, seconds: int = 120, *, bursts: bool = True, every_ms: int = 100,
+           **cfg: Any) -> list[tuple[int, int]]:
+    """A process whose every ``every_ms`` watermark starts a burst (allocation churn under a stream-ordered
+    allocator; ``bursts=False``: none) and which runs ten steps (a launch and a wait) between watermarks;
+    each launch window it is sent records them. Returns each window's (opened, closed) watermark times in ms."""
+    hub = FeatureHub(sampler=SamplerConfig(kernel_window_burst_gap_seconds=burst_gap_s, **cfg))
     now = [0]
     sent: list[tuple[int, dict[str, Any]]] = []
     hub.control = lambda pid, body: sent.append((now[0], body)) is None
     s = hub.sampler(7)
     steps = np.zeros(20, API_DTYPE)
     steps["role"] = [ApiRole.LAUNCH, ApiRole.SYNC] * 10
-    for i in range(seconds * 10):
-        now[0] = i * 100
+    for i in range(seconds * 1000 // every_ms):
+        now[0] = i * every_ms
         if 7 in hub._followed:
             hub.on_launches(7, steps)  # what the open window recorded since the last watermark
-        s.bursts = i + 1  # a burst starts in every step
-        hub._after_step(s, "probe", i * 100 * 1_000_000)
+        if bursts:
+            s.bursts = i + 1  # a burst starts in every step
+        hub._after_step(s, "probe", i * every_ms * 1_000_000)
     spans: dict[int, list[int]] = {}
     for t, b in sent:
         if b["op"] == "kernel_window":
@@ -95,9 +97,41 @@ def test_under_churn_a_burst_opens_a_window_only_past_the_burst_gap() -> None:
     assert SamplerConfig().kernel_window_burst_gap_seconds == 30.0
     windows = _churn(30.0)
     # THEN each window closes at its steps (100 ms: the next watermark); the first burst opens one at once, the
-    # periodic schedule one 5 s in (past start-up) and every 30 s after, and no burst opens any other
+    # periodic schedule one 5 s in (past start-up), then 60 s later (30 s doubled: the process had a window
+    # before it), and no burst opens any other (the burst gap doubles with the windows too)
     assert [b - a for a, b in windows[:-1]] == [100] * (len(windows) - 1)
-    assert [a for a, _ in windows] == [0, 5_000, 35_000, 65_000, 95_000]
+    assert [a for a, _ in windows] == [0, 5_000, 65_000]
+    # AND without the back-off every 30 s
+    assert [a for a, _ in _churn(30.0, kernel_window_every_max_seconds=0)] == [0, 5_000, 35_000, 65_000, 95_000]
     # AND with a gap of 0 a window opens at the first burst past the 1 s gap from the last close: every 1.1 s
     every = _churn(0.0)
     assert len(every) >= 100 and [b[0] - a[1] for a, b in itertools.pairwise(every)][:3] == [1000] * 3
+
+
+def test_a_long_job_gets_a_few_windows_an_hour_not_one_every_30_s() -> None:
+    # GIVEN a process that runs two hours without a burst, every launch window closed at its steps
+    cfg = SamplerConfig()
+    assert (cfg.kernel_window_every_seconds, cfg.kernel_window_every_max_seconds) == (30.0, 600.0)
+    opened = [a // 1000 for a, _ in _churn(30.0, 7200, bursts=False, every_ms=1000)]
+    # THEN the periodic gap doubles after each window (30, 60, 120, 240, 480 s), then stays at 600 s: ten
+    # windows in the first hour, six in the second, where every 30 s gives 120 an hour
+    assert opened[:8] == [5, 35, 95, 215, 455, 935, 1535, 2135]
+    assert [b - a for a, b in itertools.pairwise(opened)][6:] == [600] * (len(opened) - 7)
+    assert sum(t < 3600 for t in opened) == 10 and sum(3600 <= t < 7200 for t in opened) == 6
+    flat = _churn(30.0, 7200, bursts=False, every_ms=1000, kernel_window_every_max_seconds=0)
+    assert sum(a < 3_600_000 for a, _ in flat) == 120
+
+
+def test_under_churn_the_burst_gap_backs_off_with_the_periodic_one() -> None:
+    # GIVEN a process bursting at every 1 s watermark for two hours (allocation churn), default windows
+    opened = [a // 1000 for a, _ in _churn(30.0, 7200, every_ms=1000)]
+    # THEN the first burst opens one at once and the periodic schedule one 5 s in; after that each window's
+    # gap (burst or periodic, whichever comes first) is at least the doubled one, up to 600 s: 16 windows in
+    # two hours, where the fixed 30 s burst gap opened one every 30 s
+    assert opened[:6] == [0, 5, 65, 185, 425, 905]
+    gaps = [b - a for a, b in itertools.pairwise(opened)]
+    assert all(g >= min(30 * 2 ** i, 600) for i, g in enumerate(gaps[1:])), gaps
+    assert len(opened) == 16, opened
+    assert len(_churn(30.0, 7200, every_ms=1000, kernel_window_every_max_seconds=0)) >= 7200 // 30
+    # AND a burst gap of 0 (a window at every burst, as asked) is not backed off
+    assert len(_churn(0.0, 120, every_ms=1000)) >= 50

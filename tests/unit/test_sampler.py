@@ -221,12 +221,11 @@ def test_sampler_sends_flush_interval_and_kernel_window_to_probes_only() -> None
     assert all(1 <= ms <= 1000 for ms in flushes)
 
 
-def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() -> None:
-    # GIVEN a hub with the default windows (50 ms of launch records) and a probe process whose
-    # watermarks come every 100 ms for 3 minutes
+def _windows_of_a_quiet_process(cfg: SamplerConfig, seconds: int = 180) -> list[list[tuple[float, int]]]:
+    """Each launch window the hub sent a probe process whose watermarks come every 100 ms for ``seconds``
+    and which launches nothing: its (seconds since the first watermark, ms) CONTROLs, window by window."""
     sent: list[tuple[int, int, dict[str, Any]]] = []
-    assert SamplerConfig().kernel_window_ms == 50 and SamplerConfig().kernel_window_records == "launches"
-    hub = FeatureHub(sampler=SamplerConfig())
+    hub = FeatureHub(sampler=cfg)
     now = [0]
     hub.control = lambda pid, body: sent.append((now[0], pid, body)) or True
     pipeline = Pipeline(FootprintConfig(), hub=hub)
@@ -237,23 +236,36 @@ def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() ->
     rec = np.zeros(1, MEMORY_DTYPE)
     rec["ts"], rec["op"], rec["mk"], rec["addr"], rec["bytes"], rec["pid"] = t0, 1, 3, 0x1000, 1 << 30, pid
     pipeline.submit(RecordKind.MEMORY, rec)
-    for t in range(t0, t0 + 180 * 1000 * MS, 100 * MS):
+    for t in range(t0, t0 + seconds * 1000 * MS, 100 * MS):
         now[0] = t
         pipeline.advance(pid, t)
-    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones, each held open lease by
-    # lease (2 s) while it has seen no step (this process launches nothing), closed at its bound (12 s), the
-    # next periodic one due 30 s after the last opened and at least 1 s after the last closed
     windows: dict[int, list[tuple[float, int]]] = {}
     for t, _, b in sent:
         if b["op"] == "kernel_window":
             assert b["records"] == "launches"
             windows.setdefault(b["id"], []).append(((t - t0) / 1e9, b["ms"]))
-    opened = [w[0][0] for w in windows.values()]
-    assert opened == pytest.approx([0.1, 13.1, 43.1, 73.1, 103.1, 133.1, 163.1], abs=0.11)
-    for w in windows.values():
+    return list(windows.values())
+
+
+def test_kernel_windows_open_periodically_at_a_low_duty_cycle_and_at_bursts() -> None:
+    # GIVEN a hub with the default windows (50 ms of launch records) and a probe process whose
+    # watermarks come every 100 ms for 3 minutes
+    assert SamplerConfig().kernel_window_ms == 50 and SamplerConfig().kernel_window_records == "launches"
+    windows = _windows_of_a_quiet_process(SamplerConfig())
+    # THEN one window at the start-up burst (the 1 GiB allocation), then periodic ones, each held open lease by
+    # lease (2 s) while it has seen no step (this process launches nothing), closed at its bound (12 s), the
+    # next periodic one due 30 s after the last opened, doubled for each window the process had before it
+    # (the first periodic one came after the burst's: 60 s), and at least 1 s after the last closed
+    opened = [w[0][0] for w in windows]
+    assert opened == pytest.approx([0.1, 13.1, 73.1], abs=0.11)
+    for w in windows:
         assert w[0][1] == 2000 and all(ms <= 2000 for _, ms in w)
         if w[-1][0] < 170:
             assert w[-1][1] == 1 and w[-1][0] - w[0][0] == pytest.approx(12.0, abs=0.11)  # closed at the bound
+    # AND without the back-off (kernel_window_every_max_seconds 0) every 30 s after the last opened
+    flat = _windows_of_a_quiet_process(SamplerConfig(kernel_window_every_max_seconds=0))
+    assert [w[0][0] for w in flat] == pytest.approx([0.1, 13.1, 43.1, 73.1, 103.1, 133.1, 163.1], abs=0.11)
+    pid, t0 = 10, 10**12
     # AND a burst opens one at once, but never two within a second of the last one's close
     hub2 = FeatureHub(sampler=SamplerConfig(kernel_window_ms=50, kernel_window_max_ms=500, kernel_window_burst_gap_seconds=0))
     got: list[dict[str, Any]] = []
