@@ -97,6 +97,8 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_no_launch_windows": {"launch_windows": False},
     # A launch window's switches made on the sender's thread, as before 2026-12-06 (bench/launch_toggle.py)
     "probe_switch_sender": {"launch_switch_on_main": False},
+    # Heartbeats and forced flushes each on their own wake, as before 2026-12-06 (probe.coalesce_wakes off)
+    "probe_uncoalesced": {"coalesce_wakes": False},
     # Launch windows as before 2026-12-05: closed only when the daemon has read enough steps (a watermark
     # and a control round trip after them), not by the probe's own count (the worker turns that off).
     "probe_windows_uncounted": {},
@@ -155,7 +157,7 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 # probe that opens none, and against windows that close only when the daemon says so.
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
-                                         "probe_windows_2steps", "probe_switch_sender"]}
+                                         "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table

@@ -320,3 +320,31 @@ def test_an_idle_senders_wakes_are_its_watermarks_and_heartbeats_and_a_completed
         assert probe.status()["raw_buffers"] == buffers + 1
     finally:
         probe.stop()
+
+
+def _idle_wakes_after_a_mark(tmp_path: Path, **settings: Any) -> int:
+    """Wakes of an idle raw-delivery probe's sender in 1.2 s, once a mark 0.2 s after a heartbeat has moved
+    its forced flushes (watermarks, every 400 ms) off its heartbeats (every 400 ms)."""
+    fake = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), flush_ms=10, watermark_ms=400,
+                                heartbeat_ms=400, **settings), fake, discover_devices=False)
+    assert probe.start()
+    try:
+        time.sleep(0.6)  # past start-up and a heartbeat
+        probe.mark("realign")  # an urgent flush: the next watermark is due 400 ms from here
+        before = probe.status()["sender_wakeups"]
+        time.sleep(1.2)
+        return int(probe.status()["sender_wakeups"] - before)
+    finally:
+        probe.stop()
+
+
+def test_an_idle_sender_does_its_heartbeat_and_its_watermark_in_one_wake(tmp_path: Path) -> None:
+    # Each wake of the sender takes the GIL from the workload's threads once: a heartbeat due within half
+    # its period goes out at a watermark's wake (and the other way round), so the two share one wake
+    # GIVEN an idle probe whose watermarks a mark moved off its heartbeats
+    coalesced = _idle_wakes_after_a_mark(tmp_path / "a")
+    apart = _idle_wakes_after_a_mark(tmp_path / "b", coalesce_wakes=False)
+    # THEN it wakes about once per 400 ms (3), where kept apart they wake about twice as often (6)
+    assert coalesced <= 4, (coalesced, apart)
+    assert apart >= coalesced + 2, (coalesced, apart)

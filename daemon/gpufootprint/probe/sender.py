@@ -152,7 +152,10 @@ class Sender:
                 now = time.monotonic()
                 urgent = self._urgent.is_set()
                 self._urgent.clear()
-                if stopping or urgent or now >= next_flush:
+                hb_due = now >= next_hb
+                flush_slack, hb_slack = self._wake_slack()
+                flushed = stopping or urgent or now >= next_flush or (hb_due and next_flush - now <= flush_slack)
+                if flushed:
                     self._flush_and_drain()
                     next_flush = now + self._forced_every()
                 else:
@@ -176,7 +179,7 @@ class Sender:
                 if now >= next_untracked:
                     self._update_untracked()
                     next_untracked = now + s.untracked_ms / 1000
-                if now >= next_hb and not stopping:
+                if (hb_due or (flushed and next_hb - now <= hb_slack)) and not stopping:
                     if self.cupti.hooks_missing and not self.in_gap:
                         self.cupti.hooks(True)  # the tool that held CUPTI's subscriber place may have let go
                     if self.settings.oom_torch_observer and not self.oom.torch_attached:
@@ -224,6 +227,12 @@ class Sender:
 
     def _forced_every(self) -> float:
         return self.watermark_s if self.period else self.flush_s
+
+    def _wake_slack(self) -> tuple[float, float]:
+        """How early a forced flush, and a heartbeat, may go out to share a wake with the other (none: 0)."""
+        if not self.settings.coalesce_wakes:
+            return 0.0, 0.0
+        return self._forced_every() / 2, self.settings.heartbeat_ms / 2000
 
     def _count_lost(self) -> None:
         """Frames buffered for a connection that broke before they were sent (sender thread)."""

@@ -48,6 +48,10 @@ class ProbeSettings(ProbeOptions):
     # own thread only when the main thread does not come within 0.25 s; off: always the sender's (before
     # 2026-12-06; left the program's launches slower for good, more with every window)
     launch_switch_on_main: bool = True
+    # A heartbeat due within half its period goes out at a forced flush's wake, and a forced flush due within
+    # half its period is made at a heartbeat's wake: each wake takes the GIL from the workload once, and
+    # apart (a mark or a window's flushes move the flushes off the heartbeats) they woke about twice a second
+    coalesce_wakes: bool = True
     copy_kinds: str = ",".join(COPY_KINDS)  # which of ``copies`` (comma-separated)
     # Experimental, off: flush through ctypes (GIL released) instead of cupti-python's
     # wrapper. On the H200 test machine it reached another libcupti copy (records lost,
