@@ -58,6 +58,7 @@ from gpufootprint.footprint.device_snapshot import device_snapshot, live_table, 
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 from gpufootprint.hub import FeatureHub
+from gpufootprint.probecounters import ProbeCounters
 from gpufootprint.records import DTYPES, MEMORY_KIND_NAMES, TIME_FIELD, RecordKind, join, select, take
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 
@@ -96,13 +97,18 @@ class ProcessState:
     drift_bytes: int = 0  # sum over devices and kinds of |ours - the probe's| at the latest check
     drift_checks: int = 0
     drift_mismatches: int = 0
-    probe_counters: dict[str, float] = field(default_factory=dict)
+    counters: ProbeCounters = field(default_factory=ProbeCounters)  # heartbeats' counters, taken in when read
     kernels: KernelRetention | None = None  # the newest KERNEL records, for the graph advisor
     launches: KernelRetention | None = None  # the newest host-side API records (launches, syncs), likewise
     # Per device: how many times its live table changed, and the snapshot array built
     # at some version, so an unchanged table is not rebuilt every tick.
     live_versions: dict[int, int] = field(default_factory=dict)
     live_tables: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def probe_counters(self) -> dict[str, float]:
+        """The latest value of each probe counter (read it, do not keep or change it)."""
+        return self.counters.values()
 
 
 class KernelRetention:

@@ -527,3 +527,33 @@ def test_per_kind_lists_named_by_kind_skip_the_zeros_as_a_comprehension_does() -
         want = {MEMORY_KIND_NAMES.get(k, str(k)): v for k, v in enumerate(values) if v}
         got = by_kind_name(values)
         assert list(got.items()) == list(want.items())
+
+
+@pytest.mark.parametrize("kind_name", ["MEMORY", "MEMORY_POOL"])
+def test_large_batches_found_in_range_block_by_block_are_those_the_field_checks_keep_whole(kind_name: str) -> None:
+    # GIVEN memory and pool batches around and past the records compared at once (TILE_RECORDS), in range
+    # but for at most one field of one record: first, last, either side of a block's edge, anywhere
+    from gpufootprint.ingest.validate import TILE_RECORDS, Limits, check_fields, in_range
+    from gpufootprint.records import DTYPES, TIME_FIELD, RecordKind
+
+    kind = RecordKind[kind_name]
+    limits = Limits(max_record_bytes=1 << 40, max_devices_per_process=8)
+    rng = np.random.default_rng(29)
+    fields = [TIME_FIELD[kind], "dev", *(("bytes", "pool_size") if kind is RecordKind.MEMORY else ("size", "used"))]
+    too_big = {TIME_FIELD[kind]: 1 << 63, "dev": 8, "bytes": (1 << 40) + 1, "pool_size": 1 << 41,
+               "size": (1 << 40) + 1, "used": 1 << 50}
+    for n in (TILE_RECORDS - 1, TILE_RECORDS, TILE_RECORDS + 1, 2 * TILE_RECORDS + 7):
+        recs = np.zeros(n, DTYPES[kind])
+        recs[TIME_FIELD[kind]] = rng.integers(0, 1 << 62, n)
+        recs["dev"] = rng.integers(0, 8, n)
+        recs["pid"] = 4242
+        assert in_range(kind, recs, limits)  # whole batches pass, every block of them
+        for at in sorted({0, n - 1, min(TILE_RECORDS - 1, n - 1), min(TILE_RECORDS, n - 1), int(rng.integers(0, n))}):
+            for name in fields:
+                bad = recs.copy()
+                bad[name][at] = too_big[name]
+                kept = check_fields(kind, bad[bad[TIME_FIELD[kind]] < np.uint64(1 << 63)], limits,
+                                    lambda *a: None)
+                assert len(kept) < n  # the field checks drop it
+                # THEN it is not found in range, whichever block it is in
+                assert not in_range(kind, bad, limits), (n, at, name)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from gpufootprint.ingest.validate import (
     metadata_charge,
 )
 from gpufootprint.pipeline import Pipeline
+from gpufootprint.probecounters import clean_counters
 from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
@@ -49,8 +49,6 @@ MarkCallback = Callable[[dict[str, Any]], None]
 # and a drop reason it met (at most 15): 96 holds all of them (test_heartbeat_counters), and a peer
 # still cannot make the daemon keep an unbounded number of label values.
 _MAX_COUNTERS = 96
-_NUMBER = (int, float)
-_FLOAT_MAX = sys.float_info.max  # compared with a JSON integer exactly, whatever its size
 _BATCH, _WATERMARK, _MARK, _HEARTBEAT = FrameType.BATCH, FrameType.WATERMARK, FrameType.MARK, FrameType.HEARTBEAT
 _COUNTER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _MAX_INFO_KEYS = 64
@@ -461,13 +459,15 @@ class Session:
         counters = body.get("counters")
         if not isinstance(counters, dict):
             return
-        # JSON's keys are str already. A value must be a finite number a float holds: JSON's integers have
-        # no bound (float() of 400 digits raises) and NaN or Infinity would poison the sums read from them.
-        clean = {k: float(v) for k, v in counters.items() if isinstance(v, _NUMBER) and -_FLOAT_MAX < v < _FLOAT_MAX}
-        if self.peer_pid is not None:  # a live peer chooses them, and keys become label values (connections_*, ...)
-            clean = {k: v for k, v in list(clean.items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
+        if self.peer_pid is None:  # a recording's: checked when read (probecounters)
+            for pid in self._speakers(body):
+                self.pipeline.process(pid, self.source).counters.add(counters)
+            return
+        # A live peer chooses them, and keys become label values (connections_*, ...): checked and cut now.
+        # JSON's keys are str already; a value must be a finite number a float holds (clean_counters).
+        clean = {k: v for k, v in list(clean_counters(counters).items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
         for pid in self._speakers(body):
-            self.pipeline.process(pid, self.source).probe_counters.update(clean)
+            self.pipeline.process(pid, self.source).counters.add_clean(clean)
 
     def _bounded_torch(self, torch: Any) -> Any:
         """Allocator statistics keyed by device numbers in range, with integer values in range."""

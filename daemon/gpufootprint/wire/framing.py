@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import json
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
@@ -25,6 +24,7 @@ import numpy as np
 
 from gpufootprint.errors import FrameError
 from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.wire.checksum import crc32
 
 WIRE_VERSION: Final = 2
 READABLE_VERSIONS: Final = (1, 2)
@@ -124,7 +124,7 @@ class Frame:
 
 def encode(frame_type: FrameType, payload: bytes = b"", tag: int = 0) -> bytes:
     head = _HEADER_V1.pack(len(payload), frame_type, 0, tag)
-    return head + zlib.crc32(payload, zlib.crc32(head)).to_bytes(4, "little") + payload
+    return head + crc32(payload, crc32(head)).to_bytes(4, "little") + payload
 
 
 def encode_json(frame_type: FrameType, obj: dict[str, Any]) -> bytes:
@@ -158,7 +158,7 @@ def cupti_buffer_parts(pid: int, data: bytes | memoryview, *, checked: bool = Tr
         head = _HEADER_V1.pack(len(raw_head) + len(data), FrameType.CUPTI_BUFFER, UNCHECKED, 0)
         return head + b"\0\0\0\0" + raw_head, data
     head = _HEADER_V1.pack(len(raw_head) + len(data), FrameType.CUPTI_BUFFER, 0, 0)
-    crc = zlib.crc32(data, zlib.crc32(raw_head, zlib.crc32(head)))
+    crc = crc32(data, crc32(raw_head, crc32(head)))
     return head + crc.to_bytes(4, "little") + raw_head, data
 
 
@@ -357,7 +357,7 @@ class FrameDecoder:
                 if frame_type not in self._unchecked:
                     raise FrameError(f"byte {base + at}: a {frame_type.name} frame without a checksum, "
                                      f"which this stream does not allow")
-            elif checked and zlib.crc32(payload, zlib.crc32(view[at : at + 8])) != crc:
+            elif checked and crc32(payload, crc32(view[at : at + 8])) != crc:
                 raise FrameError(f"byte {base + at}: checksum mismatch in a {frame_type.name} frame "
                                  f"of {length} bytes (damaged data)")
             frames.append(_decoded(frame_type, tag, payload, base + at))
