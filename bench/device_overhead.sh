@@ -4,6 +4,8 @@
 #   bash bench/device_overhead.sh NAME ALLOC 'CONFIGS' ROUNDS MAX_SECONDS [more bench/overhead.py args]
 #   e.g. bash bench/device_overhead.sh verdict-caching caching 'none*4,aa*4,probe*4,cupti_floor*4' 60 400
 #
+# .whl must hold every wheel of those extras the machine lacks: `../shared/tools/gpu-wheels.sh zlib-ng==1.1.0`
+# (cupti-python, pyelftools, bcrypt by default; zlib-ng since the daemon extra names it, 2026-12-06).
 # Installs the wheel in dist/ with the probe and daemon extras from .whl (carry dist and .whl), as a user
 # would, then runs bench/overhead.py at 12 and 80 steps a round. If round 0 has not begun after WATCH
 # seconds (default 150) it writes every process, nvidia-smi and py-spy stacks of each worker (py-spy from
