@@ -83,7 +83,7 @@ class FeatureHub:
         self._window_due: dict[int, int] = {}  # pid -> watermark time (ns) of its next periodic kernel window
         self._window_last: dict[int, int] = {}  # pid -> watermark time of its last kernel window (its close)
         self._window_opened: dict[int, int] = {}  # pid -> watermark time its last kernel window opened
-        self._windows_had: dict[int, int] = {}  # pid -> kernel windows opened (or tried) so far: the back-off
+        self._windows_had: dict[int, int] = {}  # pid -> kernel windows sent so far: the back-off
         self._kernel_window_id = 0
         self._followed: dict[int, _FollowedWindow] = {}  # pid -> its open launch window
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
@@ -303,11 +303,13 @@ class FeatureHub:
             body["ms"] = max(cfg.kernel_window_ms, min(LEASE_MS, cfg.kernel_window_max_ms))
         # Tried, whether or not it went out: a probe that cannot take it (a launch window to one that
         # does not open them, a full socket) is asked again at the next due time, not at every step.
-        if self._send(s.pid, body) and launches:
+        sent = self._send(s.pid, body)
+        if sent and launches:
             self._followed[s.pid] = _FollowedWindow(self._kernel_window_id, now_ns, body["ms"])
         self._window_last[s.pid] = now_ns
         self._window_opened[s.pid] = now_ns
-        self._windows_had[s.pid] = had + 1
+        if sent:  # one that never went out switched nothing in the process: it does not back the next off
+            self._windows_had[s.pid] = had + 1
         if periodic:
             self._window_due[s.pid] = now_ns + self._backed_off_ns(cfg.kernel_window_every_seconds, had)
 

@@ -135,3 +135,32 @@ def test_under_churn_the_burst_gap_backs_off_with_the_periodic_one() -> None:
     assert len(_churn(30.0, 7200, every_ms=1000, kernel_window_every_max_seconds=0)) >= 7200 // 30
     # AND a burst gap of 0 (a window at every burst, as asked) is not backed off
     assert len(_churn(0.0, 120, every_ms=1000)) >= 50
+
+
+def test_a_window_the_probe_was_never_sent_does_not_back_off_the_next() -> None:
+    # GIVEN a quiet process whose probe cannot take a launch window for its first 200 s (its control socket
+    # full, say), then can; each window it gets records its steps and closes at the next watermark
+    hub = FeatureHub(sampler=SamplerConfig())
+    now = [0]
+    went: list[int] = []
+
+    def control(pid: int, body: dict[str, Any]) -> bool:
+        if body["op"] != "kernel_window" or body["ms"] == 1:
+            return True
+        if now[0] < 200 * S:
+            return False
+        went.append(now[0] // S)
+        return True
+
+    hub.control = control
+    s = hub.sampler(7)
+    steps = np.zeros(20, API_DTYPE)
+    steps["role"] = [ApiRole.LAUNCH, ApiRole.SYNC] * 10
+    for i in range(600):
+        now[0] = i * S
+        if 7 in hub._followed:
+            hub.on_launches(7, steps)
+        hub._after_step(s, "probe", now[0])
+    # THEN the windows that never went out cost the workload nothing and do not count: the first two it got
+    # are 30 s apart, then 60 s, as for a process that had none before
+    assert went[:3] == [215, 245, 305], went

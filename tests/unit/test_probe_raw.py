@@ -348,3 +348,40 @@ def test_an_idle_sender_does_its_heartbeat_and_its_watermark_in_one_wake(tmp_pat
     # THEN it wakes about once per 400 ms (3), where kept apart they wake about twice as often (6)
     assert coalesced <= 4, (coalesced, apart)
     assert apart >= coalesced + 2, (coalesced, apart)
+
+
+def _idle_frames(tmp_path: Path, seconds: float, **settings: Any) -> dict[FrameType, int]:
+    """HEARTBEAT and WATERMARK frames an idle raw-delivery probe wrote in ``seconds``."""
+    tmp_path.mkdir()
+    fake = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), **settings), fake, discover_devices=False)
+    assert probe.start()
+    try:
+        time.sleep(seconds)
+    finally:
+        probe.stop()
+    counts = {FrameType.HEARTBEAT: 0, FrameType.WATERMARK: 0}
+    for f in iter_frames(TraceFile(tmp_path / "t.gfp").chunks()):
+        if f.type in counts:
+            counts[f.type] += 1
+    return counts
+
+
+def test_shared_wakes_never_send_heartbeats_more_often_than_their_period(tmp_path: Path) -> None:
+    # GIVEN forced flushes every 50 ms (flush_mode forced; a launch window's count and a waiting OOM force them
+    # as often in period mode) and heartbeats every 400 ms, for 2 s
+    cfg = {"flush_mode": "forced", "flush_ms": 50, "heartbeat_ms": 400}
+    coalesced = _idle_frames(tmp_path / "a", 2.0, **cfg)[FrameType.HEARTBEAT]
+    apart = _idle_frames(tmp_path / "b", 2.0, coalesce_wakes=False, **cfg)[FrameType.HEARTBEAT]
+    # THEN sharing a wake moves a heartbeat earlier, but does not make them come twice as often (5 or 6 in 2 s)
+    assert coalesced <= apart + 1, (coalesced, apart)
+
+
+def test_shared_wakes_never_make_forced_flushes_more_often_than_their_period(tmp_path: Path) -> None:
+    # GIVEN watermarks every 800 ms and heartbeats every 200 ms (period mode), for 2.4 s
+    cfg = {"watermark_ms": 800, "heartbeat_ms": 200}
+    coalesced = _idle_frames(tmp_path / "a", 2.4, **cfg)[FrameType.WATERMARK]
+    apart = _idle_frames(tmp_path / "b", 2.4, coalesce_wakes=False, **cfg)[FrameType.WATERMARK]
+    # THEN each forced flush (a CUPTI flush and a watermark) may share a heartbeat's wake, but they come no more
+    # often than every 800 ms (3 or 4 in 2.4 s)
+    assert coalesced <= apart + 1, (coalesced, apart)

@@ -18,12 +18,14 @@ import numpy as np
 
 from gpufootprint.config import Config
 from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
+from gpufootprint.engines.busy import SLACK_NS
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
 from gpufootprint.engines.graph import (
     GraphDecision,
     GraphPolicy,
     advise,
+    busy_samples,
     compute_launch_stats,
     compute_stats,
     reuse_since,
@@ -63,6 +65,10 @@ class Engines:
         # per pid: (its kernel array, their statistics, where the steady part starts for the reuse ratio)
         self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats], int | None]] = {}
         self._launch_stats: dict[int, tuple[np.ndarray, LaunchStats | None]] = {}  # per pid, likewise
+        # per (pid, GPU): NVML's busy samples near the steps of its launch windows. The poller keeps about
+        # three minutes of samples and windows back off to 600 s apart: without these a window's lower
+        # bound, and a verdict that needs it, would go a few minutes after each window.
+        self._busy_near: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
         self._suspects: set[tuple[int, int]] = set()
         self._advice: set[tuple[int, int, str]] = set()
 
@@ -95,7 +101,8 @@ class Engines:
                 launches[proc.pid] = held[1]
             for pid in set(self._launch_stats) - set(launches):
                 del self._launch_stats[pid]
-            graph = advise(snap, self.policy, stats=stats, since=since, launches=launches)
+            graph = advise(snap, self.policy, stats=stats, since=since, launches=launches,
+                           busy=self._busy_for(snap, launches))
         budgets: tuple[BudgetStatus, ...] = ()
         actions: tuple[BudgetAction, ...] = ()
         if cfg.budgets.enabled:
@@ -124,6 +131,25 @@ class Engines:
             taken_at=snap.taken_at, graph=graph, budgets=budgets, budget_actions=actions,
             budget_action_counts=dict(self.budgets.action_counts), leaks=leaks, new_leaks=new_leaks,
             degradation=advice, new_degradation=new_advice, cost=cost)
+
+
+    def _busy_for(self, snap: PipelineSnapshot, launches: Mapping[int, LaunchStats | None]
+                  ) -> dict[tuple[int, int], tuple[tuple[int, float], ...]]:
+        """The snapshot's busy samples, with those near each launch window's steps that the poller has
+        since dropped added back (kept only while the steps are among the retained records)."""
+        busy = busy_samples(snap)
+        near: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
+        for pid, ls in launches.items():
+            if ls is None or not ls.spans:
+                continue
+            key = (pid, ls.dev)
+            pool = set(self._busy_near.get(key, ())) | set(busy.get(key, ()))
+            kept = tuple(sorted(r for r in pool if any(s <= r[0] <= e + SLACK_NS for s, e in ls.spans)))
+            if kept:
+                near[key] = kept
+                busy[key] = tuple(sorted(set(busy.get(key, ())) | set(kept)))
+        self._busy_near = near
+        return busy
 
 
 def engine_report(out: EngineOutputs) -> dict[str, Any]:

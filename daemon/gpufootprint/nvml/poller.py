@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 FIELDS = ("memory", "memory_reserved", "processes", "utilization", "process_utilization", "pcie", "power", "energy",
           "xid")
-#: Per-process utilisation samples kept per (GPU, pid): at the driver's six a second, about three minutes,
-#: which covers the launch windows the CUDA Graph advisor still reads (engines/busy.py).
+#: Per-process utilisation samples kept per (GPU, pid): at the driver's six a second, about three minutes;
+#: launch windows come up to 600 s apart, so the advisor keeps those near a window's steps itself
+#: (engines/runner.py).
 BUSY_SAMPLES = 1024
 #: A process with no new sample for this long is forgotten (it exited, or stopped running kernels).
 BUSY_FORGET_US = 600_000_000

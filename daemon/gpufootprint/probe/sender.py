@@ -154,10 +154,13 @@ class Sender:
                 self._urgent.clear()
                 hb_due = now >= next_hb
                 flush_slack, hb_slack = self._wake_slack()
-                flushed = stopping or urgent or now >= next_flush or (hb_due and next_flush - now <= flush_slack)
+                flush_due = stopping or urgent or now >= next_flush
+                flushed = flush_due or (hb_due and next_flush - now <= flush_slack)
                 if flushed:
                     self._flush_and_drain()
-                    next_flush = now + self._forced_every()
+                    # One made early only to share the heartbeat's wake keeps its schedule: counted from now,
+                    # heartbeats more often than half the period would make forced flushes come every few.
+                    next_flush = now + self._forced_every() if flush_due else next_flush + self._forced_every()
                 else:
                     self._drain()
                 next_drain = now + self.flush_s
@@ -185,7 +188,9 @@ class Sender:
                     if self.settings.oom_torch_observer and not self.oom.torch_attached:
                         self.oom.attach_torch()
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
-                    next_hb = now + s.heartbeat_ms / 1000
+                    # Likewise a heartbeat sent early at a flush's wake: from now, flushes every COUNT_FLUSH_S
+                    # (a window's count, a waiting OOM, forced mode) would send one every half period.
+                    next_hb = now + s.heartbeat_ms / 1000 if hb_due else next_hb + s.heartbeat_ms / 1000
                 if self.table.range_splits:
                     self.table.range_splits = 0
                     self.resyncs.requested = True

@@ -289,3 +289,39 @@ def test_a_lower_bound_above_the_policys_maximum_fails_it() -> None:
     launch_bound_only = GraphPolicy(min_mean_kernel_ms=0.0, max_mean_kernel_ms=0.05)
     d = one(advise(snap(1.0, p), launch_bound_only, reuse={(1, 0): 1.0}, busy={(1, 0): samples}))
     assert d.decision == "keep" and any(r.startswith("fail: mean kernel duration at least") for r in d.reasons)
+
+
+def test_a_launch_windows_busy_bound_holds_after_nvmls_samples_of_it_are_dropped() -> None:
+    import dataclasses
+
+    from gpufootprint.config import Config, GraphAdvisorConfig
+    from gpufootprint.engines.runner import Engines
+    from gpufootprint.nvml.poller import BUSY_SAMPLES
+    from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot
+
+    def with_busy(s, samples):  # type: ignore[no-untyped-def]
+        gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
+                      memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
+                      pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
+                      energy_joules=None, field_supported={}, xid_errors={}, processes={},
+                      process_busy={1: tuple(samples)})
+        return dataclasses.replace(s, nvml=NvmlSnapshot(state="ok", detail="", driver_version=None, gpus=(gpu,),
+                                                        errors={}, poll_interval_s=1.0))
+
+    # GIVEN a process judged from one launch window of 266 ms steps, NVML's samples over them 99 % busy
+    eng = Engines(Config(graph_advisor=GraphAdvisorConfig(allow_unknown_reuse=True)))
+    api = loop(5, 10, wait_ns=265_000 * US)
+    st = launch_stats(api)
+    assert st is not None
+    s0, e0 = st.spans[0]
+    near = [(s0 + 100_000 * US, 0.99), (s0 + 300_000 * US, 1.0)]
+    p = proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)
+    (first,) = eng.step(with_busy(snap(1.0, p), near)).graph
+    assert first.decision == "capture", first.reasons
+    # WHEN its next window is minutes away (the sampler backs windows off up to 600 s apart) and the poller,
+    # which keeps BUSY_SAMPLES samples a process (about three minutes), has dropped those of the window
+    later = [(e0 + 10**9 + i * 166_667 * US, 0.99) for i in range(BUSY_SAMPLES)]
+    (second,) = eng.step(with_busy(snap(300.0, p), later)).graph
+    # THEN the window's bound, and the verdict, stand until the next window says otherwise
+    assert second.decision == "capture", second.reasons
+    assert second.mean_kernel_seconds_min == pytest.approx(first.mean_kernel_seconds_min)
