@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from engine_support import dev, proc, snap
@@ -292,22 +294,11 @@ def test_a_lower_bound_above_the_policys_maximum_fails_it() -> None:
 
 
 def test_a_launch_windows_busy_bound_holds_after_nvmls_samples_of_it_are_dropped() -> None:
-    import dataclasses
-
     from gpufootprint.config import Config, GraphAdvisorConfig
     from gpufootprint.engines.runner import Engines
     from gpufootprint.nvml.poller import BUSY_SAMPLES
-    from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot
 
-    def with_busy(s, samples):  # type: ignore[no-untyped-def]
-        gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
-                      memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
-                      pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
-                      energy_joules=None, field_supported={}, xid_errors={}, processes={},
-                      process_busy={1: tuple(samples)})
-        return dataclasses.replace(s, nvml=NvmlSnapshot(state="ok", detail="", driver_version=None, gpus=(gpu,),
-                                                        errors={}, poll_interval_s=1.0))
-
+    with_busy = _with_busy
     # GIVEN a process judged from one launch window of 266 ms steps, NVML's samples over them 99 % busy
     eng = Engines(Config(graph_advisor=GraphAdvisorConfig(allow_unknown_reuse=True)))
     api = loop(5, 10, wait_ns=265_000 * US)
@@ -325,3 +316,50 @@ def test_a_launch_windows_busy_bound_holds_after_nvmls_samples_of_it_are_dropped
     # THEN the window's bound, and the verdict, stand until the next window says otherwise
     assert second.decision == "capture", second.reasons
     assert second.mean_kernel_seconds_min == pytest.approx(first.mean_kernel_seconds_min)
+
+
+def test_the_busy_samples_kept_near_windows_are_those_a_scan_of_every_sample_keeps() -> None:
+    # The engines keep NVML's samples near a launch window's steps by bisecting the time-ordered samples (they
+    # run at every snapshot for every process); held here to the plain rule, a scan of every sample against
+    # every span, tick after tick, on random windows and a poller that keeps only its newest samples
+    import random
+    from types import SimpleNamespace
+
+    from gpufootprint.config import Config
+    from gpufootprint.engines.busy import SLACK_NS
+    from gpufootprint.engines.runner import Engines
+
+    def scan(kept_before: set[tuple[int, float]], current: tuple[tuple[int, float], ...],
+             spans: tuple[tuple[int, int], ...]) -> tuple[set[tuple[int, float]], tuple[tuple[int, float], ...]]:
+        kept = {r for r in kept_before | set(current) if any(s <= r[0] <= e + SLACK_NS for s, e in spans)}
+        return kept, tuple(sorted(set(current) | kept)) if kept else current
+
+    rng = random.Random(7)
+    for trial in range(40):
+        eng = Engines(Config())
+        spans = tuple(sorted((s, s + rng.randrange(1, 3 * 10**9))
+                             for s in rng.sample(range(0, 600 * 10**9, 10**8), rng.randrange(1, 6))))
+        stats = SimpleNamespace(dev=0, spans=spans)  # what the engines read of a LaunchStats
+        times = sorted(rng.sample(range(0, 700 * 10**9, 10**7), 400))
+        samples = tuple((t, rng.random()) for t in times)
+        kept: set[tuple[int, float]] = set()
+        for tick in range(0, 400, rng.randrange(20, 90)):
+            current = samples[max(0, tick - 120):tick]  # the poller's newest 120 samples
+            kept, want = scan(kept, current, spans)
+            got = eng._busy_for(_with_busy(snap(1.0), current), {1: stats})  # type: ignore[dict-item]
+            assert got.get((1, 0), ()) == want, (trial, tick)
+
+
+def _with_busy(s: Any, samples: Any) -> Any:
+    """``s`` with NVML's busy samples of pid 1 on GPU 0."""
+    import dataclasses
+
+    from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot
+
+    gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
+                  memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
+                  pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
+                  energy_joules=None, field_supported={}, xid_errors={}, processes={},
+                  process_busy={1: tuple(samples)})
+    return dataclasses.replace(s, nvml=NvmlSnapshot(state="ok", detail="", driver_version=None, gpus=(gpu,),
+                                                    errors={}, poll_interval_s=1.0))
