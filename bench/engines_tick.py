@@ -4,7 +4,10 @@ Measures, side by side in one run, on this machine's CPU:
 * building a snapshot with and without the live tables the leak engine reads,
   for N live allocations (unchanged since the last tick: cached; changed: rebuilt);
 * ``Engines.step`` on that snapshot: with the kernel statistics cached (the
-  common tick: no new kernel window) and cold (a new window of K kernels).
+  common tick: no new kernel window) and cold (a new window of K kernels);
+* ``Engines.step`` on a node of P processes judged from launch windows (12 windows a process, as the
+  back-off gives about two hours), each with NVML's 1,024 busy samples: the common tick, with the
+  samples near each window's steps kept past the poller's three minutes.
 Medians of repeated runs, in milliseconds.
 """
 
@@ -24,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gpufootprint.config import Config, FootprintConfig
 from gpufootprint.engines.runner import Engines
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.records import MEMORY_DTYPE, RecordKind
+from gpufootprint.records import API_DTYPE, KERNEL_DTYPE, MEMORY_DTYPE, ApiRole, RecordKind
+from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot, PipelineSnapshot
 from synth_traces import kernel_stream
 
 
@@ -52,6 +56,45 @@ def pipeline_with(n_live: int, n_kernels: int) -> Pipeline:
     p.submit(RecordKind.KERNEL, k)
     p.finish(1)
     return p
+
+
+def launch_windows(pid: int, windows: int = 12, steps: int = 10, launches: int = 20) -> np.ndarray:
+    """A process's retained launch-window calls: ``windows`` windows 600 s apart, each of ``steps`` steps of
+    ``launches`` 5 us launches and a 20 us wait, 100 us of host work between steps."""
+    rows = []
+    for w in range(windows):
+        t = 10**12 + w * 600 * 10**9
+        for _ in range(steps):
+            t += 100_000
+            for _ in range(launches):
+                rows.append((ApiRole.LAUNCH, t, t + 5_000))
+                t += 5_000
+            rows.append((ApiRole.SYNC, t, t + 20_000))
+            t += 20_000
+    api = np.zeros(len(rows), API_DTYPE)
+    api["role"], api["start"], api["end"] = zip(*rows, strict=True)
+    api["tid"], api["domain"], api["pid"] = 1, 5, pid
+    return api
+
+
+def launch_node(n_procs: int) -> PipelineSnapshot:
+    """A snapshot of ``n_procs`` processes on one GPU, each judged from its launch windows, with 1,024 busy
+    samples a process from NVML (the poller's limit), the newest of them after its last window."""
+    from engine_support import dev, proc, snap
+
+    procs = [proc(pid, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=launch_windows(pid))
+             for pid in range(1, n_procs + 1)]
+    last = 10**12 + 11 * 600 * 10**9
+    busy = tuple((last - (1024 - i) * 166_000_000, 0.5) for i in range(1024))
+    gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
+                  memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
+                  pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
+                  energy_joules=None, field_supported={}, xid_errors={}, processes={},
+                  process_busy=dict.fromkeys(range(1, n_procs + 1), busy))
+    import dataclasses
+
+    return dataclasses.replace(snap(1.0, *procs), nvml=NvmlSnapshot(state="ok", detail="", driver_version=None,
+                                                                   gpus=(gpu,), errors={}, poll_interval_s=1.0))
 
 
 def main() -> int:
@@ -87,6 +130,14 @@ def main() -> int:
         print(f"live={n_live:>7} kernels={n_kernels:>6}  snapshot {plain:6.3f} ms  +live tables unchanged "
               f"{with_tables:6.3f} ms, rebuilt {rebuilt:7.3f} ms  engines.step {cached:6.3f} ms, "
               f"new kernel window {cold_ms:7.3f} ms")
+    for n_procs in (1, 64, 256):
+        node = launch_node(n_procs)
+        eng = Engines(Config())
+        eng.step(node)  # the launch statistics computed once, as at a window's arrival
+        step_ms = median_ms(lambda: eng.step(node), max(3, args.reps // 3))
+        rows.append({"launch_window_processes": n_procs, "engines_step_ms": step_ms})
+        print(f"processes judged from launch windows={n_procs:>4} (12 windows, 1,024 busy samples each)  "
+              f"engines.step {step_ms:8.3f} ms")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

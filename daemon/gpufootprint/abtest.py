@@ -66,7 +66,8 @@ def load_busy(trace: str) -> dict[tuple[int, int], tuple[tuple[int, float], ...]
         return {}
     try:
         doc = json.loads(path.read_text())
-        return {(int(pid), int(gpu)): tuple((int(ts), float(r)) for ts, r in samples)
+        # in time order, as the poller keeps them and the advisor's bisections need them
+        return {(int(pid), int(gpu)): tuple(sorted((int(ts), float(r)) for ts, r in samples))
                 for gpu, per_pid in doc["process_busy"].items() for pid, samples in per_pid.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise GpuFootprintError(f"{path}: not an /api/nvml document ({exc})") from None

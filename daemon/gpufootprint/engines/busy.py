@@ -18,6 +18,7 @@ records on the H200, docs/engines.md) as the lower bound, and no bound where no 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,11 +35,27 @@ class BusyEstimate:
 
 def busy_over(samples: Sequence[tuple[int, float]], spans: Sequence[tuple[int, int]],
               slack_ns: int = SLACK_NS) -> BusyEstimate | None:
-    """The mean of the samples stamped within a span (or ``slack_ns`` after its end); None without any."""
-    chosen = [r for ts, r in samples if any(s <= ts <= e + slack_ns for s, e in spans)]
-    if not chosen:
+    """The mean of the samples stamped within a span (or ``slack_ns`` after its end), each counted once;
+    None without any. ``samples`` are in time order (as NVML's poller keeps them, and abtest loads them).
+
+    The advisor asks this at every snapshot (every 100 ms) for every process judged from launch
+    windows: bisections per span, not a scan of every sample against every span (about 0.8 ms a process
+    at 1,024 samples and 12 windows, which a node of 256 processes could not pay ten times a second)."""
+    ranges = sorted((bisect.bisect_left(samples, s, key=_time), bisect.bisect_right(samples, e + slack_ns, key=_time))
+                    for s, e in spans)
+    total, count, done = 0.0, 0, 0  # done: samples before this index are counted (overlapping spans)
+    for lo, hi in ranges:
+        for _, r in samples[max(lo, done):hi]:
+            total += r
+            count += 1
+        done = max(done, hi)
+    if not count:
         return None
-    return BusyEstimate(ratio=sum(chosen) / len(chosen), samples=len(chosen))
+    return BusyEstimate(ratio=total / count, samples=count)
+
+
+def _time(sample: tuple[int, float]) -> int:
+    return sample[0]
 
 
 def kernel_seconds_min(busy: BusyEstimate, step_seconds: float, launches_per_step: int, error: float) -> float:
