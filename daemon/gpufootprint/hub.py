@@ -68,6 +68,10 @@ class _FollowedWindow:
         return self.counted.steps
 
 
+#: A probe's count of its windows past which the back-off's gaps are at their ceiling anyway (2^64 doublings).
+_MAX_WINDOWS_HAD = 64
+
+
 class FeatureHub:
     def __init__(self, features: FeaturesConfig | None = None, sampler: SamplerConfig | None = None) -> None:
         self.features_config = features or FeaturesConfig()
@@ -192,6 +196,12 @@ class FeatureHub:
         if w is not None and w.wid == wid:
             del self._followed[pid]
             self._window_last[pid] = max(end_ns, w.opened_ns)
+
+    def note_windows_had(self, pid: int, windows: int) -> None:
+        """The probe's own count of the windows it has had: after a daemon restart the back-off goes on from
+        there (the count only ever raises it; this daemon's own sends count too)."""
+        if windows > self._windows_had.get(pid, 0):  # a process the pipeline knows: forgotten with it
+            self._windows_had[pid] = min(windows, _MAX_WINDOWS_HAD)
 
     def note_torch(self, pid: int, torch: Any) -> None:
         """The probe's HEARTBEAT "torch" field: {"allocated": {dev: bytes}, "reserved": {dev: bytes}}."""

@@ -557,6 +557,10 @@ class Pipeline:
         """A probe heartbeat's launch window, closed by the probe at its count."""
         self.hub.note_window_closed(pid, wid, end_ns)
 
+    def note_windows_had(self, pid: int, windows: int) -> None:
+        """A probe heartbeat's count of the windows it has had (from this daemon or an earlier one)."""
+        self.hub.note_windows_had(pid, windows)
+
 
 #: Records of a batch whose oldest and newest times are taken in Python (numpy's two reductions cost more).
 _FEW = 64

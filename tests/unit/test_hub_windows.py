@@ -164,3 +164,44 @@ def test_a_window_the_probe_was_never_sent_does_not_back_off_the_next() -> None:
     # THEN the windows that never went out cost the workload nothing and do not count: the first two it got
     # are 30 s apart, then 60 s, as for a process that had none before
     assert went[:3] == [215, 245, 305], went
+
+
+def test_a_restarted_daemon_backs_off_from_the_windows_the_probe_already_had() -> None:
+    # GIVEN a probe that had 9 launch windows from the daemon before this one (a DaemonSet roll): its
+    # heartbeat says so, through the probe's session, before the new daemon opens any
+    from gpufootprint.configload import load_config
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.pipeline import Pipeline
+    from gpufootprint.wire import framing
+    from gpufootprint.wire.framing import FrameDecoder, FrameType
+
+    def schedule(counters: dict[str, int]) -> list[int]:
+        pipeline = Pipeline(load_config(env={}).footprint)
+        sent: list[tuple[int, dict[str, Any]]] = []
+        now = [0]
+        pipeline.hub.control = lambda pid, body: sent.append((now[0], body)) is None
+        session = Session(pipeline, source="probe", name="probe pid=7", peer_pid=7)
+        dec = FrameDecoder()
+        hb = framing.encode_json(FrameType.HEARTBEAT, {"ts": 1, "pid": 7, "counters": counters})
+        for f in dec.feed(framing.PREAMBLE + framing.encode_json(FrameType.HELLO, {"pid": 7, "launch_windows": 1})
+                          + hb):
+            session.handle(f)
+        s = pipeline.hub.sampler(7)
+        steps = np.zeros(20, API_DTYPE)
+        steps["role"] = [ApiRole.LAUNCH, ApiRole.SYNC] * 10
+        for i in range(1800):  # 30 minutes of 1 s watermarks, no burst; each window records its steps
+            now[0] = i
+            if 7 in pipeline.hub._followed:
+                pipeline.hub.on_launches(7, steps)
+            pipeline.hub._after_step(s, "probe", i * S)
+        return sorted({t for t, b in sent if b["op"] == "kernel_window" and b["ms"] > 1 and b.get("steps")})
+
+    fresh = schedule({"launch_windows": 0})
+    rolled = schedule({"launch_windows": 9, "kernel_windows": 0})
+    # THEN a process new to every daemon gets the usual start: 5, 35, 95 s in...
+    assert fresh[:4] == [5, 35, 95, 215], fresh
+    # AND the rolled one gets one window soon (the new daemon holds no verdict for it), then gaps already
+    # at the back-off's ceiling (30 s doubled nine times is past 600 s), not ten windows in its first hour
+    assert rolled[:3] == [5, 605, 1205], rolled
+    # AND a count a heartbeat cannot mean (negative, not a number) backs nothing off
+    assert schedule({"launch_windows": -3})[:4] == fresh[:4]

@@ -466,8 +466,13 @@ class Session:
         # A live peer chooses them, and keys become label values (connections_*, ...): checked and cut now.
         # JSON's keys are str already; a value must be a finite number a float holds (clean_counters).
         clean = {k: v for k, v in list(clean_counters(counters).items())[:_MAX_COUNTERS] if _COUNTER_KEY.match(k)}
+        # The windows the probe has had, from any daemon: one restarted (a DaemonSet roll) backs its windows
+        # off from there, not from none (each window may leave the process's launches a little slower)
+        had = sum(v for k in ("launch_windows", "kernel_windows") if (v := clean.get(k, 0)) > 0)
         for pid in self._speakers(body):
             self.pipeline.process(pid, self.source).counters.add_clean(clean)
+            if had:
+                self.pipeline.note_windows_had(pid, int(had))
 
     def _bounded_torch(self, torch: Any) -> Any:
         """Allocator statistics keyed by device numbers in range, with integer values in range."""
