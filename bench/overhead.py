@@ -133,7 +133,9 @@ FLOOR_CONFIGS: dict[str, dict[str, Any]] = {
 # kind (the probe's kernel_window_kind); "_dense": 50 ms every 1 s, 30 times the duty cycle, of kernel
 # or launch records.
 _KERNELS: dict[str, Any] = {"kernel_window_ms": 50, "kernel_window_records": "kernels"}
-_DENSE: dict[str, Any] = {"kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0}
+# dense: every second all run long (no back-off: what 30 times the default's duty cycle cost)
+_DENSE: dict[str, Any] = {"kernel_window_every_seconds": 1.0, "kernel_window_first_seconds": 1.0,
+                          "kernel_window_every_max_seconds": 0.0}
 DAEMON_SAMPLER: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_off": {"kernel_window_ms": 0},
     "probe_kernel_windows_off_b": {"kernel_window_ms": 0},

@@ -272,7 +272,8 @@ def test_default_daemon_advises_real_training_steps_and_nvml_busy_time_holds(tmp
         ktee = out / f"h200_graph_{mode}_kernels.gfp.gz"
         truth = Run(tmp_path / "kernels", mode, 16.0, ktee, [
             "sampler.kernel_window_records=kernels", "sampler.kernel_window_ms=3000",
-            "sampler.kernel_window_first_seconds=2", "sampler.kernel_window_every_seconds=6"])
+            "sampler.kernel_window_first_seconds=2", "sampler.kernel_window_every_seconds=6",
+            "sampler.kernel_window_every_max_seconds=0"])  # the truth: a window every 6 s, not backed off
         try:
             truth.workload.wait(timeout=120)
             time.sleep(1.0)
