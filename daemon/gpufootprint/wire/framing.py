@@ -246,6 +246,47 @@ class FrameDecoder:
         """Bytes received but not yet part of a whole frame."""
         return len(self._buf)
 
+    @property
+    def between_frames(self) -> bool:
+        """The preamble read, no error, and no bytes held: the next byte begins a frame."""
+        return self._preamble_seen and self.error is None and not self._buf
+
+    @property
+    def header_size(self) -> int:
+        """A frame header's bytes in this stream's wire version (known once the preamble was read)."""
+        return HEADER_SIZE if self.version >= 2 else _HEADER_V1.size
+
+    @property
+    def max_payload(self) -> int:
+        return self._max_payload
+
+    def whole(self, header: bytes, payload: bytes) -> Frame | None:
+        """The frame that ``header`` and ``payload`` make, read whole by a reader of a file at this
+        decoder's offset (``between_frames``): checked as ``feed`` checks it, the offset moved past it.
+
+        None, with nothing moved, where ``feed`` would refuse the bytes or hold them (a damaged frame, one
+        cut short, a decoder not between frames): the reader then feeds them, and ``feed`` names the
+        damage in its own words. A file's payload read whole comes straight from the read, where ``feed``
+        copies it out of the bytes it was given."""
+        if not self.between_frames or len(header) != self.header_size:
+            return None
+        if self.version >= 2:
+            length, ftype, flags, tag, crc = _HEADER.unpack(header)
+        else:
+            length, ftype, flags, tag = _HEADER_V1.unpack(header)
+        frame_type = _FRAME_TYPES.get(ftype)
+        if frame_type is None or length != len(payload) or length > self._max_payload:
+            return None
+        if self.version >= 2:
+            if flags & UNCHECKED:
+                if frame_type not in self._unchecked:
+                    return None
+            elif crc32(payload, crc32(header[:8])) != crc:
+                return None
+        offset = self._pos
+        self._pos = offset + len(header) + length
+        return _decoded(frame_type, tag, payload, offset)
+
     def feed(self, data: bytes) -> list[Frame]:
         """Whole frames in ``data`` (and what was left over before it).
 
