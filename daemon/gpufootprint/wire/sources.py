@@ -89,24 +89,7 @@ class TraceFile:
             return
         self.format = "native"
         yield head  # the preamble, judged by the decoder (a version it cannot read stops here)
-        hsize, limit = decoder.header_size, decoder.max_payload
-        read, whole = fh.read, decoder.whole
-        while decoder.between_frames:
-            header = read(hsize)
-            if len(header) < hsize:
-                yield header  # the end, or a file cut inside a frame's header
-                break
-            length = int.from_bytes(header[:4], "little")
-            if length > limit:  # refused by the decoder before its payload is read
-                yield header
-                break
-            payload = read(length)
-            frame = whole(header, payload)
-            if frame is None:
-                yield header
-                yield payload
-                break
-            yield frame
+        yield (yield from decoder.read_whole(fh.read))  # then the bytes of what stopped it
         yield from _raw_chunks(fh)
 
     def frames(self, max_frame_bytes: int | None = None, *, check_end: bool = True) -> Iterator[Frame]:
