@@ -10,15 +10,20 @@ files, and what the daemon serves over HTTP: /metrics, /api/processes, /api/engi
 and the ``process_*`` families measure the replaying process: those are left out. Exit status 1
 when anything differs.
 
-Usage: python bench/replay_identity.py [--base REV]
+``--plain``: the ``.gfp.gz`` traces decompressed first (into a temporary directory), so that the reading
+of plain native files, frame by frame, is compared too (the gzip'd ones are read in pieces).
+
+Usage: python bench/replay_identity.py [--base REV] [--plain]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,7 +80,7 @@ def worker(tree: str, data: str, out: str) -> None:
         return repr(v)
 
     results: dict[str, Any] = {}
-    for path in sorted(p for p in Path(data).iterdir() if p.name.endswith((".gfp.gz", ".jsonl.gz"))):
+    for path in sorted(p for p in Path(data).iterdir() if p.name.endswith((".gfp", ".gfp.gz", ".jsonl.gz"))):
         with tempfile.TemporaryDirectory() as oomdir:
             config = load_config(env={}, overrides={"oom.directory": oomdir})
             app = App(config, socket_path=None, listen="127.0.0.1:0", clock_ns=lambda: FIXED_NS)
@@ -129,8 +134,16 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision to compare the working tree with (default HEAD)")
+    ap.add_argument("--plain", action="store_true", help="replay the .gfp.gz traces decompressed, as plain .gfp files")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        data = ROOT / "tests" / "data"
+        if args.plain:
+            data = Path(tmp, "plain")
+            data.mkdir()
+            for src in sorted((ROOT / "tests" / "data").glob("*.gfp.gz")):
+                with gzip.open(src, "rb") as fin, open(data / src.name.removesuffix(".gz"), "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
         base = Path(tmp, "base")
         base.mkdir()
         archive = subprocess.run(["git", "archive", args.base], cwd=ROOT, capture_output=True, check=True).stdout
@@ -142,7 +155,7 @@ def main() -> int:
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             code = ("import sys; sys.path.insert(0, sys.argv[4]); import replay_identity as r; "
                     "r.worker(sys.argv[1], sys.argv[2], sys.argv[3])")
-            subprocess.run([sys.executable, "-I", "-c", code, str(tree), str(ROOT / "tests" / "data"), str(out),
+            subprocess.run([sys.executable, "-I", "-c", code, str(tree), str(data), str(out),
                             str(ROOT / "bench")], env=env, cwd=tmp, check=True)
             outs[label] = json.loads(out.read_text())
     diffs = compare(outs["base"], outs["new"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -245,6 +245,49 @@ class FrameDecoder:
     def pending(self) -> int:
         """Bytes received but not yet part of a whole frame."""
         return len(self._buf)
+
+    @property
+    def between_frames(self) -> bool:
+        """The preamble read, no error, and no bytes held: the next byte begins a frame."""
+        return self._preamble_seen and self.error is None and not self._buf
+
+    def read_whole(self, read: Callable[[int], bytes]) -> Generator[Frame, None, bytes]:
+        """The frames that ``read`` (a file's) gives from this decoder's offset (``between_frames``), read
+        one at a time: each header, then its payload straight into its own bytes (``feed`` copies each
+        out of the piece it was given), checked as ``feed`` checks it.
+
+        Stops at the end, or at anything ``feed`` would refuse or hold (a damaged frame, one cut short),
+        and returns the bytes read of it, nothing moved past them: the reader feeds them (and what
+        follows), and ``feed`` names the damage, or holds the cut for ``close``, in its own words."""
+        if not self.between_frames:
+            return b""
+        checked = self.version >= 2
+        header = _HEADER if checked else _HEADER_V1
+        hsize, unpack = header.size, header.unpack
+        types, limit, unchecked = _FRAME_TYPES, self._max_payload, self._unchecked
+        while True:
+            head = read(hsize)
+            if len(head) < hsize:
+                return head
+            if checked:
+                length, ftype, flags, tag, crc = unpack(head)
+            else:
+                length, ftype, flags, tag = unpack(head)
+            frame_type = types.get(ftype)
+            if frame_type is None or length > limit:  # refused before its payload is read
+                return head
+            payload = read(length)
+            if len(payload) < length:
+                return head + payload
+            if checked:
+                if flags & UNCHECKED:
+                    if frame_type not in unchecked:
+                        return head + payload
+                elif crc32(payload, crc32(head[:8])) != crc:
+                    return head + payload
+            at = self._pos
+            self._pos = at + hsize + length
+            yield _decoded(frame_type, tag, payload, at)
 
     def feed(self, data: bytes) -> list[Frame]:
         """Whole frames in ``data`` (and what was left over before it).
