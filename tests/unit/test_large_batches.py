@@ -592,9 +592,12 @@ def test_what_a_burst_walk_reads_before_it_makes_lists_is_what_the_lists_would_s
             s.add_levels(chunk, np.ones(len(chunk), np.int64), 0)
         for _ in range(int(rng.integers(0, 3))):
             s.add_events(rng.integers(0, 1000, int(rng.integers(0, 6))))
-        cursor = int(rng.integers(0, 1000))
-        # THEN "nothing waiting before the cursor" reads every waiting time
         everything = [c[0] for c in s._mem] + s._events
+        waiting = np.concatenate(everything).tolist() if everything else []
+        # The cursor at random, or at a waiting time (a time at the cursor is not before it), or just past one.
+        cursor = int(rng.integers(0, 1000)) if not waiting or rng.random() < 0.4 else \
+            int(rng.choice(waiting)) + int(rng.integers(0, 2))
+        # THEN "nothing waiting before the cursor" reads every waiting time
         assert s._nothing_before(cursor) == all(bool((c >= cursor).all()) for c in everything)
 
 
