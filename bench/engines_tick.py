@@ -28,7 +28,7 @@ from gpufootprint.config import Config, FootprintConfig
 from gpufootprint.engines.runner import Engines
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import API_DTYPE, KERNEL_DTYPE, MEMORY_DTYPE, ApiRole, RecordKind
-from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot, PipelineSnapshot
+from gpufootprint.snapshot import PipelineSnapshot
 from synth_traces import kernel_stream
 
 
@@ -80,21 +80,13 @@ def launch_windows(pid: int, windows: int = 12, steps: int = 10, launches: int =
 def launch_node(n_procs: int) -> PipelineSnapshot:
     """A snapshot of ``n_procs`` processes on one GPU, each judged from its launch windows, with 1,024 busy
     samples a process from NVML (the poller's limit), the newest of them after its last window."""
-    from engine_support import dev, proc, snap
+    from engine_support import dev, proc, snap, with_busy
 
     procs = [proc(pid, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=launch_windows(pid))
              for pid in range(1, n_procs + 1)]
     last = 10**12 + 11 * 600 * 10**9
     busy = tuple((last - (1024 - i) * 166_000_000, 0.5) for i in range(1024))
-    gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
-                  memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
-                  pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
-                  energy_joules=None, field_supported={}, xid_errors={}, processes={},
-                  process_busy=dict.fromkeys(range(1, n_procs + 1), busy))
-    import dataclasses
-
-    return dataclasses.replace(snap(1.0, *procs), nvml=NvmlSnapshot(state="ok", detail="", driver_version=None,
-                                                                   gpus=(gpu,), errors={}, poll_interval_s=1.0))
+    return with_busy(snap(1.0, *procs), dict.fromkeys(range(1, n_procs + 1), busy))
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from gpufootprint.config import FootprintConfig
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.snapshot import DeviceSnapshot, GpuState, PipelineSnapshot, ProcessSnapshot
+from gpufootprint.snapshot import DeviceSnapshot, GpuState, NvmlGpu, NvmlSnapshot, PipelineSnapshot, ProcessSnapshot
 from gpufootprint.wire.framing import FrameDecoder, FrameType
 from gpufootprint.wire.sources import TraceFile
 
@@ -41,6 +42,17 @@ def proc(pid: int, *devices: DeviceSnapshot, source: str = "probe", exited: bool
 def snap(t: float, *procs: ProcessSnapshot, gpus: tuple[GpuState, ...] = ()) -> PipelineSnapshot:
     return PipelineSnapshot(taken_at=t, processes=tuple(procs), records_ingested={}, ingest_errors={},
                             late_records=0, window_peak_seconds=60.0, gpus=gpus)
+
+
+def with_busy(s: PipelineSnapshot, busy: Mapping[int, Sequence[tuple[int, float]]]) -> PipelineSnapshot:
+    """``s`` with NVML's per-process busy samples on GPU 0 (pid -> time-ordered (ns, share) samples)."""
+    gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
+                  memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
+                  pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
+                  energy_joules=None, field_supported={}, xid_errors={}, processes={},
+                  process_busy={pid: tuple(samples) for pid, samples in busy.items()})
+    return dataclasses.replace(s, nvml=NvmlSnapshot(state="ok", detail="", driver_version=None, gpus=(gpu,),
+                                                    errors={}, poll_interval_s=1.0))
 
 
 def replay_snapshots(path: Path | str, *, kernel_retention: int = 0, live_tables: bool = False,

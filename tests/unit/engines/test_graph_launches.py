@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_support import dev, proc, snap
+from engine_support import dev, proc, snap, with_busy
 from gpufootprint.engines.graph import GraphPolicy, advise
 from gpufootprint.engines.launches import WINDOW_GAP_NS, launch_stats
 from gpufootprint.records import API_DTYPE, KERNEL_DTYPE, ApiRole
@@ -298,7 +298,6 @@ def test_a_launch_windows_busy_bound_holds_after_nvmls_samples_of_it_are_dropped
     from gpufootprint.engines.runner import Engines
     from gpufootprint.nvml.poller import BUSY_SAMPLES
 
-    with_busy = _with_busy
     # GIVEN a process judged from one launch window of 266 ms steps, NVML's samples over them 99 % busy
     eng = Engines(Config(graph_advisor=GraphAdvisorConfig(allow_unknown_reuse=True)))
     api = loop(5, 10, wait_ns=265_000 * US)
@@ -307,12 +306,12 @@ def test_a_launch_windows_busy_bound_holds_after_nvmls_samples_of_it_are_dropped
     s0, e0 = st.spans[0]
     near = [(s0 + 100_000 * US, 0.99), (s0 + 300_000 * US, 1.0)]
     p = proc(1, dev(0, 1), recent_kernels=np.zeros(0, KERNEL_DTYPE), recent_launches=api)
-    (first,) = eng.step(with_busy(snap(1.0, p), near)).graph
+    (first,) = eng.step(with_busy(snap(1.0, p), {1: near})).graph
     assert first.decision == "capture", first.reasons
     # WHEN its next window is minutes away (the sampler backs windows off up to 600 s apart) and the poller,
     # which keeps BUSY_SAMPLES samples a process (about three minutes), has dropped those of the window
     later = [(e0 + 10**9 + i * 166_667 * US, 0.99) for i in range(BUSY_SAMPLES)]
-    (second,) = eng.step(with_busy(snap(300.0, p), later)).graph
+    (second,) = eng.step(with_busy(snap(300.0, p), {1: later})).graph
     # THEN the window's bound, and the verdict, stand until the next window says otherwise
     assert second.decision == "capture", second.reasons
     assert second.mean_kernel_seconds_min == pytest.approx(first.mean_kernel_seconds_min)
@@ -346,23 +345,8 @@ def test_the_busy_samples_kept_near_windows_are_those_a_scan_of_every_sample_kee
         for tick in range(0, 400, rng.randrange(20, 90)):
             current = samples[max(0, tick - 120):tick]  # the poller's newest 120 samples
             kept, want = scan(kept, current, spans)
-            got = eng._busy_for(_with_busy(snap(1.0), current), {1: stats})  # type: ignore[dict-item]
+            got = eng._busy_for(with_busy(snap(1.0), {1: current}), {1: stats})  # type: ignore[dict-item]
             assert got.get((1, 0), ()) == want, (trial, tick)
-
-
-def _with_busy(s: Any, samples: Any) -> Any:
-    """``s`` with NVML's busy samples of pid 1 on GPU 0."""
-    import dataclasses
-
-    from gpufootprint.snapshot import NvmlGpu, NvmlSnapshot
-
-    gpu = NvmlGpu(index=0, uuid="GPU-0", model="H100", up=True, state="ok", memory_total_bytes=None,
-                  memory_used_bytes=None, memory_reserved_bytes=None, utilization_ratio=None,
-                  pcie_tx_bytes_per_second=None, pcie_rx_bytes_per_second=None, power_watts=None,
-                  energy_joules=None, field_supported={}, xid_errors={}, processes={},
-                  process_busy={1: tuple(samples)})
-    return dataclasses.replace(s, nvml=NvmlSnapshot(state="ok", detail="", driver_version=None, gpus=(gpu,),
-                                                    errors={}, poll_interval_s=1.0))
 
 
 def test_busy_over_counts_what_a_scan_of_every_sample_against_every_span_counts() -> None:
