@@ -33,25 +33,31 @@ class BusyEstimate:
     samples: int
 
 
-def busy_over(samples: Sequence[tuple[int, float]], spans: Sequence[tuple[int, int]],
-              slack_ns: int = SLACK_NS) -> BusyEstimate | None:
-    """The mean of the samples stamped within a span (or ``slack_ns`` after its end), each counted once;
-    None without any. ``samples`` are in time order (as NVML's poller keeps them, and abtest loads them).
+def samples_near(samples: Sequence[tuple[int, float]], spans: Sequence[tuple[int, int]],
+                 slack_ns: int = SLACK_NS) -> list[tuple[int, float]]:
+    """The samples stamped within a span (or ``slack_ns`` after its end), each once, in time order.
+    ``samples`` are in time order (as NVML's poller keeps them, and abtest loads them).
 
-    The advisor asks this at every snapshot (every 100 ms) for every process judged from launch
-    windows: bisections per span, not a scan of every sample against every span (about 0.8 ms a process
-    at 1,024 samples and 12 windows, which a node of 256 processes could not pay ten times a second)."""
+    Asked at every snapshot (every 100 ms) for every process judged from launch windows: bisections per
+    span, not a scan of every sample against every span (about 0.8 ms a process at 1,024 samples and 12
+    windows, which a node of 256 processes could not pay ten times a second)."""
     ranges = sorted((bisect.bisect_left(samples, s, key=_time), bisect.bisect_right(samples, e + slack_ns, key=_time))
                     for s, e in spans)
-    total, count, done = 0.0, 0, 0  # done: samples before this index are counted (overlapping spans)
+    chosen: list[tuple[int, float]] = []
+    done = 0  # samples before this index are taken already (overlapping spans)
     for lo, hi in ranges:
-        for _, r in samples[max(lo, done):hi]:
-            total += r
-            count += 1
+        chosen.extend(samples[max(lo, done):hi])
         done = max(done, hi)
-    if not count:
+    return chosen
+
+
+def busy_over(samples: Sequence[tuple[int, float]], spans: Sequence[tuple[int, int]],
+              slack_ns: int = SLACK_NS) -> BusyEstimate | None:
+    """The mean of the samples near the spans (``samples_near``); None without any."""
+    chosen = samples_near(samples, spans, slack_ns)
+    if not chosen:
         return None
-    return BusyEstimate(ratio=total / count, samples=count)
+    return BusyEstimate(ratio=sum(r for _, r in chosen) / len(chosen), samples=len(chosen))
 
 
 def _time(sample: tuple[int, float]) -> int:

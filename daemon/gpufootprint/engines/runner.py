@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from gpufootprint.config import Config
 from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
-from gpufootprint.engines.busy import SLACK_NS
+from gpufootprint.engines.busy import samples_near
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
 from gpufootprint.engines.graph import (
@@ -139,9 +139,7 @@ class Engines:
         """The snapshot's busy samples, with those near each launch window's steps that the poller has
         since dropped added back (kept only while the steps are among the retained records).
 
-        Runs at every snapshot (every 100 ms) for every process with launch windows: bisections into the
-        time-ordered samples, not a scan of every sample against every span (2 ms a process at 1,024
-        samples and 12 windows, which a node of 256 processes could not pay ten times a second)."""
+        Runs at every snapshot for every process with launch windows, so it bisects (``samples_near``)."""
         busy = busy_samples(snap)
         near: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
         for pid, ls in launches.items():
@@ -149,36 +147,21 @@ class Engines:
                 continue
             key = (pid, ls.dev)
             current = busy.get(key, ())
-            kept = _near_spans((self._busy_near.get(key, ()), current), ls.spans)
+            # what was kept before, then what the poller holds now: the same sample once, in time order
+            found: dict[int, tuple[int, float]] = {}
+            for r in samples_near(self._busy_near.get(key, ()), ls.spans) + samples_near(current, ls.spans):
+                found.setdefault(r[0], r)
+            kept = tuple(found[t] for t in sorted(found))
             if not kept:
                 continue
             near[key] = kept
             # the poller's samples are the newest, in time order: what it dropped comes before its first
             first = current[0][0] if current else None
-            older = kept if first is None else kept[:bisect.bisect_left(kept, first, key=_sample_time)]
+            older = kept if first is None else kept[:bisect.bisect_left(kept, first, key=lambda r: r[0])]
             if older:
                 busy[key] = older + tuple(current)
         self._busy_near = near
         return busy
-
-
-def _sample_time(sample: tuple[int, float]) -> int:
-    return sample[0]
-
-
-def _near_spans(sources: Sequence[Sequence[tuple[int, float]]], spans: Sequence[tuple[int, int]]
-                ) -> tuple[tuple[int, float], ...]:
-    """The samples of each time-ordered source within a span or its slack after it, in time order, once each."""
-    found: dict[int, tuple[int, float]] = {}
-    for samples in sources:
-        if not samples:
-            continue
-        for start, end in spans:
-            lo = bisect.bisect_left(samples, start, key=_sample_time)
-            hi = bisect.bisect_right(samples, end + SLACK_NS, key=_sample_time)
-            for r in samples[lo:hi]:
-                found.setdefault(r[0], r)
-    return tuple(found[t] for t in sorted(found))
 
 
 def engine_report(out: EngineOutputs) -> dict[str, Any]:
