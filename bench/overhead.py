@@ -116,6 +116,12 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # sampler differs (DAEMON_SAMPLER).
     "probe_windows_60s": {},
     "probe_windows_2steps": {},
+    # PyTorch's allocator figures read as before 2026-12-06 (the worker patches the reading): after an
+    # optimizer step at most every 0.5 s, by memory_allocated and memory_reserved, each of which builds,
+    # flattens and sorts the whole memory_stats table. Now: once a heartbeat, one nested call a device.
+    "probe_torch_numbers_old": {},
+    # No NVML poll for the untracked kind (nor the forced flush before it) within a run.
+    "probe_no_untracked": {"untracked_ms": 600_000},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -159,7 +165,8 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 # probe that opens none, and against windows that close only when the daemon says so.
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
-                                         "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced"]}
+                                         "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
+                                         "probe_torch_numbers_old", "probe_no_untracked"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
@@ -294,6 +301,41 @@ def pin_all_threads(cpus: set[int]) -> None:
             pass  # a thread that ended meanwhile
 
 
+def _count_gc_time() -> list[float]:
+    """[seconds] the cyclic garbage collector has run in this process since now (gc.callbacks): a probe that
+    left more objects for each full collection to walk would show here, whatever thread it lands on."""
+    import gc
+
+    total = [0.0]
+    started = [0.0]
+
+    def note(phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(note)
+    return total
+
+
+def _old_torch_numbers(p: Any) -> None:
+    """PyTorch's allocator figures read as the probe read them before 2026-12-06 (probe_torch_numbers_old)."""
+    from gpufootprint.probe import torchnumbers
+
+    def read_now() -> dict[str, Any]:
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return {}
+        n = torch.cuda.device_count()
+        return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
+                "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
+
+    torchnumbers.read_now = read_now  # type: ignore[assignment]
+    if p is not None:
+        p.sender.torch_numbers.min_interval_s = 0.5
+
+
 def _commands() -> Any:
     """The parent's commands, a line at a time. Waiting for the next, the main thread wakes every 5 ms
     (select, then back to Python), as a training loop's main thread never sits in C for long: the probe
@@ -332,6 +374,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         from gpufootprint.probe.windows import Windows
 
         Windows.counted_enough = lambda self: False  # type: ignore[method-assign]
+    gc_seconds = _count_gc_time()
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -339,6 +382,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
                          **START_ARGS.get(config, {}), **PROBE_CONFIGS[config])
         if not ok:
             print(json.dumps({"error": "probe did not start", "status": probe.status()}), flush=True)
+        if config == "probe_torch_numbers_old":
+            _old_torch_numbers(probe.current())
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -360,14 +405,18 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         for _ in range(100):
             tiny.add_(1.0)
 
+    in_steps = {"a": 0.0, "b": 0.0}  # the cyclic collector's time inside timed steps
+
     def timed(fn: Any, n: int) -> list[float]:
         out = []
         for _ in range(n):
             torch.cuda.synchronize()
+            g0 = gc_seconds[0]
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             out.append(time.perf_counter() - t0)
+            in_steps["a" if fn is step_a else "b"] += gc_seconds[0] - g0
         return out
 
     for _ in range(3):
@@ -411,7 +460,12 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
             a = timed(step_a, steps_a)
             b = timed(step_b, steps_b)
         print(json.dumps({"a": a, "b": b}), flush=True)
-    extra: dict[str, Any] = {}
+    import gc
+
+    extra: dict[str, Any] = {"gc": {"seconds": round(gc_seconds[0], 6), "seconds_in_a": round(in_steps["a"], 6),
+                                    "seconds_in_b": round(in_steps["b"], 6),
+                                    "collections": [g["collections"] for g in gc.get_stats()],
+                                    "tracked_objects": len(gc.get_objects())}}
     if floor is not None:
         extra["cupti_floor"] = {"buffers_completed": floor.delivery.completed, "buffers_refused": floor.delivery.refused,
                                 "priming_ended": not floor.priming, "counters": dict(floor.counters)}
@@ -715,7 +769,11 @@ def main() -> int:
                                                      "buffers_completed", "records_sent", "bulk_records",
                                                      "bulk_fallbacks", "records_dropped", "resyncs",
                                                      "drop_resyncs", "forwarded_buffers", "table_seconds",
-                                                     "forward_seconds")}, row.get("daemon"))
+                                                     "forward_seconds", "torch_readings", "torch_read_seconds",
+                                                     "sender_wakeups")}, row.get("daemon"))
+        gc_row = (row.get("final") or {}).get("gc")
+        if gc_row:
+            print(" " * 21, "gc", gc_row)
     print(verdict_table(summary["pooled"]))
     return 0
 

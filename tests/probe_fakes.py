@@ -437,7 +437,11 @@ def fake_torch(reserved: int = 0, allocated: int = 0) -> Any:
     """A stand-in for the parts of ``torch`` the probe touches: CUDA initialised, the allocator's
     figures, and ``torch._C._cuda_attach_out_of_memory_observer`` keeping what is attached."""
     observers: list[Any] = []
-    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1,
+    def nested(d: int = 0) -> dict[str, Any]:
+        return {"allocated_bytes": {"all": {"current": allocated, "peak": allocated}},
+                "reserved_bytes": {"all": {"current": reserved, "peak": reserved}}}
+
+    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 1, memory_stats_as_nested_dict=nested,
                            memory_reserved=lambda d=0: reserved, memory_allocated=lambda d=0: allocated)
     c = SimpleNamespace(observers=observers, _cuda_attach_out_of_memory_observer=observers.append)
     return SimpleNamespace(cuda=cuda, _C=c, __name__="torch")

@@ -109,3 +109,48 @@ def test_replicas_pool_into_groups_and_the_verdict_reads_the_probe_against_the_f
     assert abs(rows["cupti_floor"]["a"]["median_ratio"] - 1.004) < 1e-3
     table = ov.verdict_table(rows)
     assert table.splitlines()[2].startswith("aa (4)")
+
+
+def test_the_old_torch_reading_lever_reads_as_the_probe_did_before_and_the_default_does_not(
+        monkeypatch: Any) -> None:
+    """probe_torch_numbers_old against probe isolates the reading's cost: each must read its own way."""
+    import sys
+
+    from gpufootprint.probe import torchnumbers
+
+    torch = fk.fake_torch(reserved=7, allocated=5)
+    calls: list[str] = []
+    torch.cuda.memory_allocated = lambda d=0: calls.append("allocated") or 5
+    torch.cuda.memory_reserved = lambda d=0: calls.append("reserved") or 7
+    nested = torch.cuda.memory_stats_as_nested_dict
+    torch.cuda.memory_stats_as_nested_dict = lambda d=0: calls.append("nested") or nested(d)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(torchnumbers, "read_now", torchnumbers.read_now)  # restored after the test
+    probe = Probe(ProbeSettings(socket="", flush_ms=10), fk.FakeRawCupti(), discover_devices=False)
+    assert probe.start()
+    try:
+        assert probe.sender.torch_numbers.min_interval_s == 1.0  # one reading a heartbeat
+        probe.sender.torch_numbers._after_step(None, (), {})
+        assert calls == ["nested"]
+        _overhead()._old_torch_numbers(probe)
+        assert probe.sender.torch_numbers.min_interval_s == 0.5
+        calls.clear()
+        probe.sender.torch_numbers._read_at = -float("inf")
+        probe.sender.torch_numbers._after_step(None, (), {})
+        assert calls == ["allocated", "reserved"]
+        assert probe.sender.torch_numbers.latest == {"allocated": {"0": 5}, "reserved": {"0": 7}}
+    finally:
+        probe.stop()
+
+
+def test_the_workers_gc_clock_counts_the_collectors_time() -> None:
+    import gc
+
+    seconds = _overhead()._count_gc_time()
+    try:
+        junk = [[i] for i in range(200_000)]
+        gc.collect()
+        assert seconds[0] > 0
+        del junk
+    finally:
+        gc.callbacks.pop()

@@ -16,6 +16,7 @@ from gpufootprint.probe.counters import counter_values
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
+from gpufootprint.probe.torchnumbers import TorchNumbers
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameDecoder, FrameType
 
@@ -35,7 +36,7 @@ def _probe_that_met_everything() -> SimpleNamespace:
                              settings=SimpleNamespace(cupti_buffer_bytes=1 << 20))
     return SimpleNamespace(counters=Counter(), intake=intake, oom=OomWatch(), link=link, table=LiveTable(),
                            table_seconds=0.0, own_device_bytes=0, raw=None, forward_seconds=0.0,
-                           dropped_by_reason=Counter(dict.fromkeys(DROP_REASONS, 10)))
+                           torch_numbers=TorchNumbers(), dropped_by_reason=Counter(dict.fromkeys(DROP_REASONS, 10)))
 
 
 def test_every_counter_of_a_probe_that_met_every_reason_reaches_the_daemon() -> None:

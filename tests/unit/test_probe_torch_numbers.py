@@ -26,18 +26,33 @@ from gpufootprint.wire.sources import TraceFile
 from tests import probe_fakes as fk
 
 
-def _torch_that_records_its_callers(allocated: int, reserved: int) -> tuple[Any, list[str], list[Any]]:
+def _torch_that_records_its_callers(allocated: int, reserved: int, devices: int = 1,
+                                    nested: bool = True) -> tuple[Any, list[str], list[Any]]:
+    """A torch whose allocator statistics note the thread and the call that asked for them."""
     callers: list[str] = []
     hooks: list[Any] = []
     torch = fk.fake_torch(reserved=reserved, allocated=allocated)
+    torch.calls = []
 
-    def stat(value: int) -> Any:
-        def read(_d: int = 0) -> int:
+    def stat(name: str, value: int) -> Any:
+        def read(d: int = 0) -> int:
             callers.append(threading.current_thread().name)
-            return value
+            torch.calls.append((name, d))
+            return value + d
         return read
 
-    torch.cuda.memory_allocated, torch.cuda.memory_reserved = stat(allocated), stat(reserved)
+    def stats(d: int = 0) -> dict[str, Any]:
+        callers.append(threading.current_thread().name)
+        torch.calls.append(("nested", d))
+        return {"allocated_bytes": {"all": {"current": allocated + d}, "large_pool": {"current": 1}},
+                "reserved_bytes": {"all": {"current": reserved + d}}, "num_ooms": 0}
+
+    torch.cuda.memory_allocated, torch.cuda.memory_reserved = stat("allocated", allocated), stat("reserved", reserved)
+    torch.cuda.device_count = lambda: devices
+    if nested:
+        torch.cuda.memory_stats_as_nested_dict = stats
+    else:
+        del torch.cuda.memory_stats_as_nested_dict  # an older torch
     torch.optim = SimpleNamespace(optimizer=SimpleNamespace(register_optimizer_step_post_hook=hooks.append))
     return torch, callers, hooks
 
@@ -75,9 +90,9 @@ def test_a_step_hook_reads_at_most_once_per_interval_and_never_raises(monkeypatc
     assert numbers.hook() and numbers.hook() and len(hooks) == 1  # registered once
     for _ in range(1000):  # a thousand steps in a minute: one reading
         hooks[0](None, (), {})
-    assert numbers.readings == 1 and len(callers) == 2
+    assert numbers.readings == 1 and len(callers) == 1
     numbers._read_at = -float("inf")
-    torch.cuda.memory_allocated = lambda _d=0: 1 / 0  # a broken torch: the step still returns
+    torch.cuda.memory_stats_as_nested_dict = lambda _d=0: 1 / 0  # a broken torch: the step still returns
     hooks[0](None, (), {})
     assert numbers.latest == {"allocated": {"0": 1}, "reserved": {"0": 2}}
 
@@ -86,3 +101,59 @@ def test_without_an_optimizer_hook_there_are_no_figures(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "torch", fk.fake_torch(reserved=3, allocated=2))  # no torch.optim
     numbers = TorchNumbers()
     assert numbers.hook() is False and numbers.latest == {}
+
+
+def test_a_reading_asks_torch_once_per_device_for_both_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading is paid for inside the workload's step: one nested statistics call per device.
+    ``memory_allocated`` and ``memory_reserved`` would each build, flatten and sort the whole table."""
+    torch, _, hooks = _torch_that_records_its_callers(allocated=10, reserved=20, devices=3)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    numbers = TorchNumbers(min_interval_s=0)
+    assert numbers.hook()
+    hooks[0](None, (), {})
+    assert torch.calls == [("nested", 0), ("nested", 1), ("nested", 2)]
+    assert numbers.latest == {"allocated": {"0": 10, "1": 11, "2": 12}, "reserved": {"0": 20, "1": 21, "2": 22}}
+
+
+def test_an_older_torch_without_nested_statistics_still_gives_both_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch, _, hooks = _torch_that_records_its_callers(allocated=10, reserved=20, devices=2, nested=False)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    numbers = TorchNumbers(min_interval_s=0)
+    assert numbers.hook()
+    hooks[0](None, (), {})
+    assert sorted(torch.calls) == [("allocated", 0), ("allocated", 1), ("reserved", 0), ("reserved", 1)]
+    assert numbers.latest == {"allocated": {"0": 10, "1": 11}, "reserved": {"0": 20, "1": 21}}
+
+
+def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch, _, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
+    slow = torch.cuda.memory_stats_as_nested_dict
+
+    def stats(d: int = 0) -> dict[str, Any]:
+        time.sleep(0.02)  # a slow torch: the step pays this
+        return slow(d)
+
+    torch.cuda.memory_stats_as_nested_dict = stats
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
+                  discover_devices=False)
+    assert probe.start()
+    try:
+        # no more than one reading a heartbeat: the heartbeat sends only the last one
+        assert probe.sender.torch_numbers.min_interval_s == pytest.approx(0.05)
+        deadline = time.monotonic() + 5
+        while not hooks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(3):
+            hooks[0](object(), (), {})
+            time.sleep(0.06)
+        time.sleep(0.2)
+        status = probe.status()
+    finally:
+        probe.stop()
+    assert status["torch_readings"] == 3
+    assert 0.06 <= status["torch_read_seconds"] < 1.0
+    beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+    assert beats[-1]["counters"]["torch_readings"] == 3

@@ -45,7 +45,7 @@ MarkCallback = Callable[[dict[str, Any]], None]
 
 # What a live probe may store about itself: any local process can connect and say anything. HELLO
 # values reach reports, engine scopes (pod, namespace) and label values, so they are bounded in size and characters.
-# A probe of this build sends about 57 counters plus one a connection result, a disconnect reason
+# A probe of this build sends about 61 counters plus one a connection result, a disconnect reason
 # and a drop reason it met (at most 15): 96 holds all of them (test_heartbeat_counters), and a peer
 # still cannot make the daemon keep an unbounded number of label values.
 _MAX_COUNTERS = 96

@@ -16,12 +16,14 @@ from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.torchnumbers import TorchNumbers
 
 
 class CounterSources(Protocol):
     """The parts of the probe its counters are read from."""
 
     counters: Counter[str]
+    torch_numbers: TorchNumbers
     dropped_by_reason: Counter[str]
     intake: Intake
     oom: OomWatch
@@ -84,6 +86,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "cupti_dropped_records": cupti_dropped, "cupti_bad_timestamps": c["cupti_bad_timestamps"],
         "unified_memory_configured": c["unified_memory_configured"],
         "oom_records_unavailable": c["oom_records_unavailable"], **p.oom.counters(),
+        "torch_readings": p.torch_numbers.readings, "torch_read_seconds": round(p.torch_numbers.read_seconds, 6),
         **{f"connections_{k}": v for k, v in (link.connections.items() if link else ())},
         **{f"disconnects_{k}": v for k, v in (link.disconnects.items() if link else ())},
         **{f"dropped_{k}": v for k, v in p.dropped_by_reason.items()},

@@ -61,7 +61,8 @@ class Sender:
         self.table = LiveTable()
         # Failed allocations (CUPTI's API records) and PyTorch's OOM notices: probe/oom.py.
         self.oom = OomWatch(clock_ns)
-        self.torch_numbers = TorchNumbers()
+        # PyTorch's figures go out with heartbeats: a reading more often than one a heartbeat is never sent
+        self.torch_numbers = TorchNumbers(min_interval_s=settings.heartbeat_ms / 1000)
         self.packer.on_api_rows = self.oom.api_rows
         self.packer.on_api_objects = self.oom.api_objects
         self.link: SocketLink | None = None

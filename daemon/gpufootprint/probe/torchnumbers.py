@@ -8,8 +8,13 @@ probe's own thread it can hang the workload for good: the workload's thread, ins
 
 So the figures are read only where the workload's thread already runs Python outside the
 allocator: after an optimizer step (PyTorch's global optimizer step hook), at most once per
-``min_interval_s``. The heartbeat sends the last reading. A workload that never steps an
-optimizer (inference) sends none.
+``min_interval_s`` (the sender passes its heartbeat period: the heartbeat sends only the last
+reading). A workload that never steps an optimizer (inference) sends none.
+
+A reading is paid for in the workload's step, so it is one ``memory_stats_as_nested_dict`` call per
+device: ``memory_allocated`` and ``memory_reserved`` each build the whole flattened, sorted
+``memory_stats`` dictionary and throw all but one figure away. ``read_seconds`` counts the time
+the readings took on the workload's thread (the heartbeat's ``torch_read_seconds``).
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from typing import Any
 
 
 class TorchNumbers:
-    def __init__(self, min_interval_s: float = 0.5) -> None:
+    def __init__(self, min_interval_s: float = 1.0) -> None:
         self.min_interval_s = min_interval_s
         self.latest: dict[str, Any] = {}
         self.readings = 0
+        self.read_seconds = 0.0  # wall time of the readings, on the workload's thread
         self._read_at = -float("inf")
         self._hooked = False
 
@@ -50,11 +56,13 @@ class TorchNumbers:
         if now - self._read_at < self.min_interval_s:
             return
         self._read_at = now
+        t0 = time.perf_counter()
         try:
             self.latest = read_now()
             self.readings += 1
         except Exception:  # noqa: BLE001, S110 - the figures are optional
             pass
+        self.read_seconds += time.perf_counter() - t0
 
 
 def read_now() -> dict[str, Any]:
@@ -62,6 +70,17 @@ def read_now() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return {}
-    n = torch.cuda.device_count()
-    return {"allocated": {str(d): int(torch.cuda.memory_allocated(d)) for d in range(n)},
-            "reserved": {str(d): int(torch.cuda.memory_reserved(d)) for d in range(n)}}
+    cuda = torch.cuda
+    n = cuda.device_count()
+    nested = getattr(cuda, "memory_stats_as_nested_dict", None)
+    if nested is None:  # not in this torch: the two figures one flattened dictionary each
+        return {"allocated": {str(d): int(cuda.memory_allocated(d)) for d in range(n)},
+                "reserved": {str(d): int(cuda.memory_reserved(d)) for d in range(n)}}
+    allocated: dict[str, int] = {}
+    reserved: dict[str, int] = {}
+    for d in range(n):
+        stats = nested(d)
+        # what memory_allocated and memory_reserved return: "<stat>.all.current", 0 when absent
+        allocated[str(d)] = int(stats.get("allocated_bytes", {}).get("all", {}).get("current", 0))
+        reserved[str(d)] = int(stats.get("reserved_bytes", {}).get("all", {}).get("current", 0))
+    return {"allocated": allocated, "reserved": reserved}
