@@ -125,6 +125,7 @@ def test_the_old_torch_reading_lever_reads_as_the_probe_did_before_and_the_defau
     nested = torch.cuda.memory_stats_as_nested_dict
     torch.cuda.memory_stats_as_nested_dict = lambda d=0: calls.append("nested") or nested(d)
     monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.delitem(sys.modules, "torch.optim.optimizer", raising=False)
     monkeypatch.setattr(torchnumbers, "read_now", torchnumbers.read_now)  # restored after the test
     probe = Probe(ProbeSettings(socket="", flush_ms=10), fk.FakeRawCupti(), discover_devices=False)
     assert probe.start()

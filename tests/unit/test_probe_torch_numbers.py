@@ -53,14 +53,31 @@ def _torch_that_records_its_callers(allocated: int, reserved: int, devices: int 
         torch.cuda.memory_stats_as_nested_dict = stats
     else:
         del torch.cuda.memory_stats_as_nested_dict  # an older torch
-    torch.optim = SimpleNamespace(optimizer=SimpleNamespace(register_optimizer_step_post_hook=hooks.append))
+    _install_optim(torch, hooks)
     return torch, callers, hooks
+
+
+def _install_optim(torch: Any, hooks: list[Any]) -> None:
+    """PyTorch's layout: ``torch/optim/__init__.py`` ends with ``del optimizer``, so the hook's module is
+    in ``sys.modules`` but not an attribute of ``torch.optim`` (the probe looked for the attribute until
+    2026-12-06 and so never registered its hook on a real torch)."""
+    torch.optim = SimpleNamespace(Optimizer=object)
+    torch.optimizer_module = SimpleNamespace(register_optimizer_step_post_hook=hooks.append)
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, torch: Any) -> None:
+    """``torch`` (and its optimizer module, where it has one) imported, for the test's duration."""
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    if hasattr(torch, "optimizer_module"):
+        monkeypatch.setitem(sys.modules, "torch.optim.optimizer", torch.optimizer_module)
+    else:
+        monkeypatch.delitem(sys.modules, "torch.optim.optimizer", raising=False)
 
 
 def test_heartbeats_carry_figures_read_on_the_workloads_thread_only(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     torch, callers, hooks = _torch_that_records_its_callers(allocated=2 << 30, reserved=3 << 30)
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
     probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
                   discover_devices=False)
@@ -85,7 +102,7 @@ def test_heartbeats_carry_figures_read_on_the_workloads_thread_only(tmp_path: Pa
 
 def test_a_step_hook_reads_at_most_once_per_interval_and_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    _use(monkeypatch, torch)
     numbers = TorchNumbers(min_interval_s=60)
     assert numbers.hook() and numbers.hook() and len(hooks) == 1  # registered once
     for _ in range(1000):  # a thousand steps in a minute: one reading
@@ -98,7 +115,7 @@ def test_a_step_hook_reads_at_most_once_per_interval_and_never_raises(monkeypatc
 
 
 def test_without_an_optimizer_hook_there_are_no_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "torch", fk.fake_torch(reserved=3, allocated=2))  # no torch.optim
+    _use(monkeypatch, fk.fake_torch(reserved=3, allocated=2))  # no torch.optim
     numbers = TorchNumbers()
     assert numbers.hook() is False and numbers.latest == {}
 
@@ -107,7 +124,7 @@ def test_a_reading_asks_torch_once_per_device_for_both_figures(monkeypatch: pyte
     """The reading is paid for inside the workload's step: one nested statistics call per device.
     ``memory_allocated`` and ``memory_reserved`` would each build, flatten and sort the whole table."""
     torch, _, hooks = _torch_that_records_its_callers(allocated=10, reserved=20, devices=3)
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    _use(monkeypatch, torch)
     numbers = TorchNumbers(min_interval_s=0)
     assert numbers.hook()
     hooks[0](None, (), {})
@@ -117,7 +134,7 @@ def test_a_reading_asks_torch_once_per_device_for_both_figures(monkeypatch: pyte
 
 def test_an_older_torch_without_nested_statistics_still_gives_both_figures(monkeypatch: pytest.MonkeyPatch) -> None:
     torch, _, hooks = _torch_that_records_its_callers(allocated=10, reserved=20, devices=2, nested=False)
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    _use(monkeypatch, torch)
     numbers = TorchNumbers(min_interval_s=0)
     assert numbers.hook()
     hooks[0](None, (), {})
@@ -135,7 +152,7 @@ def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
         return slow(d)
 
     torch.cuda.memory_stats_as_nested_dict = stats
-    monkeypatch.setitem(sys.modules, "torch", torch)
+    _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
     probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
                   discover_devices=False)

@@ -38,9 +38,11 @@ class TorchNumbers:
         insert); True once registered."""
         if self._hooked:
             return True
-        torch = sys.modules.get("torch")
-        optim = getattr(torch, "optim", None) if torch is not None else None
-        register = getattr(getattr(optim, "optimizer", None), "register_optimizer_step_post_hook", None)
+        if "torch" not in sys.modules:
+            return False
+        # From sys.modules, not as torch.optim.optimizer: torch/optim/__init__.py ends with
+        # ``del optimizer``. Imported with torch itself; absent while torch is still importing.
+        register = getattr(sys.modules.get("torch.optim.optimizer"), "register_optimizer_step_post_hook", None)
         if register is None:
             return False
         try:
