@@ -116,10 +116,13 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # sampler differs (DAEMON_SAMPLER).
     "probe_windows_60s": {},
     "probe_windows_2steps": {},
-    # PyTorch's allocator figures read as before 2026-12-06 (the worker patches the reading): after an
-    # optimizer step at most every 0.5 s, by memory_allocated and memory_reserved, each of which builds,
-    # flattens and sorts the whole memory_stats table. Now: once a heartbeat, one nested call a device.
-    "probe_torch_numbers_old": {},
+    # PyTorch's allocator figures, opt-in since 2026-12-06 (probe.torch_numbers): read after optimizer steps
+    # once a heartbeat, one nested statistics call a device.
+    "probe_torch_numbers": {"torch_numbers": True},
+    # The same read as the probe meant to before 2026-12-06 (the worker patches the reading): at most every
+    # 0.5 s, by memory_allocated and memory_reserved, each of which builds, flattens and sorts the whole
+    # memory_stats table. (Before 28c275f the hook never registered on a real torch: no reading was made.)
+    "probe_torch_numbers_old": {"torch_numbers": True},
     # No NVML poll for the untracked kind (nor the forced flush before it) within a run.
     "probe_no_untracked": {"untracked_ms": 600_000},
 }
@@ -166,7 +169,7 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
                                          "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
-                                         "probe_torch_numbers_old", "probe_no_untracked"]}
+                                         "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table

@@ -6,7 +6,8 @@ module is ``sys.modules["torch.optim.optimizer"]``, not an attribute of ``torch.
 ``__init__`` ends with ``del optimizer``): until 2026-12-06 the probe looked for the attribute and never
 registered, so ``gpufootprint_allocator_slack_bytes`` had no series for any real process.
 
-A probed child trains a small model with AdamW, then holds still; the daemon's /metrics must show
+The reading is opt-in (``probe.torch_numbers``, off by default: docs/probe.md says why). A child probed
+with it trains a small model with AdamW, then holds still; the daemon's /metrics must show
 its ``reserved - allocated`` at each of two states, read while the child is still alive, and its
 heartbeat must count the readings. What was seen goes to ``$OUT/torch_figures.json`` when OUT is set.
 """
@@ -71,8 +72,8 @@ def test_a_training_loops_allocator_slack_reaches_metrics_while_it_runs(tmp_path
     app = App(load_config(env={}, overrides={"daemon.tick_ms": 50}), socket_path=sock, listen="127.0.0.1:0")
     app.start()
     seen: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "states": []}
-    child = subprocess.Popen([sys.executable, "-c", CHILD], env=probe_env(sock), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], env=probe_env(sock, GPUFOOTPRINT_PROBE_TORCH_NUMBERS="1"),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdin is not None and child.stdout is not None and app.http is not None
         for state in range(2):

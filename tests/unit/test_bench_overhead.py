@@ -127,7 +127,7 @@ def test_the_old_torch_reading_lever_reads_as_the_probe_did_before_and_the_defau
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.delitem(sys.modules, "torch.optim.optimizer", raising=False)
     monkeypatch.setattr(torchnumbers, "read_now", torchnumbers.read_now)  # restored after the test
-    probe = Probe(ProbeSettings(socket="", flush_ms=10), fk.FakeRawCupti(), discover_devices=False)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, torch_numbers=True), fk.FakeRawCupti(), discover_devices=False)
     assert probe.start()
     try:
         assert probe.sender.torch_numbers.min_interval_s == 1.0  # one reading a heartbeat

@@ -79,7 +79,7 @@ def test_heartbeats_carry_figures_read_on_the_workloads_thread_only(tmp_path: Pa
     torch, callers, hooks = _torch_that_records_its_callers(allocated=2 << 30, reserved=3 << 30)
     _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50, torch_numbers=True), fk.FakeRawCupti(),
                   discover_devices=False)
     assert probe.start()
     try:
@@ -154,7 +154,7 @@ def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
     torch.cuda.memory_stats_as_nested_dict = stats
     _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50, torch_numbers=True), fk.FakeRawCupti(),
                   discover_devices=False)
     assert probe.start()
     try:
@@ -174,3 +174,24 @@ def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
     assert 0.06 <= status["torch_read_seconds"] < 1.0
     beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
     assert beats[-1]["counters"]["torch_readings"] == 3
+
+
+def test_by_default_the_probe_never_hooks_the_optimizer_nor_asks_torch(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off unless asked for: PyTorch reads its figures under the allocator's mutex holding the GIL, and
+    another thread of the program inside cudaMalloc under that mutex may be waiting for the GIL in the
+    probe's CUPTI buffer callback."""
+    torch, callers, hooks = _torch_that_records_its_callers(allocated=2 << 30, reserved=3 << 30)
+    _use(monkeypatch, torch)
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
+                  discover_devices=False)
+    assert probe.start()
+    try:
+        time.sleep(0.4)  # several heartbeats
+    finally:
+        probe.stop()
+    assert hooks == [] and callers == []
+    beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+    assert len(beats) >= 3 and not any("torch" in b for b in beats)
+    assert beats[-1]["counters"]["torch_readings"] == 0

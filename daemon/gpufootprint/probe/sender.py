@@ -523,7 +523,7 @@ class Sender:
 
     def _heartbeat(self) -> dict[str, Any]:
         body: dict[str, Any] = {"ts": self._clock_ns(), "pid": self.pid, "counters": self._counter_values()}
-        if self.torch_numbers.hook() and self.torch_numbers.latest:
+        if self.settings.torch_numbers and self.torch_numbers.hook() and self.torch_numbers.latest:
             body["torch"] = self.torch_numbers.latest  # read on the workload's thread (torchnumbers.py)
         return body
 

@@ -126,6 +126,15 @@ class ProbeOptions:
     # allocator's figures; on the H200 it reported every PyTorch OOM.
     oom_torch_observer: bool = _opt(True, doc="PyTorch's out-of-memory observer: requested bytes and the "
                                               "allocator's figures at each PyTorch OOM (docs/oom.md)")
+    # PyTorch's allocated and reserved bytes, read after optimizer steps on the workload's thread: the
+    # allocator slack metric. Off by default: PyTorch takes its allocator's mutex for them holding the GIL,
+    # and CUPTI may ask the probe's (Python) buffer callback for a buffer, needing the GIL, on another of
+    # the workload's threads inside cudaMalloc under that mutex: a thread of the program allocating while
+    # the optimizer steps could then hang both (probe/torchnumbers.py).
+    torch_numbers: bool = _opt(False, doc="PyTorch's allocated and reserved bytes after optimizer steps, for "
+                                          "gpufootprint_allocator_slack_bytes; only where no other thread of "
+                                          "the program allocates CUDA memory while the optimizer steps "
+                                          "(docs/probe.md)")
 
     def to_env(self) -> dict[str, str]:
         """The GPUFOOTPRINT_PROBE_* variables that give a probe these values (``from_env`` reads them)."""
