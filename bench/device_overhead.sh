@@ -13,6 +13,7 @@
 # start-up hang) is then named, not guessed.
 #
 # PYSPY_SECONDS=N (env) also samples a probe and a floor worker with py-spy during the run (below).
+# GPUFOOTPRINT_BENCH_THREAD_CPU=1 (env) has every worker report each thread's CPU time inside its timed steps.
 #
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT

@@ -26,6 +26,11 @@ PyTorch's allocator: caching (its default: almost no records once warm), async
 (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, about 520). Each probed
 configuration has a daemon (IngestServer) of its own, so the records it applied
 late (behind its reorder window) are counted per configuration.
+
+Every worker reports the cyclic garbage collector's time inside its timed steps; with
+``GPUFOOTPRINT_BENCH_THREAD_CPU=1`` in the environment also each of its threads' CPU time
+inside them, by thread name (the program's, CUPTI's, the probe's sender, the floor's), read
+from /proc/self/task/*/schedstat between steps.
 """
 
 from __future__ import annotations
@@ -322,6 +327,35 @@ def _count_gc_time() -> list[float]:
     return total
 
 
+def _threads_cpu_ns() -> dict[int, int]:
+    """{thread id: CPU nanoseconds it has run} for every thread of this process (the first field of
+    /proc/self/task/TID/schedstat: the scheduler's own clock, nanoseconds, unlike utime's ticks)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # a thread that ended meanwhile
+    return out
+
+
+def _thread_name(tid: int, names: dict[int, str]) -> str:
+    """A Python thread's own name (before 3.14 CPython does not give it to the OS), else the OS's (comm:
+    CUPTI's and PyTorch's native threads name themselves)."""
+    if tid not in names:
+        for t in threading.enumerate():
+            if t.native_id == tid:
+                names[tid] = t.name
+                return names[tid]
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[tid] = f.read().strip()
+        except OSError:
+            names[tid] = "?"
+    return names[tid]
+
+
 def _old_torch_numbers(p: Any) -> None:
     """PyTorch's allocator figures read as the probe read them before 2026-12-06 (probe_torch_numbers_old)."""
     from gpufootprint.probe import torchnumbers
@@ -409,17 +443,29 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
             tiny.add_(1.0)
 
     in_steps = {"a": 0.0, "b": 0.0}  # the cyclic collector's time inside timed steps
+    # GPUFOOTPRINT_BENCH_THREAD_CPU=1: each thread's CPU time inside the timed steps, by thread name (read
+    # between steps, outside the timed part): whose work a step pays for, the program's threads, CUPTI's or
+    # the probe's sender
+    thread_cpu = os.environ.get("GPUFOOTPRINT_BENCH_THREAD_CPU") == "1"
+    cpu_in_steps: dict[str, dict[str, int]] = {"a": {}, "b": {}}
+    names: dict[int, str] = {}
 
     def timed(fn: Any, n: int) -> list[float]:
         out = []
+        w = "a" if fn is step_a else "b"
         for _ in range(n):
             torch.cuda.synchronize()
+            c0 = _threads_cpu_ns() if thread_cpu else {}
             g0 = gc_seconds[0]
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             out.append(time.perf_counter() - t0)
-            in_steps["a" if fn is step_a else "b"] += gc_seconds[0] - g0
+            in_steps[w] += gc_seconds[0] - g0
+            if thread_cpu:
+                for tid, ns in _threads_cpu_ns().items():
+                    name = _thread_name(tid, names)
+                    cpu_in_steps[w][name] = cpu_in_steps[w].get(name, 0) + ns - c0.get(tid, 0)
         return out
 
     for _ in range(3):
@@ -469,6 +515,9 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
                                     "seconds_in_b": round(in_steps["b"], 6),
                                     "collections": [g["collections"] for g in gc.get_stats()],
                                     "tracked_objects": len(gc.get_objects())}}
+    if thread_cpu:
+        extra["thread_cpu_ms_in_steps"] = {w: {k: round(v / 1e6, 3) for k, v in sorted(d.items())}
+                                           for w, d in cpu_in_steps.items()}
     if floor is not None:
         extra["cupti_floor"] = {"buffers_completed": floor.delivery.completed, "buffers_refused": floor.delivery.refused,
                                 "priming_ended": not floor.priming, "counters": dict(floor.counters)}
@@ -777,6 +826,9 @@ def main() -> int:
         gc_row = (row.get("final") or {}).get("gc")
         if gc_row:
             print(" " * 21, "gc", gc_row)
+        cpu_row = (row.get("final") or {}).get("thread_cpu_ms_in_steps")
+        if cpu_row:
+            print(" " * 21, "CPU ms in steps by thread", cpu_row)
     print(verdict_table(summary["pooled"]))
     return 0
 

@@ -155,3 +155,31 @@ def test_the_workers_gc_clock_counts_the_collectors_time() -> None:
         del junk
     finally:
         gc.callbacks.pop()
+
+
+def test_the_workers_thread_clock_sees_a_busy_thread_by_its_name() -> None:
+    import threading
+
+    m = _overhead()
+    names: dict[int, str] = {}
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    t = threading.Thread(target=spin, name="busy-one")
+    before = m._threads_cpu_ns()
+    t.start()
+    try:
+        time.sleep(0.3)
+        after = m._threads_cpu_ns()
+        name = m._thread_name(t.native_id, names)
+    finally:
+        stop.set()
+        t.join()
+    busy = {tid: ns - before.get(tid, 0) for tid, ns in after.items()}
+    assert busy[t.native_id] > 20_000_000  # more than 20 ms of its 300
+    assert name == "busy-one"
+    assert m._thread_name(threading.main_thread().native_id, names) == "MainThread"
+    assert threading.main_thread().native_id in after
