@@ -274,3 +274,26 @@ def test_a_stopped_probe_reads_nothing_more_in_the_workloads_steps(monkeypatch: 
     probe.sender.torch_numbers._read_at = -float("inf")
     hooks[0](object(), (), {})
     assert probe.sender.torch_numbers.readings == 1 and len(callers) == 1
+
+
+def test_a_forked_child_runs_unprobed_so_the_parents_hook_reads_nothing_in_its_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child of a fork inherits PyTorch's global hooks, the parent's TorchNumbers among them; the probe
+    leaves the child unprobed (probe/__init__.py), so that hook must not read the child's allocator."""
+    import gpufootprint.probe as probe_module
+
+    torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
+    _use(monkeypatch, torch)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20), fk.FakeRawCupti(), discover_devices=False)
+    monkeypatch.setattr(probe_module, "_probe", probe)
+    monkeypatch.setattr(probe_module, "_lock", probe_module._lock)
+    assert probe.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not hooks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        probe_module._after_fork_in_child()  # what os.register_at_fork runs in a child
+        hooks[0](object(), (), {})  # the child's optimizer.step()
+        assert callers == [] and probe.sender.torch_numbers.readings == 0
+    finally:
+        probe.stop()
