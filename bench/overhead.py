@@ -315,13 +315,14 @@ def _count_gc_time() -> list[float]:
     import gc
 
     total = [0.0]
-    started = [0.0]
+    started: list[float | None] = [None]
 
     def note(phase: str, _info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
-        else:
+        elif started[0] is not None:  # not the end of a collection that began before the clock
             total[0] += time.perf_counter() - started[0]
+            started[0] = None
 
     gc.callbacks.append(note)
     return total

@@ -183,3 +183,33 @@ def test_the_workers_thread_clock_sees_a_busy_thread_by_its_name() -> None:
     assert name == "busy-one"
     assert m._thread_name(threading.main_thread().native_id, names) == "MainThread"
     assert threading.main_thread().native_id in after
+
+
+def test_the_gc_clock_started_during_a_collection_ignores_that_collections_end() -> None:
+    """A clock put on gc.callbacks while a collection runs (a finalizer's, another thread's) hears that
+    collection's "stop" without its "start": it added perf_counter() - 0, the host's uptime, to the
+    worker's GC seconds."""
+    import gc
+
+    clocks: list[list[float]] = []
+
+    class StartsTheClockWhenCollected:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            clocks.append(_overhead()._count_gc_time())
+
+    gc.collect()
+    n = len(gc.callbacks)
+    StartsTheClockWhenCollected()
+    try:
+        t0 = time.perf_counter()
+        gc.collect()
+        wall = time.perf_counter() - t0
+        assert len(clocks) == 1
+        assert 0 <= clocks[0][0] <= wall
+        gc.collect()  # a whole collection after: counted
+        assert 0 < clocks[0][0] <= time.perf_counter() - t0
+    finally:
+        del gc.callbacks[n:]

@@ -112,6 +112,7 @@ def test_a_step_hook_reads_at_most_once_per_interval_and_never_raises(monkeypatc
     torch.cuda.memory_stats_as_nested_dict = lambda _d=0: 1 / 0  # a broken torch: the step still returns
     hooks[0](None, (), {})
     assert numbers.latest == {"allocated": {"0": 1}, "reserved": {"0": 2}}
+    assert numbers.readings == 1 and numbers.read_seconds > 0  # a failed reading is timed, not counted
 
 
 def test_without_an_optimizer_hook_there_are_no_figures(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,3 +196,125 @@ def test_by_default_the_probe_never_hooks_the_optimizer_nor_asks_torch(tmp_path:
     beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
     assert len(beats) >= 3 and not any("torch" in b for b in beats)
     assert beats[-1]["counters"]["torch_readings"] == 0
+
+
+# PyTorch's own code for the global step hooks (torch/optim/optimizer.py, 2.x): an OrderedDict, inserted into
+# by register_optimizer_step_post_hook and iterated by the step's wrapper after the step, calling each hook.
+_OPTIMIZER_SOURCE = '''
+from collections import OrderedDict
+from itertools import chain, count
+
+_global_optimizer_post_hooks = OrderedDict()
+_ids = count()
+
+
+def register_optimizer_step_post_hook(hook):
+    _global_optimizer_post_hooks[next(_ids)] = hook
+
+
+def step(optimizer):
+    """Optimizer.profile_hook_step's wrapper, after ``func(*args, **kwargs)``."""
+    for post_hook in chain(optimizer._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+        post_hook(optimizer, (), {})
+'''
+
+
+def _torch_with_pytorchs_hook_loop(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    import types
+
+    torch, _, _ = _torch_that_records_its_callers(allocated=1, reserved=2)
+    module = types.ModuleType("torch.optim.optimizer")
+    exec(compile(_OPTIMIZER_SOURCE, "torch/optim/optimizer.py", "exec"), vars(module))  # noqa: S102
+    torch.optimizer_module = module
+    _use(monkeypatch, torch)
+    return torch, module
+
+
+def test_registering_from_the_senders_thread_never_raises_into_a_step_running_another_tools_hook(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender registers the hook from a heartbeat, on its own thread. Inserted into PyTorch's
+    OrderedDict while the workload's thread is inside its loop over the global post hooks, running a
+    hook another tool registered (a tracker, a profiler) that is not the last one, it raised
+    ``RuntimeError: OrderedDict mutated during iteration`` out of the user's ``optimizer.step()``."""
+    _, module = _torch_with_pytorchs_hook_loop(monkeypatch)
+    inside, tried = threading.Event(), threading.Event()
+
+    def tracker(_o: Any, _a: Any, _k: Any) -> None:  # another tool's global hook, Python
+        inside.set()
+        tried.wait(2)
+
+    module.register_optimizer_step_post_hook(tracker)
+    module.register_optimizer_step_post_hook(lambda _o, _a, _k: None)  # and one more after it
+    numbers = TorchNumbers(min_interval_s=0)
+    answered: list[bool] = []
+
+    def heartbeat() -> None:  # the sender's thread
+        inside.wait(5)
+        answered.append(numbers.hook())
+        tried.set()
+
+    sender = threading.Thread(target=heartbeat, name="gpufootprint-probe")
+    sender.start()
+    optimizer = SimpleNamespace(_optimizer_step_post_hooks={})
+    try:
+        module.step(optimizer)  # the workload's optimizer.step(): must return
+    finally:
+        sender.join(5)
+    assert answered == [False]  # not while a step may be in the loop: asked again at the next heartbeat
+    tried.set()
+    assert numbers.hook() is True  # no step running: registered
+    module.step(optimizer)
+    assert numbers.readings == 1
+
+
+def test_with_no_other_global_hook_the_sender_registers_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty dict cannot be half iterated: registering needs no look at the other threads."""
+    _, module = _torch_with_pytorchs_hook_loop(monkeypatch)
+    numbers = TorchNumbers(min_interval_s=0)
+    monkeypatch.setattr(sys, "_current_frames", lambda: 1 / 0)
+    assert numbers.hook() is True
+    module.step(SimpleNamespace(_optimizer_step_post_hooks={}))
+    assert numbers.readings == 1
+
+
+def test_a_stopped_probe_reads_nothing_more_in_the_workloads_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch keeps the hook after the probe stops (the probe never removes it: removing from the sender's
+    thread would race the step's loop as registering did); the hook must then do nothing."""
+    torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
+    _use(monkeypatch, torch)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=True), fk.FakeRawCupti(), discover_devices=False)
+    assert probe.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not hooks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hooks[0](object(), (), {})
+        assert probe.sender.torch_numbers.readings == 1
+    finally:
+        probe.stop()
+    probe.sender.torch_numbers._read_at = -float("inf")
+    hooks[0](object(), (), {})
+    assert probe.sender.torch_numbers.readings == 1 and len(callers) == 1
+
+
+def test_a_forked_child_runs_unprobed_so_the_parents_hook_reads_nothing_in_its_steps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child of a fork inherits PyTorch's global hooks, the parent's TorchNumbers among them; the probe
+    leaves the child unprobed (probe/__init__.py), so that hook must not read the child's allocator."""
+    import gpufootprint.probe as probe_module
+
+    torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
+    _use(monkeypatch, torch)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=True), fk.FakeRawCupti(), discover_devices=False)
+    monkeypatch.setattr(probe_module, "_probe", probe)
+    monkeypatch.setattr(probe_module, "_lock", probe_module._lock)
+    assert probe.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not hooks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        probe_module._after_fork_in_child()  # what os.register_at_fork runs in a child
+        hooks[0](object(), (), {})  # the child's optimizer.step()
+        assert callers == [] and probe.sender.torch_numbers.readings == 0
+    finally:
+        probe.stop()

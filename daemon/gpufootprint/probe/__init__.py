@@ -79,6 +79,9 @@ def _after_fork_in_child() -> None:
     # CUDA and CUPTI are not usable in a child forked from a CUDA process, and the
     # sender thread did not survive the fork: a forked child runs unprobed.
     global _probe, _lock
+    if _probe is not None:
+        # PyTorch's global optimizer hooks are the parent's, inherited: its hook must not read here
+        _probe.sender.torch_numbers.close()
     _probe = None
     _lock = threading.Lock()
 

@@ -132,6 +132,7 @@ class Probe:
         """Final flush, GOODBYE, close. Safe to call twice and from atexit."""
         if not self.started or self.sender._stop.is_set():
             return
+        self.sender.torch_numbers.close()  # its hook stays in PyTorch's steps: no more readings there
         self.sender._stop.set()
         self.sender._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():

@@ -20,7 +20,9 @@ the readings took on the workload's thread (the heartbeat's ``torch_read_seconds
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from types import FrameType
 from typing import Any
 
 
@@ -32,18 +34,25 @@ class TorchNumbers:
         self.read_seconds = 0.0  # wall time of the readings, on the workload's thread
         self._read_at = -float("inf")
         self._hooked = False
+        self._closed = False
+
+    def close(self) -> None:
+        """The probe stopped: PyTorch keeps the hook (it is never removed: removing it from the sender's
+        thread would race the step's loop as registering can), and from now on it does nothing."""
+        self._closed = True
 
     def hook(self) -> bool:
-        """Register the optimizer step hook once torch is imported (safe from any thread: a dict
-        insert); True once registered."""
-        if self._hooked:
-            return True
+        """Register the optimizer step hook once torch is imported; True once registered. Called from
+        the sender's thread at each heartbeat until it is: see ``_no_step_in_the_hook_loop``."""
+        if self._hooked or self._closed:
+            return self._hooked
         if "torch" not in sys.modules:
             return False
         # From sys.modules, not as torch.optim.optimizer: torch/optim/__init__.py ends with
         # ``del optimizer``. Imported with torch itself; absent while torch is still importing.
-        register = getattr(sys.modules.get("torch.optim.optimizer"), "register_optimizer_step_post_hook", None)
-        if register is None:
+        module = sys.modules.get("torch.optim.optimizer")
+        register = getattr(module, "register_optimizer_step_post_hook", None)
+        if register is None or not _no_step_in_the_hook_loop(module):
             return False
         try:
             register(self._after_step)
@@ -54,6 +63,8 @@ class TorchNumbers:
 
     def _after_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """On the workload's thread, after ``optimizer.step()``: never raises into it."""
+        if self._closed:
+            return
         now = time.monotonic()
         if now - self._read_at < self.min_interval_s:
             return
@@ -65,6 +76,34 @@ class TorchNumbers:
         except Exception:  # noqa: BLE001, S110 - the figures are optional
             pass
         self.read_seconds += time.perf_counter() - t0
+
+
+def _no_step_in_the_hook_loop(module: Any) -> bool:
+    """Whether the hook may be inserted into PyTorch's global post hooks now, from the sender's thread.
+
+    PyTorch's step wrapper loops over that OrderedDict, calling each hook: an insert while another
+    thread is inside a hook that is not the last (another tool's, a tracker's) makes the loop's next
+    step raise ``RuntimeError: OrderedDict mutated during iteration`` out of the user's
+    ``optimizer.step()``. An empty dict cannot be half iterated (its iterator is made and ended in one C
+    call), so it is always safe; otherwise no other thread may be running code of that module (a step's
+    wrapper) when the threads are looked at; else the sender asks again at its next heartbeat. The look
+    and the insert are a few bytecodes apart, not atomic: a thread that enters a step and reaches another
+    tool's hook within one GIL switch in between still races, a far narrower window than before (any
+    time a step spent in such a hook)."""
+    hooks = getattr(module, "_global_optimizer_post_hooks", None)
+    if not hooks:
+        return True
+    space = vars(module)
+    me = threading.get_ident()
+    for tid, frame in sys._current_frames().items():
+        if tid == me:
+            continue
+        f: FrameType | None = frame
+        while f is not None:
+            if f.f_globals is space:
+                return False
+            f = f.f_back
+    return True
 
 
 def read_now() -> dict[str, Any]:
