@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -357,6 +358,45 @@ def _thread_name(tid: int, names: dict[int, str]) -> str:
     return names[tid]
 
 
+T_ORIGIN = time.perf_counter()
+
+
+def _note_windows() -> list[list[float]]:
+    """[[open, close], ...] of the probe's kernel and launch windows in this process, seconds on the
+    worker's clock (T_ORIGIN): the probe's Windows class wrapped, nothing else changed."""
+    from gpufootprint.probe.windows import Windows
+
+    seen: list[list[float]] = []
+    opened, closed = Windows.open_kernel_window, Windows.close_kernel_window
+
+    def open_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        was = self.kernel_window
+        out = opened(self, *args, **kwargs)
+        if was is None and self.kernel_window is not None:
+            seen.append([round(time.perf_counter() - T_ORIGIN, 5), -1.0])
+        return out
+
+    def close_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        was = self.kernel_window
+        out = closed(self, *args, **kwargs)
+        if was is not None and seen and seen[-1][1] < 0:
+            seen[-1][1] = round(time.perf_counter() - T_ORIGIN, 5)
+        return out
+
+    Windows.open_kernel_window = open_  # type: ignore[method-assign]
+    Windows.close_kernel_window = close_  # type: ignore[method-assign]
+    return seen
+
+
+def p99_outside_windows(raw: dict[str, Any], w: str) -> tuple[float, float, int]:
+    """(p99 of every step, p99 of the steps that overlap no window, steps that overlap one), seconds."""
+    steps = raw["steps"][w]
+    wins = [(o, c if c >= 0 else float("inf")) for o, c in raw["windows"]]
+    inside = [s for s in steps if any(s[0] < c and s[0] + s[1] > o for o, c in wins)]
+    outside = [s[1] for s in steps if s not in inside]
+    return pct([s[1] for s in steps], 99), pct(outside, 99) if outside else float("nan"), len(inside)
+
+
 def _old_torch_numbers(p: Any) -> None:
     """PyTorch's allocator figures read as the probe read them before 2026-12-06 (probe_torch_numbers_old)."""
     from gpufootprint.probe import torchnumbers
@@ -408,6 +448,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         opts = dict(FLOOR_CONFIGS[config])
         bare = bool(opts.pop("bare", False))
         floor = CuptiFloor(bare=bare, settings=ProbeSettings(**opts))
+    windows_seen = _note_windows() if config.startswith("probe") else []
     if config == "probe_windows_uncounted":
         from gpufootprint.probe.windows import Windows
 
@@ -451,6 +492,11 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
     cpu_in_steps: dict[str, dict[str, int]] = {"a": {}, "b": {}}
     names: dict[int, str] = {}
 
+    # Every timed step after warm-up as (start, seconds) on this worker's clock, and its probe's windows
+    # (open, close) on the same clock: which steps a p99 is made of (the parent writes them beside --out)
+    raw: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    recording = [False]
+
     def timed(fn: Any, n: int) -> list[float]:
         out = []
         w = "a" if fn is step_a else "b"
@@ -462,6 +508,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
             fn()
             torch.cuda.synchronize()
             out.append(time.perf_counter() - t0)
+            if recording[0]:
+                raw[w].append((round(t0 - T_ORIGIN, 5), round(out[-1], 7)))
             in_steps[w] += gc_seconds[0] - g0
             if thread_cpu:
                 for tid, ns in _threads_cpu_ns().items():
@@ -477,6 +525,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
         # differs from another's (A/A read 0.95-1.04 unpinned, runs 4 and 5). Pinned once warm, every
         # thread (the probe's and CUPTI's included): start-up runs on all CPUs, many workers at once.
         pin_all_threads({int(c) for c in cpus.split(",")})
+    recording[0] = True
     print(json.dumps({"ready": config}), flush=True)
     prof: Any = None
     for line in _commands():
@@ -516,6 +565,7 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
                                     "seconds_in_b": round(in_steps["b"], 6),
                                     "collections": [g["collections"] for g in gc.get_stats()],
                                     "tracked_objects": len(gc.get_objects())}}
+    extra["raw"] = {"steps": raw, "windows": windows_seen}
     if thread_cpu:
         extra["thread_cpu_ms_in_steps"] = {w: {k: round(v / 1e6, 3) for k, v in sorted(d.items())}
                                            for w, d in cpu_in_steps.items()}
@@ -760,8 +810,10 @@ def main() -> int:
         for c in configs:
             ask(procs[c], "end")
     finals = {}
+    raws = {}
     for c, p in procs.items():
         finals[c] = ask(p, "stop")
+        raws[c] = finals[c].pop("raw", None)
         p.wait(30)
     time.sleep(0.5)
     daemons = {}
@@ -808,6 +860,17 @@ def main() -> int:
         print(text)
         return 0
     Path(args.out).write_text(text + "\n")
+    # Every timed step of every worker, with its probe's windows: out.steps.json.gz
+    with gzip.open(args.out + ".steps.json.gz", "wt") as f:
+        json.dump(raws, f)
+    for c, r in raws.items():
+        if r and r["windows"]:
+            cells = []
+            for w in ("a", "b"):
+                p_all, p_out, n_in = p99_outside_windows(r, w)
+                cells.append(f"{w}: p99 {p_all * 1e3:.3f} ms, outside windows {p_out * 1e3:.3f} ms ({n_in} steps in "
+                             f"{len(r['windows'])} windows)")
+            print(f"{c:20s}", " | ".join(cells))
     for c, row in summary["configs"].items():  # a short table; the whole summary is in --out
         cells = [f"{w}: med {row[w]['median_step_ms']} ms x{row[w].get('median_ratio')} "
                  f"ci95 {row[w].get('median_ratio_ci95')} "

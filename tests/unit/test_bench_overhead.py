@@ -213,3 +213,30 @@ def test_the_gc_clock_started_during_a_collection_ignores_that_collections_end()
         assert 0 < clocks[0][0] <= time.perf_counter() - t0
     finally:
         del gc.callbacks[n:]
+
+
+def test_the_worker_notes_each_window_of_its_probe_and_the_p99_outside_them() -> None:
+    from gpufootprint.probe.windows import Windows
+
+    m = _overhead()
+    opened, closed = Windows.open_kernel_window, Windows.close_kernel_window
+    seen = m._note_windows()
+    try:
+        probe = Probe(ProbeSettings(socket="", flush_ms=10), fk.FakeRawCupti(), discover_devices=False)
+        assert probe.start()
+        try:
+            w = probe.sender.windows
+            w.open_kernel_window(50, 7)
+            assert _wait(lambda: w.kernel_window is None, 2.0)  # closed by the sender at its end
+        finally:
+            probe.stop()
+    finally:
+        Windows.open_kernel_window, Windows.close_kernel_window = opened, closed  # type: ignore[method-assign]
+    assert len(seen) == 1 and 0 < seen[0][0] < seen[0][1]
+    assert 0.04 <= seen[0][1] - seen[0][0] < 1.5
+    # 100 steps of 10 ms, three of them slow inside a window: the p99 outside it is the plain one
+    steps = [(i * 0.02, 0.010) for i in range(100)]
+    steps[50] = steps[51] = steps[52] = (steps[50][0], 0.030)
+    raw = {"steps": {"a": steps, "b": []}, "windows": [[1.0, 1.05]]}
+    p_all, p_out, n_in = m.p99_outside_windows(raw, "a")
+    assert n_in == 3 and p_all == 0.030 and p_out == 0.010
