@@ -210,3 +210,40 @@ def test_recent_records_of_all_processes_are_bounded_together() -> None:
     assert recent.covered_from(1) == T0 and recent.covered_from(2) == 0
     recent.forget(1)
     assert recent.total_bytes == 2 * 80
+
+
+def test_past_the_total_bound_the_process_holding_most_loses_first_and_of_equals_the_first_kept() -> None:
+    """Against a model that scans every process for the one holding the most (of several, the first
+    kept, as ``max`` over them in the order they were kept picks), through random chunk sizes, ties,
+    processes forgotten and kept again: the same chunks are dropped and the same bounds said."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(40):
+        limit = rng.choice([2, 5, 12]) * 80
+        recent = RecentRecords(seconds=1000, max_bytes=6 * 80, max_total_bytes=limit)
+        model: dict[int, list[tuple[int, int]]] = {}  # pid -> [(hi, records)] oldest first; dict order = kept first
+        covered: dict[int, int] = {}
+        t = T0
+        for _ in range(150):
+            pid = rng.randint(1, 6)
+            if rng.random() < 0.05:
+                recent.forget(pid)
+                model.pop(pid, None)
+                covered.pop(pid, None)
+                continue
+            n = rng.choice([1, 1, 2, 3])
+            t += 1
+            recent.add(pid, RecordKind.MEMORY, mem_batch([mem(t + k, ALLOC, 0x1000 + k, 8, pid=pid) for k in range(n)]))
+            chunks = model.setdefault(pid, [])
+            chunks.append((t + n - 1, n))
+            t += n
+            while sum(c[1] for c in chunks) * 80 > 6 * 80:
+                covered[pid] = max(covered.get(pid, 0), chunks.pop(0)[0])
+            while sum(c[1] for cs in model.values() for c in cs) * 80 > limit:
+                most = max(model, key=lambda p: sum(c[1] for c in model[p]))
+                covered[most] = max(covered.get(most, 0), model[most].pop(0)[0])
+            for p, cs in model.items():
+                assert recent.nbytes(p) == 80 * sum(c[1] for c in cs)
+                assert recent.covered_from(p) == covered.get(p, 0)
+        assert recent.total_bytes == 80 * sum(c[1] for cs in model.values() for c in cs)

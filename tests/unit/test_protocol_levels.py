@@ -90,3 +90,44 @@ def test_a_launch_window_goes_only_to_a_probe_that_says_it_opens_them(hello: dic
         assert control_allowed(conn, {"op": "flush_interval", "ms": 20})
     finally:
         conn.sock.close()
+
+
+def test_a_cupti_buffer_counted_as_received_then_read_is_walked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server counts a CUPTI_BUFFER's records as received, then its session reads them: one walk of
+    the buffer serves both (a walk costs about 4 us a 512-record buffer), and each frame is walked afresh."""
+    import numpy as np
+    from gpufootprint.configload import load_config
+    from gpufootprint.ingest.protocol import count_received
+    from gpufootprint.ingest.session import Session
+    from gpufootprint.pipeline import Pipeline
+    from gpufootprint.records import MemoryOp
+    from gpufootprint.wire import cupti_layout
+
+    pid = 4242
+    pipeline = Pipeline(load_config(env={}).footprint)
+    conn = _connection()
+    conn.pid, conn.session = pid, Session(pipeline, source="probe", name="probe", peer_pid=pid)
+    walks: list[int] = []
+    walk = cupti_layout.walk
+
+    def counted(buf: Any, valid: int) -> Any:
+        walks.append(valid)
+        return walk(buf, valid)
+
+    monkeypatch.setattr(cupti_layout, "walk", counted)
+    received: dict[int, list[int]] = {}
+    # Frames of different sizes; the first is counted but never read (a peer cut off right after it):
+    # the next one is still walked afresh, not answered with the first one's walk.
+    for k, n in enumerate((7, 512, 3)):
+        raw = np.zeros(n, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+        raw.view(np.uint8).reshape(n, -1)[:, :4].view("<i4")[:, 0] = cupti_layout.MEMORY2
+        raw["op"], raw["mk"], raw["bytes"] = MemoryOp.ALLOCATION, 1, 4096
+        raw["address"] = (np.arange(n, dtype=np.uint64) + 1000 * k) << 20
+        raw["timestamp"] = 10**18 + np.arange(n, dtype=np.uint64)
+        (frame,) = iter_frames([framing.PREAMBLE + framing.encode_cupti_buffer(pid, raw.tobytes())])
+        count_received(conn, frame, received)
+        if k:
+            conn.session.handle(frame)
+    assert walks == [7 * raw.dtype.itemsize, 512 * raw.dtype.itemsize, 3 * raw.dtype.itemsize]
+    assert received[pid] == [522, 0] and conn.session.records == 515
+    assert conn.session._walked is None  # the frame read: its bytes are not kept

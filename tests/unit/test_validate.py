@@ -134,6 +134,39 @@ def test_releases_of_the_batchs_own_allocations_counted_alike_for_small_and_larg
         assert _released_here(recs[::-1].copy(), allocs[::-1].copy()) == len(pairs & gone), n
 
 
+
+def test_releases_of_the_batchs_own_allocations_on_one_device_and_many_past_the_small_batch_path() -> None:
+    """The sorted path (past 64 records on one device, 256 on several) counts what pairs of sets count:
+    each released (device, address) allocated in the batch once, however often it is released, and an
+    address allocated on one device and released on another not at all."""
+    from gpufootprint.ingest.validate import _FEW_PAIRS, _FEW_PAIRS_DEVICES, _released_here
+    from gpufootprint.records import MEMORY_DTYPE, MemoryOp
+
+    rng = np.random.default_rng(4)
+    for n in [_FEW_PAIRS - 1, _FEW_PAIRS, _FEW_PAIRS + 1, 312, 512, _FEW_PAIRS_DEVICES + 1, 3000]:
+        for devices in ([5], [0, 1], [0, 7, 2**31, 2**32 - 1]):
+            for _ in range(20):
+                recs = np.zeros(n, MEMORY_DTYPE)
+                recs["op"] = rng.choice([MemoryOp.ALLOCATION, MemoryOp.RELEASE, MemoryOp.ALLOCATION + 5], n)
+                # Few distinct addresses (repeated releases), some at the top of the 64-bit range.
+                recs["addr"] = rng.integers(0, int(rng.integers(1, 40)), n).astype(np.uint64) \
+                    * np.uint64(rng.choice([1, 1 << 21, 1 << 63]))
+                recs["dev"] = rng.choice(devices, n)
+                allocs = recs["op"] == MemoryOp.ALLOCATION
+                rows = list(zip(recs["dev"].tolist(), recs["addr"].tolist(), recs["op"].tolist()))
+                made = {(d, a) for d, a, o in rows if o == MemoryOp.ALLOCATION}
+                gone = {(d, a) for d, a, o in rows if o == MemoryOp.RELEASE}
+                assert _released_here(recs, allocs) == len(made & gone), (n, devices)
+    # The same address on two devices: allocated on one, released on the other, frees nothing here.
+    recs = np.zeros(600, MEMORY_DTYPE)
+    recs["op"][:300], recs["op"][300:] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
+    recs["addr"] = np.tile(np.arange(300, dtype=np.uint64) << 21, 2)
+    recs["dev"][:300], recs["dev"][300:] = 0, 1
+    assert _released_here(recs, recs["op"] == MemoryOp.ALLOCATION) == 0
+    recs["dev"][300:] = 0
+    assert _released_here(recs, recs["op"] == MemoryOp.ALLOCATION) == 300
+
+
 MS = 1_000_000
 T0 = 10**18  # the probe's clock: nanoseconds since 1970
 

@@ -142,7 +142,7 @@ def count_received(conn: Connection, frame: Frame, received: dict[int, list[int]
     resync (``received``: pid -> [records, resync records], kept across its connections)."""
     if frame.type is not FrameType.BATCH and frame.type is not FrameType.CUPTI_BUFFER:
         return
-    n = own_records(frame, conn.pid, conn.session.ns_pid)
+    n = own_records(frame, conn.pid, conn.session.ns_pid, conn.session)
     counts = received.setdefault(conn.pid, [0, 0])
     if conn.resync:
         conn.resync_records += n
@@ -202,14 +202,18 @@ class BatchMerger:
             return False
 
 
-def records_in(frame: Frame) -> int:
-    """Records a BATCH or CUPTI_BUFFER frame carries (0 when it cannot tell)."""
+def records_in(frame: Frame, session: Session | None = None) -> int:
+    """Records a BATCH or CUPTI_BUFFER frame carries (0 when it cannot tell). ``session``: the one that
+    reads the frame next, which keeps the walk of a CUPTI buffer for it (``Session.cupti_walk``)."""
     if frame.type is FrameType.CUPTI_BUFFER:
         try:
-            _pid, data = cupti_buffer(frame)
+            if session is not None:
+                _pid, _data, offsets = session.cupti_walk(frame)
+            else:
+                _pid, data = cupti_buffer(frame)
+                offsets = cupti_layout.walk(data, len(data))
         except FrameError:
             return 0
-        offsets = cupti_layout.walk(data, len(data))
         return sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND) if offsets else 0
     try:
         return len(frame.payload) // DTYPES[RecordKind(frame.tag)].itemsize
@@ -217,7 +221,7 @@ def records_in(frame: Frame) -> int:
         return 0
 
 
-def own_records(frame: Frame, pid: int, ns_pid: int | None) -> int:
+def own_records(frame: Frame, pid: int, ns_pid: int | None, session: Session | None = None) -> int:
     """Records of a BATCH or CUPTI_BUFFER that speak for the peer (the rest are dropped as
     pid_mismatch, so they are not "received" from this probe either)."""
     if frame.type is FrameType.CUPTI_BUFFER:
@@ -225,7 +229,7 @@ def own_records(frame: Frame, pid: int, ns_pid: int | None) -> int:
             claimed, _data = cupti_buffer(frame)
         except FrameError:
             return 0
-        return records_in(frame) if claimed == pid or (ns_pid is not None and claimed == ns_pid) else 0
+        return records_in(frame, session) if claimed == pid or (ns_pid is not None and claimed == ns_pid) else 0
     try:
         recs = frame.records()
     except Exception:  # noqa: BLE001 - a damaged batch is counted by the session

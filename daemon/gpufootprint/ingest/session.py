@@ -116,6 +116,10 @@ class Session:
         self.limits = Limits()
         self.guard: Guard | None = None
         self._string_bytes = 0  # kernel-name charge this stream holds (counted in the guard)
+        # The CUPTI_BUFFER frame last walked and what the walk found: the ingest server counts a frame's
+        # records as received (``protocol.count_received``) right before handing it here, and a walk
+        # costs about 4 us a 512-record buffer.
+        self._walked: tuple[Frame, int, memoryview, dict[int, cupti_layout.Runs] | None] | None = None
         self._resync_held = 0  # records of the open resync, counted in the guard's node-wide room
 
     # --- frames -----------------------------------------------------------------
@@ -285,10 +289,21 @@ class Session:
         self.pids.add(pid)
         return self.pipeline.process(pid, self.source)
 
-    def _cupti_buffer(self, frame: Frame) -> None:
-        """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
+    def cupti_walk(self, frame: Frame) -> tuple[int, memoryview, dict[int, cupti_layout.Runs] | None]:
+        """(pid, buffer, ``cupti_layout.walk``'s offsets) of a CUPTI_BUFFER frame, walked once however
+        often it is asked (the last frame's is kept until the session reads the frame)."""
+        walked = self._walked
+        if walked is not None and walked[0] is frame:
+            return walked[1], walked[2], walked[3]
         pid, data = cupti_buffer(frame)
         offsets = cupti_layout.walk(data, len(data))
+        self._walked = (frame, pid, data, offsets)
+        return pid, data, offsets
+
+    def _cupti_buffer(self, frame: Frame) -> None:
+        """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
+        pid, data, offsets = self.cupti_walk(frame)
+        self._walked = None  # read now: the frame's bytes need not outlive it
         if offsets is None:
             self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
                                              f"walked (an unknown record kind, or a record past its end): dropped")

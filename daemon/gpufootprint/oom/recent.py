@@ -10,6 +10,7 @@ says from when on nothing was dropped, so a capture never claims a record it los
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class _Recent:
     nbytes: int = 0
     newest: int = 0
     covered_from: int = 0  # every record with a time above this is kept (0: nothing dropped yet)
+    order: int = 0  # when the process was first kept: of those holding the most, the first kept loses first
 
 
 class RecentRecords:
@@ -34,13 +36,19 @@ class RecentRecords:
         self.total_bytes = 0
         self._procs: dict[int, _Recent] = {}
         self.dropped_for_size = 0  # records dropped by the size bound before their time was up
+        # (-nbytes, order, pid) of every process, pushed at each change of its bytes, stale entries skipped
+        # when met: who holds the most without a scan of every process at every chunk past the total bound
+        # (a full node's 64 or 256 processes are past it at every chunk once a minute of records is kept).
+        self._most: list[tuple[int, int, int]] = []
+        self._order = 0
 
     def add(self, pid: int, kind: RecordKind, recs: np.ndarray) -> None:
         if len(recs) == 0:
             return
         r = self._procs.get(pid)
         if r is None:
-            r = self._procs[pid] = _Recent()
+            self._order += 1
+            r = self._procs[pid] = _Recent(order=self._order)
         times = recs[TIME_FIELD[kind]]
         lo, hi = int(times.min()), int(times.max())
         # A view into a large decoded frame would keep the whole frame alive: own the rows.
@@ -52,11 +60,31 @@ class RecentRecords:
         cut = r.newest - self.window_ns
         while r.chunks and (r.chunks[0][1] < cut or r.nbytes > self.max_bytes):
             self._drop_oldest(r, cut)
+        self._held(pid, r)
         while self.total_bytes > self.max_total_bytes:
-            biggest = max(self._procs.values(), key=lambda p: p.nbytes)
+            most, biggest = self._holding_most()
             if not biggest.chunks:
                 break
             self._drop_oldest(biggest, biggest.newest - self.window_ns)
+            self._held(most, biggest)
+
+    def _held(self, pid: int, r: _Recent) -> None:
+        """``r`` (``pid``'s) holds ``r.nbytes`` now."""
+        heapq.heappush(self._most, (-r.nbytes, r.order, pid))
+        if len(self._most) > 2 * len(self._procs) + 64:  # mostly stale: rebuilt from the processes kept
+            self._most = [(-p.nbytes, p.order, q) for q, p in self._procs.items()]
+            heapq.heapify(self._most)
+
+    def _holding_most(self) -> tuple[int, _Recent]:
+        """The process holding the most bytes; of several, the one kept first (as ``max`` over the
+        processes in the order they were first kept picks)."""
+        most = self._most
+        while True:
+            neg, order, pid = most[0]
+            r = self._procs.get(pid)
+            if r is not None and r.order == order and r.nbytes == -neg:
+                return pid, r
+            heapq.heappop(most)
 
     def _drop_oldest(self, r: _Recent, cut: int) -> None:
         _lo, old_hi, _kind, old = r.chunks.popleft()
