@@ -286,7 +286,9 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
            stats: Mapping[int, dict[tuple[int, int], StreamKernelStats]] | None = None,
            since: Mapping[int, int | None] | None = None,
            launches: Mapping[int, LaunchStats | None] | None = None,
-           busy: Mapping[tuple[int, int], Sequence[tuple[int, float]]] | None = None) -> tuple[GraphDecision, ...]:
+           busy: Mapping[tuple[int, int], Sequence[tuple[int, float]]] | None = None,
+           launch_since: Mapping[int, int | None] | None = None,
+           estimates: Mapping[tuple[int, int], BusyEstimate | None] | None = None) -> tuple[GraphDecision, ...]:
     """Decisions for every process whose kernels (or launch calls) the pipeline retains.
 
     Kernel records decide where there are any; a process with none is judged from its launch
@@ -296,6 +298,9 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
     (they depend only on the kernels), ``since`` the per-pid ``reuse_since`` likewise, ``launches``
     the per-pid launch statistics. ``busy``: NVML's per-process utilisation samples by (pid, GPU)
     (``busy_samples``), which give launch evidence its lower bound; the snapshot's NVML ones by default.
+    ``launch_since`` and ``estimates``: per-pid ``reuse_since`` of the launch calls and per (pid, GPU)
+    ``busy_over`` estimates a caller cached (they depend only on the launch calls, and on the samples
+    and the spans); computed here where absent.
     """
     if busy is None:
         busy = busy_samples(snap)
@@ -312,10 +317,14 @@ def advise(snap: PipelineSnapshot, policy: GraphPolicy,
             if ls is not None:
                 r = reuse.get((proc.pid, ls.dev)) if reuse is not None else None
                 if r is None:
-                    r = inputs.reuse_ratio(feats.get((proc.pid, ls.dev)), reuse_since(proc.recent_launches))
+                    start = (launch_since[proc.pid] if launch_since is not None and proc.pid in launch_since
+                             else reuse_since(proc.recent_launches))
+                    r = inputs.reuse_ratio(feats.get((proc.pid, ls.dev)), start)
                 b = None
                 if policy.gpu_busy and ls.spans:
-                    b = busy_over(busy.get((proc.pid, ls.dev), ()), ls.spans)
+                    key = (proc.pid, ls.dev)
+                    b = estimates[key] if estimates is not None and key in estimates else busy_over(
+                        busy.get(key, ()), ls.spans)
                 out.append(decide_launches(ls, r, policy, pid=proc.pid, source=proc.source, exited=proc.exited,
                                            busy=b))
                 continue

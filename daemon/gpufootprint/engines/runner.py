@@ -19,7 +19,7 @@ import numpy as np
 
 from gpufootprint.config import Config
 from gpufootprint.engines.budgets import BudgetAction, BudgetStatus, BudgetTracker
-from gpufootprint.engines.busy import samples_near
+from gpufootprint.engines.busy import BusyEstimate, busy_over, samples_near
 from gpufootprint.engines.cost import CostLedger, CostTotals
 from gpufootprint.engines.degradation import Advice, DegradationTracker
 from gpufootprint.engines.graph import (
@@ -65,11 +65,18 @@ class Engines:
         self.cost = CostLedger(config.cost, started_at)
         # per pid: (its kernel array, their statistics, where the steady part starts for the reuse ratio)
         self._stats: dict[int, tuple[np.ndarray, dict[tuple[int, int], StreamKernelStats], int | None]] = {}
-        self._launch_stats: dict[int, tuple[np.ndarray, LaunchStats | None]] = {}  # per pid, likewise
+        # per pid, likewise, with where the steady part of the calls starts (reuse_since)
+        self._launch_stats: dict[int, tuple[np.ndarray, LaunchStats | None, int | None]] = {}
         # per (pid, GPU): NVML's busy samples near the steps of its launch windows. The poller keeps about
         # three minutes of samples and windows back off to 600 s apart: without these a window's lower
         # bound, and a verdict that needs it, would go a few minutes after each window.
         self._busy_near: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
+        # per (pid, GPU), what the last step worked out from NVML's samples and the window spans, with the
+        # two objects it came from: the poller replaces a process's samples only when it polls them (about
+        # once a second) and a process's spans only change with its launch calls, so most steps reuse it
+        # (the kept samples near the windows, the samples the advisor reads, its busy estimate)
+        self._busy_memo: dict[tuple[int, int], tuple[object, object, tuple[tuple[int, float], ...],
+                                                      tuple[tuple[int, float], ...], BusyEstimate | None]] = {}
         self._suspects: set[tuple[int, int]] = set()
         self._advice: set[tuple[int, int, str]] = set()
 
@@ -97,13 +104,15 @@ class Engines:
                     continue  # kernel records decide where there are any
                 held = self._launch_stats.get(proc.pid)
                 if held is None or held[0] is not api:
-                    held = (api, compute_launch_stats(api, self.policy))
+                    held = (api, compute_launch_stats(api, self.policy), reuse_since(api))
                     self._launch_stats[proc.pid] = held
                 launches[proc.pid] = held[1]
             for pid in set(self._launch_stats) - set(launches):
                 del self._launch_stats[pid]
-            graph = advise(snap, self.policy, stats=stats, since=since, launches=launches,
-                           busy=self._busy_for(snap, launches))
+            busy, estimates = self._busy_for(snap, launches)
+            graph = advise(snap, self.policy, stats=stats, since=since, launches=launches, busy=busy,
+                           launch_since={pid: held[2] for pid, held in self._launch_stats.items()},
+                           estimates=estimates if self.policy.gpu_busy else None)
         budgets: tuple[BudgetStatus, ...] = ()
         actions: tuple[BudgetAction, ...] = ()
         if cfg.budgets.enabled:
@@ -135,33 +144,50 @@ class Engines:
 
 
     def _busy_for(self, snap: PipelineSnapshot, launches: Mapping[int, LaunchStats | None]
-                  ) -> dict[tuple[int, int], tuple[tuple[int, float], ...]]:
+                  ) -> tuple[dict[tuple[int, int], tuple[tuple[int, float], ...]],
+                             dict[tuple[int, int], BusyEstimate | None]]:
         """The snapshot's busy samples, with those near each launch window's steps that the poller has
-        since dropped added back (kept only while the steps are among the retained records).
+        since dropped added back (kept only while the steps are among the retained records), and the busy
+        estimate over each process's spans from them.
 
-        Runs at every snapshot for every process with launch windows, so it bisects (``samples_near``)."""
+        Runs at every snapshot for every process with launch windows: it bisects (``samples_near``), and a
+        process whose samples and spans are the same objects as at the last step gets the last step's
+        results (they are a fixed point: what was kept then already holds every sample near the spans)."""
         busy = busy_samples(snap)
         near: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
+        estimates: dict[tuple[int, int], BusyEstimate | None] = {}
+        memo: dict[tuple[int, int], tuple[object, object, tuple[tuple[int, float], ...],
+                                          tuple[tuple[int, float], ...], BusyEstimate | None]] = {}
         for pid, ls in launches.items():
             if ls is None or not ls.spans:
                 continue
             key = (pid, ls.dev)
             current = busy.get(key, ())
+            held = self._busy_memo.get(key)
+            if held is not None and held[0] is current and held[1] is ls.spans:
+                memo[key] = held
+                near[key], busy[key], estimates[key] = held[2], held[3], held[4]
+                continue
             # what was kept before, then what the poller holds now: the same sample once, in time order
             found: dict[int, tuple[int, float]] = {}
             for r in samples_near(self._busy_near.get(key, ()), ls.spans) + samples_near(current, ls.spans):
                 found.setdefault(r[0], r)
             kept = tuple(found[t] for t in sorted(found))
-            if not kept:
-                continue
-            near[key] = kept
-            # the poller's samples are the newest, in time order: what it dropped comes before its first
-            first = current[0][0] if current else None
-            older = kept if first is None else kept[:bisect.bisect_left(kept, first, key=lambda r: r[0])]
-            if older:
-                busy[key] = older + tuple(current)
+            read = tuple(current)
+            if kept:
+                near[key] = kept
+                # the poller's samples are the newest, in time order: what it dropped comes before its first
+                first = current[0][0] if current else None
+                older = kept if first is None else kept[:bisect.bisect_left(kept, first, key=lambda r: r[0])]
+                if older:
+                    read = older + read
+                    busy[key] = read
+            estimates[key] = busy_over(read, ls.spans)
+            if kept:
+                memo[key] = (current, ls.spans, kept, read, estimates[key])
         self._busy_near = near
-        return busy
+        self._busy_memo = memo
+        return busy, estimates
 
 
 def engine_report(out: EngineOutputs) -> dict[str, Any]:

@@ -325,7 +325,7 @@ def test_the_busy_samples_kept_near_windows_are_those_a_scan_of_every_sample_kee
     from types import SimpleNamespace
 
     from gpufootprint.config import Config
-    from gpufootprint.engines.busy import SLACK_NS
+    from gpufootprint.engines.busy import SLACK_NS, busy_over
     from gpufootprint.engines.runner import Engines
 
     def scan(kept_before: set[tuple[int, float]], current: tuple[tuple[int, float], ...],
@@ -345,8 +345,12 @@ def test_the_busy_samples_kept_near_windows_are_those_a_scan_of_every_sample_kee
         for tick in range(0, 400, rng.randrange(20, 90)):
             current = samples[max(0, tick - 120):tick]  # the poller's newest 120 samples
             kept, want = scan(kept, current, spans)
-            got = eng._busy_for(with_busy(snap(1.0), {1: current}), {1: stats})  # type: ignore[dict-item]
-            assert got.get((1, 0), ()) == want, (trial, tick)
+            node = with_busy(snap(1.0), {1: current})
+            # twice on the same snapshot: the second step finds the same samples and spans and reuses the first's
+            for _ in range(2):
+                got, estimates = eng._busy_for(node, {1: stats})  # type: ignore[dict-item]
+                assert got.get((1, 0), ()) == want, (trial, tick)
+                assert estimates.get((1, 0)) == busy_over(want, spans), (trial, tick)
 
 
 def test_busy_over_counts_what_a_scan_of_every_sample_against_every_span_counts() -> None:
@@ -383,3 +387,37 @@ def test_abtest_reads_saved_busy_samples_in_time_order(tmp_path: Any) -> None:
     (tmp_path / "t.gfp.nvml.json").write_text(json.dumps(
         {"state": "ok", "process_busy": {"0": {"7": [[300, 0.3], [100, 0.1], [200, 0.2]]}}}))
     assert load_busy(str(trace)) == {(7, 0): ((100, 0.1), (200, 0.2), (300, 0.3))}
+
+
+def test_a_step_reuses_what_it_worked_out_only_while_the_samples_and_spans_are_the_same_objects() -> None:
+    # NVML's poller replaces a process's samples when it polls; between polls the engines' step finds the same
+    # tuple and reuses its work. Held to a fresh computation, step after step: the same samples object again, a
+    # new object with one more sample (the poll), new spans (a new window), and a poller that forgot old ones.
+    from types import SimpleNamespace
+
+    from gpufootprint.config import Config
+    from gpufootprint.engines.busy import busy_over
+    from gpufootprint.engines.runner import Engines
+
+    spans = ((10 * 10**9, 11 * 10**9),)
+    stats = SimpleNamespace(dev=0, spans=spans)
+    base = tuple((t * 10**8, 0.25 + t / 1000) for t in range(95, 125))  # samples around the window
+    eng = Engines(Config())
+    fresh_near: tuple[tuple[int, float], ...] = ()
+    wider = spans + ((12 * 10**9, 12 * 10**9 + 5 * 10**8),)
+    polled = base + ((13 * 10**9, 0.9),)
+    # (samples, spans): the same two objects again; the same samples with a new window's spans; a poll;
+    # a poller that forgot the oldest 20
+    sequence = [(base, spans), (base, spans), (base, wider), (polled, wider), (polled[20:], wider)]
+    for i, (current, these) in enumerate(sequence):
+        if stats.spans is not these:
+            stats = SimpleNamespace(dev=0, spans=these)
+        got, estimates = eng._busy_for(with_busy(snap(1.0), {1: current}), {1: stats})  # type: ignore[dict-item]
+        other = Engines(Config())
+        other._busy_near = {(1, 0): fresh_near} if fresh_near else {}
+        want, want_est = other._busy_for(with_busy(snap(1.0), {1: current}), {1: stats})  # type: ignore[dict-item]
+        assert got == want and estimates == want_est, i
+        assert estimates[(1, 0)] == busy_over(got[(1, 0)], stats.spans)
+        fresh_near = other._busy_near.get((1, 0), ())
+    # the window's samples the poller forgot are still read (kept near the window)
+    assert got[(1, 0)][0] == base[5]  # 10.0 s, the window's first, no longer in what the poller holds
