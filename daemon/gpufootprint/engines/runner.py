@@ -166,7 +166,11 @@ class Engines:
             held = self._busy_memo.get(key)
             if held is not None and held[0] is current and held[1] is ls.spans:
                 memo[key] = held
-                near[key], busy[key], estimates[key] = held[2], held[3], held[4]
+                if held[2]:
+                    near[key] = held[2]
+                if held[3] is not current:
+                    busy[key] = held[3]  # with the samples kept near the windows in front
+                estimates[key] = held[4]
                 continue
             # what was kept before, then what the poller holds now: the same sample once, in time order
             found: dict[int, tuple[int, float]] = {}
@@ -183,8 +187,7 @@ class Engines:
                     read = older + read
                     busy[key] = read
             estimates[key] = busy_over(read, ls.spans)
-            if kept:
-                memo[key] = (current, ls.spans, kept, read, estimates[key])
+            memo[key] = (current, ls.spans, kept, read, estimates[key])
         self._busy_near = near
         self._busy_memo = memo
         return busy, estimates
