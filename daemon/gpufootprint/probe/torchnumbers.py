@@ -11,6 +11,12 @@ allocator: after an optimizer step (PyTorch's global optimizer step hook), at mo
 ``min_interval_s`` (the sender passes its heartbeat period: the heartbeat sends only the last
 reading). A workload that never steps an optimizer (inference) sends none.
 
+That is safe for the workload's own thread, not for its other threads: CUPTI calls the probe's (Python)
+buffer callbacks on whichever thread records, including another of the program's threads inside a
+``cudaMalloc`` that PyTorch makes under the same mutex; that thread then waits for the GIL the stepping
+thread holds while it waits for the mutex. So the reading is opt-in (``probe.torch_numbers``, off by
+default), for programs that allocate CUDA memory on one thread at a time (docs/probe.md).
+
 A reading is paid for in the workload's step, so it is one ``memory_stats_as_nested_dict`` call per
 device: ``memory_allocated`` and ``memory_reserved`` each build the whole flattened, sorted
 ``memory_stats`` dictionary and throw all but one figure away. ``read_seconds`` counts the time
