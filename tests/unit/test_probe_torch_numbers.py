@@ -9,6 +9,8 @@ figures are read after an optimizer step, on the workload's thread.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -318,3 +320,92 @@ def test_a_forked_child_runs_unprobed_so_the_parents_hook_reads_nothing_in_its_s
         assert callers == [] and probe.sender.torch_numbers.readings == 0
     finally:
         probe.stop()
+
+
+# Another thread of the program inside cudaMalloc, under PyTorch's allocator mutex, where CUPTI calls the
+# probe's (Python, ctypes) buffer callback, while the stepping thread's optimizer hook asks PyTorch for its
+# statistics, which take the same mutex holding the GIL. Modelled with a lock C code takes and calls back
+# under: glibc's dl_iterate_phdr holds the loader's lock while it calls its callback. The "allocating"
+# thread calls it through ctypes.CDLL (the GIL released, as a C library's thread would run); the "statistics"
+# take that lock through ctypes.PyDLL (the GIL kept, as PyTorch's binding does). Run in a child: a deadlock
+# is for good.
+_HAZARD = r"""
+import ctypes, sys, threading, time
+from types import SimpleNamespace
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.settings import ProbeSettings
+from tests import probe_fakes as fk
+
+mode = sys.argv[1]  # "0": the probe's default; "1": probe.torch_numbers; "native": on, the callback in C
+VISIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+keeps_gil, frees_gil = ctypes.PyDLL(None), ctypes.CDLL(None)
+stop = VISIT(lambda info, size, data: 1)  # the first object ends the walk (Python: needs the GIL)
+
+def nested(d=0):  # PyTorch's statistics: the lock, taken holding the GIL
+    keeps_gil.dl_iterate_phdr(stop, None)
+    return {"allocated_bytes": {"all": {"current": 1}}, "reserved_bytes": {"all": {"current": 2}}}
+
+hooks = []
+torch = fk.fake_torch(reserved=2, allocated=1)
+torch.cuda.memory_stats_as_nested_dict = nested
+sys.modules["torch"] = torch
+sys.modules["torch.optim.optimizer"] = SimpleNamespace(register_optimizer_step_post_hook=hooks.append)
+cupti = fk.FakeRawCupti()
+probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=mode != "0"), cupti,
+              discover_devices=False)
+assert probe.start()
+time.sleep(0.3)  # heartbeats: the hook is registered where the setting asks for it
+holding = threading.Event()
+
+def in_malloc(info, size, data):  # under the lock: CUPTI asks the probe's Python callback for a buffer
+    holding.set()
+    time.sleep(1.0)  # (the GIL released: the stepping thread reaches its optimizer hook meanwhile)
+    buf, n, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    cupti.delivery._req(ctypes.byref(buf), ctypes.byref(n), ctypes.byref(most))
+    return 1
+
+def malloc_thread():
+    if mode == "native":  # the same lock taken by C alone, no Python under it: a control
+        frees_gil.dl_iterate_phdr(ctypes.cast(frees_gil.abs, VISIT), None)
+        holding.set()
+    else:
+        frees_gil.dl_iterate_phdr(VISIT(in_malloc), None)
+
+t = threading.Thread(target=malloc_thread)
+t.start()
+holding.wait()
+for hook in hooks:  # optimizer.step() returned on this (the stepping) thread
+    hook(None, (), {})
+t.join()
+probe.stop()
+print("done", len(hooks), probe.sender.torch_numbers.readings, flush=True)
+"""
+
+
+def _hazard(mode: str) -> subprocess.CompletedProcess[str] | None:
+    """The scenario in a child; None if it did not end within 10 s (killed)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "daemon"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        return subprocess.run([sys.executable, "-c", _HAZARD, mode], check=False, cwd=root,
+                              env=env, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_by_default_a_thread_allocating_while_the_optimizer_steps_never_deadlocks_with_the_probe() -> None:
+    done = _hazard("0")
+    assert done is not None and done.returncode == 0, done
+    assert done.stdout.split() == ["done", "0", "0"]  # no hook: PyTorch's mutex never asked for under the GIL
+
+
+def test_the_opt_in_reading_deadlocks_with_a_python_callback_under_the_allocators_lock() -> None:
+    """Why ``probe.torch_numbers`` is off by default (docs/probe.md), reproduced: the reading alone is
+    harmless (the control, where the lock's holder runs no Python, reads once and ends); with the probe's
+    Python buffer callback called under the lock, the two threads wait for each other for good. Should the
+    callbacks stop needing the GIL (a native callback), the second case ends and the default may change."""
+    control = _hazard("native")
+    assert control is not None and control.returncode == 0, control
+    assert control.stdout.split() == ["done", "1", "1"]
+    assert _hazard("1") is None
