@@ -468,17 +468,10 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
     torch.backends.cuda.matmul.allow_tf32 = True
     if config == "memory_history":
         torch.cuda.memory._record_memory_history(max_entries=100_000)
-    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, dropout=0.0)
-    model = torch.nn.TransformerEncoder(layer, 6).cuda().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(16, 512, 1024, device="cuda", dtype=torch.bfloat16)
-    tiny = torch.zeros(256, device="cuda")
+    from _workloads import transformer_step  # bench/, this script's directory
 
-    def step_a() -> None:
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step_a = transformer_step(16, 512)
+    tiny = torch.zeros(256, device="cuda")
 
     def step_b() -> None:
         for _ in range(100):

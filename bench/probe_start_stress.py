@@ -25,15 +25,11 @@ def worker(heartbeat_ms: int) -> None:
 
     probe.start(socket="", heartbeat_ms=heartbeat_ms)
     import torch
+    from _workloads import transformer_step  # bench/, this script's directory
 
-    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, dropout=0.0)
-    model = torch.nn.TransformerEncoder(layer, 6).cuda().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(8, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    step = transformer_step(8, 256)
     for _ in range(20):
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step()
     torch.cuda.synchronize()
     print("done", flush=True)
 

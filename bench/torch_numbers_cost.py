@@ -38,16 +38,12 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     import torch
+    from _workloads import transformer_step  # bench/, this script's directory
     from gpufootprint.probe.torchnumbers import read_now
 
-    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True, dropout=0.0)
-    model = torch.nn.TransformerEncoder(layer, 6).cuda().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(16, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    step = transformer_step(16, 512)
     for _ in range(3):
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step()
     torch.cuda.synchronize()
     if flat() != read_now():
         print(f"the two readings differ: {flat()} against {read_now()}", file=sys.stderr)

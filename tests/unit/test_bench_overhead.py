@@ -240,3 +240,84 @@ def test_the_worker_notes_each_window_of_its_probe_and_the_p99_outside_them() ->
     raw = {"steps": {"a": steps, "b": []}, "windows": [[1.0, 1.05]]}
     p_all, p_out, n_in = m.p99_outside_windows(raw, "a")
     assert n_in == 3 and p_all == 0.030 and p_out == 0.010
+
+
+def test_the_benches_share_one_transformer_step_built_once() -> None:
+    """bench/_workloads.py: overhead.py's workload (a) and the model torch_numbers_cost.py and
+    probe_start_stress.py read the allocator on (on a stand-in torch: the calls, not the GPU)."""
+    import sys
+    from types import SimpleNamespace
+
+    calls: list[Any] = []
+
+    class Tensor:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def float(self) -> Tensor:
+            return self
+
+        def pow(self, _e: int) -> Tensor:
+            return self
+
+        def mean(self) -> Tensor:
+            return self
+
+        def backward(self) -> None:
+            calls.append("backward")
+
+    class Model:
+        def __call__(self, x: Tensor) -> Tensor:
+            calls.append(("forward", x.name))
+            return Tensor("loss")
+
+        def cuda(self) -> Model:
+            return self
+
+        def to(self, dtype: str) -> Model:
+            calls.append(("to", dtype))
+            return self
+
+        def parameters(self) -> str:
+            return "params"
+
+    class AdamW:
+        def __init__(self, params: str, lr: float) -> None:
+            calls.append(("AdamW", params, lr))
+
+        def step(self) -> None:
+            calls.append("step")
+
+        def zero_grad(self, set_to_none: bool) -> None:
+            calls.append(("zero_grad", set_to_none))
+
+    def layer(*args: Any, **kwargs: Any) -> str:
+        calls.append(("layer", args, kwargs))
+        return "layer"
+
+    def encoder(lay: str, n: int) -> Model:
+        calls.append(("encoder", lay, n))
+        return Model()
+
+    def randn(*shape: int, device: str, dtype: str) -> Tensor:
+        calls.append(("randn", shape, device, dtype))
+        return Tensor("x")
+
+    fake = SimpleNamespace(nn=SimpleNamespace(TransformerEncoderLayer=layer, TransformerEncoder=encoder),
+                           optim=SimpleNamespace(AdamW=AdamW), randn=randn, bfloat16="bf16")
+    saved = sys.modules.get("torch")
+    sys.modules["torch"] = fake  # type: ignore[assignment]
+    try:
+        step = load_script(ROOT / "bench" / "_workloads.py", "bench_workloads").transformer_step(8, 256)
+        built = list(calls)
+        calls.clear()
+        step()
+        step()
+    finally:
+        if saved is None:
+            del sys.modules["torch"]
+        else:
+            sys.modules["torch"] = saved
+    assert built == [("layer", (1024, 16, 4096), {"batch_first": True, "dropout": 0.0}), ("encoder", "layer", 6),
+                     ("to", "bf16"), ("AdamW", "params", 1e-4), ("randn", (8, 256, 1024), "cuda", "bf16")]
+    assert calls == [("forward", "x"), "backward", "step", ("zero_grad", True)] * 2
