@@ -76,18 +76,32 @@ def _use(monkeypatch: pytest.MonkeyPatch, torch: Any) -> None:
         monkeypatch.delitem(sys.modules, "torch.optim.optimizer", raising=False)
 
 
+def _probe(path: Path | None = None, *, heartbeat_ms: int = 50, **settings: Any) -> Probe:
+    """A probe on the fake raw CUPTI (not started), its frames written to ``path`` where given."""
+    return Probe(ProbeSettings(socket="", tee=str(path) if path is not None else "", flush_ms=10,
+                               heartbeat_ms=heartbeat_ms, **settings), fk.FakeRawCupti(), discover_devices=False)
+
+
+def _until_hooked(hooks: list[Any]) -> None:
+    """Until the probe registered its optimizer hook (from a heartbeat), 5 s at most."""
+    deadline = time.monotonic() + 5
+    while not hooks and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _heartbeats(path: Path) -> list[dict[str, Any]]:
+    return [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+
+
 def test_heartbeats_carry_figures_read_on_the_workloads_thread_only(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     torch, callers, hooks = _torch_that_records_its_callers(allocated=2 << 30, reserved=3 << 30)
     _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50, torch_numbers=True), fk.FakeRawCupti(),
-                  discover_devices=False)
+    probe = _probe(path, torch_numbers=True)
     assert probe.start()
     try:
-        deadline = time.monotonic() + 5
-        while not hooks and time.monotonic() < deadline:  # the probe registers its hook from a heartbeat
-            time.sleep(0.01)
+        _until_hooked(hooks)
         assert len(hooks) == 1
         time.sleep(0.2)  # heartbeats before any optimizer step: no figures, and torch never asked
         assert callers == []
@@ -96,7 +110,7 @@ def test_heartbeats_carry_figures_read_on_the_workloads_thread_only(tmp_path: Pa
     finally:
         probe.stop()
     assert callers and set(callers) == {threading.main_thread().name}, callers
-    beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+    beats = _heartbeats(path)
     with_torch = [b["torch"] for b in beats if "torch" in b]
     assert with_torch and with_torch[-1] == {"allocated": {"0": 2 << 30}, "reserved": {"0": 3 << 30}}
     assert "torch" not in beats[0]
@@ -157,15 +171,12 @@ def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
     torch.cuda.memory_stats_as_nested_dict = stats
     _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50, torch_numbers=True), fk.FakeRawCupti(),
-                  discover_devices=False)
+    probe = _probe(path, torch_numbers=True)
     assert probe.start()
     try:
         # no more than one reading a heartbeat: the heartbeat sends only the last one
         assert probe.sender.torch_numbers.min_interval_s == pytest.approx(0.05)
-        deadline = time.monotonic() + 5
-        while not hooks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_hooked(hooks)
         for _ in range(3):
             hooks[0](object(), (), {})
             time.sleep(0.06)
@@ -175,7 +186,7 @@ def test_the_time_readings_take_on_the_workloads_thread_is_counted_and_sent(
         probe.stop()
     assert status["torch_readings"] == 3
     assert 0.06 <= status["torch_read_seconds"] < 1.0
-    beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+    beats = _heartbeats(path)
     assert beats[-1]["counters"]["torch_readings"] == 3
 
 
@@ -187,15 +198,14 @@ def test_by_default_the_probe_never_hooks_the_optimizer_nor_asks_torch(tmp_path:
     torch, callers, hooks = _torch_that_records_its_callers(allocated=2 << 30, reserved=3 << 30)
     _use(monkeypatch, torch)
     path = tmp_path / "t.gfp"
-    probe = Probe(ProbeSettings(socket="", tee=str(path), flush_ms=10, heartbeat_ms=50), fk.FakeRawCupti(),
-                  discover_devices=False)
+    probe = _probe(path)
     assert probe.start()
     try:
         time.sleep(0.4)  # several heartbeats
     finally:
         probe.stop()
     assert hooks == [] and callers == []
-    beats = [f.json() for f in iter_frames(TraceFile(path).chunks()) if f.type is FrameType.HEARTBEAT]
+    beats = _heartbeats(path)
     assert len(beats) >= 3 and not any("torch" in b for b in beats)
     assert beats[-1]["counters"]["torch_readings"] == 0
 
@@ -284,12 +294,10 @@ def test_a_stopped_probe_reads_nothing_more_in_the_workloads_steps(monkeypatch: 
     thread would race the step's loop as registering did); the hook must then do nothing."""
     torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
     _use(monkeypatch, torch)
-    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=True), fk.FakeRawCupti(), discover_devices=False)
+    probe = _probe(heartbeat_ms=20, torch_numbers=True)
     assert probe.start()
     try:
-        deadline = time.monotonic() + 5
-        while not hooks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_hooked(hooks)
         hooks[0](object(), (), {})
         assert probe.sender.torch_numbers.readings == 1
     finally:
@@ -307,14 +315,12 @@ def test_a_forked_child_runs_unprobed_so_the_parents_hook_reads_nothing_in_its_s
 
     torch, callers, hooks = _torch_that_records_its_callers(allocated=1, reserved=2)
     _use(monkeypatch, torch)
-    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=True), fk.FakeRawCupti(), discover_devices=False)
+    probe = _probe(heartbeat_ms=20, torch_numbers=True)
     monkeypatch.setattr(probe_module, "_probe", probe)
     monkeypatch.setattr(probe_module, "_lock", probe_module._lock)
     assert probe.start()
     try:
-        deadline = time.monotonic() + 5
-        while not hooks and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_hooked(hooks)
         probe_module._after_fork_in_child()  # what os.register_at_fork runs in a child
         hooks[0](object(), (), {})  # the child's optimizer.step()
         assert callers == [] and probe.sender.torch_numbers.readings == 0
