@@ -22,7 +22,9 @@ RUN python3 -m venv /opt/gpufootprint \
 # Code layer
 COPY setup.py MANIFEST.in README.md LICENSE gpufootprint_probe.pth ./
 COPY daemon/ daemon/
-RUN /opt/gpufootprint/bin/pip install --no-cache-dir --no-deps /src
+# GPUFOOTPRINT_NATIVE=0: no C buffer callbacks built (the probe's, for workload images; the daemon never
+# loads them, and this stage has no compiler)
+RUN GPUFOOTPRINT_NATIVE=0 /opt/gpufootprint/bin/pip install --no-cache-dir --no-deps /src
 
 FROM ${CUDA_IMAGE}
 LABEL org.opencontainers.image.title="gpufootprint" \

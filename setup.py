@@ -1,4 +1,5 @@
-"""Ships ``gpufootprint_probe.pth`` into site-packages (everything else is in pyproject.toml).
+"""Ships ``gpufootprint_probe.pth`` into site-packages, and builds the probe's C buffer callbacks
+(everything else is in pyproject.toml).
 
 The ``.pth`` line imports the probe's autostart only when GPUFOOTPRINT_PROBE=1,
 so every other interpreter start pays one environment lookup. A ``.pth`` must sit
@@ -11,10 +12,38 @@ from __future__ import annotations
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 PTH = "gpufootprint_probe.pth"
+
+# The probe's CUPTI buffer callbacks in C (daemon/gpufootprint/probe/nativecallbacks.py says why). A plain
+# shared library loaded with ctypes: it includes no Python header and links against no Python, so one file
+# serves every Python 3 and the wheel is tagged py3-none-<platform>. Optional: without a C compiler the
+# install goes on and the probe uses its ctypes callbacks (it says so in a warning and a counter).
+# GPUFOOTPRINT_NATIVE=0 skips it (the daemon's image: the daemon never loads it).
+NATIVE = Extension(
+    "gpufootprint.probe.native.cuptibuf",
+    sources=["daemon/gpufootprint/probe/native/cuptibuf.c"],
+    extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)
+NATIVE_FILE = "libgfp-cuptibuf.so"  # a name no import statement can reach: it is not a Python module
+
+
+class BuildNative(build_ext):
+    def get_ext_filename(self, fullname: str) -> str:
+        # Asked with the dotted name (outputs) and with its last part alone (get_ext_fullpath)
+        if fullname == NATIVE.name:
+            return os.path.join(*fullname.split(".")[:-1], NATIVE_FILE)
+        if fullname == NATIVE.name.rsplit(".", 1)[1]:
+            return NATIVE_FILE
+        return str(super().get_ext_filename(fullname))
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        return [] if ext is NATIVE else list(super().get_export_symbols(ext))
 
 
 class BuildWithPth(build_py):
@@ -28,7 +57,22 @@ class BuildWithPth(build_py):
         return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, PTH)]
 
 
-cmdclass: dict[str, type] = {"build_py": BuildWithPth}
+cmdclass: dict[str, type] = {"build_py": BuildWithPth, "build_ext": BuildNative}
+
+try:  # the library serves any Python 3: tag the wheel py3-none-<platform>, not one CPython's ABI
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel
+    except ImportError:
+        from wheel.bdist_wheel import bdist_wheel  # type: ignore[no-redef]
+
+    class AnyPythonWheel(bdist_wheel):  # type: ignore[misc,valid-type]
+        def get_tag(self) -> tuple[str, str, str]:
+            _, _, platform = super().get_tag()
+            return "py3", "none", platform
+
+    cmdclass["bdist_wheel"] = AnyPythonWheel
+except ImportError:
+    pass
 
 try:  # editable installs (PEP 660) build a wheel of links; add the .pth to it as well
     from setuptools.command.editable_wheel import editable_wheel
@@ -58,4 +102,5 @@ try:  # editable installs (PEP 660) build a wheel of links; add the .pth to it a
 except ImportError:
     pass
 
-setup(cmdclass=cmdclass)
+ext_modules = [] if os.environ.get("GPUFOOTPRINT_NATIVE", "1") == "0" else [NATIVE]
+setup(cmdclass=cmdclass, ext_modules=ext_modules)

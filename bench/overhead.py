@@ -131,6 +131,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_torch_numbers_old": {"torch_numbers": True},
     # No NVML poll for the untracked kind (nor the forced flush before it) within a run.
     "probe_no_untracked": {"untracked_ms": 600_000},
+    # The raw delivery's buffer callbacks as ctypes thunks (Python, the GIL taken on CUPTI's threads), the
+    # default before the C ones (2026-12-06 evening). Its floor is cupti_floor_python_callbacks.
+    "probe_python_callbacks": {"native_callbacks": False},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -139,6 +142,7 @@ FLOOR_CONFIGS: dict[str, dict[str, Any]] = {
     "cupti_floor": {}, "cupti_floor_b": {},
     "cupti_floor_unprimed": {"launch_windows": False},  # the floor of probe_no_launch_windows
     "cupti_floor_bare": {"bare": True},
+    "cupti_floor_python_callbacks": {"native_callbacks": False},  # the floor of probe_python_callbacks
 }
 # probe_*_windows*: the daemon's sampler.kernel_window_* per configuration. Every other probed
 # configuration runs the default daemon: since 2026-12-03 launch windows, 50 ms of the host's launch
@@ -175,7 +179,10 @@ REPLICAS: dict[str, str] = {"none_b": "none", "none_c": "none", "probe_b": "prob
 VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_launch_windows", "probe_windows_uncounted",
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
                                          "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
-                                         "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked"]}
+                                         "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked",
+                                         "probe_python_callbacks"],
+                          "cupti_floor": ["cupti_floor_python_callbacks"],
+                          "probe_python_callbacks": ["cupti_floor_python_callbacks"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
 # instrumentation at all (A/A): the noise and bias floor for every other ratio.
 # aa, aa_b: two more uninstrumented workers, pooled like the probe's pair: the A/A row of the verdict table
@@ -220,7 +227,11 @@ class CuptiFloor:
         self.settings = s
         self.counters: Counter[str] = Counter()
         self.records_seen = threading.Event()
-        self.arming = CuptiArming(s, self.counters, self._completed)
+        # The probe's sender wakes on this (the C callbacks write to it), and so does the floor's thread
+        from gpufootprint.probe.wakeup import Wakeup
+
+        self.wakeup = Wakeup()
+        self.arming = CuptiArming(s, self.counters, self._completed, self.wakeup)
         self.backend = backend if backend is not None else CuptiBackend(s.flush_nogil)
         self.arming.backend = self.backend
         self.backend.configure(s.device_buffer_bytes, s.device_buffer_pool_limit)
@@ -254,9 +265,19 @@ class CuptiFloor:
         return self.arming.raw
 
     def _completed(self, address: int, valid: int) -> None:
-        """A buffer of records (CUPTI's thread): back to the pool, unread."""
+        """A buffer of records (the ctypes callbacks, on CUPTI's thread): back to the pool, unread."""
         self.records_seen.set()
         self.arming.raw.give_back(address)  # type: ignore[union-attr]
+
+    def _take(self) -> None:
+        """The buffers the C callbacks queued (the floor's thread, as the probe's sender): back, unread."""
+        raw = self.arming.raw
+        if raw is not None and raw.native:
+            taken = raw.take()
+            if taken:
+                self.records_seen.set()
+            for address, _ in taken:
+                raw.give_back(address)
 
     @staticmethod
     def _objects_requested(*_: Any) -> Any:  # never registered: the floor needs raw delivery
@@ -268,6 +289,7 @@ class CuptiFloor:
         s = self.settings
         next_flush = time.monotonic() + s.watermark_ms / 1000
         while not self._stop.is_set():
+            self._take()
             now = time.monotonic()
             if self.priming and self.records_seen.is_set():
                 self.priming = False
@@ -278,10 +300,13 @@ class CuptiFloor:
             wait = next_flush - time.monotonic()
             if self.priming:
                 wait = min(wait, s.flush_ms / 1000)  # the sender looks for records at its drain cadence
-            self._stop.wait(max(0.0005, wait))
+            self.wakeup.wait(max(0.0005, wait))
+            self.wakeup.clear()
+        self.arming.retire_wakeup()
 
     def stop(self) -> None:
         self._stop.set()
+        self.wakeup.set()
         self.thread.join(2)
 
 

@@ -115,12 +115,15 @@ def check_delivery(daemon: Daemon, scenario: str, env: dict[str, str]) -> None:
         c = proc.probe_counters
         if not c:
             continue
-        rows[pid] = {k: c.get(k) for k in ("raw_delivery", "raw_buffers", "raw_records", "raw_walks_verified",
+        rows[pid] = {k: c.get(k) for k in ("raw_delivery", "native_callbacks", "raw_buffers", "raw_records", "raw_walks_verified",
                                            "raw_walk_mismatches", "raw_walk_fallbacks", "raw_buffers_unreadable",
                                            "raw_buffers_refused", "raw_foreign_buffers", "packer_bad_records",
                                            "cupti_dropped_records", "records_sent", "callback_seconds")}
         if env.get("GPUFOOTPRINT_PROBE_DELIVERY", "raw") == "raw":
             assert c.get("raw_delivery") == 1, f"{scenario}: raw delivery not registered: {rows[pid]}"
+            # CUPTI's threads ran the C buffer callbacks (the library is built into the wheel), unless asked not to
+            wanted = env.get("GPUFOOTPRINT_PROBE_NATIVE_CALLBACKS", "1") != "0"
+            assert c.get("native_callbacks") == (1 if wanted else 0), rows[pid]
             assert c.get("raw_buffers", 0) > 0 and c.get("raw_walks_verified") == c.get("raw_buffers"), rows[pid]
             assert c.get("raw_walk_mismatches") == 0 and c.get("raw_walk_fallbacks") == 0, rows[pid]
             assert c.get("raw_buffers_unreadable") == 0 and c.get("packer_bad_records") == 0, rows[pid]

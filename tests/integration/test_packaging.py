@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
@@ -53,15 +54,20 @@ def _one(dist: Path, pattern: str) -> Path:
 def test_sdist_and_wheel_carry_the_startup_hook_and_the_license(dist: Path) -> None:
     version = gpufootprint.__version__
     sdist = _one(dist, f"gpufootprint-{version}.tar.gz")
-    wheel = _one(dist, f"gpufootprint-{version}-py3-none-any.whl")
+    # The probe's C callbacks (a library that links against no Python): any Python 3, this platform
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    wheel = _one(dist, f"gpufootprint-{version}-py3-none-{platform}.whl")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    assert {"gpufootprint_probe.pth", "LICENSE", "constraints.txt", "setup.py", "pyproject.toml"} <= names
+    assert {"gpufootprint_probe.pth", "LICENSE", "constraints.txt", "setup.py", "pyproject.toml",
+            "daemon/gpufootprint/probe/native/cuptibuf.c"} <= names
     with zipfile.ZipFile(wheel) as zf:
         wnames = set(zf.namelist())
         meta = email.message_from_bytes(zf.read(f"gpufootprint-{version}.dist-info/METADATA"))
         pth = zf.read("gpufootprint_probe.pth").decode()
     assert "gpufootprint/probe/_autostart.py" in wnames
+    assert "gpufootprint/probe/native/libgfp-cuptibuf.so" in wnames
+    assert not [n for n in wnames if n.endswith(".c")], "the wheel carries the library, not its source"
     assert f"gpufootprint-{version}.dist-info/licenses/LICENSE" in wnames
     assert pth == (ROOT / "gpufootprint_probe.pth").read_text()
     # SPDX metadata (PEP 639), the version from gpufootprint/__init__.py, extras by who needs what
@@ -112,9 +118,10 @@ def test_the_wheel_installs_into_a_fresh_venv_and_GPUFOOTPRINT_PROBE_starts_a_pr
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFOOTPRINT", "PYTHON"))}
     code = ("import json, sys, gpufootprint, gpufootprint.probe as p\n"
             "c = p.current()\n"
+            "from gpufootprint.probe import nativecallbacks as n\n"
             "print(json.dumps({'file': gpufootprint.__file__, 'autostart': 'gpufootprint.probe._autostart' in "
             "sys.modules, 'probe': c is not None, 'started': bool(c and c.started), "
-            "'errors': c.errors if c else []}))\n")
+            "'errors': c.errors if c else [], 'native': n.load()[1] or str(n.LIBRARY)}))\n")
     r = subprocess.run([str(py), "-c", code], env={**env, "GPUFOOTPRINT_PROBE": "1",
                                                   "GPUFOOTPRINT_PROBE_SOCKET": str(tmp_path / "none.sock")},
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
@@ -122,6 +129,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_GPUFOOTPRINT_PROBE_starts_a_pr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert Path(got["file"]).is_relative_to(venv), got  # the installed copy, not the source tree
     assert got["autostart"] and got["probe"], got
+    assert Path(got["native"]).is_relative_to(venv), got  # the wheel's C callbacks load (else: why not)
     # Here there is no GPU: the probe reached CUPTI through the installed cupti-python and stopped at
     # the missing driver (a GPU node gets started=True). An ImportError would mean a missing extra.
     assert got["started"] or any("CUDA driver" in e or "libcuda" in e for e in got["errors"]), got

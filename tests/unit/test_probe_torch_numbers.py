@@ -357,8 +357,9 @@ torch.cuda.memory_stats_as_nested_dict = nested
 sys.modules["torch"] = torch
 sys.modules["torch.optim.optimizer"] = SimpleNamespace(register_optimizer_step_post_hook=hooks.append)
 cupti = fk.FakeRawCupti()
-probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=mode != "0"), cupti,
-              discover_devices=False)
+# "1": the ctypes callbacks, Python under the lock (the C ones cannot be: tests/unit/test_probe_native.py)
+probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, torch_numbers=mode != "0",
+                            native_callbacks=mode != "1"), cupti, discover_devices=False)
 assert probe.start()
 time.sleep(0.3)  # heartbeats: the hook is registered where the setting asks for it
 holding = threading.Event()
@@ -409,8 +410,10 @@ def test_by_default_a_thread_allocating_while_the_optimizer_steps_never_deadlock
 def test_the_opt_in_reading_deadlocks_with_a_python_callback_under_the_allocators_lock() -> None:
     """Why ``probe.torch_numbers`` is off by default (docs/probe.md), reproduced: the reading alone is
     harmless (the control, where the lock's holder runs no Python, reads once and ends); with the probe's
-    Python buffer callback called under the lock, the two threads wait for each other for good. Should the
-    callbacks stop needing the GIL (a native callback), the second case ends and the default may change."""
+    Python buffer callback called under the lock, the two threads wait for each other for good. The probe's
+    callbacks are C by default now (probe/nativecallbacks.py); this is the case of its ctypes callbacks (no
+    library, or ``native_callbacks`` off). tests/unit/test_probe_native.py calls the C one under the lock:
+    it returns."""
     control = _hazard("native")
     assert control is not None and control.returncode == 0, control
     assert control.stdout.split() == ["done", "1", "1"]

@@ -15,8 +15,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from gpufootprint.probe.backend import ALWAYS_ON, FOOTPRINT_ONLY, Backend, Completed, Requested, copy_kinds
+from gpufootprint.probe.nativecallbacks import Delivery, NativeDelivery
 from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.probe.wakeup import Wakeup
 from gpufootprint.wire.cupti_layout import CONCURRENT_KERNEL, KERNEL, UNIFIED_MEMORY_COUNTER
 
 log = logging.getLogger(__name__)
@@ -24,14 +26,15 @@ log = logging.getLogger(__name__)
 
 class CuptiArming:
     def __init__(self, settings: ProbeSettings, counters: Counter[str],
-                 on_raw_buffer: Callable[[int, int], None]) -> None:
+                 on_raw_buffer: Callable[[int, int], None], wakeup: Wakeup | None = None) -> None:
         self.settings = settings
         self.counters = counters
+        self._wakeup = wakeup  # the sender's: the C callbacks write to its fd
         self.backend: Backend | None = None  # set by Probe.start (CUPTI is loaded there, not before)
         self._on_raw_buffer = on_raw_buffer
         # Raw delivery (settings.delivery == "raw" and the backend can register it):
         # CUPTI's buffers reach the sender as bytes. None: cupti-python's objects.
-        self.raw: RawDelivery | None = None
+        self.raw: Delivery | None = None
         self._raw_tried = False
         # "period": CUPTI's worker delivers full buffers every flush interval; forced flushes
         # (which stall the workload while they run) only every watermark interval.
@@ -110,7 +113,7 @@ class CuptiArming:
             if self._raw_tried:
                 return False
             self._raw_tried = True
-            self.raw = RawDelivery(self.settings.cupti_buffer_bytes, self.settings.raw_buffers, self._on_raw_buffer)
+            self.raw = self._new_raw()
         if self.backend.register_raw(self.raw):
             return True
         self.counters["raw_delivery_unavailable"] += 1
@@ -120,6 +123,32 @@ class CuptiArming:
         if self.counters["raw_buffers"] == 0:
             self.raw = None  # never worked here: objects from now on
         return False
+
+    def _new_raw(self) -> Delivery:
+        """The C callbacks where the library loads (CUPTI's threads never take the GIL), else the ctypes thunks."""
+        s = self.settings
+        if s.native_callbacks:
+            wake_fd = self._wakeup.fd if self._wakeup is not None else None
+            why = "no eventfd for the sender's wake-up"
+            if wake_fd is not None:
+                try:
+                    native = NativeDelivery(s.cupti_buffer_bytes, s.raw_buffers, wake_fd)
+                    assert self._wakeup is not None
+                    self._wakeup.pinned = True  # C writes to its fd until retire_wakeup
+                    return native
+                except (OSError, MemoryError) as exc:
+                    why = str(exc)
+            self.counters["native_callbacks_unavailable"] += 1
+            log.warning("gpufootprint probe: C buffer callbacks unavailable (%s); using ctypes callbacks, which "
+                        "take the GIL on CUPTI's threads (docs/probe.md)", why)
+        return RawDelivery(s.cupti_buffer_bytes, s.raw_buffers, self._on_raw_buffer)
+
+    def retire_wakeup(self) -> None:
+        """The sender has ended: the C callbacks stop writing to its wake-up, which then closes."""
+        if self.raw is not None:
+            self.raw.retire()
+        if self._wakeup is not None:
+            self._wakeup.close()
 
     def configure_unified_memory(self, in_gap: bool) -> None:
         """The first managed allocation was seen: unified-memory counters from now on (sender thread)."""

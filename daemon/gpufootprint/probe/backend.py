@@ -15,8 +15,6 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from gpufootprint.probe.rawcallbacks import RawDelivery
-
 # The CUPTI_ActivityKind numbers are kept in one place.
 from gpufootprint.wire.cupti_layout import (
     MEMCPY,
@@ -54,7 +52,7 @@ class Backend(Protocol):
         ...
 
     def register(self, requested: Requested, completed: Completed) -> None: ...
-    def register_raw(self, delivery: RawDelivery) -> bool: ...
+    def register_raw(self, delivery: Any) -> bool: ...
     def walk_raw(self, address: int, valid: int) -> Mapping[int, Sequence[int]] | None: ...
     def enable(self, kind: int) -> bool: ...
     def disable(self, kind: int) -> bool: ...
@@ -347,7 +345,7 @@ class CuptiBackend:
             self.errors.append(error)
 
     def register_raw(self, delivery: Any) -> bool:
-        """Register ``RawDelivery``'s ctypes callbacks on the one mapped libcupti (False: not possible)."""
+        """Register the raw delivery's callbacks (C or ctypes) on the one mapped libcupti (False: not possible)."""
         lib = _libcupti()
         if lib is None:
             self._note("raw delivery: not exactly one libcupti mapped")

@@ -29,6 +29,7 @@ from typing import Any
 from gpufootprint.probe import arming, hostinfo
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.link import FileSink
+from gpufootprint.probe.nativecallbacks import callbacks_kind
 from gpufootprint.probe.sender import NvmlUsed, Sender
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.probe.windows import LAUNCH_WINDOW
@@ -107,6 +108,7 @@ class Probe:
         # own clock must wait at least this long (docs/performance.md, late records).
         s.hello["flush_mode"] = self.settings.flush_mode
         s.hello["delivery"] = "raw" if s.raw is not None else "objects"
+        s.hello["callbacks"] = callbacks_kind(s.raw)
         s.hello["copies"] = "always" if s.cupti.copy_kinds else "off"
         # The highest forwarded-buffer level this probe reads (a daemon answers with at most this):
         # 2 = buffers may hold RUNTIME API records. A probe that says nothing is read as 1.
@@ -162,7 +164,7 @@ class Probe:
         s = self.sender
         return {"started": self.started, "connected": bool(s.link and s.link.connected),
                 "in_gap": s.in_gap, "flush_mode": self.settings.flush_mode, "libcupti": self.libcupti,
-                "delivery": "raw" if s.raw is not None else "objects",
+                "delivery": "raw" if s.raw is not None else "objects", "callbacks": callbacks_kind(s.raw),
                 "sender_errors": s.counters["sender_errors"],
                 # not in heartbeats (a daemon keeps a bounded number of counters): it is 0 or equal to
                 # forwarded_buffers, by the level the daemon answered

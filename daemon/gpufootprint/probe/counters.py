@@ -14,8 +14,8 @@ from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.nativecallbacks import Delivery
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.torchnumbers import TorchNumbers
 
 
@@ -33,7 +33,7 @@ class CounterSources(Protocol):
     own_device_bytes: int
 
     @property
-    def raw(self) -> RawDelivery | None: ...
+    def raw(self) -> Delivery | None: ...
 
     @property
     def forward_seconds(self) -> float: ...
@@ -70,6 +70,8 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "flushes": c["flushes"], "flush_seconds": c["flush_ns"] / 1e9, "sender_wakeups": c["sender_wakeups"],
         "buffers_completed": intake.buffers_completed + (raw.completed if raw else 0),
         "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
+        "native_callbacks": 1 if raw is not None and raw.native else 0,
+        "native_callbacks_unavailable": c["native_callbacks_unavailable"],
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
         "raw_buffers_refused": raw.refused if raw else 0,
@@ -93,7 +95,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
     }
 
 
-def cupti_dropped(backend: Backend | None, raw: RawDelivery | None, counters: Counter[str]) -> int:
+def cupti_dropped(backend: Backend | None, raw: Delivery | None, counters: Counter[str]) -> int:
     """Records CUPTI dropped for want of buffer space, all queues, since the probe started.
 
     CUPTI resets its count at each read, so the reads are added up in ``counters``. Not to be

@@ -28,9 +28,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_REQUESTED = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+REQUESTED = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
                               ctypes.POINTER(ctypes.c_size_t))
-_COMPLETED = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
+COMPLETED = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
                               ctypes.c_size_t)
 
 _libc = ctypes.CDLL(None)
@@ -44,6 +44,8 @@ _KEEP_ALIVE: list[Any] = []
 
 
 class RawDelivery:
+    native = False  # Python thunks (probe/nativecallbacks.py: the C ones)
+
     def __init__(self, buffer_bytes: int, max_buffers: int, on_completed: Callable[[int, int], None]) -> None:
         self.buffer_bytes = buffer_bytes
         self.max_buffers = max(2, max_buffers)
@@ -58,15 +60,15 @@ class RawDelivery:
         self.errors = 0
         # (CUcontext, stream) of every completed buffer: CUPTI counts its drops per such queue.
         self.queues: set[tuple[int, int]] = set()
-        self._req = _REQUESTED(self._requested)
-        self._cmp = _COMPLETED(self._completed)
+        self._req = REQUESTED(self._requested)
+        self._cmp = COMPLETED(self._completed)
         _KEEP_ALIVE.append(self)
 
     def register(self, lib: Any) -> int:
         """cuptiActivityRegisterCallbacks on ``lib``; returns CUPTI's status (0: success)."""
         fn = lib.cuptiActivityRegisterCallbacks
         fn.restype = ctypes.c_int
-        fn.argtypes = [_REQUESTED, _COMPLETED]
+        fn.argtypes = [REQUESTED, COMPLETED]
         return int(fn(self._req, self._cmp))
 
     @property
@@ -77,6 +79,13 @@ class RawDelivery:
     def give_back(self, address: int) -> None:
         """The sender is done with a buffer (sender thread)."""
         self._free.append(address)
+
+    def take(self) -> list[tuple[int, int]]:
+        """Nothing: ``completed`` hands each buffer to the sender itself."""
+        return []
+
+    def retire(self) -> None:
+        """Nothing to let go of: the thunks wake the sender through Python."""
 
     # --- CUPTI's threads: list/set operations only (atomic under the GIL), never raise ---
 

@@ -31,12 +31,13 @@ from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.nativecallbacks import Delivery
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.probe.torchnumbers import TorchNumbers
+from gpufootprint.probe.wakeup import Wakeup
 from gpufootprint.probe.windows import COUNT_FLUSH_S, Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
@@ -72,8 +73,12 @@ class Sender:
         self.tee: FileSink | None = None
         self.table_seconds = 0.0  # CPU time applying records to the probe's own table (at watermarks)
         self.own_device_bytes = 0
+        # A completed CUPTI buffer wakes the sender (raw delivery), a mark, a window, stop: through an eventfd,
+        # which the C buffer callbacks write to without the GIL (probe/wakeup.py).
+        self._wake = Wakeup()
+        self.intake.wake = self._wake.set
         # Callbacks, kinds, hooks: what the probe switches on in CUPTI (probe/arming.py).
-        self.cupti = CuptiArming(settings, self.counters, self.intake.raw_completed)
+        self.cupti = CuptiArming(settings, self.counters, self.intake.raw_completed, self._wake)
         self.cupti.backend = backend
         self.flush_s = settings.flush_ms / 1000
         self.period = self.cupti.period
@@ -101,8 +106,6 @@ class Sender:
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
         self._forward = False
         self._forwardable = FORWARDABLE_V1  # the kinds this daemon steps over (it says which)
-        self._wake = threading.Event()
-        self.intake.wake = self._wake.set  # a completed CUPTI buffer (raw delivery) wakes the sender
         self._stop = threading.Event()
         self.errors: list[str] = []
 
@@ -123,7 +126,7 @@ class Sender:
             self.intake.callback_seconds += time.thread_time() - t0
 
     @property
-    def raw(self) -> RawDelivery | None:
+    def raw(self) -> Delivery | None:
         """Raw delivery, where it registered (None: cupti-python's record objects)."""
         return self.cupti.raw
 
@@ -211,6 +214,7 @@ class Sender:
                     self.errors.append(f"sender: {exc!r}")
             if stopping:
                 self._goodbye()
+                self.cupti.retire_wakeup()
                 return
             wait = min(next_flush, next_hb, next_drain if self._drains_by_clock() else next_flush) - time.monotonic()
             if self.windows.kernel_window is not None:
@@ -253,7 +257,16 @@ class Sender:
 
     # --- records: queue -> table -> sinks ---------------------------------------------------------
 
+    def _take_native(self) -> None:
+        """Buffers the C callbacks queued go into the intake's queue behind what is there (the ctypes
+        thunks append them there themselves, at completion)."""
+        raw = self.cupti.raw
+        if raw is not None and raw.native:
+            for address, valid in raw.take():
+                self.intake.q.append(("raw", address, valid))
+
     def _drain(self) -> None:
+        self._take_native()
         q = self.intake.q
         while q:
             item = q.popleft()
@@ -305,6 +318,7 @@ class Sender:
             self._drain()
 
     def _drain_records_only(self) -> None:
+        self._take_native()
         rest: deque[Any] = deque()
         while self.intake.q:
             item = self.intake.q.popleft()

@@ -60,6 +60,9 @@ class ProbeSettings(ProbeOptions):
     # CUPTI_ACTIVITY_ATTR_PER_THREAD_BUFFER: "cupti" leaves CUPTI's default, "on"/"off" set it
     # (a diagnostic: neither changed the lost records that driver_hooks repairs).
     per_thread_buffer: str = _opt("cupti", choices=PER_THREAD_BUFFER)
+    # Raw delivery's buffer callbacks in C (probe/nativecallbacks.py), so CUPTI's threads never take the GIL;
+    # off, or where the library was not built: ctypes callbacks, which do (the bench's lever, a diagnostic)
+    native_callbacks: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

@@ -1,0 +1,110 @@
+"""What one CUPTI buffer hand-over costs the thread CUPTI calls it on: the C callbacks against the ctypes ones.
+
+A C thread (tests/native/cupti_threads.c, compiled here) makes N request/complete cycles, as CUPTI does
+on the thread that records (request) and on its worker (complete); a Python thread takes the completed
+buffers and gives them back, as the probe's sender does. Timed: the C thread's wall time per cycle, with
+the Python thread idle in between (``--busy 0``) or with another Python thread spinning, holding the GIL
+as a training step's Python does (``--busy 1``): that is where the ctypes callbacks wait for the GIL.
+A/A: each kind is run twice, alternating.
+
+    python bench/callback_cost.py [--cycles 20000] [--reps 5] [--busy 0|1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "daemon"))
+
+from gpufootprint.probe.nativecallbacks import NativeDelivery  # noqa: E402
+from gpufootprint.probe.rawcallbacks import RawDelivery  # noqa: E402
+
+
+def build_shim() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise SystemExit("no C compiler for the test shim")
+    out = Path(tempfile.mkdtemp()) / "libcupti_threads.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out),
+                    str(ROOT / "tests" / "native" / "cupti_threads.c")], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.run_threads.restype = ctypes.c_int
+    return lib
+
+
+def one(shim: ctypes.CDLL, kind: str, cycles: int, busy: bool) -> dict[str, float]:
+    stop = threading.Event()
+    if kind == "c":
+        d: NativeDelivery | RawDelivery = NativeDelivery(4096, 64, -1)
+    else:
+        queue: list[int] = []
+        d = RawDelivery(4096, 64, lambda address, valid: queue.append(address))
+
+    def sender() -> None:  # takes and gives back, as the probe's sender
+        while not stop.is_set():
+            if isinstance(d, NativeDelivery):
+                for address, _ in d.take():
+                    d.give_back(address)
+            else:
+                while queue:
+                    d.give_back(queue.pop())
+            time.sleep(0.0002)
+
+    def spin() -> None:  # Python holding the GIL, as a training step's Python does
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    threads = [threading.Thread(target=sender)] + ([threading.Thread(target=spin)] if busy else [])
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    refused = shim.run_threads(d._req, d._cmp, 1, cycles)
+    wall = time.perf_counter() - t0
+    stop.set()
+    for t in threads:
+        t.join()
+    return {"us_per_cycle": wall / cycles * 1e6, "refused": refused}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cycles", type=int, default=20000)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--busy", type=int, default=0)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    shim = build_shim()
+    runs: dict[str, list[float]] = {"c": [], "c_aa": [], "python": [], "python_aa": []}
+    refused: dict[str, int] = {k: 0 for k in runs}
+    for _ in range(args.reps):
+        for name in runs:
+            r = one(shim, name.split("_")[0], args.cycles, bool(args.busy))
+            runs[name].append(r["us_per_cycle"])
+            refused[name] += int(r["refused"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"{'callbacks':10s} {'us/cycle median':>16s} {'min':>8s} {'max':>8s} {'refused':>8s}  "
+          f"(cycles {args.cycles}, reps {args.reps}, busy {args.busy})")
+    for k, v in runs.items():
+        print(f"{k:10s} {med[k]:16.3f} {min(v):8.3f} {max(v):8.3f} {refused[k]:8d}")
+    print(f"python / c: {med['python'] / med['c']:.1f}x; A/A c_aa / c {med['c_aa'] / med['c']:.3f}, "
+          f"python_aa / python {med['python_aa'] / med['python']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "refused": refused}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+/*
+ * gpufootprint's CUPTI activity-buffer callbacks in C: CUPTI's threads never run Python.
+ *
+ * CUPTI calls the buffer callbacks on whichever thread records or flushes: a thread of the
+ * program inside cudaMalloc (perhaps under its framework's allocator lock), a C++ runtime
+ * thread that never held the GIL, CUPTI's own worker. A Python callback there must take the
+ * GIL first: it waits behind the program's Python thread (up to the interpreter's switch
+ * interval), and it can deadlock against a thread that holds the GIL and waits for that
+ * allocator lock (docs/probe.md, "Why the buffer callbacks are C").
+ *
+ * Here `requested` hands out a buffer from a bounded pool and `completed` queues
+ * (address, valid bytes) and writes to an eventfd that wakes the probe's sender thread. Both
+ * take one mutex for a few loads and stores, never call into Python, never block on I/O (the
+ * eventfd is non-blocking), and never fail into CUPTI. The sender takes the queued buffers
+ * (gfp_take), reads them in Python on its own thread, and gives each back (gfp_give_back).
+ *
+ * CUPTI's callbacks carry no user pointer, so each pool gets a pair of entry points of its own: one of
+ * GFP_SLOTS pairs below, each reading its slot's pool (gfp_callbacks). A process registers one pool
+ * with CUPTI; tests run several at once, each with its own fake CUPTI.
+ * Loaded with ctypes (probe/nativecallbacks.py); no Python headers, no CUPTI headers: the two
+ * callback signatures are CUPTI's documented ones with its opaque types as void pointers.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define GFP_ABI 1
+#define GFP_MAX_QUEUES 256
+#define GFP_SLOTS 64
+
+typedef struct {
+    uint64_t address;
+    uint64_t valid;
+} gfp_done;
+
+typedef struct {
+    uint64_t ctx;
+    uint32_t stream;
+} gfp_queue;
+
+typedef struct gfp_pool {
+    pthread_mutex_t mu;
+    size_t buffer_bytes;
+    int max_buffers;
+    int wake_fd;
+    /* every buffer ever allocated (aligned address, and malloc's own pointer to free) */
+    uint64_t *ours;
+    void **raw;
+    int allocated;
+    uint64_t *free_list;
+    int n_free;
+    /* completed, not yet taken: a ring (each buffer is in it at most once, so max_buffers suffice) */
+    gfp_done *done;
+    int done_head;
+    int n_done;
+    gfp_queue queues[GFP_MAX_QUEUES];
+    int n_queues;
+    /* counters, read by gfp_stats */
+    uint64_t requested, completed, refused, foreign, empty, queues_overflow, wake_errors;
+    int slot;
+} gfp_pool;
+
+/* Each pool's slot: its entry points read it. A slot is reused after GFP_SLOTS more pools (a pool's
+ * callbacks then serve the newer pool): only a process that made 64 pools since can see that. */
+static gfp_pool *slots[GFP_SLOTS];
+static int next_slot;
+
+int gfp_abi(void) { return GFP_ABI; }
+
+gfp_pool *gfp_new(uint64_t buffer_bytes, int max_buffers, int wake_fd) {
+    if (buffer_bytes < 8 || max_buffers < 1) return NULL;
+    gfp_pool *p = calloc(1, sizeof(*p));
+    if (!p) return NULL;
+    p->ours = calloc((size_t)max_buffers, sizeof(uint64_t));
+    p->raw = calloc((size_t)max_buffers, sizeof(void *));
+    p->free_list = calloc((size_t)max_buffers, sizeof(uint64_t));
+    p->done = calloc((size_t)max_buffers, sizeof(gfp_done));
+    if (!p->ours || !p->raw || !p->free_list || !p->done || pthread_mutex_init(&p->mu, NULL) != 0) {
+        free(p->ours); free(p->raw); free(p->free_list); free(p->done); free(p);
+        return NULL;
+    }
+    p->buffer_bytes = (size_t)buffer_bytes;
+    p->max_buffers = max_buffers;
+    p->wake_fd = wake_fd;
+    /* A pool is never freed: CUPTI may call a registered callback until the process ends, and
+     * buffers it still holds point into the pool. */
+    p->slot = __atomic_fetch_add(&next_slot, 1, __ATOMIC_RELAXED) % GFP_SLOTS;
+    __atomic_store_n(&slots[p->slot], p, __ATOMIC_RELEASE);
+    return p;
+}
+
+static int is_ours(const gfp_pool *p, uint64_t address) {
+    for (int i = 0; i < p->allocated; i++)
+        if (p->ours[i] == address) return 1;
+    return 0;
+}
+
+static void note_queue(gfp_pool *p, uint64_t ctx, uint32_t stream) {
+    for (int i = 0; i < p->n_queues; i++)
+        if (p->queues[i].ctx == ctx && p->queues[i].stream == stream) return;
+    if (p->n_queues < GFP_MAX_QUEUES) {
+        p->queues[p->n_queues].ctx = ctx;
+        p->queues[p->n_queues].stream = stream;
+        p->n_queues++;
+    } else {
+        p->queues_overflow++;
+    }
+}
+
+/* CUpti_BuffersCallbackRequestFunc, for pool p */
+static void requested(gfp_pool *p, uint8_t **buffer, size_t *size, size_t *max_records) {
+    uint64_t address = 0;
+    if (p) {
+        pthread_mutex_lock(&p->mu);
+        p->requested++;
+        if (p->n_free > 0) {
+            address = p->free_list[--p->n_free];
+        } else if (p->allocated < p->max_buffers) {
+            void *raw = malloc(p->buffer_bytes + 8);
+            if (raw) {
+                address = ((uint64_t)(uintptr_t)raw + 7) & ~(uint64_t)7; /* CUPTI wants 8-byte alignment */
+                p->raw[p->allocated] = raw;
+                p->ours[p->allocated] = address;
+                p->allocated++;
+            }
+        }
+        if (!address) p->refused++; /* no buffer: CUPTI drops the records and counts them */
+        pthread_mutex_unlock(&p->mu);
+    }
+    *buffer = (uint8_t *)(uintptr_t)address;
+    *size = address ? p->buffer_bytes : 0;
+    *max_records = 0;
+}
+
+/* CUpti_BuffersCallbackCompleteFunc, for pool p */
+static void completed(gfp_pool *p, void *ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
+    (void)size;
+    if (!p) return;
+    uint64_t address = (uint64_t)(uintptr_t)buffer;
+    int wake = 0;
+    pthread_mutex_lock(&p->mu);
+    p->completed++;
+    note_queue(p, (uint64_t)(uintptr_t)ctx, stream);
+    if (!address || !is_ours(p, address)) {
+        p->foreign++; /* another tool's buffer (it registered its own callbacks): not ours to read or free */
+    } else if (valid == 0) {
+        p->empty++;
+        p->free_list[p->n_free++] = address;
+    } else {
+        int tail = (p->done_head + p->n_done) % p->max_buffers;
+        p->done[tail].address = address;
+        p->done[tail].valid = valid < p->buffer_bytes ? valid : p->buffer_bytes;
+        p->n_done++;
+        wake = 1;
+    }
+    if (wake && p->wake_fd >= 0) {
+        /* Under the mutex, so that once gfp_retire returns no write can reach a closed (or reused) fd.
+         * Non-blocking: EAGAIN means the counter is at its maximum, the sender is awake anyway. */
+        uint64_t one = 1;
+        if (write(p->wake_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN)
+            p->wake_errors++;
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The entry points of the slots: CUPTI's two signatures, each bound to its slot's pool. */
+typedef void (*gfp_requested_fn)(uint8_t **, size_t *, size_t *);
+typedef void (*gfp_completed_fn)(void *, uint32_t, uint8_t *, size_t, size_t);
+#define GFP_SLOT(a, b)                                                                             \
+    static void requested_##a##_##b(uint8_t **buffer, size_t *size, size_t *max_records) {         \
+        requested(__atomic_load_n(&slots[(a) * 8 + (b)], __ATOMIC_ACQUIRE), buffer, size, max_records); \
+    }                                                                                              \
+    static void completed_##a##_##b(void *ctx, uint32_t stream, uint8_t *buffer, size_t size,      \
+                                    size_t valid) {                                                \
+        completed(__atomic_load_n(&slots[(a) * 8 + (b)], __ATOMIC_ACQUIRE), ctx, stream, buffer, size, valid); \
+    }
+#define GFP_SLOTS8(a) \
+    GFP_SLOT(a, 0) GFP_SLOT(a, 1) GFP_SLOT(a, 2) GFP_SLOT(a, 3) GFP_SLOT(a, 4) GFP_SLOT(a, 5) GFP_SLOT(a, 6) GFP_SLOT(a, 7)
+GFP_SLOTS8(0) GFP_SLOTS8(1) GFP_SLOTS8(2) GFP_SLOTS8(3) GFP_SLOTS8(4) GFP_SLOTS8(5) GFP_SLOTS8(6) GFP_SLOTS8(7)
+#define GFP_ROW(f, a) f##_##a##_0, f##_##a##_1, f##_##a##_2, f##_##a##_3, f##_##a##_4, f##_##a##_5, f##_##a##_6, f##_##a##_7
+#define GFP_TABLE(f) \
+    {GFP_ROW(f, 0), GFP_ROW(f, 1), GFP_ROW(f, 2), GFP_ROW(f, 3), GFP_ROW(f, 4), GFP_ROW(f, 5), GFP_ROW(f, 6), GFP_ROW(f, 7)}
+static const gfp_requested_fn requested_at[GFP_SLOTS] = GFP_TABLE(requested);
+static const gfp_completed_fn completed_at[GFP_SLOTS] = GFP_TABLE(completed);
+
+/* The pool's two callbacks, to register with cuptiActivityRegisterCallbacks. */
+void gfp_callbacks(gfp_pool *p, gfp_requested_fn *requested_fn, gfp_completed_fn *completed_fn) {
+    *requested_fn = requested_at[p->slot];
+    *completed_fn = completed_at[p->slot];
+}
+
+/* The sender has stopped: no more wakes (its eventfd may be closed once this returns). Buffers
+ * CUPTI completes from now on are still queued, up to the pool's bound, and never read. */
+void gfp_retire(gfp_pool *p) {
+    pthread_mutex_lock(&p->mu);
+    p->wake_fd = -1;
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The sender: up to `most` completed buffers, oldest first, into out[2*i] (address), out[2*i+1] (valid). */
+int gfp_take(gfp_pool *p, uint64_t *out, int most) {
+    int n = 0;
+    pthread_mutex_lock(&p->mu);
+    while (n < most && p->n_done > 0) {
+        out[2 * n] = p->done[p->done_head].address;
+        out[2 * n + 1] = p->done[p->done_head].valid;
+        p->done_head = (p->done_head + 1) % p->max_buffers;
+        p->n_done--;
+        n++;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}
+
+/* The sender is done with a buffer: 0, or -1 if it is not one of this pool's (left alone). */
+int gfp_give_back(gfp_pool *p, uint64_t address) {
+    int rc = -1;
+    pthread_mutex_lock(&p->mu);
+    if (is_ours(p, address) && p->n_free < p->max_buffers) {
+        p->free_list[p->n_free++] = address;
+        rc = 0;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return rc;
+}
+
+/* Counters: requested, completed, refused, foreign, empty, allocated, free, queued, queues_overflow, wake_errors. */
+#define GFP_STATS 10
+int gfp_stats(gfp_pool *p, uint64_t *out, int n) {
+    uint64_t v[GFP_STATS];
+    pthread_mutex_lock(&p->mu);
+    v[0] = p->requested; v[1] = p->completed; v[2] = p->refused; v[3] = p->foreign; v[4] = p->empty;
+    v[5] = (uint64_t)p->allocated; v[6] = (uint64_t)p->n_free; v[7] = (uint64_t)p->n_done;
+    v[8] = p->queues_overflow; v[9] = p->wake_errors;
+    pthread_mutex_unlock(&p->mu);
+    if (n > GFP_STATS) n = GFP_STATS;
+    memcpy(out, v, (size_t)n * sizeof(uint64_t));
+    return GFP_STATS;
+}
+
+/* The (CUcontext, stream) queues buffers completed on (CUPTI counts its drops per queue). */
+int gfp_queues(gfp_pool *p, uint64_t *ctx, uint32_t *stream, int most) {
+    int n;
+    pthread_mutex_lock(&p->mu);
+    n = p->n_queues < most ? p->n_queues : most;
+    for (int i = 0; i < n; i++) {
+        ctx[i] = p->queues[i].ctx;
+        stream[i] = p->queues[i].stream;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}

@@ -1,0 +1,180 @@
+"""The raw delivery's buffer callbacks in C (probe/native/cuptibuf.c): CUPTI's threads never wait for the GIL.
+
+``RawDelivery`` (rawcallbacks.py) registers ctypes thunks: each call CUPTI makes takes the GIL
+first, on whichever thread CUPTI runs it. That thread may be the program's own, inside
+``cudaMalloc`` under its framework's allocator lock, or a C++ runtime thread (JAX's, NCCL's) that
+never holds the GIL: it then waits behind the program's Python thread, and if that thread waits
+for the same allocator lock holding the GIL, neither ever runs again (reproduced in
+tests/unit/test_probe_native.py). ``NativeDelivery`` has the same interface; its two callbacks
+are C functions of a library built into the wheel. They take one mutex for a few loads and
+stores, queue ``(address, valid bytes)`` and wake the sender through an eventfd. The sender
+takes the queued buffers (``take``) on its own thread and reads them as before.
+
+Where the library was not built (no C compiler when the package was installed) or does not
+load, ``load()`` says why and the probe uses the ctypes thunks: the same records, with the
+GIL taken on CUPTI's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from gpufootprint.probe.rawcallbacks import COMPLETED, REQUESTED, RawDelivery
+
+#: The file setup.py builds (one name for every Python: the library does not link against Python).
+LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
+_ABI = 1
+_STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
+          "queues_overflow", "wake_errors")
+_TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
+
+
+@cache
+def load() -> tuple[Any | None, str]:
+    """The library, bound; or None and why not (one line)."""
+    if not LIBRARY.exists():
+        return None, f"{LIBRARY.name} was not built with this install (no C compiler?)"
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+        if int(lib.gfp_abi()) != _ABI:
+            return None, f"{LIBRARY.name}: ABI {int(lib.gfp_abi())}, this probe needs {_ABI}"
+    except (OSError, AttributeError) as exc:
+        return None, f"{LIBRARY.name}: {exc}"
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    lib.gfp_new.restype = ctypes.c_void_p
+    lib.gfp_new.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+    lib.gfp_callbacks.restype = None
+    lib.gfp_callbacks.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+    lib.gfp_retire.restype = None
+    lib.gfp_retire.argtypes = [ctypes.c_void_p]
+    lib.gfp_take.restype = ctypes.c_int
+    lib.gfp_take.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
+    lib.gfp_give_back.restype = ctypes.c_int
+    lib.gfp_give_back.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+    lib.gfp_stats.restype = ctypes.c_int
+    lib.gfp_stats.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
+    lib.gfp_queues.restype = ctypes.c_int
+    lib.gfp_queues.argtypes = [ctypes.c_void_p, u64p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
+    return lib, ""
+
+
+def available() -> bool:
+    return load()[0] is not None
+
+
+class NativeDelivery:
+    """RawDelivery's interface over a C pool, whose two callbacks CUPTI calls (``_req``, ``_cmp``)."""
+
+    native = True
+
+    def __init__(self, buffer_bytes: int, max_buffers: int, wake_fd: int) -> None:
+        lib, why = load()
+        if lib is None:
+            raise OSError(why)
+        self._lib = lib
+        self.buffer_bytes = buffer_bytes
+        self.max_buffers = max(2, max_buffers)
+        pool = lib.gfp_new(buffer_bytes, self.max_buffers, wake_fd)
+        if not pool:
+            raise MemoryError("gfp_new: no memory for the buffer pool's tables")
+        self._pool = ctypes.c_void_p(pool)
+        # The pool's own pair of C entry points (CUPTI's callbacks carry no pointer of ours), typed as
+        # CUPTI's: what cuptiActivityRegisterCallbacks takes, and callable from Python (the fake CUPTI of
+        # the tests calls them as CUPTI would).
+        req, cmp = ctypes.c_void_p(), ctypes.c_void_p()
+        lib.gfp_callbacks(self._pool, ctypes.byref(req), ctypes.byref(cmp))
+        if not req.value or not cmp.value:
+            raise OSError("gfp_callbacks: no entry points")
+        self._req = REQUESTED(req.value)
+        self._cmp = COMPLETED(cmp.value)
+        self._out = (ctypes.c_uint64 * (2 * _TAKE_MOST))()
+        self._stats = (ctypes.c_uint64 * len(_STATS))()
+        self.errors = 0  # RawDelivery's count of exceptions in callbacks: C callbacks raise none
+
+    def register(self, lib: Any) -> int:
+        """cuptiActivityRegisterCallbacks on ``lib`` with the C callbacks; CUPTI's status (0: success)."""
+        fn = lib.cuptiActivityRegisterCallbacks
+        fn.restype = ctypes.c_int
+        fn.argtypes = [REQUESTED, COMPLETED]
+        return int(fn(self._req, self._cmp))
+
+    def retire(self) -> None:
+        """No more writes to the wake fd (it may be closed once this returns); buffers still queue."""
+        self._lib.gfp_retire(self._pool)
+
+    def take(self) -> list[tuple[int, int]]:
+        """Every buffer completed since the last call, oldest first, as ``(address, valid bytes)``."""
+        taken: list[tuple[int, int]] = []
+        out = self._out
+        while True:
+            n = int(self._lib.gfp_take(self._pool, out, _TAKE_MOST))
+            taken.extend((int(out[2 * i]), int(out[2 * i + 1])) for i in range(n))
+            if n < _TAKE_MOST:
+                return taken
+
+    def give_back(self, address: int) -> None:
+        """The sender is done with a buffer (sender thread)."""
+        self._lib.gfp_give_back(self._pool, address)
+
+    def stats(self) -> dict[str, int]:
+        self._lib.gfp_stats(self._pool, self._stats, len(_STATS))
+        return {name: int(v) for name, v in zip(_STATS, self._stats, strict=True)}
+
+    @property
+    def requested(self) -> int:
+        return self.stats()["requested"]
+
+    @property
+    def completed(self) -> int:
+        return self.stats()["completed"]
+
+    @property
+    def refused(self) -> int:
+        return self.stats()["refused"]
+
+    @property
+    def foreign(self) -> int:
+        return self.stats()["foreign"]
+
+    @property
+    def allocated(self) -> int:
+        return self.stats()["allocated"]
+
+    @property
+    def outstanding(self) -> int:
+        """Buffers held by CUPTI or waiting for the sender."""
+        s = self.stats()
+        return s["allocated"] - s["free"]
+
+    @property
+    def queues(self) -> set[tuple[int, int]]:
+        """The (CUcontext, stream) queues buffers completed on: CUPTI counts its drops per queue."""
+        most = 256
+        ctx = (ctypes.c_uint64 * most)()
+        stream = (ctypes.c_uint32 * most)()
+        n = int(self._lib.gfp_queues(self._pool, ctx, stream, most))
+        return {(int(ctx[i]), int(stream[i])) for i in range(n)}
+
+
+def eventfd() -> int | None:
+    """A non-blocking eventfd the C callback writes to and the sender polls; None where there is none."""
+    make = getattr(os, "eventfd", None)
+    if make is None:
+        return None
+    try:
+        return int(make(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+    except OSError:
+        return None
+
+
+#: Either delivery's callbacks: the same interface to the sender.
+Delivery: TypeAlias = "RawDelivery | NativeDelivery"
+
+
+def callbacks_kind(raw: Delivery | None) -> str:
+    """What CUPTI's threads run when they hand over a buffer: ``c``, ``python`` (ctypes or cupti-python)."""
+    return "c" if raw is not None and raw.native else "python"

@@ -1,0 +1,295 @@
+"""The raw delivery's C buffer callbacks (probe/native/cuptibuf.c, probe/nativecallbacks.py).
+
+Real C threads (tests/native/cupti_threads.c, built here with the system's C compiler, the one that
+built the library at install) call the callbacks as CUPTI does: many at once, while a Python thread
+holds the GIL, and under a lock that thread waits for. The probe end to end runs on them by default
+(every raw-delivery test with the fake CUPTI calls them); here, what only C callbacks can promise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from gpufootprint.probe import nativecallbacks
+from gpufootprint.probe.core import Probe
+from gpufootprint.probe.nativecallbacks import NativeDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.settings import ProbeSettings
+
+from tests import probe_fakes as fk
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIM_SOURCE = ROOT / "tests" / "native" / "cupti_threads.c"
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler: README's install builds the probe's C callbacks with one, and these tests need it"
+    return cc
+
+
+@pytest.fixture(scope="module")
+def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shim") / "libcupti_threads.so"
+    subprocess.run([_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(SHIM_SOURCE)],
+                   check=True, capture_output=True)
+    return out
+
+
+def _eventfd_count(fd: int) -> int:
+    try:
+        return int(os.eventfd_read(fd))
+    except BlockingIOError:
+        return 0
+
+
+def test_the_install_built_the_library_and_it_loads() -> None:
+    """README's install compiles it (setup.py); where a C compiler exists a missing library is a build bug."""
+    _compiler()
+    lib, why = nativecallbacks.load()
+    assert lib is not None, why
+    assert nativecallbacks.LIBRARY.name == "libgfp-cuptibuf.so"
+
+
+def test_the_pool_hands_out_aligned_buffers_up_to_its_bound_and_refuses_past_it() -> None:
+    fd = nativecallbacks.eventfd()
+    assert fd is not None
+    d = NativeDelivery(4096, 3, fd)
+    got = []
+    for _ in range(4):
+        buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+        d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+        got.append((buf.value, size.value, most.value))
+    assert [g[1] for g in got] == [4096, 4096, 4096, 0]
+    assert all(g[0] % 8 == 0 for g in got[:3]) and got[3][0] is None
+    assert d.refused == 1 and d.allocated == 3 and d.requested == 4
+    assert d.outstanding == 3
+    # completed: queued in order, clipped to the buffer's size; an empty one goes straight back
+    d._cmp(None, 0, got[1][0], 4096, 100)
+    d._cmp(0x1234, 7, got[0][0], 4096, 1 << 20)
+    d._cmp(None, 0, got[2][0], 4096, 0)
+    assert _eventfd_count(fd) == 2  # one wake a buffer to read, none for the empty one
+    assert d.take() == [(got[1][0], 100), (got[0][0], 4096)]
+    assert d.take() == []
+    assert d.queues == {(0, 0), (0x1234, 7)}
+    s = d.stats()
+    assert (s["completed"], s["empty"], s["free"], s["queued"]) == (3, 1, 1, 0)
+    # given back: handed out again before any new allocation
+    d.give_back(got[1][0])
+    d.give_back(got[0][0])
+    buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+    assert buf.value in {got[0][0], got[1][0], got[2][0]} and d.allocated == 3
+    os.close(fd)
+
+
+def test_a_buffer_that_is_not_the_pools_is_counted_and_left_alone() -> None:
+    """Another tool's buffer (it registered its own callbacks, then we ours): never read, never freed."""
+    d = NativeDelivery(4096, 4, -1)
+    other = ctypes.create_string_buffer(64)
+    d._cmp(None, 0, ctypes.addressof(other), 64, 64)
+    d._cmp(None, 0, None, 0, 0)
+    assert d.foreign == 2 and d.take() == []
+    d.give_back(ctypes.addressof(other))  # not ours: refused, the free list untouched
+    assert d.stats()["free"] == 0
+
+
+def test_eight_c_threads_churning_lose_and_duplicate_no_buffer_while_the_sender_takes(shim: Path) -> None:
+    """8 threads x 5,000 request/complete cycles against a pool of 16, a Python thread taking and giving
+    back meanwhile: every buffer completed is taken exactly once, with the contents its thread wrote,
+    and every request either got a buffer or was refused (and counted)."""
+    lib = ctypes.CDLL(str(shim))  # the GIL released while the C threads run
+    lib.run_threads.restype = ctypes.c_int
+    d = NativeDelivery(64, 16, -1)
+    seen: Counter[tuple[int, int]] = Counter()
+    done = threading.Event()
+
+    def sender() -> None:
+        while True:
+            finished = done.is_set()
+            for address, valid in d.take():
+                assert valid == 16
+                words = (ctypes.c_uint64 * 2).from_address(address)
+                seen[(int(words[0]), int(words[1]))] += 1
+                d.give_back(address)
+            if finished:
+                return
+            time.sleep(0.0002)
+
+    t = threading.Thread(target=sender)
+    t.start()
+    refused = lib.run_threads(d._req, d._cmp, 8, 5000)
+    done.set()
+    t.join()
+    assert refused >= 0
+    assert max(seen.values()) == 1
+    assert len(seen) + refused == 8 * 5000 and len(seen) >= 16
+    s = d.stats()
+    assert s["refused"] == refused and s["completed"] == len(seen) and s["allocated"] <= 16
+    assert s["free"] == s["allocated"] and s["queued"] == 0
+    # (context, stream) as each thread completed on (a thread refused every time completes on none)
+    assert d.queues <= {(0x1000 + t % 3, t % 2) for t in range(8)} and d.queues
+
+
+# A Python thread holds the GIL (it called C through ctypes.PyDLL, as PyTorch's bindings hold it) and
+# waits for C threads that are inside CUPTI's buffer callbacks. C callbacks finish; the ctypes thunks
+# wait for the GIL for good. Run in a child: a deadlock is for good.
+_HOLDS_GIL = r"""
+import ctypes, sys
+sys.path[:0] = [sys.argv[3]]
+from gpufootprint.probe.nativecallbacks import NativeDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+shim = ctypes.PyDLL(sys.argv[2])  # PyDLL: the GIL stays held for the whole call
+shim.run_threads.restype = ctypes.c_int
+if sys.argv[1] == "c":
+    d = NativeDelivery(4096, 8, -1)
+else:
+    d = RawDelivery(4096, 8, lambda address, valid: d.give_back(address))
+print("refused", shim.run_threads(d._req, d._cmp, 4, 100), flush=True)
+"""
+
+
+def _in_child(script: str, *args: str, timeout: float = 10) -> subprocess.CompletedProcess[str] | None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "daemon"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    try:
+        return subprocess.run([sys.executable, "-c", script, *args], check=False, cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_c_callbacks_run_on_threads_that_never_get_the_gil_and_python_ones_wait_for_it_for_good(
+        shim: Path) -> None:
+    c = _in_child(_HOLDS_GIL, "c", str(shim), str(ROOT / "daemon"))
+    assert c is not None and c.returncode == 0, c
+    assert c.stdout.split()[0] == "refused"
+    assert _in_child(_HOLDS_GIL, "python", str(shim), str(ROOT / "daemon"), timeout=5) is None
+
+
+def test_a_probe_runs_on_the_c_callbacks_by_default_and_says_so() -> None:
+    cupti = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20), cupti, discover_devices=False)
+    assert probe.start()
+    try:
+        t = time.time_ns()
+        for i in range(2000):
+            cupti.emit(fk.memory_record(1, 0x1000 + i * 0x100, 256, ts=t + i))
+        probe.mark("end")
+        status = probe.status()
+    finally:
+        probe.stop()
+    assert isinstance(cupti.delivery, NativeDelivery)
+    assert status["callbacks"] == "c" and status["native_callbacks"] == 1
+    assert status["raw_records"] == 2000 and status["raw_callback_errors"] == 0
+    assert probe.sender.hello["callbacks"] == "c"
+
+
+def test_without_the_library_the_probe_warns_once_and_runs_on_the_ctypes_callbacks(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(nativecallbacks, "LIBRARY", nativecallbacks.LIBRARY.with_name("missing.so"))
+    nativecallbacks.load.cache_clear()
+    try:
+        cupti = fk.FakeRawCupti()
+        probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20), cupti, discover_devices=False)
+        assert probe.start()
+        try:
+            t = time.time_ns()
+            for i in range(500):
+                cupti.emit(fk.memory_record(1, 0x1000 + i * 0x100, 256, ts=t + i))
+            probe.mark("end")
+            status = probe.status()
+        finally:
+            probe.stop()
+    finally:
+        nativecallbacks.load.cache_clear()
+    assert type(cupti.delivery) is RawDelivery
+    assert status["callbacks"] == "python" and status["native_callbacks"] == 0
+    assert status["native_callbacks_unavailable"] == 1 and status["raw_records"] == 500
+    warnings = [r.getMessage() for r in caplog.records if "C buffer callbacks unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "missing.so was not built" in warnings[0]
+
+
+def test_the_setting_chooses_the_ctypes_callbacks() -> None:
+    cupti = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, native_callbacks=False), cupti, discover_devices=False)
+    assert probe.start()
+    probe.stop()
+    assert type(cupti.delivery) is RawDelivery and probe.status()["native_callbacks_unavailable"] == 0
+
+
+def test_after_stop_a_late_buffer_writes_to_no_file_that_reused_the_wake_up_fd() -> None:
+    """CUPTI may complete a buffer after the probe stopped. The sender's eventfd is closed by then and its
+    number may belong to another file of the program: the C callback must not write there."""
+    cupti = fk.FakeRawCupti()
+    probe = Probe(ProbeSettings(socket="", flush_ms=10), cupti, discover_devices=False)
+    assert probe.start()
+    delivery = cupti.delivery
+    old_fd = probe.sender._wake.fd
+    buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    delivery._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+    r, w = os.pipe()  # made before the eventfd closes, so that neither end takes its number
+    probe.stop()
+    os.dup2(w, old_fd)  # the closed eventfd's number is now another file's (a pipe's writing end)
+    try:
+        delivery._cmp(None, 0, buf.value, size.value, 16)
+        assert select.select([r], [], [], 0.05)[0] == []  # nothing written to it
+        assert delivery.take() == [(buf.value, 16)]  # the buffer itself is still queued, as any
+        assert delivery.stats()["wake_errors"] == 0
+    finally:
+        for fd in (r, w, old_fd):
+            os.close(fd)
+
+
+# PyTorch's statistics under the allocator's mutex, holding the GIL, on the stepping thread, while another
+# thread is in CUPTI's buffer callback under that mutex (tests/unit/test_probe_torch_numbers.py has the
+# Python-callback form). Here the callback is called from C under glibc's loader lock, standing in for the
+# mutex: the ctypes thunk waits for the GIL for good, the C callback returns.
+_UNDER_LOCK = r"""
+import ctypes, sys, threading, time
+sys.path[:0] = [sys.argv[3]]
+from gpufootprint.probe.nativecallbacks import NativeDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+VISIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+keeps_gil, frees_gil = ctypes.PyDLL(None), ctypes.CDLL(sys.argv[2])
+d = NativeDelivery(4096, 8, -1) if sys.argv[1] == "c" else RawDelivery(4096, 8, lambda a, v: None)
+t = threading.Thread(target=lambda: frees_gil.call_under_loader_lock(d._req, 500))
+t.start()
+time.sleep(0.1)  # the C thread holds the loader lock now, and waits 0.5 s before the callback
+keeps_gil.dl_iterate_phdr(ctypes.cast(ctypes.CDLL(None).abs, VISIT), None)  # the statistics: lock, GIL held
+t.join()
+print("done", d.requested, flush=True)
+"""
+
+
+def test_a_c_callback_under_a_lock_the_gil_holder_waits_for_ends_and_a_python_one_never_does(shim: Path) -> None:
+    c = _in_child(_UNDER_LOCK, "c", str(shim), str(ROOT / "daemon"))
+    assert c is not None and c.returncode == 0, c
+    assert c.stdout.split() == ["done", "1"]
+    assert _in_child(_UNDER_LOCK, "python", str(shim), str(ROOT / "daemon"), timeout=5) is None
+
+
+def test_two_pools_at_once_each_get_their_own_callbacks_and_buffers() -> None:
+    """CUPTI's callbacks carry no pointer: each pool has its own pair of C entry points (a process registers
+    one; the tests run a probe and a floor side by side, each with its own fake CUPTI)."""
+    a, b = NativeDelivery(4096, 2, -1), NativeDelivery(4096, 2, -1)
+    assert ctypes.cast(a._req, ctypes.c_void_p).value != ctypes.cast(b._req, ctypes.c_void_p).value
+    bufs = []
+    for d in (a, b):
+        buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+        d._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+        bufs.append(buf.value)
+        d._cmp(None, 0, buf.value, 4096, 8)
+    assert a.take() == [(bufs[0], 8)] and b.take() == [(bufs[1], 8)]
+    b._cmp(None, 0, bufs[0], 4096, 8)  # a's buffer completed through b's callback: not b's to read
+    assert b.foreign == 1 and b.take() == [] and a.foreign == 0
