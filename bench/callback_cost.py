@@ -1,10 +1,11 @@
 """What one CUPTI buffer hand-over costs the thread CUPTI calls it on: the C callbacks against the ctypes ones.
 
 A C thread (tests/native/cupti_threads.c, compiled here) makes N request/complete cycles, as CUPTI does
-on the thread that records (request) and on its worker (complete); a Python thread takes the completed
-buffers and gives them back, as the probe's sender does. Timed: the C thread's wall time per cycle, with
-the Python thread idle in between (``--busy 0``) or with another Python thread spinning, holding the GIL
-as a training step's Python does (``--busy 1``): that is where the ctypes callbacks wait for the GIL.
+on the thread that records (request) and on its worker (complete), on a pool warmed first (no malloc, no
+refusal in the timed pass), each completion waking an eventfd as the probe's sender's. Timed: the C
+thread's wall time per cycle, with no Python running (``--busy 0``) or with a Python thread spinning,
+holding the GIL as a training step's Python does (``--busy 1``): there the ctypes callbacks wait for the
+GIL, up to the interpreter's switch interval (5 ms) a call.
 A/A: each kind is run twice, alternating.
 
     python bench/callback_cost.py [--cycles 20000] [--reps 5] [--busy 0|1]
@@ -30,6 +31,7 @@ sys.path.insert(0, str(ROOT / "daemon"))
 
 from gpufootprint.probe.nativecallbacks import NativeDelivery  # noqa: E402
 from gpufootprint.probe.rawcallbacks import RawDelivery  # noqa: E402
+from gpufootprint.probe.wakeup import Wakeup  # noqa: E402
 
 
 def build_shim() -> ctypes.CDLL:
@@ -45,37 +47,47 @@ def build_shim() -> ctypes.CDLL:
 
 
 def one(shim: ctypes.CDLL, kind: str, cycles: int, busy: bool) -> dict[str, float]:
-    stop = threading.Event()
+    """``cycles`` request/complete cycles on one C thread, timed on a warm pool (every buffer malloc'ed and
+    given back before), so the figure is the callbacks' own cost and never a refusal or a malloc."""
+    wakeup = Wakeup()  # as the probe's sender: the C callbacks write its eventfd, the thunks call set()
     if kind == "c":
-        d: NativeDelivery | RawDelivery = NativeDelivery(4096, 64, -1)
+        d: NativeDelivery | RawDelivery = NativeDelivery(4096, cycles, wakeup.fd if wakeup.fd is not None else -1)
     else:
         queue: list[int] = []
-        d = RawDelivery(4096, 64, lambda address, valid: queue.append(address))
 
-    def sender() -> None:  # takes and gives back, as the probe's sender
-        while not stop.is_set():
-            if isinstance(d, NativeDelivery):
-                for address, _ in d.take():
-                    d.give_back(address)
-            else:
-                while queue:
-                    d.give_back(queue.pop())
-            time.sleep(0.0002)
+        def on_completed(address: int, valid: int) -> None:  # what Intake.raw_completed does
+            queue.append(address)
+            wakeup.set()
+
+        d = RawDelivery(4096, cycles, on_completed)
+
+    def give_all_back() -> None:
+        addresses = [a for a, _ in d.take()] if isinstance(d, NativeDelivery) else [queue.pop() for _ in list(queue)]
+        for address in addresses:
+            d.give_back(address)
+
+    if shim.run_threads(d._req, d._cmp, 1, cycles) != 0:  # warm: every buffer allocated
+        raise SystemExit("warm-up refused requests")
+    give_all_back()
+    stop = threading.Event()
 
     def spin() -> None:  # Python holding the GIL, as a training step's Python does
         x = 0
         while not stop.is_set():
             x += 1
 
-    threads = [threading.Thread(target=sender)] + ([threading.Thread(target=spin)] if busy else [])
-    for t in threads:
-        t.start()
+    spinner = threading.Thread(target=spin) if busy else None
+    if spinner is not None:
+        spinner.start()
     t0 = time.perf_counter()
     refused = shim.run_threads(d._req, d._cmp, 1, cycles)
     wall = time.perf_counter() - t0
     stop.set()
-    for t in threads:
-        t.join()
+    if spinner is not None:
+        spinner.join()
+    give_all_back()
+    d.retire()  # no more writes to the eventfd: it may close
+    wakeup.close()
     return {"us_per_cycle": wall / cycles * 1e6, "refused": refused}
 
 
