@@ -29,9 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "daemon"))
 
-from gpufootprint.probe.nativecallbacks import NativeDelivery  # noqa: E402
-from gpufootprint.probe.rawcallbacks import RawDelivery  # noqa: E402
-from gpufootprint.probe.wakeup import Wakeup  # noqa: E402
+from gpufootprint.probe.nativecallbacks import NativeDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.wakeup import Wakeup
 
 
 def build_shim() -> ctypes.CDLL:
@@ -102,9 +102,9 @@ def main() -> int:
     runs: dict[str, list[float]] = {"c": [], "c_aa": [], "python": [], "python_aa": []}
     refused: dict[str, int] = {k: 0 for k in runs}
     for _ in range(args.reps):
-        for name in runs:
+        for name, times in runs.items():
             r = one(shim, name.split("_")[0], args.cycles, bool(args.busy))
-            runs[name].append(r["us_per_cycle"])
+            times.append(r["us_per_cycle"])
             refused[name] += int(r["refused"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"{'callbacks':10s} {'us/cycle median':>16s} {'min':>8s} {'max':>8s} {'refused':>8s}  "

@@ -589,7 +589,8 @@ def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str)
                                            for w, d in cpu_in_steps.items()}
     if floor is not None:
         extra["cupti_floor"] = {"buffers_completed": floor.delivery.completed, "buffers_refused": floor.delivery.refused,
-                                "priming_ended": not floor.priming, "counters": dict(floor.counters)}
+                                "priming_ended": not floor.priming, "counters": dict(floor.counters),
+                                "callbacks": "c" if floor.delivery.native else "python"}
     if config.startswith("probe"):
         from gpufootprint import probe
 
@@ -897,7 +898,7 @@ def main() -> int:
         print(f"{c:20s}", " | ".join(cells))
         st = (row.get("final") or {}).get("probe") or {}
         if st:
-            print(" " * 21, {k: st.get(k) for k in ("flush_mode", "delivery", "flushes", "flush_seconds",
+            print(" " * 21, {k: st.get(k) for k in ("flush_mode", "delivery", "callbacks", "flushes", "flush_seconds",
                                                      "callback_seconds", "raw_buffers", "raw_buffers_refused",
                                                      "cupti_dropped_records",
                                                      "buffers_completed", "records_sent", "bulk_records",
