@@ -81,6 +81,24 @@ def test_sdist_and_wheel_carry_the_startup_hook_and_the_license(dist: Path) -> N
     assert all("==" not in r.split(";")[0] for r in requires if 'extra == "test"' not in r), requires
 
 
+def test_an_sdist_made_with_GPUFOOTPRINT_NATIVE_0_still_carries_the_c_source(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """GPUFOOTPRINT_NATIVE=0 skips building the library (the daemon's image); an sdist made where it is set
+    must still carry the source, or every wheel later built from that sdist silently lacks the C callbacks."""
+    src = tmp_path_factory.mktemp("src_native0")
+    shutil.copytree(ROOT, src, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                  ".pytest_cache", ".mypy_cache", "tests", "bench", "*.so"))
+    out = tmp_path_factory.mktemp("dist_native0")
+    r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(out), str(src)],
+                       env={**os.environ, "GPUFOOTPRINT_NATIVE": "0"},
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with tarfile.open(_one(out, "gpufootprint-*.tar.gz")) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    assert "daemon/gpufootprint/probe/native/cuptibuf.c" in names
+
+
 def test_dependencies_are_ranges_and_the_constraints_file_pins_each_of_them() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = {}
