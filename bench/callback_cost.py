@@ -51,7 +51,7 @@ def one(shim: ctypes.CDLL, kind: str, cycles: int, busy: bool) -> dict[str, floa
     given back before), so the figure is the callbacks' own cost and never a refusal or a malloc."""
     wakeup = Wakeup()  # as the probe's sender: the C callbacks write its eventfd, the thunks call set()
     if kind == "c":
-        d: NativeDelivery | RawDelivery = NativeDelivery(4096, cycles, wakeup.fd if wakeup.fd is not None else -1)
+        d: NativeDelivery | RawDelivery = NativeDelivery(256, cycles, wakeup.fd if wakeup.fd is not None else -1)
     else:
         queue: list[int] = []
 
@@ -59,7 +59,7 @@ def one(shim: ctypes.CDLL, kind: str, cycles: int, busy: bool) -> dict[str, floa
             queue.append(address)
             wakeup.set()
 
-        d = RawDelivery(4096, cycles, on_completed)
+        d = RawDelivery(256, cycles, on_completed)
 
     def give_all_back() -> None:
         addresses = [a for a, _ in d.take()] if isinstance(d, NativeDelivery) else [queue.pop() for _ in list(queue)]
