@@ -19,8 +19,9 @@ trap pack EXIT
   PYTHONPATH=daemon python3 -c "from gpufootprint.probe import nativecallbacks as n; print('source-tree library:', n.load()[1] or n.LIBRARY)"
   echo "installed at $(( $(date +%s) - T0 )) s"; } > "$R/machine.txt" 2>&1
 cat "$R/machine.txt"
-GPUFOOTPRINT_GPU_OUT=$R timeout "${1:-330}" python3 -m pytest -q -p no:cacheprovider -rA -x \
-  tests/gpu/test_probe_gpu.py tests/gpu/test_torch_figures_gpu.py tests/gpu/test_live_failure_gpu.py tests/gpu/test_oom_gpu.py \
+# TESTS (env): which GPU test files (default: the probe's delivery, PyTorch's figures, failed allocations)
+GPUFOOTPRINT_GPU_OUT=$R timeout "${1:-330}" python3 -m pytest -q -p no:cacheprovider -rA \
+  ${TESTS:-tests/gpu/test_probe_gpu.py tests/gpu/test_torch_figures_gpu.py tests/gpu/test_live_failure_gpu.py} \
   > "$R/gpu_tests.log" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" | tail -30
 for busy in 0 1; do
