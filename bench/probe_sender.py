@@ -11,11 +11,13 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
   table      queue into the probe's live table and apply at a watermark (LiveTable)
   encode     frame the batch (framing.encode_batch: header, CRC)
   forwarded_total  all the probe does per record when the daemon reads the buffers itself: check
-             the buffer holds MEMORY2 records only (else walk it), queue the structs for the table,
+             the buffer holds MEMORY2 records only (else walk it: in C where the probe's library loads,
+             as the probe does; GPUFOOTPRINT_BENCH_PY_WALK=1: the Python walk), look at the API records
+             for failed allocations, queue the structs for the table,
              frame the buffer as it is into a send buffer, apply the table at a watermark every
              57,000 records
 
-Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K]
+Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K] [--calls]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
 ``--api-every K`` adds a third layout: a 40-byte RUNTIME record (CUpti_ActivityAPI, a call no
 launch window or OOM watch reads) before every K-th MEMORY2 record, as a launch window's buffers
@@ -38,20 +40,31 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout, framing
 
 BUFFER = 64 << 10
 PARTS = getattr(framing, "cupti_buffer_parts", None)
+# The probe's walk in C (probe/nativecallbacks.py), where this tree has it and GPUFOOTPRINT_BENCH_PY_WALK is unset
+try:
+    from gpufootprint.probe.nativecallbacks import Walker
+
+    WALKER = None if os.environ.get("GPUFOOTPRINT_BENCH_PY_WALK") else Walker()
+except (ImportError, OSError):
+    WALKER = None
 WATERMARK_RECORDS = 57_000  # records between two watermarks (1 s of 850 records a 15 ms step)
 
 
 def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER,
-            api_record_every: int = 0) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
+            api_record_every: int = 0, calls: bool = False) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
     """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses (a
     MEMORY_POOL record before every ``pool_record_every``-th, a RUNTIME record before every
-    ``api_record_every``-th, where set)."""
+    ``api_record_every``-th, where set). ``calls``: as PyTorch with its caching allocator off writes them,
+    each allocation's MEMORY2 record followed by its two API records (the driver's cuMemAlloc_v2 and the
+    runtime's cudaMalloc, switched on for failed allocations), a release's MEMORY2 record alone
+    (cudaFree is not switched on), allocations and releases interleaved unevenly."""
     dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
     pool_dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY_POOL]
     api_dt = cupti_layout.API_RAW_DTYPE
@@ -74,8 +87,11 @@ def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER,
                 u8[off:off + api_dt.itemsize] = api.view(np.uint8)
                 u8[off:off + 4].view("<i4")[0] = cupti_layout.RUNTIME
                 off += api_dt.itemsize
+            op = 1 + i % 2
+            if calls:  # 1-3 allocations, then as many releases, by a small fixed pattern
+                op = 1 if (i % 7) in (0, 1, 3, 5) else 2
             rec = np.zeros(1, dt)
-            rec["op"] = 1 + i % 2
+            rec["op"] = op
             rec["mk"] = 3
             rec["address"] = 0x7F00_0000_0000 + ((i // 2) % 300) * 0x10000
             rec["bytes"] = 4096 * (1 + (i // 2) % 13)
@@ -85,6 +101,16 @@ def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER,
             u8[off:off + 4].view("<i4")[0] = cupti_layout.MEMORY2
             off += dt.itemsize
             i += 1
+            if calls and op == 1:
+                for kind, cbid in ((cupti_layout.DRIVER, 243), (cupti_layout.RUNTIME, 20)):
+                    if off + api_dt.itemsize > size:
+                        break
+                    api = np.zeros(1, api_dt)
+                    api["cbid"] = cbid
+                    api["start"] = api["end"] = t + i * 1000
+                    u8[off:off + api_dt.itemsize] = api.view(np.uint8)
+                    u8[off:off + 4].view("<i4")[0] = kind
+                    off += api_dt.itemsize
         out.append((raw, off))
     return out
 
@@ -118,6 +144,7 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
     # a watermark every WATERMARK_RECORDS records (about a second of cudaMallocAsync churn) on a table
     # that lives through the whole run, as the probe's does.
     fwd = LiveTable()
+    oom = OomWatch(time.time_ns)
     out = bytearray()
     size = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
     since_mark = 0
@@ -128,9 +155,14 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
         if cupti_layout.uniform_kind(view, valid) == cupti_layout.MEMORY2:
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, range(0, valid, size))
         else:
-            offs = cupti_layout.walk(view, valid)
+            offs = WALKER(ctypes.addressof(raw), valid) if WALKER is not None else None
+            if offs is None:
+                offs = cupti_layout.walk(view, valid)
             assert offs is not None
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, offs[cupti_layout.MEMORY2])
+            for api_kind in cupti_layout.API_KINDS:  # failed allocations are looked for, as rawreader does
+                if api_kind in offs and len(offs[api_kind]):
+                    oom.api_rows(u8, offs[api_kind], api_kind)
         fwd.add_raw(structs, 1)
         if PARTS is not None:
             for part in PARTS(1, view[:valid]):
@@ -157,15 +189,19 @@ def main() -> int:
     ap.add_argument("--buffer-bytes", type=int, default=BUFFER, help="CUPTI buffer size (the probe's cupti_buffer_bytes)")
     ap.add_argument("--api-every", type=int, default=0,
                     help="also time buffers with a RUNTIME record before every K-th MEMORY2 record")
+    ap.add_argument("--calls", action="store_true",
+                    help="also time buffers laid out as with PyTorch's caching off (allocation calls' API records)")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.processor() or platform.machine()} cpus={os.cpu_count()} "
           f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round, "
-          f"{args.buffer_bytes} B buffers")
+          f"{args.buffer_bytes} B buffers; forwarded walk: {'C' if WALKER is not None else 'Python'}")
     layouts = [("memory2 only", buffers(args.records, size=args.buffer_bytes)),
                ("a pool record every 200", buffers(args.records, pool_record_every=200, size=args.buffer_bytes))]
     if args.api_every:
         layouts.append((f"a RUNTIME record every {args.api_every}",
                         buffers(args.records, api_record_every=args.api_every, size=args.buffer_bytes)))
+    if args.calls:
+        layouts.append(("caching off: calls' records", buffers(args.records, calls=True, size=args.buffer_bytes)))
     for name, bufs in layouts:
         rows = [run(bufs, args.records) for _ in range(args.rounds)]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}

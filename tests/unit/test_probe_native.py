@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import select
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from gpufootprint.probe.core import Probe
 from gpufootprint.probe.nativecallbacks import NativeDelivery
 from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
+from gpufootprint.wire import cupti_layout
 
 from tests import probe_fakes as fk
 
@@ -293,3 +295,77 @@ def test_two_pools_at_once_each_get_their_own_callbacks_and_buffers() -> None:
     assert a.take() == [(bufs[0], 8)] and b.take() == [(bufs[1], 8)]
     b._cmp(None, 0, bufs[0], 4096, 8)  # a's buffer completed through b's callback: not b's to read
     assert b.foreign == 1 and b.take() == [] and a.foreign == 0
+
+
+def _random_buffer(rng: random.Random, n: int) -> bytearray:
+    """Records of the kinds the walk knows, mixed unevenly (runs, cycles, singles), as CUPTI writes them."""
+    sizes = cupti_layout.walk_sizes()
+    kinds = sorted(sizes)
+    out = bytearray()
+    while len(out) < n:
+        k = rng.choice(kinds)
+        for _ in range(rng.choice([1, 1, 1, 2, 5, 40])):
+            rec = bytearray(rng.randbytes(sizes[k]))
+            rec[0:4] = k.to_bytes(4, "little", signed=True)
+            out += rec
+    return out
+
+
+def test_the_c_walk_gives_the_python_walks_answer_on_any_buffer() -> None:
+    """The same offsets per kind, or None for both: mixed kinds, one kind, an unknown kind, a record cut off."""
+    walker = nativecallbacks.Walker()
+    rng = random.Random(7)
+    cases = []
+    for i in range(300):
+        buf = _random_buffer(rng, rng.choice([64, 4096, 65536]))
+        if i % 10 == 3:  # a record cut off at the end
+            buf = buf[:-rng.randint(1, 30)]
+        if i % 10 == 7:  # a kind no walk knows, somewhere
+            at = rng.randrange(0, len(buf) - 8, 8)
+            buf[at:at + 4] = (9999).to_bytes(4, "little")
+        cases.append(buf)
+    walked = 0
+    for buf in cases:
+        raw = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+        theirs = cupti_layout.walk(memoryview(buf), len(buf))
+        ours = walker(ctypes.addressof(raw), len(buf))
+        if theirs is None:
+            assert ours is None
+            continue
+        walked += 1
+        assert ours is not None and set(ours) == set(theirs)
+        for kind, offs in theirs.items():
+            assert list(ours[kind]) == list(offs), kind
+    assert 100 < walked < 300  # both outcomes were tried
+
+
+def test_a_probe_reading_buffers_of_mixed_kinds_walks_them_in_c_and_sends_what_the_python_walk_sends(
+        tmp_path: Path) -> None:
+    """Allocations with their calls' API records (PyTorch's cache off): the same frames either way."""
+    from gpufootprint.records import RecordKind
+    from gpufootprint.wire.framing import FrameType, iter_frames
+    from gpufootprint.wire.sources import TraceFile
+
+    sent = {}
+    t = time.time_ns()
+    for native in (True, False):
+        cupti = fk.FakeRawCupti()
+        out = tmp_path / f"walk-{native}.gfp"
+        probe = Probe(ProbeSettings(socket="", tee=str(out), flush_ms=10, native_walk=native), cupti,
+                      discover_devices=False)
+        assert probe.start()
+        try:
+            for i in range(3000):
+                cupti.emit(fk.memory_record(1, 0x1000 + (i % 50) * 0x100, 256, ts=t + 2 * i))
+                if i % 3 == 0:
+                    cupti.runtime_call(20, 0, start=t + 2 * i + 1, end=t + 2 * i + 1, tid=7)  # cudaMalloc, succeeded
+            probe.mark("end")
+            status = probe.status()
+        finally:
+            probe.stop()
+        assert (status["native_walks"] > 0) == native and status["raw_records"] == 3000  # (API records uncounted)
+        # the records (frames may split differently: the flushes' timing is the run's)
+        sent[native] = sorted(tuple(int(v) for v in r) for f in iter_frames(TraceFile(out).chunks())
+                              if f.type is FrameType.BATCH and f.tag == RecordKind.MEMORY for r in f.records())
+    assert len(sent[True]) == 3000
+    assert sent[True] == sent[False]

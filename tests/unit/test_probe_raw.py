@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gpufootprint.probe import nativecallbacks
 from gpufootprint.probe.core import Probe
 from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.settings import ProbeSettings
@@ -124,7 +125,9 @@ def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_noth
     assert probe.start()
     try:
         saved = dict(cupti_layout._SIZES)
-        cupti_layout._SIZES.pop(cupti_layout.MEMSET)  # as if CUPTI wrote a kind we cannot size
+        # as if CUPTI wrote a kind we cannot size: neither our walk (Python or C) nor its table knows it
+        cupti_layout._SIZES.pop(cupti_layout.MEMSET)
+        nativecallbacks._WALK_SIZES[cupti_layout.MEMSET] = 0
         try:
             fake.alloc(0x1000, 512)
             fake.emit(fk.memset_record(64))
@@ -132,6 +135,7 @@ def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_noth
             probe.mark("m")
         finally:
             cupti_layout._SIZES.update(saved)
+            nativecallbacks._WALK_SIZES[cupti_layout.MEMSET] = saved[cupti_layout.MEMSET]
     finally:
         probe.stop()
     st = probe.status()

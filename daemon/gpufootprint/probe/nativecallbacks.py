@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
+
+import numpy as np
 
 from gpufootprint.probe.rawcallbacks import COMPLETED, REQUESTED, RawDelivery
+from gpufootprint.wire import cupti_layout
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
@@ -59,11 +63,52 @@ def load() -> tuple[Any | None, str]:
     lib.gfp_stats.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
     lib.gfp_queues.restype = ctypes.c_int
     lib.gfp_queues.argtypes = [ctypes.c_void_p, u64p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
+    lib.gfp_walk.restype = ctypes.c_int64
+    lib.gfp_walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_int64]
     return lib, ""
 
 
 def available() -> bool:
     return load()[0] is not None
+
+
+#: Struct size of each CUPTI kind ``cupti_layout.walk`` knows, indexed by kind (0: not known).
+_WALK_SIZES = np.zeros(max(cupti_layout.walk_sizes()) + 1, dtype=np.uint32)
+for _kind, _size in cupti_layout.walk_sizes().items():
+    _WALK_SIZES[_kind] = _size
+_SMALLEST = min(cupti_layout.walk_sizes().values())
+
+
+class Walker:
+    """``cupti_layout.walk``'s answer in one pass of C (``gfp_walk``): each kind's record offsets in buffer
+    order, as ``np.intp`` arrays; None where the buffer cannot be walked exactly (the Python walk, and
+    CUPTI's, then have their say). One per sender thread: it reuses its arrays."""
+
+    def __init__(self) -> None:
+        lib, why = load()
+        if lib is None:
+            raise OSError(why)
+        self._walk = lib.gfp_walk
+        self._offsets = np.zeros(0, np.uint32)
+        self._kinds = np.zeros(0, np.int32)
+
+    def __call__(self, address: int, valid: int) -> dict[int, Sequence[int]] | None:
+        most = valid // _SMALLEST + 1
+        if len(self._offsets) < most:
+            self._offsets = np.empty(most, np.uint32)
+            self._kinds = np.empty(most, np.int32)
+        n = int(self._walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
+                           self._kinds.ctypes.data, most))
+        if n < 0:
+            return None
+        offsets, kinds = self._offsets[:n], self._kinds[:n]
+        first = int(kinds[0]) if n else 0
+        # np.intp arrays where the Python walk gives Runs: every reader of a walk (gather, len, iteration,
+        # the OOM watch, the launch rows) takes either
+        if n and bool((kinds == first).all()):
+            return {first: cast(Sequence[int], offsets.astype(np.intp))}
+        return {int(k): cast(Sequence[int], offsets[kinds == k].astype(np.intp)) for k in np.unique(kinds)}
 
 
 class NativeDelivery:

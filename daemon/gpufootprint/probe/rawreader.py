@@ -20,6 +20,7 @@ import numpy as np
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.probe.nativecallbacks import Walker
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawcallbacks import view
@@ -38,7 +39,7 @@ FORWARDABLE = FORWARDABLE_V1 | {cupti_layout.RUNTIME}
 class RawBufferReader:
     def __init__(self, *, pid: int, verify_walk: bool, packer: Packer, table: LiveTable, oom: OomWatch,
                  cupti: CuptiArming, resyncs: ResyncSchedule, counters: Counter[str],
-                 dropped_by_reason: Counter[str], clock_ns: Callable[[], int]) -> None:
+                 dropped_by_reason: Counter[str], clock_ns: Callable[[], int], walker: Walker | None = None) -> None:
         self.pid = pid
         self.verify_walk = verify_walk
         self.packer = packer
@@ -50,6 +51,9 @@ class RawBufferReader:
         self.dropped_by_reason = dropped_by_reason
         self._clock_ns = clock_ns
         self.forward_seconds = 0.0  # CPU time framing forwarded buffers (part of callback_seconds)
+        # The walk in C (probe/nativecallbacks.py) where the library loaded: a buffer whose kinds are mixed
+        # unevenly costs the Python walk a loop step a record (PyTorch's cache off: about 2 us a record)
+        self.walker = walker
         # Forwarded buffers with a checksum: False once the daemon said it takes them without (its
         # level, framing.CUPTI_BUFFERS_UNCHECKED), until the next connection.
         self.checked = True
@@ -84,8 +88,14 @@ class RawBufferReader:
             raw.give_back(address)
 
     def _walk(self, buf: memoryview, address: int, valid: int) -> Mapping[int, Sequence[int]] | None:
-        """Each kind's record offsets: our walk, CUPTI's where ours cannot (or to check ours)."""
-        offsets: Mapping[int, Sequence[int]] | None = cupti_layout.walk(buf, valid)
+        """Each kind's record offsets: our walk (in C where the library loaded, for a buffer of more than one
+        kind), CUPTI's where ours cannot (or to check ours)."""
+        offsets: Mapping[int, Sequence[int]] | None = None
+        if self.walker is not None and cupti_layout.uniform_kind(buf, valid) is None:
+            offsets = self.walker(address, valid)
+            self.counters["native_walks"] += offsets is not None
+        if offsets is None:
+            offsets = cupti_layout.walk(buf, valid)
         if self.verify_walk or offsets is None:
             backend = self.cupti.backend
             reference = backend.walk_raw(address, valid) if backend is not None else None
@@ -110,7 +120,7 @@ class RawBufferReader:
             offsets = {cupti_layout.MEMORY2: range(0, valid, size)}
         n = sum(len(v) for k, v in offsets.items() if k in cupti_layout.RECORD_KIND)
         mem = offsets.get(cupti_layout.MEMORY2)
-        if mem:
+        if mem is not None and len(mem):
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
             self.table.add_raw(structs, self.pid)
             self.packer.api_dev = int(structs["dev"][-1])  # what an API record (OOM, launch) is stamped with
@@ -118,7 +128,7 @@ class RawBufferReader:
                 self.cupti.configure_unified_memory(in_gap)
         for api_kind in cupti_layout.API_KINDS:  # failed allocations are found here, before the buffer leaves
             api = offsets.get(api_kind)
-            if api:
+            if api is not None and len(api):
                 self.oom.api_rows(u8, api, api_kind)
                 # a launch window's calls go on as records of their own (the daemon steps over these)
                 self.packer.put_launch_rows(u8, api, api_kind)
@@ -144,7 +154,7 @@ class RawBufferReader:
         else:
             self.counters["records_dropped"] += n
             self.dropped_by_reason["buffer_full"] += n
-            if mem:
+            if mem is not None and len(mem):
                 self.resyncs.dropped(int(structs["timestamp"].max()))
             elif n:
                 self.resyncs.dropped(self._clock_ns())

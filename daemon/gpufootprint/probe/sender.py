@@ -31,7 +31,7 @@ from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
-from gpufootprint.probe.nativecallbacks import Delivery
+from gpufootprint.probe.nativecallbacks import Delivery, Walker
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
 from gpufootprint.probe.resync import ResyncSchedule
@@ -42,6 +42,17 @@ from gpufootprint.probe.windows import COUNT_FLUSH_S, Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
+
+
+def _walker(settings: ProbeSettings) -> Walker | None:
+    """The C walk of CUPTI's buffers, where wanted and the library loads (else the Python walk)."""
+    if not settings.native_walk:
+        return None
+    try:
+        return Walker()
+    except OSError:
+        return None  # the buffer callbacks' warning says why (probe/arming.py)
+
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
 
@@ -94,7 +105,7 @@ class Sender:
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
             cupti=self.cupti, resyncs=self.resyncs, counters=self.counters,
-            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns)
+            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings))
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
         # stamped just before a flush can still be on its way into CUPTI's buffer (an API call in

@@ -63,6 +63,8 @@ class ProbeSettings(ProbeOptions):
     # Raw delivery's buffer callbacks in C (probe/nativecallbacks.py), so CUPTI's threads never take the GIL;
     # off, or where the library was not built: ctypes callbacks, which do (the bench's lever, a diagnostic)
     native_callbacks: bool = True
+    # The sender's walk of a CUPTI buffer of mixed kinds in C (the same library); off: the Python walk
+    native_walk: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

@@ -243,6 +243,11 @@ class Runs(Sequence[int]):
         return f"Runs({self.pieces!r})"
 
 
+def walk_sizes() -> dict[int, int]:
+    """The struct size of every kind ``walk`` steps over or reads (the probe's C walk is given the same)."""
+    return dict(_SIZES)
+
+
 def walk(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
     """Offsets of each kind's records in ``buf[:valid]`` (as ``Runs``); None when it cannot be
     walked exactly.

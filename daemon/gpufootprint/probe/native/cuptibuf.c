@@ -253,3 +253,26 @@ int gfp_queues(gfp_pool *p, uint64_t *ctx, uint32_t *stream, int most) {
     pthread_mutex_unlock(&p->mu);
     return n;
 }
+
+/* Each record's offset and kind in buf[0:valid], in order, for the sender's read of a buffer (the same
+ * answer as wire/cupti_layout.walk, in one pass: a buffer whose kinds are mixed unevenly, as allocation
+ * calls' API records mix with MEMORY2 records when PyTorch's cache is off, costs Python a loop step a
+ * record). sizes[k]: the struct size of kind k (< nsizes), 0 for a kind not known. Returns the number of
+ * records, or -1 when the buffer cannot be walked exactly (a kind not known, a record past `valid`, more
+ * than `most` records). */
+int64_t gfp_walk(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int32_t nsizes, uint32_t *offsets,
+                 int32_t *kinds, int64_t most) {
+    uint64_t off = 0;
+    int64_t n = 0;
+    while (off < valid) {
+        int32_t kind;
+        if (off + sizeof(kind) > valid || n >= most) return -1;
+        memcpy(&kind, buf + off, sizeof(kind));
+        if (kind < 0 || kind >= nsizes || sizes[kind] == 0 || off + sizes[kind] > valid) return -1;
+        offsets[n] = (uint32_t)off;
+        kinds[n] = kind;
+        n++;
+        off += sizes[kind];
+    }
+    return n;
+}
