@@ -20,7 +20,7 @@ trap pack EXIT
   echo "installed at $(( $(date +%s) - T0 )) s"; } > "$R/machine.txt" 2>&1
 cat "$R/machine.txt"
 # TESTS (env): which GPU test files (default: the probe's delivery, PyTorch's figures, failed allocations)
-GPUFOOTPRINT_GPU_OUT=$R timeout "${1:-330}" python3 -m pytest -q -p no:cacheprovider -rA \
+GPUFOOTPRINT_GPU_OUT=$R timeout "${1:-330}" python3 -m pytest -q -p no:cacheprovider -rA -m gpu \
   ${TESTS:-tests/gpu/test_probe_gpu.py tests/gpu/test_torch_figures_gpu.py tests/gpu/test_live_failure_gpu.py} \
   > "$R/gpu_tests.log" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" | tail -30

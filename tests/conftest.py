@@ -42,7 +42,11 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     # spikes) and timings. On the H200 on 2026-12-04 `-m gpu` on four workers started the PyTorch OOM
     # test's workload while another worker's CuPy workload held the whole GPU (its first
     # torch.zeros failed); the same two tests passed in one process.
+    # So does a run of tests/gpu's files alone (as bench/device_native.sh ran them on 2026-12-06: on four
+    # workers the OOM tests' workloads filled the GPU beside each other, and four failed that way).
     gpu_run = "gpu" in (config.option.markexpr or "") and "not gpu" not in (config.option.markexpr or "")
+    args = [a.replace("\\", "/") for a in config.args]
+    gpu_run = gpu_run or bool(args) and all("tests/gpu" in a or a.startswith("gpu/") for a in args)
     if config.option.numprocesses is None and config.option.dist == "no" and not gpu_run:
         config.option.numprocesses = WORKERS
         config.option.dist = "loadgroup"

@@ -46,6 +46,7 @@ def _gpu_reason() -> str | None:
 _REASON = _gpu_reason()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (its loadgroup ids)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     timeout_plugin = config.pluginmanager.hasplugin("timeout")
     for item in items:
