@@ -339,6 +339,42 @@ def test_the_c_walk_gives_the_python_walks_answer_on_any_buffer() -> None:
     assert 100 < walked < 300  # both outcomes were tried
 
 
+def test_the_c_walk_refuses_and_walks_the_edges_as_the_python_walk_does() -> None:
+    """The edges the random buffers seldom reach: kinds not known below and past the size table, negative
+    kinds, a buffer of 0-3 bytes, a kind cut off, a record ending exactly at ``valid``; and what a walk
+    returned stays as it was after the next walk (the walker reuses its own arrays)."""
+    walker = nativecallbacks.Walker()
+    sizes = cupti_layout.walk_sizes()
+    mem, rt = cupti_layout.MEMORY2, cupti_layout.RUNTIME
+
+    def rec(kind: int, size: int) -> bytes:
+        return kind.to_bytes(4, "little", signed=True) + bytes(size - 4)
+
+    head = rec(mem, sizes[mem]) + rec(rt, sizes[rt])
+    top = len(nativecallbacks._WALK_SIZES)
+    cases = [(b"", 0), (b"\x31", 1), (b"\x31\x00", 2), (b"\x31\x00\x00", 3), (head, len(head)),
+             (head + rec(mem, sizes[mem]), len(head) + sizes[mem]), (head + rec(mem, sizes[mem]), len(head) + 127),
+             (head + b"\x05\x00\x00", len(head) + 3), (rec(rt, 40) + rec(mem, sizes[mem]), 168)]
+    cases += [(head + rec(k, 216), len(head) + 216) for k in (-1, -(1 << 31), 0, 6, 48, top - 1, top, 1 << 30)]
+    cases += [(head + rec(k, sizes[k]), len(head) + sizes[k]) for k in sizes]
+    for body, valid in cases:
+        buf = bytearray(body) + bytearray(16)  # readable past ``valid``: the walks must stop there anyway
+        raw = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+        theirs = cupti_layout.walk(memoryview(buf), valid)
+        ours = walker(ctypes.addressof(raw), valid)
+        assert (ours is None) == (theirs is None), (body[-216:], valid)
+        if theirs is not None and ours is not None:
+            assert {k: list(v) for k, v in ours.items()} == {k: list(v) for k, v in theirs.items()}, (body, valid)
+    kept = []
+    for body in (head * 3, rec(rt, 40) * 4, rec(mem, sizes[mem]) + rec(rt, 40) * 2):  # no array grows
+        buf = bytearray(body)
+        raw = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+        kept.append(walker(ctypes.addressof(raw), len(buf)))
+    assert kept[0] is not None and kept[1] is not None
+    assert {k: list(v) for k, v in kept[0].items()} == {mem: [0, 168, 336], rt: [128, 296, 464]}
+    assert {k: list(v) for k, v in kept[1].items()} == {rt: [0, 40, 80, 120]}
+
+
 def test_a_probe_reading_buffers_of_mixed_kinds_walks_them_in_c_and_sends_what_the_python_walk_sends(
         tmp_path: Path) -> None:
     """Allocations with their calls' API records (PyTorch's cache off): the same frames either way."""
