@@ -45,11 +45,18 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     # So does a run of tests/gpu's files alone (as bench/device_native.sh ran them on 2026-12-06: on four
     # workers the OOM tests' workloads filled the GPU beside each other, and four failed that way).
     gpu_run = "gpu" in (config.option.markexpr or "") and "not gpu" not in (config.option.markexpr or "")
-    args = [a.replace("\\", "/") for a in config.args]
-    gpu_run = gpu_run or bool(args) and all("tests/gpu" in a or a.startswith("gpu/") for a in args)
+    gpu_run = gpu_run or bool(config.args) and all(_under_gpu_tests(a, config.invocation_params.dir)
+                                                   for a in config.args)
     if config.option.numprocesses is None and config.option.dist == "no" and not gpu_run:
         config.option.numprocesses = WORKERS
         config.option.dist = "loadgroup"
+
+
+def _under_gpu_tests(arg: str, cwd: Path) -> bool:
+    """Whether a command line path (``tests/gpu``, ``gpu/`` from tests/, a file ``::`` a test, absolute)
+    names tests/gpu or something in it; relative paths are the invocation directory's."""
+    path = cwd / arg.split("::", 1)[0]  # an absolute path stays itself
+    return path.resolve().is_relative_to(ROOT / "tests" / "gpu")
 
 
 @pytest.hookimpl(optionalhook=True)
