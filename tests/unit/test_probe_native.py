@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from gpufootprint.probe import nativecallbacks
 from gpufootprint.probe.core import Probe
@@ -405,3 +406,20 @@ def test_a_probe_reading_buffers_of_mixed_kinds_walks_them_in_c_and_sends_what_t
                               if f.type is FrameType.BATCH and f.tag == RecordKind.MEMORY for r in f.records())
     assert len(sent[True]) == 3000
     assert sent[True] == sent[False]
+
+
+def test_the_api_records_return_values_read_in_place_are_the_gathered_ones() -> None:
+    """The OOM watch's look at a buffer's API records reads only their return values, in place."""
+    rng = random.Random(11)
+    size = cupti_layout.API_RAW_DTYPE.itemsize
+    rows = np.zeros(50, cupti_layout.API_RAW_DTYPE)
+    rows["ret"] = [rng.choice([0, 0, 0, 2, 999]) for _ in range(50)]
+    rows["cbid"] = 20
+    buf = np.zeros(50 * size + 64, np.uint8)
+    offsets = np.arange(50, dtype=np.intp) * size + 8
+    for i, off in enumerate(offsets):
+        buf[off:off + size] = rows[i:i + 1].view(np.uint8)
+    assert cupti_layout.API_RAW_DTYPE.fields["ret"][1] == cupti_layout._API_RET_OFFSET
+    got = cupti_layout.api_returns(buf, offsets[::3])
+    assert list(got) == list(cupti_layout.gather(buf, cupti_layout.RUNTIME, offsets[::3])["ret"])
+    assert list(cupti_layout.api_returns(buf, cupti_layout.Runs([range(8, 8 + 50 * size, size)]))) == list(rows["ret"])

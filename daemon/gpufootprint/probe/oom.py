@@ -137,6 +137,8 @@ class OomWatch:
         names = _CBIDS.get(kind)
         if names is None or not len(offsets):
             return
+        if not self._waiting and not cupti_layout.api_returns(u8, offsets).any():
+            return  # every call succeeded and no failure waits for one: nothing to look at (the common case)
         rows = cupti_layout.gather(u8, kind, offsets)
         alloc = np.isin(rows["cbid"], _CBID_ARRAYS[kind])
         # Successes matter only while a failure waits to be judged; the calls are few either way
