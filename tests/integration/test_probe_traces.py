@@ -171,3 +171,19 @@ def test_allocation_churn_recordings_replay_exact_with_every_check_matching(allo
             assert m["live_bytes"].get("device", 0) >= m["torch_memory_allocated"], label
         else:
             assert m["live_bytes"].get("device", 0) == m["torch_memory_reserved"] + library_bytes(m), label
+
+
+#: Recorded by tests/gpu/test_probe_gpu.py on an H100 on 2026-12-06 (16:29 UTC, 04a7552) with the probe's
+#: buffer callbacks and its walk of mixed buffers in C (bench/device_native.sh): every scenario of that file.
+NATIVE = sorted(p.name for p in DATA.glob("h100_native_probe_*.gfp.gz"))
+
+
+def test_the_c_callbacks_recordings_are_all_here() -> None:
+    assert len(NATIVE) == 12, NATIVE
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_traces_recorded_on_the_c_callbacks_replay_exact_at_every_mark(name: str) -> None:
+    marks, pipeline = replay(name)
+    assert marks, name
+    assert all(p.drift_bytes == 0 for p in pipeline.processes.values()), name
