@@ -16,6 +16,7 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
              for failed allocations, queue the structs for the table,
              frame the buffer as it is into a send buffer, apply the table at a watermark every
              57,000 records
+  reader     the probe's own reader (probe/rawreader.py) forwarding each buffer, as the sender does
 
 Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K] [--calls]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
@@ -41,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.oom import OomWatch
+from gpufootprint.probe.rawreader import FORWARDABLE, RawBufferReader
+from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.packing import Packer
 from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout, framing
@@ -177,9 +180,34 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
             since_mark = 0
     fwd.advance(1 << 63)
     t6 = time.perf_counter()
+    # The probe's own reader (probe/rawreader.py) forwarding each buffer to a link that takes everything:
+    # what the sender thread does a buffer, the probe's code as it is (its table applied only at watermarks).
+    reader = _reader()
+    link = _TakesAll()
+    t7 = time.perf_counter()
+    for raw, valid in bufs:
+        reader.read(ctypes.addressof(raw), valid, forward_to=link, forwardable=FORWARDABLE,  # type: ignore[arg-type]
+                    tee=None, in_gap=False)
+    t8 = time.perf_counter()
     us = 1e6 / n
     return {"walk": (t1 - t0) * us, "pack": (t2 - t1) * us, "table": (t3 - t2) * us, "encode": (t4 - t3) * us,
-            "total": (t4 - t0) * us, "forwarded_total": (t6 - t5) * us}
+            "total": (t4 - t0) * us, "forwarded_total": (t6 - t5) * us, "reader": (t8 - t7) * us}
+
+
+class _TakesAll:
+    def put_parts(self, parts: object, records: int = 0) -> bool:
+        return True
+
+
+def _reader() -> RawBufferReader:
+    from collections import Counter
+    from types import SimpleNamespace
+
+    cupti = SimpleNamespace(raw=SimpleNamespace(give_back=lambda address: None), um_wanted=False, backend=None)
+    return RawBufferReader(pid=1, verify_walk=False, packer=Packer(1, lambda chunk: None, capacity=4096, bulk=True),
+                           table=LiveTable(), oom=OomWatch(time.time_ns), cupti=cupti,  # type: ignore[arg-type]
+                           resyncs=ResyncSchedule(), counters=Counter(), dropped_by_reason=Counter(),
+                           clock_ns=time.time_ns, walker=WALKER)
 
 
 def main() -> int:

@@ -65,7 +65,7 @@ def load() -> tuple[Any | None, str]:
     lib.gfp_queues.argtypes = [ctypes.c_void_p, u64p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
     lib.gfp_walk.restype = ctypes.c_int64
     lib.gfp_walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_int64]
+                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib, ""
 
 
@@ -91,24 +91,29 @@ class Walker:
             raise OSError(why)
         self._walk = lib.gfp_walk
         self._offsets = np.zeros(0, np.uint32)
-        self._kinds = np.zeros(0, np.int32)
+        self._scratch = np.zeros(0, np.int32)
+        self._counts = np.zeros(len(_WALK_SIZES), np.int64)
 
     def __call__(self, address: int, valid: int) -> dict[int, Sequence[int]] | None:
         most = valid // _SMALLEST + 1
         if len(self._offsets) < most:
             self._offsets = np.empty(most, np.uint32)
-            self._kinds = np.empty(most, np.int32)
+            self._scratch = np.empty(most, np.int32)
         n = int(self._walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
-                           self._kinds.ctypes.data, most))
+                           self._scratch.ctypes.data, most, self._counts.ctypes.data))
         if n < 0:
             return None
-        offsets, kinds = self._offsets[:n], self._kinds[:n]
-        first = int(kinds[0]) if n else 0
-        # np.intp arrays where the Python walk gives Runs: every reader of a walk (gather, len, iteration,
-        # the OOM watch, the launch rows) takes either
-        if n and bool((kinds == first).all()):
-            return {first: cast(Sequence[int], offsets.astype(np.intp))}
-        return {int(k): cast(Sequence[int], offsets[kinds == k].astype(np.intp)) for k in np.unique(kinds)}
+        # Each kind's offsets, in buffer order, as np.intp arrays (copies: the walker's arrays are reused)
+        # where the Python walk gives Runs: every reader of a walk (gather, len, iteration, the OOM watch,
+        # the launch rows) takes either.
+        grouped = self._offsets[:n].astype(np.intp)
+        out: dict[int, Sequence[int]] = {}
+        at = 0
+        for kind in np.flatnonzero(self._counts).tolist():
+            count = int(self._counts[kind])
+            out[kind] = cast(Sequence[int], grouped[at:at + count])
+            at += count
+        return out
 
 
 class NativeDelivery:

@@ -30,6 +30,7 @@
 #define GFP_ABI 1
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
+#define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
 
 typedef struct {
     uint64_t address;
@@ -254,24 +255,41 @@ int gfp_queues(gfp_pool *p, uint64_t *ctx, uint32_t *stream, int most) {
     return n;
 }
 
-/* Each record's offset and kind in buf[0:valid], in order, for the sender's read of a buffer (the same
- * answer as wire/cupti_layout.walk, in one pass: a buffer whose kinds are mixed unevenly, as allocation
- * calls' API records mix with MEMORY2 records when PyTorch's cache is off, costs Python a loop step a
- * record). sizes[k]: the struct size of kind k (< nsizes), 0 for a kind not known. Returns the number of
- * records, or -1 when the buffer cannot be walked exactly (a kind not known, a record past `valid`, more
- * than `most` records). */
+/* Each kind's record offsets in buf[0:valid], for the sender's read of a buffer (the same answer as
+ * wire/cupti_layout.walk, in one pass: a buffer whose kinds are mixed unevenly, as allocation calls' API
+ * records mix with MEMORY2 records when PyTorch's cache is off, costs Python a loop step a record).
+ * sizes[k]: the struct size of kind k (< nsizes), 0 for a kind not known. On return counts[k] holds how
+ * many records of kind k there are, and offsets[] holds every record's offset grouped by kind (kind 0's
+ * first, then kind 1's...), each group in buffer order; `scratch` needs room for `most` kinds. Returns the
+ * number of records, or -1 when the buffer cannot be walked exactly (a kind not known, a record past
+ * `valid`, more than `most` records). */
 int64_t gfp_walk(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int32_t nsizes, uint32_t *offsets,
-                 int32_t *kinds, int64_t most) {
+                 int32_t *scratch, int64_t most, int64_t *counts) {
     uint64_t off = 0;
     int64_t n = 0;
+    if (nsizes < 1 || nsizes > GFP_MAX_KINDS) return -1;
+    for (int32_t k = 0; k < nsizes; k++) counts[k] = 0;
     while (off < valid) {
         int32_t kind;
         if (off + sizeof(kind) > valid || n >= most) return -1;
         memcpy(&kind, buf + off, sizeof(kind));
         if (kind < 0 || kind >= nsizes || sizes[kind] == 0 || off + sizes[kind] > valid) return -1;
-        offsets[n] = (uint32_t)off;
-        kinds[n] = kind;
+        scratch[n] = kind;
+        counts[kind]++;
         n++;
+        off += sizes[kind];
+    }
+    /* second pass: each record's offset into its kind's group (a counting sort; stable) */
+    int64_t start[GFP_MAX_KINDS];
+    int64_t at = 0;
+    for (int32_t k = 0; k < nsizes; k++) {
+        start[k] = at;
+        at += counts[k];
+    }
+    off = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t kind = scratch[i];
+        offsets[start[kind]++] = (uint32_t)off;
         off += sizes[kind];
     }
     return n;
