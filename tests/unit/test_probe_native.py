@@ -423,3 +423,26 @@ def test_the_api_records_return_values_read_in_place_are_the_gathered_ones() -> 
     got = cupti_layout.api_returns(buf, offsets[::3])
     assert list(got) == list(cupti_layout.gather(buf, cupti_layout.RUNTIME, offsets[::3])["ret"])
     assert list(cupti_layout.api_returns(buf, cupti_layout.Runs([range(8, 8 + 50 * size, size)]))) == list(rows["ret"])
+
+
+def test_a_pool_made_for_a_registration_that_failed_is_retired_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raw delivery given up at start (CUPTI refused the callbacks): the pool made for it is no longer the
+    probe's delivery, and at stop its eventfd is still retired before it closes."""
+    cupti = fk.FakeRawCupti()
+    made: list[NativeDelivery] = []
+    monkeypatch.setattr(cupti, "register_raw", lambda delivery: made.append(delivery) or False)
+    probe = Probe(ProbeSettings(socket="", flush_ms=10), cupti, discover_devices=False)
+    assert probe.start()
+    assert probe.sender.raw is None and len(made) == 1  # cupti-python's objects from then on
+    pool, old_fd = made[0], probe.sender._wake.fd
+    buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+    pool._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+    r, w = os.pipe()
+    probe.stop()
+    os.dup2(w, old_fd)
+    try:
+        pool._cmp(None, 0, buf.value, size.value, 16)
+        assert select.select([r], [], [], 0.05)[0] == []
+    finally:
+        for fd in (r, w, old_fd):
+            os.close(fd)

@@ -30,6 +30,7 @@ class CuptiArming:
         self.settings = settings
         self.counters = counters
         self._wakeup = wakeup  # the sender's: the C callbacks write to its fd
+        self._native: NativeDelivery | None = None  # the C callbacks' pool, once made
         self.backend: Backend | None = None  # set by Probe.start (CUPTI is loaded there, not before)
         self._on_raw_buffer = on_raw_buffer
         # Raw delivery (settings.delivery == "raw" and the backend can register it):
@@ -135,6 +136,7 @@ class CuptiArming:
                     native = NativeDelivery(s.cupti_buffer_bytes, s.raw_buffers, wake_fd)
                     assert self._wakeup is not None
                     self._wakeup.pinned = True  # C writes to its fd until retire_wakeup
+                    self._native = native  # retired at the end even if raw delivery is given up meanwhile
                     return native
                 except (OSError, MemoryError) as exc:
                     why = str(exc)
@@ -145,8 +147,8 @@ class CuptiArming:
 
     def retire_wakeup(self) -> None:
         """The sender has ended: the C callbacks stop writing to its wake-up, which then closes."""
-        if self.raw is not None:
-            self.raw.retire()
+        if self._native is not None:
+            self._native.retire()
         if self._wakeup is not None:
             self._wakeup.close()
 
