@@ -446,3 +446,20 @@ def test_a_pool_made_for_a_registration_that_failed_is_retired_too(monkeypatch: 
     finally:
         for fd in (r, w, old_fd):
             os.close(fd)
+
+
+def test_a_library_of_another_build_is_refused_with_its_reason(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale library beside newer Python (an editable tree not rebuilt) would be called with the wrong
+    signatures: its ABI number is checked first, and the probe falls back to the ctypes callbacks."""
+    src = tmp_path / "old.c"
+    src.write_text("int gfp_abi(void) { return 1; }\n")
+    lib = tmp_path / "libgfp-cuptibuf.so"
+    subprocess.run([_compiler(), "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    monkeypatch.setattr(nativecallbacks, "LIBRARY", lib)
+    nativecallbacks.load.cache_clear()
+    try:
+        got, why = nativecallbacks.load()
+        assert got is None and why == f"libgfp-cuptibuf.so: ABI 1, this probe needs {nativecallbacks._ABI}"
+    finally:
+        nativecallbacks.load.cache_clear()

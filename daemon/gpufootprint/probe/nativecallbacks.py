@@ -31,7 +31,7 @@ from gpufootprint.wire import cupti_layout
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 1
+_ABI = 2  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)

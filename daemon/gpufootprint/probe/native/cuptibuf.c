@@ -27,7 +27,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define GFP_ABI 1
+#define GFP_ABI 2 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
