@@ -90,8 +90,9 @@ class RawBufferReader:
     def _walk(self, buf: memoryview, address: int, valid: int) -> Mapping[int, Sequence[int]] | None:
         """Each kind's record offsets: our walk (in C where the library loaded, for a buffer of more than one
         kind), CUPTI's where ours cannot (or to check ours)."""
-        offsets: Mapping[int, Sequence[int]] | None = None
-        if self.walker is not None and cupti_layout.uniform_kind(buf, valid) is None:
+        # A buffer of one kind is one look and a view of its bytes whichever walk; looked at once here.
+        offsets: Mapping[int, Sequence[int]] | None = cupti_layout.uniform_runs(buf, valid)
+        if offsets is None and self.walker is not None:
             offsets = self.walker(address, valid)
             self.counters["native_walks"] += offsets is not None
         if offsets is None:
