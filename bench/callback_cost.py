@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,21 +24,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "daemon"))
+sys.path[:0] = [str(ROOT / "daemon"), str(ROOT)]
 
 from gpufootprint.probe.nativecallbacks import NativeDelivery
 from gpufootprint.probe.rawcallbacks import RawDelivery
 from gpufootprint.probe.wakeup import Wakeup
 
+from tests.native import shim as native_shim
+
 
 def build_shim() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise SystemExit("no C compiler for the test shim")
-    out = Path(tempfile.mkdtemp()) / "libcupti_threads.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out),
-                    str(ROOT / "tests" / "native" / "cupti_threads.c")], check=True)
-    lib = ctypes.CDLL(str(out))
+    try:
+        path = native_shim.build(Path(tempfile.mkdtemp()))
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
+    lib = ctypes.CDLL(str(path))
     lib.run_threads.restype = ctypes.c_int
     return lib
 

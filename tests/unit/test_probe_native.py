@@ -12,7 +12,6 @@ import ctypes
 import os
 import random
 import select
-import shutil
 import subprocess
 import sys
 import threading
@@ -30,23 +29,21 @@ from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.wire import cupti_layout
 
 from tests import probe_fakes as fk
+from tests.native import shim as native_shim
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM_SOURCE = ROOT / "tests" / "native" / "cupti_threads.c"
 
 
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = native_shim.compiler()
     assert cc, "no C compiler: README's install builds the probe's C callbacks with one, and these tests need it"
     return cc
 
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shim") / "libcupti_threads.so"
-    subprocess.run([_compiler(), "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(SHIM_SOURCE)],
-                   check=True, capture_output=True)
-    return out
+    _compiler()
+    return native_shim.build(tmp_path_factory.mktemp("shim"))
 
 
 def _eventfd_count(fd: int) -> int:
