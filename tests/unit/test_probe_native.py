@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -177,18 +178,23 @@ def test_c_callbacks_run_on_threads_that_never_get_the_gil_and_python_ones_wait_
     assert _in_child(_HOLDS_GIL, "python", str(shim), str(ROOT / "daemon"), timeout=5) is None
 
 
-def test_a_probe_runs_on_the_c_callbacks_by_default_and_says_so() -> None:
-    cupti = fk.FakeRawCupti()
-    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20), cupti, discover_devices=False)
+def _allocations_through(cupti: fk.FakeRawCupti, n: int, **settings: Any) -> tuple[Probe, dict[str, Any]]:
+    """A probe on ``cupti`` that sees ``n`` allocations and a mark; it and its status, stopped."""
+    probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20, **settings), cupti, discover_devices=False)
     assert probe.start()
     try:
         t = time.time_ns()
-        for i in range(2000):
+        for i in range(n):
             cupti.emit(fk.memory_record(1, 0x1000 + i * 0x100, 256, ts=t + i))
         probe.mark("end")
-        status = probe.status()
+        return probe, probe.status()
     finally:
         probe.stop()
+
+
+def test_a_probe_runs_on_the_c_callbacks_by_default_and_says_so() -> None:
+    cupti = fk.FakeRawCupti()
+    probe, status = _allocations_through(cupti, 2000)
     assert isinstance(cupti.delivery, NativeDelivery)
     assert status["callbacks"] == "c" and status["native_callbacks"] == 1
     assert status["raw_records"] == 2000 and status["raw_callback_errors"] == 0
@@ -201,16 +207,7 @@ def test_without_the_library_the_probe_warns_once_and_runs_on_the_ctypes_callbac
     nativecallbacks.load.cache_clear()
     try:
         cupti = fk.FakeRawCupti()
-        probe = Probe(ProbeSettings(socket="", flush_ms=10, heartbeat_ms=20), cupti, discover_devices=False)
-        assert probe.start()
-        try:
-            t = time.time_ns()
-            for i in range(500):
-                cupti.emit(fk.memory_record(1, 0x1000 + i * 0x100, 256, ts=t + i))
-            probe.mark("end")
-            status = probe.status()
-        finally:
-            probe.stop()
+        _, status = _allocations_through(cupti, 500)
     finally:
         nativecallbacks.load.cache_clear()
     assert type(cupti.delivery) is RawDelivery
