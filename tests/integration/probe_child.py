@@ -16,6 +16,9 @@ test can stop and restart the daemon at known points.
                                      waits STEP_MS for the GPU, per step)
          reuse_inverted:N (two threads: one reuses N addresses of 64 KiB the other frees, each old
                            release stamped up to 0.5 ms after the reuse; 4 KiB each before)
+         stream:SECONDS:MB_PER_S[:SPINNERS] (whole 64 KiB buffers of allocations and their frees handed over ten times a
+                                  second, as CUPTI's own thread does under churn: MB_PER_S of them; ends freed;
+                                  SPINNERS Python threads hold the GIL meanwhile, as a framework's do)
          apicall:CBID:RET (a driver call's API record)  faketorch (a stand-in torch module with
          CUDA initialised)  torchoom:SIZE (that module's OOM observer called, as PyTorch does)
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -110,6 +114,45 @@ def reuse_inverted(fake: probe_fakes.FakeCupti, n: int) -> None:
     t.join()
 
 
+def stream(fake: probe_fakes.FakeRawCupti, seconds: float, mb_per_s: float) -> None:
+    """CUPTI's period thread under heavy churn (the H100's four PyTorch threads under cudaMallocAsync wrote
+    about 14 MB of MEMORY2 structs a second): every 100 ms a burst of full buffers, completed one after the
+    other by a C thread that never takes the GIL (tests/native/cupti_threads.c, built by the test and named
+    in STREAM_SHIM), as CUPTI's is. Each buffer holds allocations and their frees, so every record counts
+    and the footprint ends where it began."""
+    import ctypes
+
+    import numpy as np
+
+    dt = probe_fakes._struct_dtype(probe_fakes.MEMORY2)
+    per_buffer = (64 << 10) // dt.itemsize // 2 * 2
+    rows = np.zeros(per_buffer, dtype=dt)
+    rows["kind"] = probe_fakes.MEMORY2
+    rows["memory_operation_type"] = np.tile([1, 2], per_buffer // 2)  # allocation, release
+    rows["memory_kind"] = 3  # device
+    rows["bytes"] = 4096
+    rows["device_id"], rows["context_id"], rows["stream_id"] = 0, 1, 7
+    rows["address"] = 0x2_0000_0000 + np.repeat(np.arange(per_buffer // 2), 2) * 4096
+    rows["correlation_id"] = 10_000 + np.arange(per_buffer)
+    template = rows.tobytes()
+    per_burst = max(1, round(mb_per_s * (1 << 20) / 10 / len(template)))
+    bursts = max(1, round(seconds * 10))
+    lib = ctypes.CDLL(os.environ["STREAM_SHIM"])  # CDLL: the call lets the GIL go, like CUPTI's own thread
+    refused = lib.stream_bursts(fake.delivery._req, fake.delivery._cmp, template,
+                                ctypes.c_size_t(len(template)), ctypes.c_size_t(dt.itemsize),
+                                ctypes.c_size_t(dt.fields["timestamp"][1]), per_burst, bursts, 100_000)
+    fake.buffers_delivered += per_burst * bursts - refused
+    fake.refused_records += refused * per_buffer
+
+
+def _spin(seconds: float) -> None:
+    """A Python thread that holds the GIL whenever it runs, as a framework's threads do between calls."""
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += sum(range(200))
+
+
 def main() -> int:
     sync, steps = sys.argv[1], sys.argv[2:]
     # The raw delivery (CUPTI's buffers as bytes) is the probe's default; FAKE_DELIVERY=objects
@@ -147,6 +190,14 @@ def main() -> int:
             reuse_inverted(fake, int(arg))
         elif op == "churn":
             churn(fake, float(arg))
+        elif op == "stream":
+            secs, rate, *spinners = arg.split(":")
+            spin = [threading.Thread(target=_spin, args=(float(secs),)) for _ in range(int(spinners[0]) if spinners else 0)]
+            for th in spin:
+                th.start()
+            stream(fake, float(secs), float(rate))
+            for th in spin:
+                th.join()
         elif op == "launch_loop":
             end = time.monotonic() + float(arg)
             while time.monotonic() < end:
@@ -213,7 +264,8 @@ def main() -> int:
         cur.stop(timeout=60)
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
-                      "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes")
+                      "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes",
+                                                             "buffers_delivered", "refused_records")
                                if hasattr(fake, k)}}), flush=True)
     return 0
 

@@ -7,6 +7,7 @@
  * call_under_loader_lock: calls `req` once from inside dl_iterate_phdr's callback, i.e. holding glibc's
  * loader lock (standing in for a framework's allocator mutex), after a pause in which another thread
  * may come to wait for that lock.
+ * stream_bursts: CUPTI's period thread under churn (below).
  */
 #define _GNU_SOURCE
 #include <link.h>
@@ -14,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef void (*req_fn)(uint8_t **, size_t *, size_t *);
@@ -85,4 +87,43 @@ int call_under_loader_lock(req_fn req, int pause_ms) {
     struct under_lock u = {req, pause_ms, 0};
     dl_iterate_phdr(visit, &u);
     return u.called;
+}
+
+/* stream_bursts: CUPTI's period thread under churn, in C (no GIL): `bursts` times, every `burst_us`, ask
+ * for `per_burst` buffers, fill each with `template` (whole records of `record_size` bytes), stamp record i
+ * of the burst's buffer with CLOCK_REALTIME's now + i at `ts_offset` (so that every buffer's records come
+ * after the one before's), and complete it. Returns the buffers refused (none to be had). */
+
+int stream_bursts(req_fn req, cmp_fn cmp, const uint8_t *template, size_t template_len, size_t record_size,
+                  size_t ts_offset, int per_burst, int bursts, int burst_us) {
+    int refused = 0;
+    struct timespec next;
+    clock_gettime(CLOCK_MONOTONIC, &next);
+    for (int b = 0; b < bursts; b++) {
+        for (int k = 0; k < per_burst; k++) {
+            uint8_t *buf = NULL;
+            size_t size = 0, most = 0;
+            req(&buf, &size, &most);
+            if (!buf || size < template_len) {
+                refused++;
+                continue;
+            }
+            memcpy(buf, template, template_len);
+            struct timespec now;
+            clock_gettime(CLOCK_REALTIME, &now);
+            uint64_t t = (uint64_t)now.tv_sec * 1000000000ull + (uint64_t)now.tv_nsec;
+            for (size_t off = 0, i = 0; off + record_size <= template_len; off += record_size, i++) {
+                uint64_t ts = t + i;
+                memcpy(buf + off + ts_offset, &ts, sizeof(ts));
+            }
+            cmp(NULL, 0, buf, size, template_len);
+        }
+        next.tv_nsec += (long)burst_us * 1000;
+        while (next.tv_nsec >= 1000000000L) {
+            next.tv_nsec -= 1000000000L;
+            next.tv_sec++;
+        }
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &next, NULL);
+    }
+    return refused;
 }
