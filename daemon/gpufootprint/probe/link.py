@@ -13,7 +13,9 @@ from __future__ import annotations
 import errno
 import gzip
 import logging
+import math
 import random
+import select
 import socket
 import time
 from collections import Counter, deque
@@ -150,23 +152,39 @@ class SocketLink:
         while ledger and ledger[0][0] <= self._sent_total:
             ledger.popleft()
 
-    def pump(self) -> None:
-        """Send what the socket takes now and read control frames; never blocks."""
+    def pump(self, wait_s: float = 0.0) -> None:
+        """Send what the socket takes and read control frames. ``wait_s`` > 0: while frames remain, wait
+        up to that long in all for the socket to take more (the sender's thread, the GIL let go meanwhile).
+
+        The kernel holds about 200 KiB of a Unix socket's data: a sender that sent only that much a wake
+        moved about 5 MB a second behind busy Python threads, each wake costing it a wait for the GIL, and
+        a churning process's CUPTI fills 14 MB a second (the H100's four PyTorch threads under
+        cudaMallocAsync): the rest piled up to the send buffer's bound and was dropped, with a daemon idle."""
         sock = self._sock
         if sock is None:
             return
+        end = time.monotonic() + wait_s if wait_s > 0 else 0.0
+        poller: select.poll | None = None
         try:
             while self._out:
-                # through a view: slicing the bytearray would copy up to 1 MiB before each send
-                with memoryview(self._out) as view, view[:1 << 20] as chunk:
-                    n = sock.send(chunk)
+                try:
+                    # through a view: slicing the bytearray would copy up to 1 MiB before each send
+                    with memoryview(self._out) as view, view[:1 << 20] as chunk:
+                        n = sock.send(chunk)
+                except BlockingIOError:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    if poller is None:
+                        poller = select.poll()
+                        poller.register(sock, select.POLLOUT)
+                    poller.poll(max(1, math.ceil(left * 1000)))  # poll's unit is the millisecond
+                    continue
                 if n <= 0:
                     break
                 del self._out[:n]
                 self.bytes_sent += n
                 self._sent(n)
-        except BlockingIOError:
-            pass
         except OSError as exc:
             self.close("send_error" if exc.errno not in (errno.EPIPE, errno.ECONNRESET) else "peer_closed")
             return

@@ -43,7 +43,13 @@ def load() -> tuple[Any | None, str]:
     if not LIBRARY.exists():
         return None, f"{LIBRARY.name} was not built with this install (no C compiler?)"
     try:
-        lib = ctypes.CDLL(str(LIBRARY))
+        # PyDLL: these calls keep the GIL. Each is short (a mutex that CUPTI's threads hold only for a few
+        # loads and stores, never waiting for the GIL; the walk of one buffer, about 100 us), and a call
+        # through CDLL lets the GIL go and must win it back: behind busy Python threads that is a switch
+        # interval (5 ms) a call, a buffer, which held the sender to about 200 buffers a second (on the
+        # H100, four PyTorch threads under cudaMallocAsync completed 220; records were dropped for a full
+        # send buffer). CUPTI calls the callbacks through their C pointers, not through this handle.
+        lib = ctypes.PyDLL(str(LIBRARY))
         if int(lib.gfp_abi()) != _ABI:
             return None, f"{LIBRARY.name}: ABI {int(lib.gfp_abi())}, this probe needs {_ABI}"
     except (OSError, AttributeError) as exc:

@@ -56,6 +56,10 @@ def _walker(settings: ProbeSettings) -> Walker | None:
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
 
+#: How long the sender waits, at most, at the end of a wake for the socket to take what it holds (probe/link.py
+#: ``pump``): a few times a burst of CUPTI's buffers; a mark, a stop or a new buffer waits no longer than this.
+PUMP_WAIT_S = 0.02
+
 
 class Sender:
     def __init__(self, settings: ProbeSettings, backend: Backend | None, pid: int, clock_ns: Callable[[], int],
@@ -217,7 +221,9 @@ class Sender:
                     self.counters["drop_resyncs"] += 1
                     self._resync("dropped")
                 if self.link is not None:
-                    self.link.pump()
+                    # What the socket does not take at once is waited for (a bounded wait, with the GIL let
+                    # go) rather than left for the next wake, which behind busy Python threads comes late.
+                    self.link.pump(0.0 if stopping else PUMP_WAIT_S)
                     self._count_lost()
             except Exception as exc:  # noqa: BLE001 - keep going; the workload must not notice
                 self.counters["sender_errors"] += 1
