@@ -16,10 +16,15 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
              for failed allocations, queue the structs for the table,
              frame the buffer as it is into a send buffer, apply the table at a watermark every
              57,000 records
-  reader     the probe's own reader (probe/rawreader.py) forwarding each buffer, as the sender does
+  reader     the probe's own reader (probe/rawreader.py) forwarding each buffer, as the sender does (without
+             a checksum, as to today's daemon; before 2026-12-06 18:15 UTC this stage computed one)
 
-Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K] [--calls]
+Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K] [--calls] [--spinners N]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
+``--spinners N`` runs N Python threads that hold the GIL whenever they run, as a framework's threads do
+between calls, while the stages run: every call of the sender's that lets the GIL go (numpy does past 500
+elements, as does every ctypes.CDLL call and socket call) then waits about a switch interval (5 ms) to win
+it back. It also prints the spinners' loop iterations a second (what the workload's threads got done).
 ``--api-every K`` adds a third layout: a 40-byte RUNTIME record (CUpti_ActivityAPI, a call no
 launch window or OOM watch reads) before every K-th MEMORY2 record, as a launch window's buffers
 mix them (K=1: MEMORY2 and RUNTIME records alternating).
@@ -204,10 +209,39 @@ def _reader() -> RawBufferReader:
     from types import SimpleNamespace
 
     cupti = SimpleNamespace(raw=SimpleNamespace(give_back=lambda address: None), um_wanted=False, backend=None)
-    return RawBufferReader(pid=1, verify_walk=False, packer=Packer(1, lambda chunk: None, capacity=4096, bulk=True),
+    reader = RawBufferReader(pid=1, verify_walk=False, packer=Packer(1, lambda chunk: None, capacity=4096, bulk=True),
                            table=LiveTable(), oom=OomWatch(time.time_ns), cupti=cupti,  # type: ignore[arg-type]
                            resyncs=ResyncSchedule(), counters=Counter(), dropped_by_reason=Counter(),
                            clock_ns=time.time_ns, walker=WALKER)
+    reader.checked = False  # as the probe sends to today's daemon (CUPTI_BUFFERS_UNCHECKED): no checksum
+    return reader
+
+
+class Spinners:
+    """Python threads that hold the GIL whenever they run; ``rate`` is their loop iterations a second."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self._stop = threading.Event()
+        self.iterations = 0
+        self._threads = [threading.Thread(target=self._spin, daemon=True) for _ in range(n)]
+        self._t0 = time.perf_counter()
+        for t in self._threads:
+            t.start()
+
+    def _spin(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            sum(range(200))
+        self.iterations += n
+
+    def stop(self) -> float:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        return self.iterations / (time.perf_counter() - self._t0)
 
 
 def main() -> int:
@@ -219,6 +253,8 @@ def main() -> int:
                     help="also time buffers with a RUNTIME record before every K-th MEMORY2 record")
     ap.add_argument("--calls", action="store_true",
                     help="also time buffers laid out as with PyTorch's caching off (allocation calls' API records)")
+    ap.add_argument("--spinners", type=int, default=0,
+                    help="Python threads holding the GIL while the stages run (a framework's threads)")
     args = ap.parse_args()
     print(f"{platform.node()} {platform.processor() or platform.machine()} cpus={os.cpu_count()} "
           f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round, "
@@ -231,9 +267,11 @@ def main() -> int:
     if args.calls:
         layouts.append(("caching off: calls' records", buffers(args.records, calls=True, size=args.buffer_bytes)))
     for name, bufs in layouts:
+        spin = Spinners(args.spinners) if args.spinners else None
         rows = [run(bufs, args.records) for _ in range(args.rounds)]
+        rate = f"  spinners {spin.stop():,.0f} iterations/s" if spin is not None else ""
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"{name:26s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + "  (us per record, median)")
+        print(f"{name:26s} " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()) + f"  (us per record, median){rate}")
     return 0
 
 
