@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from gpufootprint.probe.link import SocketLink
@@ -73,3 +75,58 @@ def test_a_cupti_buffer_without_a_checksum_is_read_only_where_the_stream_allows_
     checked[-1] ^= 0xFF
     decoder = FrameDecoder(unchecked=probe_socket)
     assert decoder.feed(PREAMBLE + bytes(checked)) == [] and "checksum mismatch" in str(decoder.error)
+
+
+def _connected(tmp: str, **kw: object) -> tuple[SocketLink, socket.socket, socket.socket]:
+    path = str(Path(tmp) / "d.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
+    assert link.try_connect()
+    peer, _ = server.accept()
+    return link, peer, server
+
+
+def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_than_its_bound() -> None:
+    """A wake's pump may wait for the socket (the GIL let go) instead of leaving to the next wake what the
+    kernel's buffer for the socket (about 200 KiB) did not take at once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        link, peer, server = _connected(tmp)
+        data = os.urandom(4 << 20)
+        assert link.put_parts(framing.cupti_buffer_parts(1, data), records=1)
+        # GIVEN no reader: the pump without a wait leaves most of it, and one that may wait 50 ms returns
+        # after about that long with the rest still held (bounded: no reader ever comes)
+        link.pump()
+        assert link.buffered > 2 << 20
+        t0 = time.monotonic()
+        link.pump(0.05)
+        assert 0.04 <= time.monotonic() - t0 < 1.0 and link.buffered > 2 << 20
+        # WHEN a reader takes it, 64 KiB at a time: one pump that may wait 5 s sends it all, and returns
+        # as soon as it has
+        got = bytearray()
+
+        def read() -> None:
+            peer.settimeout(5)
+            while len(got) < link._put_total:
+                chunk = peer.recv(1 << 16)
+                if not chunk:
+                    return
+                got.extend(chunk)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        t0 = time.monotonic()
+        link.pump(5.0)
+        took = time.monotonic() - t0
+        reader.join(10)
+        # THEN nothing is left, in well under the bound, and the reader has the frame whole
+        assert link.buffered == 0 and took < 4.0, (link.buffered, took)
+        frames = FrameDecoder().feed(bytes(got))
+        assert [bytes(framing.cupti_buffer(f)[1]) for f in frames if f.type is FrameType.CUPTI_BUFFER] == [data]
+        # AND a reader that goes away ends a waiting pump with the link closed, its frames counted lost
+        assert link.put_parts(framing.cupti_buffer_parts(2, data), records=7)
+        peer.close()
+        link.pump(2.0)
+        assert not link.connected and link.lost_records == 7
+        server.close()

@@ -163,7 +163,7 @@ class SocketLink:
         sock = self._sock
         if sock is None:
             return
-        end = time.monotonic() + wait_s if wait_s > 0 else 0.0
+        end = self._clock() + wait_s if wait_s > 0 else 0.0
         poller: select.poll | None = None
         try:
             while self._out:
@@ -172,7 +172,7 @@ class SocketLink:
                     with memoryview(self._out) as view, view[:1 << 20] as chunk:
                         n = sock.send(chunk)
                 except BlockingIOError:
-                    left = end - time.monotonic()
+                    left = end - self._clock()
                     if left <= 0:
                         break
                     if poller is None:
