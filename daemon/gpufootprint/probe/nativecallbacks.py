@@ -44,11 +44,11 @@ def load() -> tuple[Any | None, str]:
         return None, f"{LIBRARY.name} was not built with this install (no C compiler?)"
     try:
         # PyDLL: these calls keep the GIL. Each is short (a mutex that CUPTI's threads hold only for a few
-        # loads and stores, never waiting for the GIL; the walk of one buffer, about 100 us), and a call
-        # through CDLL lets the GIL go and must win it back: behind busy Python threads that is a switch
-        # interval (5 ms) a call, a buffer, which held the sender to about 200 buffers a second (on the
-        # H100, four PyTorch threads under cudaMallocAsync completed 220; records were dropped for a full
-        # send buffer). CUPTI calls the callbacks through their C pointers, not through this handle.
+        # loads and stores, never waiting for the GIL; the walk of a buffer up to WALK_KEEPS_GIL_BYTES, about
+        # 0.1 ms at the default 64 KiB), and a call through CDLL lets the GIL go and must win it back: behind
+        # busy Python threads up to a switch interval (5 ms) a call, several calls a buffer (on the H100, four
+        # PyTorch threads under cudaMallocAsync: records dropped for a full send buffer). CUPTI calls the
+        # callbacks through their C pointers, not through this handle.
         lib = ctypes.PyDLL(str(LIBRARY))
         if int(lib.gfp_abi()) != _ABI:
             return None, f"{LIBRARY.name}: ABI {int(lib.gfp_abi())}, this probe needs {_ABI}"
@@ -69,10 +69,22 @@ def load() -> tuple[Any | None, str]:
     lib.gfp_stats.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
     lib.gfp_queues.restype = ctypes.c_int
     lib.gfp_queues.argtypes = [ctypes.c_void_p, u64p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
-    lib.gfp_walk.restype = ctypes.c_int64
-    lib.gfp_walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    for walk in (lib.gfp_walk, _walk_letting_the_gil_go()):
+        walk.restype = ctypes.c_int64
+        walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     return lib, ""
+
+
+@cache
+def _walk_letting_the_gil_go() -> Any:
+    """``gfp_walk`` through a CDLL handle of the same library: for buffers past ``WALK_KEEPS_GIL_BYTES``, whose
+    walk (6.5 ms at 16 MiB, 75 ms at 256 MiB on the development VM) is longer than a switch interval."""
+    return ctypes.CDLL(str(LIBRARY)).gfp_walk
+
+
+#: The largest buffer walked holding the GIL (the default CUPTI buffer is 64 KiB, about 0.1 ms to walk).
+WALK_KEEPS_GIL_BYTES = 1 << 20
 
 
 def available() -> bool:
@@ -96,6 +108,7 @@ class Walker:
         if lib is None:
             raise OSError(why)
         self._walk = lib.gfp_walk
+        self._walk_long = _walk_letting_the_gil_go()
         self._offsets = np.zeros(0, np.uint32)
         self._scratch = np.zeros(0, np.int32)
         self._counts = np.zeros(len(_WALK_SIZES), np.int64)
@@ -105,7 +118,8 @@ class Walker:
         if len(self._offsets) < most:
             self._offsets = np.empty(most, np.uint32)
             self._scratch = np.empty(most, np.int32)
-        n = int(self._walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
+        walk = self._walk if valid <= WALK_KEEPS_GIL_BYTES else self._walk_long
+        n = int(walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
                            self._scratch.ctypes.data, most, self._counts.ctypes.data))
         if n < 0:
             return None
