@@ -16,6 +16,7 @@ test can stop and restart the daemon at known points.
                                      waits STEP_MS for the GPU, per step)
          reuse_inverted:N (two threads: one reuses N addresses of 64 KiB the other frees, each old
                            release stamped up to 0.5 ms after the reuse; 4 KiB each before)
+         forwarding (waits, up to 20 s, until the daemon has asked for CUPTI's buffers unread)
          stream:SECONDS:MB_PER_S[:SPINNERS] (whole 64 KiB buffers of allocations and their frees handed over ten times a
                                   second, as CUPTI's own thread does under churn: MB_PER_S of them; ends freed;
                                   SPINNERS Python threads hold the GIL meanwhile, as a framework's do)
@@ -142,7 +143,8 @@ def stream(fake: probe_fakes.FakeRawCupti, seconds: float, mb_per_s: float) -> N
                                 ctypes.c_size_t(len(template)), ctypes.c_size_t(dt.itemsize),
                                 ctypes.c_size_t(dt.fields["timestamp"][1]), per_burst, bursts, 100_000)
     fake.buffers_delivered += per_burst * bursts - refused
-    fake.refused_records += refused * per_buffer
+    fake.refused_records += refused * per_buffer  # CUPTI's count, which the probe reads (and resets)
+    fake.stream_refused_buffers = getattr(fake, "stream_refused_buffers", 0) + refused  # the test's own
 
 
 def _spin(seconds: float) -> None:
@@ -249,6 +251,10 @@ def main() -> int:
             end = time.monotonic() + 30
             while probe.status().get(key, 0) < int(n) and time.monotonic() < end:
                 time.sleep(0.01)
+        elif op == "forwarding":  # until the daemon has asked for CUPTI's buffers unread (at a watermark)
+            end = time.monotonic() + 20
+            while not probe.current().sender._forward and time.monotonic() < end:
+                time.sleep(0.01)
         elif op == "connected":
             end = time.monotonic() + 20
             before = probe.status()["resyncs"]
@@ -265,7 +271,8 @@ def main() -> int:
     print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes",
-                                                             "buffers_delivered", "refused_records")
+                                                             "buffers_delivered", "refused_records",
+                                                             "stream_refused_buffers")
                                if hasattr(fake, k)}}), flush=True)
     return 0
 

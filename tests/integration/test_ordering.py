@@ -136,15 +136,19 @@ def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_k
     sock = str(tmp_path / "p.sock")
     daemon = Daemon(sock)
     try:
-        p = child(sock, tmp_path, "sleep:0.3", "mark:start", "stream:3:10:2", "mark:end", STREAM_SHIM=str(compiled))
+        # forwarding first: before the daemon's first control the probe reads buffers itself, a path that
+        # still lets the GIL go (docs/known-issues.md)
+        p = child(sock, tmp_path, "sleep:0.3", "forwarding", "mark:start", "stream:3:10:2", "mark:end",
+                  STREAM_SHIM=str(compiled))
         res = finish(p)
         end = daemon.wait_mark("end")
     finally:
         daemon.stop()
     status = res["status"]
     assert status["native_callbacks"] == 1, status
-    assert res["fake"]["buffers_delivered"] == 480, res["fake"]  # 16 buffers of 64 KiB, 30 times
-    assert status["raw_buffers"] == 480 and status["forwarded_buffers"] > 0, status  # each read, most forwarded
+    # 16 buffers of 64 KiB, 30 times, none refused by the probe's pool
+    assert res["fake"]["buffers_delivered"] == 480 and res["fake"]["stream_refused_buffers"] == 0, res["fake"]
+    assert status["raw_buffers"] == 480 and status["forwarded_buffers"] == 480, status
     assert status["records_dropped"] == 0 and status["drop_resyncs"] == 0, status
     pipeline = daemon.pipeline
     assert dict(pipeline.errors.counts) == {} and pipeline.late_records == 0
