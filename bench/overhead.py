@@ -915,6 +915,10 @@ def main() -> int:
         if cpu_row:
             print(" " * 21, "CPU ms in steps by thread", cpu_row)
     print(verdict_table(summary["pooled"]))
+    done = summary["rounds"]
+    # A run cut by --max-seconds is easy to take for the verdict it was meant to be (issue 27 asks for 60)
+    print(f"rounds: {done} of {args.rounds} asked" + ("" if done == args.rounds else
+                                                      f" (stopped by --max-seconds {args.max_seconds:g})"))
     return 0
 
 
