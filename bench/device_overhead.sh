@@ -15,6 +15,10 @@
 # PYSPY_SECONDS=N (env) also samples a probe and a floor worker with py-spy during the run (below).
 # GPUFOOTPRINT_BENCH_THREAD_CPU=1 (env) has every worker report each thread's CPU time inside its timed steps.
 #
+# Time on an H100 host (2026-12-06, 4 workers a group, 14 workers): a round of 12/80 steps takes 4.9-5.1 s
+# (caching, cudaMallocAsync), of 6/40 steps with caching off about 6.0 s, plus about 20 s to start and 20 s
+# to end: 60 rounds need MAX_SECONDS of about 330 (caching, async) to 380 (caching off), so one verdict a
+# call (600 s at most). Runs 44-46 were given 225-275 s and stopped at 43-49 rounds: not verdicts.
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
