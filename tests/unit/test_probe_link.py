@@ -22,15 +22,21 @@ def test_a_cupti_buffer_given_in_parts_is_the_same_frame_as_encoded_whole() -> N
     assert frame.type is FrameType.CUPTI_BUFFER and framing.cupti_buffer(frame) == (4242, memoryview(data))
 
 
+def _connected(tmp: str) -> tuple[SocketLink, socket.socket, socket.socket]:
+    """A link connected to a listening socket in ``tmp``: (link, the accepted peer, the listening socket)."""
+    path = str(Path(tmp) / "d.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
+    assert link.try_connect()
+    peer, _ = server.accept()
+    return link, peer, server
+
+
 def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "d.sock")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(path)
-        server.listen(1)
-        link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
-        assert link.try_connect()
-        peer, _ = server.accept()
+        link, peer, server = _connected(tmp)
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the socket takes a little at a time
         buffers = [os.urandom(n) for n in (128, 65_536, 1, 300_000, 4096) * 8]
         for i, data in enumerate(buffers):
@@ -75,17 +81,6 @@ def test_a_cupti_buffer_without_a_checksum_is_read_only_where_the_stream_allows_
     checked[-1] ^= 0xFF
     decoder = FrameDecoder(unchecked=probe_socket)
     assert decoder.feed(PREAMBLE + bytes(checked)) == [] and "checksum mismatch" in str(decoder.error)
-
-
-def _connected(tmp: str, **kw: object) -> tuple[SocketLink, socket.socket, socket.socket]:
-    path = str(Path(tmp) / "d.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
-    assert link.try_connect()
-    peer, _ = server.accept()
-    return link, peer, server
 
 
 def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_than_its_bound() -> None:
