@@ -16,7 +16,7 @@ test can stop and restart the daemon at known points.
                                      waits STEP_MS for the GPU, per step)
          reuse_inverted:N (two threads: one reuses N addresses of 64 KiB the other frees, each old
                            release stamped up to 0.5 ms after the reuse; 4 KiB each before)
-         forwarding (waits, up to 20 s, until the daemon has asked for CUPTI's buffers unread)
+         forwarding (waits, up to 20 s, until the daemon has asked for CUPTI's buffers unread; the wait in "waited")
          stream:SECONDS:MB_PER_S[:SPINNERS] (whole 64 KiB buffers of allocations and their frees handed over ten times a
                                   second, as CUPTI's own thread does under churn: MB_PER_S of them; ends freed;
                                   SPINNERS Python threads hold the GIL meanwhile, as a framework's do)
@@ -170,6 +170,7 @@ def main() -> int:
         print(json.dumps({"error": probe.current().errors if probe.current() else None}), flush=True)
         return 3
     workload_s = 0.0
+    waited: dict[str, float] = {}  # seconds each waiting step waited (forwarding)
     for step in steps:
         op, _, arg = step.partition(":")
         t = time.perf_counter()
@@ -255,6 +256,7 @@ def main() -> int:
             end = time.monotonic() + 20
             while not probe.current().sender._forward and time.monotonic() < end:
                 time.sleep(0.01)
+            waited[op] = time.perf_counter() - t
         elif op == "connected":
             end = time.monotonic() + 20
             before = probe.status()["resyncs"]
@@ -268,7 +270,7 @@ def main() -> int:
     cur = probe.current()
     if cur is not None:
         cur.stop(timeout=60)
-    print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s,
+    print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s, "waited": waited,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes",
                                                              "buffers_delivered", "refused_records",

@@ -153,3 +153,23 @@ def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_k
     pipeline = daemon.pipeline
     assert dict(pipeline.errors.counts) == {} and pipeline.late_records == 0
     assert end["matches"] and end["live_bytes"].get("device", 0) == 0, end
+
+
+def test_a_probe_that_says_it_reads_forwarded_buffers_is_asked_for_them_at_its_hello(tmp_path: Path) -> None:
+    """Until the daemon asks for CUPTI's buffers unread the probe reads them itself, a path whose numpy lets
+    the GIL go and so, behind busy Python threads, falls behind and drops records. A daemon that asked only
+    at the probe's first watermark left that open for a watermark period or more after each connect (2.6-5.1 s
+    measured with the default 1 s); here watermarks come every 20 s, so only an ask at the HELLO passes."""
+    sock = str(tmp_path / "p.sock")
+    daemon = Daemon(sock)
+    try:
+        p = child(sock, tmp_path, "forwarding", "burst:200", "mark:end", GPUFOOTPRINT_PROBE_WATERMARK_MS="20000")
+        res = finish(p)
+        end = daemon.wait_mark("end")
+    finally:
+        daemon.stop()
+    status = res["status"]
+    assert res["waited"]["forwarding"] < 5.0, res["waited"]
+    assert status["forwarded_buffers"] > 0 and status["records_dropped"] == 0, status
+    assert dict(daemon.pipeline.errors.counts) == {} and daemon.pipeline.late_records == 0
+    assert end["matches"], end

@@ -53,6 +53,7 @@ class Connection:
     # The forwarded-buffer level the probe said it reads in its HELLO (1 when it says nothing: a
     # probe from before RUNTIME records forwards only at exactly 1).
     cupti_buffers: int = 1
+    names_cupti_buffers: bool = False  # its HELLO named a level: it is asked for its buffers at once
     # The probe opens launch windows (HELLO ``launch_windows``); an older one would read such a request
     # as a window of kernel records, whose lasting cost launch windows exist to avoid.
     launch_windows: bool = False
@@ -86,7 +87,9 @@ def order_violation(conn: Connection, frame: Frame) -> str | None:
             return "frame_before_hello"
         conn.hello = True
         body = _hello_body(frame)
-        conn.cupti_buffers = max(1, cupti_buffers_level(body))  # a probe that names none reads level 1
+        named = cupti_buffers_level(body)
+        conn.names_cupti_buffers = named > 0
+        conn.cupti_buffers = max(1, named)  # a probe that names none reads level 1
         said = body.get("launch_windows")
         conn.launch_windows = isinstance(said, int) and not isinstance(said, bool) and said == 1
         return None
@@ -127,11 +130,17 @@ def verify_request(conn: Connection) -> dict[str, object]:
 
 
 def wants_verify(conn: Connection, frame: Frame) -> bool:
-    """True once per connection, at its first WATERMARK: a probe that sends watermarks is asked for
-    its table's totals with each of them, and told that this daemon reads CUPTI buffers itself
-    (CUPTI_BUFFER frames). A probe that does not know the op counts it and goes on; an older daemon
-    never asks, so never meets either frame."""
-    if frame.type is FrameType.WATERMARK and not conn.verify_asked:
+    """True once per connection: a probe that sends watermarks is asked for its table's totals with each
+    of them, and told that this daemon reads CUPTI buffers itself (CUPTI_BUFFER frames).
+
+    A probe whose HELLO names the level of buffers it forwards is asked at that HELLO: until it is asked it
+    reads CUPTI's buffers itself, which behind busy Python threads falls behind (numpy lets the GIL go)
+    and, asked only at its first watermark, it did so for a watermark period or more after each connect.
+    Any other probe is asked at its first WATERMARK, as before: one that does not know the op counts it
+    and goes on; an older daemon never asks, so never meets either frame."""
+    if conn.verify_asked:
+        return False
+    if frame.type is FrameType.WATERMARK or (frame.type is FrameType.HELLO and conn.names_cupti_buffers):
         conn.verify_asked = True
         return True
     return False

@@ -372,9 +372,11 @@ class IngestServer:
             data = conn.sock.recv(RECV_BYTES)
         except BlockingIOError:
             return
+        except ConnectionResetError:
+            # A peer that exits with our CONTROL frames unread resets the socket rather than ending it;
+            # the kernel hands over all it sent first, so this is its end of stream like any other.
+            data = b""
         except OSError as exc:
-            # A peer that exits with our CONTROL frames unread resets the socket: after its
-            # GOODBYE that is still a clean end.
             self._close(conn, "goodbye" if conn.goodbye else "socket_error")
             if not conn.goodbye:
                 log.info("probe pid=%d socket error: %s", conn.pid, exc)
