@@ -382,3 +382,24 @@ def test_a_probe_that_exits_after_goodbye_with_control_frames_unread_ends_cleanl
     s.close()  # unread data: the daemon's recv sees a reset, not an EOF
     srv.wait(lambda: srv.server.disconnects["goodbye"] == 1)
     assert srv.server.disconnects["socket_error"] == 0
+
+
+def test_a_probe_asked_at_its_hello_that_dies_mid_frame_with_the_ask_unread_is_a_truncated_frame(live) -> None:
+    """A probe whose HELLO names its buffer level gets the daemon's verify CONTROL at once; one killed
+    before it read it leaves data unread, and the kernel resets the socket instead of ending it. Its end
+    is still what it sent: cut inside a frame, or ended between frames without a GOODBYE."""
+    srv, _good = live()
+    pid = os.getpid()
+    cut = _connect(srv.server.socket_path)
+    cut.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": 2, "cupti_buffers": 3}))
+    srv.wait(lambda: any(c.verify_asked for c in list(srv.server._conns.values())))
+    frame = _batch(pid)
+    cut.sendall(frame[:len(frame) // 2])
+    cut.close()  # the verify CONTROL unread: a reset
+    srv.wait(lambda: srv.server.disconnects["truncated_frame"] == 1)
+    ended = _connect(srv.server.socket_path)
+    ended.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid + 1, "start_time": 2, "cupti_buffers": 3}))
+    srv.wait(lambda: sum(c.verify_asked for c in list(srv.server._conns.values())) == 2)  # _good's is asked too
+    ended.close()
+    srv.wait(lambda: srv.server.disconnects["eof"] == 1)
+    assert srv.server.disconnects["socket_error"] == 0
