@@ -36,6 +36,7 @@ import argparse
 import ctypes
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -65,25 +66,28 @@ except (ImportError, OSError):
 WATERMARK_RECORDS = 57_000  # records between two watermarks (1 s of 850 records a 15 ms step)
 
 
-def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER,
-            api_record_every: int = 0, calls: bool = False) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
+def buffers(n: int, *, pool_record_every: int = 0, size: int = BUFFER, api_record_every: int = 0,
+            calls: bool = False, partial: bool = False) -> list[tuple[ctypes.Array, int]]:  # type: ignore[type-arg]
     """CUPTI buffers holding ``n`` MEMORY2 records: alloc/free pairs over 300 reused addresses (a
     MEMORY_POOL record before every ``pool_record_every``-th, a RUNTIME record before every
     ``api_record_every``-th, where set). ``calls``: as PyTorch with its caching allocator off writes them,
     each allocation's MEMORY2 record followed by its two API records (the driver's cuMemAlloc_v2 and the
     runtime's cudaMalloc, switched on for failed allocations), a release's MEMORY2 record alone
-    (cudaFree is not switched on), allocations and releases interleaved unevenly."""
+    (cudaFree is not switched on), allocations and releases interleaved unevenly. ``partial``: each buffer
+    holds a different number of records (16 to all that fit), as forced flushes hand them over."""
     dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
     pool_dt = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY_POOL]
     api_dt = cupti_layout.API_RAW_DTYPE
     out = []
     i = 0
     t = 1_700_000_000_000_000_000
+    lengths = random.Random(7)
     while i < n:
         raw = (ctypes.c_uint8 * size)()
         u8 = np.frombuffer(raw, dtype=np.uint8)
         off = 0
-        while i < n and off + dt.itemsize <= size:
+        end = size if not partial else dt.itemsize * lengths.randrange(16, size // dt.itemsize + 1)
+        while i < n and off + dt.itemsize <= end:
             if pool_record_every and i % pool_record_every == 0 and off + pool_dt.itemsize <= size:
                 rec = np.zeros(1, pool_dt)
                 u8[off:off + pool_dt.itemsize] = rec.view(np.uint8)
@@ -260,6 +264,7 @@ def main() -> int:
           f"python {platform.python_version()} numpy {np.__version__}; {args.records} MEMORY2 records a round, "
           f"{args.buffer_bytes} B buffers; forwarded walk: {'C' if WALKER is not None else 'Python'}")
     layouts = [("memory2 only", buffers(args.records, size=args.buffer_bytes)),
+               ("memory2, partial buffers", buffers(args.records, size=args.buffer_bytes, partial=True)),
                ("a pool record every 200", buffers(args.records, pool_record_every=200, size=args.buffer_bytes))]
     if args.api_every:
         layouts.append((f"a RUNTIME record every {args.api_every}",

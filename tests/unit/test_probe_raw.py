@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from gpufootprint.probe import nativecallbacks
 from gpufootprint.probe.core import Probe
-from gpufootprint.probe.rawcallbacks import RawDelivery
+from gpufootprint.probe.rawcallbacks import RawDelivery, view
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.records import RecordKind
 from gpufootprint.wire import cupti_layout
@@ -117,6 +117,19 @@ def test_raw_delivery_writes_the_same_records_as_cupti_pythons_objects(tmp_path:
     assert sorted(raw_names.values()) == sorted({"gemm", "softmax", "a" * 300})
     # every buffer went back to the pool
     assert probe.sender.raw is not None and probe.sender.raw.outstanding == 0 and st["raw_records"] == sum(map(len, raw.values()))
+
+
+def test_a_buffers_view_is_its_valid_bytes_and_does_not_make_a_ctypes_type_for_each_length() -> None:
+    """CUPTI hands buffers back with as many lengths as their records take; ``ctypes.c_uint8 * n`` made
+    a new type for each (about 10 us in the sender's thread, GIL held, and garbage for the collector)."""
+    raw = (ctypes.c_uint8 * 65_536).from_buffer_copy(np.random.default_rng(3).integers(0, 256, 65_536, np.uint8))
+    address = ctypes.addressof(raw)
+    types = set()
+    for valid in (*range(0, 65_537, 8), 1, 4097, 65_535):
+        v = view(address, valid)
+        assert len(v) == valid and v.tobytes() == bytes(raw)[:valid], valid
+        types.add(type(v.obj))
+    assert len(types) <= 5, len(types)  # one per power-of-two size from 4 KiB to 64 KiB
 
 
 def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_nothing() -> None:

@@ -129,6 +129,19 @@ class RawDelivery:
             self.errors += 1
 
 
+#: ctypes array types by power-of-two size, each made once. ``ctypes.c_uint8 * n`` makes a new type for
+#: every length it is not holding alive (about 10 us, and a type object for the cyclic collector), and
+#: CUPTI hands its buffers back with as many lengths as their records take: a view per buffer cost that
+#: in the sender's thread, GIL held, for each buffer.
+_VIEW_TYPES: dict[int, Any] = {}
+
+
 def view(address: int, valid: int) -> memoryview:
     """The first ``valid`` bytes of a buffer, without a copy (valid until given back)."""
-    return memoryview((ctypes.c_uint8 * valid).from_address(address)).cast("B")
+    valid = max(0, valid)
+    size = 1 << max(12, (valid - 1).bit_length())
+    array = _VIEW_TYPES.get(size)
+    if array is None:
+        array = _VIEW_TYPES[size] = ctypes.c_uint8 * size
+    # the slice is all that is exposed: nothing past ``valid`` is read
+    return memoryview(array.from_address(address)).cast("B")[:valid]
