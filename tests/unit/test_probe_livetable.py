@@ -209,3 +209,41 @@ def test_the_struct_queue_keeps_order_grows_and_gives_memory_back_after_a_burst(
         q.append(burst[:10])
         q.clear()
     assert len(q) == 0 and q._buf.nbytes < held // 4
+
+
+def test_the_struct_queue_against_a_list_through_appends_keeps_and_clears() -> None:
+    """A watermark keeps the queue's tail (the last flush period's records) in place, without a copy; any
+    other mask, an empty one, appends that need the space before the tail or a larger array, and the
+    shrinking after a burst all leave the same records, in order, as a plain list does."""
+    from gpufootprint.probe.livetable import StructQueue
+
+    dt = np.dtype([("ts", "<u8"), ("x", "<u4")])
+    rng = np.random.default_rng(11)
+    q, model, next_ts = StructQueue(dt), [], 0
+    for step in range(3000):
+        op = rng.integers(0, 10)
+        if op < 6:
+            n = int(rng.choice([1, 7, 300, 2500]))
+            part = np.zeros(n, dt)
+            part["ts"] = np.arange(next_ts, next_ts + n)
+            part["x"] = step
+            next_ts += n
+            q.append(part)
+            model += list(zip(part["ts"].tolist(), part["x"].tolist(), strict=True))
+        elif op < 8 and len(model):
+            first = int(rng.integers(0, len(model) + 1))  # a watermark: the tail from ``first`` waits
+            before = q.view()
+            mask = np.arange(len(model)) >= first
+            q.keep(mask)
+            model = model[first:]
+            if model:  # kept where it lay: no copy
+                assert q.view().ctypes.data == before.ctypes.data + first * dt.itemsize
+        elif op < 9 and len(model):
+            mask = rng.random(len(model)) < 0.5
+            q.keep(mask)
+            model = [m for m, k in zip(model, mask.tolist(), strict=True) if k]
+        else:
+            q.clear()
+            model = []
+        assert len(q) == len(model)
+        assert list(zip(q.view()["ts"].tolist(), q.view()["x"].tolist(), strict=True)) == model, step

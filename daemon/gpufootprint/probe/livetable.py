@@ -79,8 +79,14 @@ class LiveTable:
         stamps = raw["timestamp"]
         due = stamps <= ts
         every = bool(due.all())
-        if every or bool(due.any()):
-            self._apply_raw(raw, None if every else due)
+        waiting = int(np.argmin(due)) if not every else len(raw)  # the first record not due
+        if every or not bool(due[waiting:].any()):
+            # What waits is the queue's tail (records come in time order but for CUPTI's thread buffers
+            # and calls in flight): only the due head is sorted and applied, and the tail stays in place.
+            if waiting:
+                self._apply_raw(raw[:waiting], None)
+        else:
+            self._apply_raw(raw, due)
         if every:
             self.pending_raw.clear()
         else:
@@ -177,11 +183,14 @@ class LiveTable:
         decides whether it stays live. Releases leave the table here; returns the indexes of the
         allocations that stay, for the caller to store in its own form. None, with nothing applied,
         where an address is allocated while live (the record-by-record rule decides those)."""
-        order = order[np.isin(ops[order], (_ALLOC, _RELEASE))]
+        o = ops[order]
+        released = o == _RELEASE
+        applied = released | (o == _ALLOC)  # two comparisons: np.isin costs several times more here
+        if not applied.all():
+            order, released = order[applied], released[applied]
         if len(order) == 0:
             return order
         a = addrs[order]
-        released = ops[order] == _RELEASE
         new_addr = np.empty(len(a), dtype=bool)
         new_addr[0] = True
         new_addr[1:] = a[1:] != a[:-1]
@@ -337,59 +346,91 @@ class LiveTable:
 class StructQueue:
     """Structured records back to back in one array that grows by doubling: appending copies a
     CUPTI buffer's structs once, and a watermark reads them all as one view (a list of per-buffer
-    copies cost a second copy of every record at each watermark, to concatenate them)."""
+    copies cost a second copy of every record at each watermark, to concatenate them).
+
+    The queued records are ``_buf[_start:_end]``. What a watermark leaves waiting is, in time order,
+    the records of the last flush period, the queue's tail: keeping them moves ``_start`` and copies
+    nothing. A copy of all kept records into a fresh array at every watermark (about half a
+    watermark's records, 3-7 MB under churn, and its new pages) cost about as much as applying the
+    records. Space before ``_start`` is taken back when an append needs it, by moving the queued records
+    to the front within the array (a memmove, no new memory)."""
 
     _MIN = 1024  # records: the first allocation, and the size it shrinks back towards
-    _SHRINK_EVERY = 32  # emptyings: how often a peak far below the array's size lets it shrink
+    _SHRINK_EVERY = 32  # watermarks: how often a peak far below the array's size lets it shrink
 
     def __init__(self, dtype: np.dtype) -> None:
         self._buf = np.zeros(0, dtype=dtype)
-        self._n = 0
+        self._start = 0
+        self._end = 0
         self._peak = 0  # the most records held since the last look at shrinking
-        self._emptied = 0
+        self._emptied = 0  # watermarks (clear or keep) since then
 
     def __len__(self) -> int:
-        return self._n
+        return self._end - self._start
 
     def append(self, structs: np.ndarray) -> None:
-        end = self._n + len(structs)
-        if end > len(self._buf):
-            grown = np.zeros(max(end, 2 * len(self._buf), self._MIN), dtype=self._buf.dtype)
-            grown[:self._n].view(np.uint8)[:] = self._buf[:self._n].view(np.uint8)
-            self._buf = grown
+        n = len(self)
+        if self._end + len(structs) > len(self._buf):
+            if self._start and n + len(structs) <= len(self._buf):
+                self._move_to_front()
+            else:
+                grown = np.zeros(max(n + len(structs), 2 * len(self._buf), self._MIN), dtype=self._buf.dtype)
+                grown[:n].view(np.uint8)[:] = self._buf[self._start:self._end].view(np.uint8)
+                self._buf, self._start, self._end = grown, 0, n
+        end = self._end + len(structs)
         if structs.dtype == self._buf.dtype and structs.flags.c_contiguous:
             # as bytes (numpy copies a structured dtype with gaps field by field, about 10x slower), through
             # memoryviews: CPython's copy keeps the GIL, numpy's lets it go past 500 elements, and the sender,
             # behind busy Python threads, would wait a switch interval (5 ms) a buffer to win it back
             size = self._buf.dtype.itemsize
-            self._buf.view(np.uint8).data[self._n * size:end * size] = structs.view(np.uint8).data
+            self._buf.view(np.uint8).data[self._end * size:end * size] = structs.view(np.uint8).data
         else:
-            self._buf[self._n:end] = structs
-        self._n = end
+            self._buf[self._end:end] = structs
+        self._end = end
+
+    def _move_to_front(self) -> None:
+        if self._start:
+            size = self._buf.dtype.itemsize
+            data = self._buf.view(np.uint8).data
+            # CPython's memoryview copy is a memmove where the two overlap, and keeps the GIL
+            data[:(self._end - self._start) * size] = data[self._start * size:self._end * size]
+            self._start, self._end = 0, self._end - self._start
 
     def view(self) -> np.ndarray:
         """Every queued struct, in the order appended (valid until the next change)."""
-        return self._buf[:self._n]
+        return self._buf[self._start:self._end]
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep only the structs where ``mask`` (over ``view()``), in their order."""
-        rest = self._buf[:self._n][mask]
-        self._emptying()
-        self.append(rest)
+        held = len(self)
+        first = int(np.argmax(mask)) if len(mask) else 0
+        if not len(mask) or not mask[first]:
+            self._start = self._end = 0
+        elif bool(mask[first:].all()):
+            self._start += first  # the tail stays where it is
+        else:
+            rest = self.view()[mask]
+            self._start = self._end = 0
+            self.append(rest)
+        self._after_watermark(held)
 
     def clear(self) -> None:
-        self._emptying()
+        held = len(self)
+        self._start = self._end = 0
+        self._after_watermark(held)
 
-    def _emptying(self) -> None:
+    def _after_watermark(self, held: int) -> None:
         # The array is kept between watermarks (growing it again each time costs copies and fresh
         # pages), but after a burst it may be far larger than what now passes through it: every
-        # _SHRINK_EVERY emptyings it shrinks to twice the most it held meanwhile.
-        self._peak = max(self._peak, self._n)
-        self._n = 0
+        # _SHRINK_EVERY watermarks it shrinks to twice the most it held meanwhile.
+        self._peak = max(self._peak, held)
         self._emptied += 1
         if self._emptied >= self._SHRINK_EVERY:
             if len(self._buf) > 4 * max(self._peak, self._MIN):
-                self._buf = np.zeros(max(2 * self._peak, self._MIN), dtype=self._buf.dtype)
+                n = len(self)
+                smaller = np.zeros(max(2 * self._peak, self._MIN), dtype=self._buf.dtype)
+                smaller[:n].view(np.uint8)[:] = self._buf[self._start:self._end].view(np.uint8)
+                self._buf, self._start, self._end = smaller, 0, n
             self._peak = self._emptied = 0
 
 

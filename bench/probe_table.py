@@ -1,0 +1,73 @@
+"""The probe's own live table at its watermarks under allocation churn: CPU per record (no GPU needed).
+
+Under cudaMallocAsync a process writes about 57,000 MEMORY2 records a second; the probe queues the structs
+of each forwarded CUPTI buffer (``LiveTable.add_raw``) and applies them at each watermark
+(``LiveTable.advance``), which is stamped at the forced flush before the latest, so the records of the last
+flush period wait for the next one. This feeds ``--watermarks`` periods of ``--buffers`` buffers of 512
+records (allocation and release pairs over 256 addresses reused in every buffer, as
+tests/integration/probe_child.py's stream writes them), advancing at each with the last ``--waiting``
+share of the period left waiting, and prints the CPU time of the advances (``time.thread_time``) per
+record. The tree measured is this file's: for a side-by-side run copy it into the other tree.
+
+Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+
+import numpy as np  # noqa: E402
+
+from gpufootprint.probe.livetable import LiveTable  # noqa: E402
+from gpufootprint.wire import cupti_layout  # noqa: E402
+
+PER_BUFFER = 512
+
+
+def one_round(watermarks: int, buffers: int, waiting: float) -> float:
+    """The advances' CPU time per record, in microseconds."""
+    buf = np.zeros(PER_BUFFER, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+    buf["op"] = np.tile([1, 2], PER_BUFFER // 2)  # allocation, release
+    buf["mk"] = 3  # device
+    buf["bytes"] = 4096
+    buf["address"] = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
+    table, ts, cpu, n = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0
+    for _ in range(watermarks):
+        for _ in range(buffers):
+            buf["timestamp"] = ts + np.arange(PER_BUFFER)
+            ts += PER_BUFFER
+            table.add_raw(buf, 1)
+            n += PER_BUFFER
+        t = time.thread_time()
+        table.advance(ts - int(waiting * buffers) * PER_BUFFER)
+        cpu += time.thread_time() - t
+    return cpu / n * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--watermarks", type=int, default=60)
+    ap.add_argument("--buffers", type=int, default=110, help="buffers a watermark period (110: 56,320 records)")
+    ap.add_argument("--waiting", type=float, default=0.5, help="share of a period's records left waiting")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    import gpufootprint
+
+    print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
+          f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
+          f"{args.buffers * PER_BUFFER} records, {args.waiting:g} of each left waiting")
+    us = [one_round(args.watermarks, args.buffers, args.waiting) for _ in range(args.rounds)]
+    print(f"table advance: median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
