@@ -25,7 +25,15 @@ from gpufootprint.configload import load_config
 from gpufootprint.ingest.server import IngestServer
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import RecordKind
-from gpufootprint.wire.framing import PREAMBLE, UNCHECKED, FrameType, encode_batch, encode_json, encode_watermark
+from gpufootprint.wire.framing import (
+    PREAMBLE,
+    UNCHECKED,
+    FrameDecoder,
+    FrameType,
+    encode_batch,
+    encode_json,
+    encode_watermark,
+)
 
 from tests.conftest import ALLOC, FREE, ROOT, cli_env, mem, mem_batch
 
@@ -392,14 +400,37 @@ def test_a_probe_asked_at_its_hello_that_dies_mid_frame_with_the_ask_unread_is_a
     pid = os.getpid()
     cut = _connect(srv.server.socket_path)
     cut.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid, "start_time": 2, "cupti_buffers": 3}))
-    srv.wait(lambda: any(c.verify_asked for c in list(srv.server._conns.values())))
+    cut.settimeout(10)
+    assert cut.recv(1, socket.MSG_PEEK)  # the ask is in this peer's queue, unread
     frame = _batch(pid)
     cut.sendall(frame[:len(frame) // 2])
     cut.close()  # the verify CONTROL unread: a reset
     srv.wait(lambda: srv.server.disconnects["truncated_frame"] == 1)
     ended = _connect(srv.server.socket_path)
     ended.sendall(PREAMBLE + encode_json(FrameType.HELLO, {"pid": pid + 1, "start_time": 2, "cupti_buffers": 3}))
-    srv.wait(lambda: sum(c.verify_asked for c in list(srv.server._conns.values())) == 2)  # _good's is asked too
+    ended.settimeout(10)
+    assert ended.recv(1, socket.MSG_PEEK)
     ended.close()
     srv.wait(lambda: srv.server.disconnects["eof"] == 1)
     assert srv.server.disconnects["socket_error"] == 0
+
+
+def test_the_ask_at_a_hello_goes_to_that_connection_when_its_pid_has_another(live) -> None:
+    """A reconnect whose old connection the daemon has not yet seen end, or two processes that both read
+    as pid 0 (a daemon without the host's pid namespace): the ask answers the HELLO on its own connection."""
+    srv, _good = live()
+    hello = PREAMBLE + encode_json(FrameType.HELLO, {"pid": os.getpid(), "start_time": 2, "cupti_buffers": 3})
+    first, second = _connect(srv.server.socket_path), _connect(srv.server.socket_path)
+    for s in (first, second):
+        s.settimeout(10)
+        s.sendall(hello)
+        dec = FrameDecoder()
+        dec.feed(PREAMBLE)  # the daemon sends bare frames
+        frames: list[Any] = []
+        while not frames:
+            data = s.recv(1 << 16)
+            assert data, "the connection ended without the ask"
+            frames = dec.feed(data)
+        assert frames[0].type is FrameType.CONTROL and frames[0].json()["op"] == "verify", frames
+    first.close()
+    second.close()

@@ -125,3 +125,62 @@ def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_
         link.pump(2.0)
         assert not link.connected and link.lost_records == 7
         server.close()
+
+
+def _answering_daemon(server: socket.socket, answer: bytes | None) -> threading.Thread:
+    """Accepts one connection, reads until the probe's HELLO has come, then sends ``answer`` (None: nothing)
+    and keeps reading until the probe goes."""
+    def run() -> None:
+        peer, _ = server.accept()
+        decoder, hello = FrameDecoder(), False
+        while not hello:
+            data = peer.recv(1 << 16)
+            if not data:
+                return
+            hello = any(f.type is FrameType.HELLO for f in decoder.feed(data))
+        if answer is not None:
+            peer.sendall(answer)
+        while peer.recv(1 << 16):
+            pass
+        peer.close()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _connect_sender(tmp_path: Path, answer: bytes | None) -> tuple[list[bool], float]:
+    """A sender connected to a daemon that sends ``answer`` after the HELLO: whether it forwarded buffers
+    unread when its connect drained what CUPTI had queued, and how long the connect took."""
+    from gpufootprint.probe.sender import Sender
+    from gpufootprint.probe.settings import ProbeSettings
+
+    path = str(tmp_path / f"d{answer is None}.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    daemon = _answering_daemon(server, answer)
+    sender = Sender(ProbeSettings(socket=path), None, os.getpid(), time.time_ns, None)
+    forward_at_drain: list[bool] = []
+    sender._flush_and_drain = lambda: forward_at_drain.append(sender._forward)  # type: ignore[method-assign]
+    assert sender.link is not None and sender.link.try_connect()
+    t = time.monotonic()
+    sender._on_connect()
+    waited = time.monotonic() - t
+    sender.link.close("test")
+    daemon.join(timeout=5)
+    server.close()
+    return forward_at_drain, waited
+
+
+def test_at_connect_the_sender_waits_for_the_daemons_ask_before_it_reads_what_cupti_queued(tmp_path: Path) -> None:
+    """Until the daemon asks for CUPTI's buffers unread the probe converts them itself, which behind busy
+    Python threads falls behind and drops. A daemon asks in answer to the HELLO; the connect's drain of
+    what CUPTI queued while the probe was away comes after that answer, not before."""
+    from gpufootprint.probe.sender import CONNECT_ASK_WAIT_S
+
+    ask = framing.encode_json(FrameType.CONTROL, {"op": "verify", "cupti_buffers": 3})
+    forward_at_drain, waited = _connect_sender(tmp_path, ask)
+    assert forward_at_drain == [True] and waited < CONNECT_ASK_WAIT_S, (forward_at_drain, waited)
+    # an older daemon, which asks at the first watermark: the connect waits no longer than its bound
+    forward_at_drain, waited = _connect_sender(tmp_path, None)
+    assert forward_at_drain == [False] and CONNECT_ASK_WAIT_S <= waited < CONNECT_ASK_WAIT_S + 1.0, waited

@@ -418,8 +418,9 @@ class IngestServer:
         """Why this frame breaks the protocol's order on a live connection, or None (and note it)."""
         reason = order_violation(conn, frame)
         if reason is None:
-            if wants_verify(conn, frame):
-                self.send_control(conn.pid, verify_request(conn))
+            if wants_verify(conn, frame) and not self._send_on(conn, encode_json(FrameType.CONTROL,
+                                                                               verify_request(conn))):
+                conn.verify_asked = False  # asked again at its next watermark
             count_received(conn, frame, self.received)
         return reason
 
@@ -463,14 +464,18 @@ class IngestServer:
         """Best-effort control message to a probe; never blocks the ingest thread."""
         for conn in self._conns.values():
             if conn.pid == pid:
-                if conn.unsent and not self._flush_unsent(conn):
-                    return False  # the tail of an earlier frame is still waiting: drop this one whole
-                tail = send_whole(conn.sock, payload)
-                if tail is None:
-                    return False
-                conn.unsent = tail  # kept, or the probe would see a torn frame
-                return True
+                return self._send_on(conn, payload)
         return False
+
+    def _send_on(self, conn: Connection, payload: bytes) -> bool:
+        """``send`` on one connection: the answer to its own frame goes to it, not to another of its pid's."""
+        if conn.unsent and not self._flush_unsent(conn):
+            return False  # the tail of an earlier frame is still waiting: drop this one whole
+        tail = send_whole(conn.sock, payload)
+        if tail is None:
+            return False
+        conn.unsent = tail  # kept, or the probe would see a torn frame
+        return True
 
     def _flush_unsent(self, conn: Connection) -> bool:
         tail = send_whole(conn.sock, conn.unsent)

@@ -205,6 +205,21 @@ class SocketLink:
         except OSError:
             self.close("recv_error")
 
+    def await_control(self, timeout_s: float, done: Callable[[], bool]) -> None:
+        """Send what is queued and read control frames until ``done()``, waiting up to ``timeout_s`` in all
+        for the daemon's answer (the sender's thread, the GIL let go while it waits)."""
+        end = self._clock() + timeout_s
+        poller: select.poll | None = None
+        while self._sock is not None:
+            self.pump()
+            left = end - self._clock()
+            if done() or self._sock is None or left <= 0:
+                return
+            if poller is None:
+                poller = select.poll()
+            poller.register(self._sock, select.POLLIN | (select.POLLOUT if self._out else 0))
+            poller.poll(max(1, math.ceil(left * 1000)))  # poll's unit is the millisecond
+
     def close(self, reason: str) -> None:
         if self._sock is None:
             return

@@ -60,6 +60,10 @@ NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
 #: ``pump``): a few times a burst of CUPTI's buffers; a mark, a stop or a new buffer waits no longer than this.
 PUMP_WAIT_S = 0.02
 
+#: How long the sender waits, at most, after a connect for the daemon to ask for CUPTI's buffers unread (it answers
+#: the HELLO within a round trip of its loop; an older daemon asks at the first watermark, and this much is lost).
+CONNECT_ASK_WAIT_S = 0.1
+
 
 class Sender:
     def __init__(self, settings: ProbeSettings, backend: Backend | None, pid: int, clock_ns: Callable[[], int],
@@ -447,12 +451,17 @@ class Sender:
 
     def _on_connect(self) -> None:
         # What the last daemon said it reads need not hold for this one (a restart into an older
-        # build): TOTALS and forwarded buffers wait until this daemon asks, at the first watermark.
+        # build): TOTALS and forwarded buffers wait until this daemon asks.
         self._verify = self._forward = False
         self._raw_reader.checked = True
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
+        if self.link is not None:
+            # A daemon asks for buffers unread in answer to the HELLO (an older one at the first watermark):
+            # waited for here, before the drain below reads what CUPTI queued meanwhile, which unasked it
+            # converts itself, a path that behind busy Python threads falls behind and drops.
+            self.link.await_control(CONNECT_ASK_WAIT_S, lambda: self._verify)
         # Records not yet in the table (stamped after its watermark) went to the old connection or
         # nowhere: this one gets the table as of its watermark, then those again as ordinary records,
         # then whatever CUPTI holds now (which goes to this connection only).
