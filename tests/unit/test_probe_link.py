@@ -8,7 +8,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
+from gpufootprint.probe import nativecallbacks
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import PREAMBLE, FrameDecoder, FrameType
@@ -22,21 +25,31 @@ def test_a_cupti_buffer_given_in_parts_is_the_same_frame_as_encoded_whole() -> N
     assert frame.type is FrameType.CUPTI_BUFFER and framing.cupti_buffer(frame) == (4242, memoryview(data))
 
 
-def _connected(tmp: str) -> tuple[SocketLink, socket.socket, socket.socket]:
+#: The link's two ways to the socket: Python's socket calls, and the probe's C library (they keep the GIL).
+SENDS = ["python", pytest.param("c", marks=pytest.mark.skipif(
+    not nativecallbacks.available(), reason=f"no C library: {nativecallbacks.load()[1]}"))]
+
+
+def _native(sends: str) -> Any:
+    return nativecallbacks.load()[0] if sends == "c" else None
+
+
+def _connected(tmp: str, sends: str = "python") -> tuple[SocketLink, socket.socket, socket.socket]:
     """A link connected to a listening socket in ``tmp``: (link, the accepted peer, the listening socket)."""
     path = str(Path(tmp) / "d.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
-    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None)
+    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None, native=_native(sends))
     assert link.try_connect()
     peer, _ = server.accept()
     return link, peer, server
 
 
-def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order() -> None:
+@pytest.mark.parametrize("sends", SENDS)
+def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order(sends: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        link, peer, server = _connected(tmp)
+        link, peer, server = _connected(tmp, sends)
         peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the socket takes a little at a time
         buffers = [os.urandom(n) for n in (128, 65_536, 1, 300_000, 4096) * 8]
         for i, data in enumerate(buffers):
@@ -83,11 +96,12 @@ def test_a_cupti_buffer_without_a_checksum_is_read_only_where_the_stream_allows_
     assert decoder.feed(PREAMBLE + bytes(checked)) == [] and "checksum mismatch" in str(decoder.error)
 
 
-def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_than_its_bound() -> None:
+@pytest.mark.parametrize("sends", SENDS)
+def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_than_its_bound(sends: str) -> None:
     """A wake's pump may wait for the socket (the GIL let go) instead of leaving to the next wake what the
     kernel's buffer for the socket (about 200 KiB) did not take at once."""
     with tempfile.TemporaryDirectory() as tmp:
-        link, peer, server = _connected(tmp)
+        link, peer, server = _connected(tmp, sends)
         data = os.urandom(4 << 20)
         assert link.put_parts(framing.cupti_buffer_parts(1, data), records=1)
         # GIVEN no reader: the pump without a wait leaves most of it, and one that may wait 50 ms returns
@@ -184,3 +198,56 @@ def test_at_connect_the_sender_waits_for_the_daemons_ask_before_it_reads_what_cu
     # an older daemon, which asks at the first watermark: the connect waits no longer than its bound
     forward_at_drain, waited = _connect_sender(tmp_path, None)
     assert forward_at_drain == [False] and CONNECT_ASK_WAIT_S <= waited < CONNECT_ASK_WAIT_S + 1.0, waited
+
+@pytest.mark.parametrize("sends", SENDS)
+def test_control_frames_are_read_whole_and_a_closed_peer_closes_the_link(sends: str) -> None:
+    """What the daemon sends (CONTROL frames, one split across reads) reaches the link's handler whole and in
+    order, through either way of reading; a peer that closes ends the link."""
+    got: list[Any] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "d.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+        link = SocketLink(path, buffer_bytes=1 << 20, backoff_max_s=1.0, on_control=got.append, native=_native(sends))
+        assert link.try_connect()
+        peer, _ = server.accept()
+        frames = b"".join(framing.encode_json(FrameType.CONTROL, {"op": "flush_interval", "ms": i, "pad": "x" * 30_000})
+                          for i in range(5))
+        peer.sendall(frames[:40_000])
+        deadline = time.monotonic() + 5
+        while len(got) < 1 and time.monotonic() < deadline:
+            link.pump()
+        assert len(got) == 1  # the second frame is cut: it waits for its rest
+        peer.sendall(frames[40_000:])
+        while len(got) < 5 and time.monotonic() < deadline:
+            link.pump()
+        assert [f.json()["ms"] for f in got] == list(range(5)) and link.connected
+        assert peer.recv(1 << 16) == PREAMBLE  # read, so that its close is an end, not a reset
+        peer.close()
+        while link.connected and time.monotonic() < deadline:
+            link.pump()
+        assert not link.connected and link.disconnects["peer_closed"] == 1, link.disconnects
+        server.close()
+
+
+def test_the_wakeups_clear_through_the_c_library_takes_a_set_and_is_quiet_when_none_was_set() -> None:
+    from gpufootprint.probe.wakeup import Wakeup
+
+    native = nativecallbacks.load()[0]
+    if native is None:
+        pytest.skip(f"no C library: {nativecallbacks.load()[1]}")
+    wake = Wakeup(native)
+    if wake.fd is None:
+        pytest.skip("no eventfd on this platform")
+    wake.set()
+    wake.set()
+    t = time.monotonic()
+    wake.wait(5.0)
+    assert time.monotonic() - t < 1.0  # it was set
+    wake.clear()
+    t = time.monotonic()
+    wake.wait(0.05)
+    assert time.monotonic() - t >= 0.04  # cleared: the wait runs to its bound
+    wake.clear()  # nothing set: returns at once, raises nothing
+    wake.close()

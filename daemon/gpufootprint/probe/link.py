@@ -10,21 +10,27 @@ exponential backoff and tells its owner, who then sends a full resync.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import gzip
 import logging
 import math
+import os
 import random
 import select
 import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder
 
 log = logging.getLogger(__name__)
+
+_SEND_MOST = 1 << 20  # bytes offered to one send
+_RECV_BYTES = 1 << 16  # control frames read at a time
+_AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
 
 
 class Sink(Protocol):
@@ -63,8 +69,14 @@ class FileSink:
 
 class SocketLink:
     def __init__(self, path: str, *, buffer_bytes: int, backoff_max_s: float,
-                 on_control: Callable[[Frame], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 on_control: Callable[[Frame], None], clock: Callable[[], float] = time.monotonic,
+                 native: Any = None) -> None:
         self.path = path
+        # The probe's C library (nativecallbacks.load), through ctypes.PyDLL: non-blocking send and recv that keep
+        # the GIL (None: Python's socket calls, which let it go and must win it back behind busy threads).
+        self._native = native
+        self._rbuf = bytearray(_RECV_BYTES)
+        self._raddr = ctypes.addressof((ctypes.c_char * _RECV_BYTES).from_buffer(self._rbuf)) if native else 0
         self.buffer_bytes = buffer_bytes
         self.backoff_max_s = backoff_max_s
         self._on_control = on_control
@@ -168,9 +180,7 @@ class SocketLink:
         try:
             while self._out:
                 try:
-                    # through a view: slicing the bytearray would copy up to 1 MiB before each send
-                    with memoryview(self._out) as view, view[:1 << 20] as chunk:
-                        n = sock.send(chunk)
+                    n = self._send(sock)
                 except BlockingIOError:
                     left = end - self._clock()
                     if left <= 0:
@@ -190,7 +200,7 @@ class SocketLink:
             return
         try:
             while True:
-                data = sock.recv(65536)
+                data = self._recv(sock)
                 if not data:
                     self.close("peer_closed")
                     return
@@ -204,6 +214,27 @@ class SocketLink:
             pass
         except OSError:
             self.close("recv_error")
+
+    def _send(self, sock: socket.socket) -> int:
+        """One non-blocking send of the buffer's head; BlockingIOError when the socket takes nothing now."""
+        if self._native is None:
+            # through a view: slicing the bytearray would copy up to 1 MiB before each send
+            with memoryview(self._out) as view, view[:_SEND_MOST] as chunk:
+                return sock.send(chunk)
+        with memoryview(self._out) as view:
+            head = ctypes.c_char.from_buffer(view)  # its address; let go before the view is
+            try:
+                n = int(self._native.gfp_send(sock.fileno(), ctypes.addressof(head), min(len(view), _SEND_MOST)))
+            finally:
+                del head
+        return _checked(n)
+
+    def _recv(self, sock: socket.socket) -> bytes:
+        """One non-blocking read of control frames (b"": the peer closed); BlockingIOError when none wait."""
+        if self._native is None:
+            return sock.recv(_RECV_BYTES)
+        n = _checked(int(self._native.gfp_recv(sock.fileno(), self._raddr, _RECV_BYTES)))
+        return bytes(self._rbuf[:n])
 
     def await_control(self, timeout_s: float, done: Callable[[], bool]) -> None:
         """Send what is queued and read control frames until ``done()``, waiting up to ``timeout_s`` in all
@@ -243,3 +274,12 @@ class SocketLink:
             self.pump()
             if self._out:
                 time.sleep(0.002)
+
+
+def _checked(n: int) -> int:
+    """A byte count from the C library's send or recv, or the OSError its -errno names."""
+    if n >= 0:
+        return n
+    if -n in _AGAIN:
+        raise BlockingIOError(-n, os.strerror(-n))
+    raise OSError(-n, os.strerror(-n))

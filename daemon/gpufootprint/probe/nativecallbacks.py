@@ -31,7 +31,7 @@ from gpufootprint.wire import cupti_layout
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 2  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
+_ABI = 3  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
@@ -69,6 +69,11 @@ def load() -> tuple[Any | None, str]:
     lib.gfp_stats.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
     lib.gfp_queues.restype = ctypes.c_int
     lib.gfp_queues.argtypes = [ctypes.c_void_p, u64p, ctypes.POINTER(ctypes.c_uint32), ctypes.c_int]
+    for io in (lib.gfp_send, lib.gfp_recv):
+        io.restype = ctypes.c_int64
+        io.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64]
+    lib.gfp_eventfd_clear.restype = ctypes.c_int
+    lib.gfp_eventfd_clear.argtypes = [ctypes.c_int]
     for walk in (lib.gfp_walk, _walk_letting_the_gil_go()):
         walk.restype = ctypes.c_int64
         walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,

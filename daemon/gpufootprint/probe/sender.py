@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import control, counters, resync, untracked
+from gpufootprint.probe import control, counters, nativecallbacks, resync, untracked
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
@@ -86,15 +86,19 @@ class Sender:
         self.packer.on_api_rows = self.oom.api_rows
         self.packer.on_api_objects = self.oom.api_objects
         self.link: SocketLink | None = None
+        # The probe's C library, where it loaded and C is allowed: the sender's socket and wake-up calls keep
+        # the GIL through it (probe/link.py, probe/wakeup.py).
+        native = nativecallbacks.load()[0] if settings.native_callbacks else None
         if settings.socket:
             self.link = SocketLink(settings.socket, buffer_bytes=settings.buffer_bytes,
-                                   backoff_max_s=settings.reconnect_max_ms / 1000, on_control=self._control)
+                                   backoff_max_s=settings.reconnect_max_ms / 1000, on_control=self._control,
+                                   native=native)
         self.tee: FileSink | None = None
         self.table_seconds = 0.0  # CPU time applying records to the probe's own table (at watermarks)
         self.own_device_bytes = 0
         # A completed CUPTI buffer wakes the sender (raw delivery), a mark, a window, stop: through an eventfd,
         # which the C buffer callbacks write to without the GIL (probe/wakeup.py).
-        self._wake = Wakeup()
+        self._wake = Wakeup(native)
         self.intake.wake = self._wake.set
         # Callbacks, kinds, hooks: what the probe switches on in CUPTI (probe/arming.py).
         self.cupti = CuptiArming(settings, self.counters, self.intake.raw_completed, self._wake)

@@ -12,12 +12,16 @@ import math
 import os
 import select
 import threading
+from typing import Any
 
 from gpufootprint.probe.nativecallbacks import eventfd
 
 
 class Wakeup:
-    def __init__(self) -> None:
+    def __init__(self, native: Any = None) -> None:
+        # The probe's C library through ctypes.PyDLL: ``clear`` keeps the GIL (the sender's thread clears after
+        # each wake; behind busy Python threads a call that lets the GIL go waits to win it back).
+        self._native = native
         self.fd = eventfd()
         self._lock = threading.Lock()  # set against close: never a write to a closed (or reused) fd
         self._closed = False
@@ -53,6 +57,9 @@ class Wakeup:
             return
         with self._lock:
             if not self._closed:
+                if self._native is not None:
+                    self._native.gfp_eventfd_clear(self.fd)
+                    return
                 try:
                     os.eventfd_read(self.fd)  # type: ignore[arg-type]
                 except OSError:  # BlockingIOError: nothing was set

@@ -25,9 +25,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
-#define GFP_ABI 2 /* raised at every change of an exported signature: a stale library is refused, not misread */
+#define GFP_ABI 3 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
@@ -293,4 +294,24 @@ int64_t gfp_walk(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
         off += sizes[kind];
     }
     return n;
+}
+
+/* The sender thread's non-blocking calls on its socket and on its eventfd, for ctypes.PyDLL: they keep the
+ * GIL. Each returns at once (MSG_DONTWAIT; the eventfd is non-blocking), and a call through Python's socket
+ * or os module lets the GIL go and must win it back: behind busy Python threads up to a switch interval
+ * (5 ms) a call, three such calls a wake. Each returns what it moved, or -errno. */
+int64_t gfp_send(int fd, const uint8_t *buf, uint64_t len) {
+    ssize_t n = send(fd, buf, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    return n < 0 ? -(int64_t)errno : (int64_t)n;
+}
+
+int64_t gfp_recv(int fd, uint8_t *buf, uint64_t len) {
+    ssize_t n = recv(fd, buf, (size_t)len, MSG_DONTWAIT);
+    return n < 0 ? -(int64_t)errno : (int64_t)n;
+}
+
+/* 1 when the eventfd was set (and is now clear), 0 when it was not. */
+int gfp_eventfd_clear(int fd) {
+    uint64_t value;
+    return read(fd, &value, sizeof value) == (ssize_t)sizeof value;
 }
