@@ -6,8 +6,9 @@ of each forwarded CUPTI buffer (``LiveTable.add_raw``) and applies them at each 
 flush period wait for the next one. This feeds ``--watermarks`` periods of ``--buffers`` buffers of 512
 records (allocation and release pairs over 256 addresses reused in every buffer, as
 tests/integration/probe_child.py's stream writes them), advancing at each with the last ``--waiting``
-share of the period left waiting, and prints the CPU time of the advances (``time.thread_time``) per
-record. The tree measured is this file's: for a side-by-side run copy it into the other tree.
+share of the period left waiting, and prints the CPU time (``time.thread_time``) per record of the queueing
+(``add_raw``, which copies each buffer's structs and may move the queue within its array) and of the
+advances, and their sum. The tree measured is this file's: for a side-by-side run copy it into the other tree.
 
 Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R]
 """
@@ -32,24 +33,26 @@ from gpufootprint.wire import cupti_layout  # noqa: E402
 PER_BUFFER = 512
 
 
-def one_round(watermarks: int, buffers: int, waiting: float) -> float:
-    """The advances' CPU time per record, in microseconds."""
+def one_round(watermarks: int, buffers: int, waiting: float) -> tuple[float, float]:
+    """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances."""
     buf = np.zeros(PER_BUFFER, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
     buf["op"] = np.tile([1, 2], PER_BUFFER // 2)  # allocation, release
     buf["mk"] = 3  # device
     buf["bytes"] = 4096
     buf["address"] = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
-    table, ts, cpu, n = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0
+    table, ts, cpu, queueing, n = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0.0, 0
     for _ in range(watermarks):
         for _ in range(buffers):
             buf["timestamp"] = ts + np.arange(PER_BUFFER)
             ts += PER_BUFFER
+            t = time.thread_time()
             table.add_raw(buf, 1)
+            queueing += time.thread_time() - t
             n += PER_BUFFER
         t = time.thread_time()
         table.advance(ts - int(waiting * buffers) * PER_BUFFER)
         cpu += time.thread_time() - t
-    return cpu / n * 1e6
+    return queueing / n * 1e6, cpu / n * 1e6
 
 
 def main() -> int:
@@ -64,8 +67,10 @@ def main() -> int:
     print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
           f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
           f"{args.buffers * PER_BUFFER} records, {args.waiting:g} of each left waiting")
-    us = [one_round(args.watermarks, args.buffers, args.waiting) for _ in range(args.rounds)]
-    print(f"table advance: median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")
+    runs = [one_round(args.watermarks, args.buffers, args.waiting) for _ in range(args.rounds)]
+    for name, us in (("queueing (add_raw)", [r[0] for r in runs]), ("advance", [r[1] for r in runs]),
+                     ("both", [r[0] + r[1] for r in runs])):
+        print(f"{name:18s} median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")
     return 0
 
 

@@ -9,7 +9,9 @@ returned through its ``completed`` thunk. What reaches the wire must be the same
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,11 @@ def test_a_buffers_view_is_its_valid_bytes_and_does_not_make_a_ctypes_type_for_e
         assert len(v) == valid and v.tobytes() == bytes(raw)[:valid], valid
         types.add(type(v.obj))
     assert len(types) <= 5, len(types)  # one per power-of-two size from 4 KiB to 64 KiB
+    # and they are kept: no view alive, a collection does not take them (else each is made again)
+    kept = weakref.ref(type(view(address, 100).obj))
+    types.clear()
+    gc.collect()
+    assert kept() is not None
 
 
 def test_a_buffer_that_cannot_be_walked_falls_back_to_cuptis_walk_and_loses_nothing() -> None:

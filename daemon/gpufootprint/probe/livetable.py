@@ -349,11 +349,11 @@ class StructQueue:
     copies cost a second copy of every record at each watermark, to concatenate them).
 
     The queued records are ``_buf[_start:_end]``. What a watermark leaves waiting is, in time order,
-    the records of the last flush period, the queue's tail: keeping them moves ``_start`` and copies
-    nothing. A copy of all kept records into a fresh array at every watermark (about half a
+    the records of the last flush period, the queue's tail: keeping it moves ``_start``, and the tail
+    is moved to the front within the array (a memmove, no new memory) only once the space before it is
+    the larger. A copy of all kept records into a fresh array at every watermark (about half a
     watermark's records, 3-7 MB under churn, and its new pages) cost about as much as applying the
-    records. Space before ``_start`` is taken back when an append needs it, by moving the queued records
-    to the front within the array (a memmove, no new memory)."""
+    records."""
 
     _MIN = 1024  # records: the first allocation, and the size it shrinks back towards
     _SHRINK_EVERY = 32  # watermarks: how often a peak far below the array's size lets it shrink
@@ -408,6 +408,10 @@ class StructQueue:
             self._start = self._end = 0
         elif bool(mask[first:].all()):
             self._start += first  # the tail stays where it is
+            if self._start > len(self._buf) - self._end:
+                # the space before it is the larger: taken back now, while the queue holds only the tail
+                # (at the next append it would also move the records queued meanwhile)
+                self._move_to_front()
         else:
             rest = self.view()[mask]
             self._start = self._end = 0

@@ -143,5 +143,6 @@ def view(address: int, valid: int) -> memoryview:
     array = _VIEW_TYPES.get(size)
     if array is None:
         array = _VIEW_TYPES[size] = ctypes.c_uint8 * size
-    # the slice is all that is exposed: nothing past ``valid`` is read
+    # The slice is all that may be read: the object behind it (``.obj``) is the whole power-of-two size
+    # and may run past the buffer's mapping, so nothing may touch it.
     return memoryview(array.from_address(address)).cast("B")[:valid]
