@@ -269,3 +269,37 @@ def test_a_waiting_process_whose_share_shrinks_is_applied_as_at_once_not_by_the_
     assert lazy[:3] == (0, 0, set()), lazy[:3]  # before: 7,100 pending_limit, 100 late, a resync asked for
     assert lazy == eager
     assert max(held) <= share(400_000, 64), held  # before: waited with 7,100 past its 6,250
+
+
+def test_the_recount_of_waiting_allocations_follows_the_chunks_as_they_come_split_and_go() -> None:
+    """Each waiting chunk's allocations are counted once and kept while it waits (a busy loop lets chunks wait
+    ten ticks): after random batches, watermarks that split chunks, applied ones and forgotten processes, the
+    guard's count at each tick is what counting every waiting chunk again gives."""
+    cfg = load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000})
+    pipeline = Pipeline(cfg.footprint)
+    guard = Guard(Limits(max_live_allocations_per_process=10**9, max_pending_records_per_process=10**9,
+                         max_pending_records=10**9, max_live_allocations=10**9))
+    rng = np.random.default_rng(4)
+    t0 = time.time_ns()
+    clock = {pid: t0 for pid in (5, 6, 7)}
+    for tick in range(300):
+        pid = int(rng.choice([5, 6, 7]))
+        roll = rng.random()
+        if roll < 0.6:
+            n = int(rng.integers(1, 400))
+            m = np.zeros(n, MEMORY_DTYPE)
+            m["ts"] = clock[pid] + np.arange(n) * 1000
+            clock[pid] += n * 1000
+            m["addr"] = rng.integers(1, 1 << 40, n) * 4096
+            m["op"] = rng.choice([1, 2, 0], n)
+            m["bytes"], m["pid"], m["mk"] = 4096, pid, 3
+            pipeline.submit(RecordKind.MEMORY, m)
+        elif roll < 0.9 and pid in pipeline.processes:
+            pipeline.watermark(pid, int(rng.integers(t0, clock[pid] + 1)))  # often inside a chunk: split
+        elif pid in pipeline.processes:
+            pipeline.processes.pop(pid)
+        guard.recount(pipeline.processes)
+        for p, proc in pipeline.processes.items():
+            tables = sum(len(fp.live) for fp in proc.devices.values())
+            waiting = sum(int(np.count_nonzero(c[2]["op"] == 1)) for c in proc.pending.get(RecordKind.MEMORY, ()))
+            assert guard.live.by_pid[p] == tables + waiting, (tick, p)

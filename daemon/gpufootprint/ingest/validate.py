@@ -17,6 +17,7 @@ bound implies.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -262,6 +263,9 @@ class Guard:
         self.offenders = Offenders()
         # pid -> devices admitted whose tables are not opened yet (their records wait for the watermark)
         self._new_devices: dict[int, set[int]] = {}
+        # The allocations in each waiting chunk of MEMORY records, counted once: id(chunk) -> (a weak
+        # reference to it, the count). While the loop is busy a chunk waits up to a second, ten ticks.
+        self._allocations_in: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
 
     @property
     def string_bytes(self) -> int:
@@ -295,7 +299,17 @@ class Guard:
         self.resyncs.add(pid, keep, self.census)
         return keep
 
+    def _waiting_allocations(self, chunk: np.ndarray, counted: dict[int, tuple[weakref.ref[np.ndarray], int]]) -> int:
+        """The allocations among a waiting chunk's records: counted at the first tick it waits, then kept (in
+        ``counted``, this tick's) while it is the same array."""
+        known = self._allocations_in.get(id(chunk))
+        if known is None or known[0]() is not chunk:
+            known = (weakref.ref(chunk), int(np.count_nonzero(chunk["op"] == MemoryOp.ALLOCATION)))
+        counted[id(chunk)] = known
+        return known[1]
+
     def recount(self, processes: dict[int, ProcessState]) -> None:
+        counted: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
         devices: dict[int, int] = {}
         live: dict[int, int] = {}
         pending: dict[int, int] = {}
@@ -311,11 +325,11 @@ class Guard:
             devices[pid] = len(proc.devices) + (len(waiting) if waiting else 0)
             # Waiting allocations become live ones: counted with them, so a flush adds nothing.
             live[pid] = sum(len(fp.live) for fp in proc.devices.values()) + sum(
-                int(np.count_nonzero(chunk[2]["op"] == MemoryOp.ALLOCATION))
-                for chunk in proc.pending.get(RecordKind.MEMORY, ()))
+                self._waiting_allocations(chunk[2], counted) for chunk in proc.pending.get(RecordKind.MEMORY, ()))
             pending[pid] = proc.pending_records
             kernels[pid] = (len(proc.kernels.array()) if proc.kernels is not None else 0) \
                 + (len(proc.launches.array()) if proc.launches is not None else 0)
+        self._allocations_in = counted  # the chunks that no longer wait are forgotten
         for room, usage in ((self.devices, devices), (self.live, live), (self.pending, pending),
                             (self.kernels, kernels), (self.metadata, self._metadata_of)):
             room.recount(usage, self.census)
