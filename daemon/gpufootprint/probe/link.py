@@ -76,7 +76,9 @@ class SocketLink:
         # the GIL (None: Python's socket calls, which let it go and must win it back behind busy threads).
         self._native = native
         self._rbuf = bytearray(_RECV_BYTES)
-        self._raddr = ctypes.addressof((ctypes.c_char * _RECV_BYTES).from_buffer(self._rbuf)) if native else 0
+        # held for the link's life: the bytearray cannot be resized (nor its memory move) while it is
+        self._rpin = (ctypes.c_char * _RECV_BYTES).from_buffer(self._rbuf) if native else None
+        self._raddr = ctypes.addressof(self._rpin) if self._rpin is not None else 0
         self.buffer_bytes = buffer_bytes
         self.backoff_max_s = backoff_max_s
         self._on_control = on_control
@@ -234,7 +236,8 @@ class SocketLink:
         if self._native is None:
             return sock.recv(_RECV_BYTES)
         n = _checked(int(self._native.gfp_recv(sock.fileno(), self._raddr, _RECV_BYTES)))
-        return bytes(self._rbuf[:n])
+        with memoryview(self._rbuf) as view:
+            return bytes(view[:n])
 
     def await_control(self, timeout_s: float, done: Callable[[], bool]) -> None:
         """Send what is queued and read control frames until ``done()``, waiting up to ``timeout_s`` in all
