@@ -135,7 +135,8 @@ def wants_verify(conn: Connection, frame: Frame) -> bool:
 
     A probe whose HELLO names the level of buffers it forwards is asked at that HELLO: until it is asked it
     reads CUPTI's buffers itself, which behind busy Python threads falls behind (numpy lets the GIL go)
-    and, asked only at its first watermark, it did so for a watermark period or more after each connect.
+    and, asked only at its first watermark (about half a watermark period in), it did so that long or more
+    after each connect.
     Any other probe is asked at its first WATERMARK, as before: one that does not know the op counts it
     and goes on; an older daemon never asks, so never meets either frame."""
     if conn.verify_asked:
