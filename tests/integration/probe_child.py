@@ -252,7 +252,7 @@ def main() -> int:
             end = time.monotonic() + 30
             while probe.status().get(key, 0) < int(n) and time.monotonic() < end:
                 time.sleep(0.01)
-        elif op == "forwarding":  # until the daemon has asked for CUPTI's buffers unread (at a watermark)
+        elif op == "forwarding":  # until the daemon has asked for CUPTI's buffers unread (at the HELLO)
             end = time.monotonic() + 20
             while not probe.current().sender._forward and time.monotonic() < end:
                 time.sleep(0.01)
