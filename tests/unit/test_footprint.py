@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from gpufootprint.config import FootprintConfig
 from gpufootprint.footprint.peaks import FramePeaks
 from gpufootprint.pipeline import Pipeline
@@ -112,6 +113,35 @@ def test_frame_peaks_window_equals_brute_force() -> None:
         held = int(levels[before][-1]) if before.any() else 0
         expect = max([held, *levels[inside].tolist()])
         assert peaks.window_peak(now, window_ns) == expect
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frame_peaks_window_equals_the_max_over_its_kept_frames_with_late_records_and_any_window(seed: int) -> None:
+    # The window's peak is kept as the frames whose peak no later frame reaches; it must answer what a
+    # walk over every kept frame answers, for windows that end now, in the past or in the future, after
+    # late records rewrote older frames and after the oldest frames were pruned.
+    rng = random.Random(seed)
+    frame_ns = 10 * MS
+    peaks = FramePeaks(frame_ns, rng.choice([50, 250, 1000]) * MS)
+    t = 10**12
+    level = 0
+    for _ in range(rng.randint(1, 60)):
+        n = rng.choice([1, 3, 40, 200])
+        gaps = rng.choices([0, MS, 7 * MS, 30 * MS, 300 * MS], k=n)
+        ts = t + np.cumsum(gaps).astype(np.int64)
+        if rng.random() < 0.2 and t > 10**12 + 500 * MS:  # late: before the open frame
+            ts = ts - rng.randint(20, 500) * MS
+        deltas = np.array(rng.choices([-7, -1, 0, 1, 2, 9, 30], k=n), dtype=np.int64)
+        peaks.add(np.sort(ts), deltas)
+        t = max(t, int(ts.max()))
+        level += int(deltas.sum())
+        for _ in range(4):
+            now = t + rng.choice([-400, -60, -10, 0, 0, 5, 200]) * MS
+            window = rng.choice([1, 10, 35, 100, 250, 2000]) * MS
+            first, last = (now - window) // frame_ns, now // frame_ns
+            inside = [p for start, p in peaks.frames() if first <= start // frame_ns <= last]
+            assert peaks.window_peak(now, window) == max([peaks.level, *inside])
+    assert peaks.level == level
 
 
 def test_bad_records_are_counted_once_each_and_nothing_else_is_lost() -> None:

@@ -69,6 +69,12 @@ class FramePeaks:
         self.runs: FrameRuns | None = None
         self._keep_frames = max(1, -(-keep_ns // frame_ns))
         self._frames: deque[tuple[int, int]] = deque()  # (frame index, peak), closed frames
+        # The closed frames whose peak is above every later closed frame's, oldest first (so their peaks
+        # fall): the highest peak from any frame on to the newest is the first of them at or after it.
+        # A 60 s window holds up to 6,000 frames a device, walked at every snapshot otherwise (64 processes
+        # at ten snapshots a second: most of a core). Rebuilt when a late record changed an older frame.
+        self._falling: deque[tuple[int, int]] = deque()
+        self._falling_stale = False
         self._open_idx = -1
         self._open_peak = 0
         self.level = 0  # bytes held after the last applied event
@@ -130,6 +136,7 @@ class FramePeaks:
             frames[i] = (fid, max(frames[i][1], peak))
         elif fid >= self._open_idx - self._keep_frames:
             frames.insert(i, (fid, peak))
+        self._falling_stale = True  # rebuilt at the next window: late records come in bursts, if at all
         self.late_frames += 1
 
     def add_one(self, ts: int, delta: int) -> LevelChanges:
@@ -146,7 +153,14 @@ class FramePeaks:
         best = self.level
         if first <= self._open_idx <= last:
             best = max(best, self._open_peak)
-        for fid, peak in reversed(self._frames):
+        frames = self._frames
+        if not frames or frames[-1][0] < first:
+            return best
+        if last >= frames[-1][0]:  # the window reaches the newest closed frame (a snapshot's always does)
+            falling = self._falling_frames()
+            i = bisect.bisect_left(falling, first, key=_frame_id)
+            return max(best, falling[i][1])  # i is in range: the newest closed frame is always kept there
+        for fid, peak in reversed(frames):  # a window that ends before it: walked
             if fid < first:
                 break
             if fid <= last:
@@ -162,13 +176,33 @@ class FramePeaks:
 
     def _close_open(self) -> None:
         if self._open_idx >= 0:
-            self._frames.append((self._open_idx, self._open_peak))
+            frame = (self._open_idx, self._open_peak)
+            self._frames.append(frame)
+            if not self._falling_stale:
+                falling = self._falling
+                while falling and falling[-1][1] <= frame[1]:
+                    falling.pop()
+                falling.append(frame)
+
+    def _falling_frames(self) -> deque[tuple[int, int]]:
+        if self._falling_stale:
+            kept: list[tuple[int, int]] = []
+            for frame in reversed(self._frames):
+                if not kept or frame[1] > kept[-1][1]:
+                    kept.append(frame)
+            kept.reverse()
+            self._falling = deque(kept)
+            self._falling_stale = False
+        return self._falling
 
     def _prune(self, newest: int) -> None:
         horizon = newest - self._keep_frames
         frames = self._frames
         while frames and frames[0][0] < horizon:
             frames.popleft()
+        falling = self._falling
+        while falling and falling[0][0] < horizon:
+            falling.popleft()
 
 
 def _frame_peaks_small(ts: list[int], deltas: list[int], level: int,
