@@ -134,9 +134,10 @@ class FramePeaks:
         i = bisect.bisect_left(frames, fid, key=_frame_id)
         if i < len(frames) and frames[i][0] == fid:
             frames[i] = (fid, max(frames[i][1], peak))
+            self._falling_stale = True  # rebuilt at the next window: late records come in bursts, if at all
         elif fid >= self._open_idx - self._keep_frames:
             frames.insert(i, (fid, peak))
-        self._falling_stale = True  # rebuilt at the next window: late records come in bursts, if at all
+            self._falling_stale = True
         self.late_frames += 1
 
     def add_one(self, ts: int, delta: int) -> LevelChanges:
