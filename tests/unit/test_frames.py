@@ -187,6 +187,22 @@ def test_migration_windows_count_um_transfers_faults_and_host_device_copies(tmp_
     assert sum(b.page_faults.values()) == sum(e["cpu"] + e["gpu"] for e in expect.values())
 
 
+def test_recent_migration_windows_are_the_last_ones_closed_of_the_whole_history(tmp_path: Path) -> None:
+    # Each snapshot reads the windows closed in the last second; they must be exactly those of the whole
+    # history (in time order), whichever moment the snapshot is as of, with windows missing in between.
+    lines = [um(T0 + i * 7 * MS + 3, [1, 2, 3, 4, 8][i % 5], 4096) for i in range(1500) if (i // 40) % 3]
+    pipeline = replay(write_jsonl(tmp_path / "um.jsonl", lines))
+    b = pipeline.hub.builders[(4242, 0)]
+    every = b.migration_windows()
+    assert len(every) > 60
+    width = 50 * MS
+    for as_of in [T0 - width, T0, T0 + 3 * width + 1, *(T0 + k * 37 * MS for k in range(0, 330, 7)), T0 + 10**12]:
+        last_closed = as_of // width - 1
+        expect = [w for w in every if last_closed - 20 < w.start_ns // width <= last_closed]
+        assert b.recent_migration_windows(as_of) == expect
+        assert b.recent_migration_windows(as_of, n=3) == [w for w in expect if w.start_ns // width > last_closed - 3]
+
+
 def test_align_pcie_attaches_the_sample_taken_inside_each_window() -> None:
     w = [MigrationWindow(i * 50 * MS, 50 * MS, {}, {}, {}, 0, 0) for i in range(3)]
     samples = [(10 * MS, 100.0, 1.0), (40 * MS, 300.0, 3.0), (120 * MS, 7.0, 8.0)]

@@ -407,22 +407,24 @@ class FrameBuilder:
         return out
 
     def migration_windows(self) -> list[MigrationWindow]:
-        out = []
-        for wid in sorted(self._windows):
-            w = self._windows[wid]
-            out.append(MigrationWindow(
-                start_ns=wid * self.migration_ns, width_ns=self.migration_ns,
-                um_transfers={"htod": w[0], "dtoh": w[1], "dtod": w[2]},
-                um_bytes={"htod": w[3], "dtoh": w[4], "dtod": w[5]},
-                page_faults={"cpu": w[6], "gpu": w[7]}, copies=w[8], copy_bytes=w[9]))
-        return out
+        return [self._migration_window(wid) for wid in sorted(self._windows)]
 
     def recent_migration_windows(self, as_of_ns: int, n: int = 20) -> list[MigrationWindow]:
-        """The windows with activity among the last ``n`` closed by ``as_of_ns`` (default: 1 s)."""
+        """The windows with activity among the last ``n`` closed by ``as_of_ns`` (default: 1 s).
+
+        Built for those ``n`` only: every snapshot asks, and the history holds up to 258 windows a
+        device (``features.keep_seconds`` 10 s of 50 ms, a quarter more before it is pruned)."""
         last_closed = as_of_ns // self.migration_ns - 1
-        wids = [w for w in range(last_closed - n + 1, last_closed + 1) if w in self._windows]
-        keep = set(wids)
-        return [w for w in self.migration_windows() if w.start_ns // self.migration_ns in keep]
+        return [self._migration_window(wid) for wid in range(last_closed - n + 1, last_closed + 1)
+                if wid in self._windows]
+
+    def _migration_window(self, wid: int) -> MigrationWindow:
+        w = self._windows[wid]
+        return MigrationWindow(
+            start_ns=wid * self.migration_ns, width_ns=self.migration_ns,
+            um_transfers={"htod": w[0], "dtoh": w[1], "dtod": w[2]},
+            um_bytes={"htod": w[3], "dtoh": w[4], "dtod": w[5]},
+            page_faults={"cpu": w[6], "gpu": w[7]}, copies=w[8], copy_bytes=w[9])
 
     def migration_rate_hz(self, as_of_ns: int) -> float | None:
         """Migration frequency of the last window closed by ``as_of_ns`` (None before any)."""
