@@ -144,6 +144,24 @@ def test_frame_peaks_window_equals_the_max_over_its_kept_frames_with_late_record
     assert peaks.level == level
 
 
+def test_a_late_record_that_raises_a_closed_frame_is_the_windows_peak_at_once() -> None:
+    # A late record can land in a closed frame that is already kept (not a new one): the frames that no
+    # later frame passes must be rebuilt, or the raised frame hides behind a newer, lower one.
+    frame_ns = 10 * MS
+    peaks = FramePeaks(frame_ns, 1000 * MS)
+    t0 = 10**12
+    ts = np.array([t0 + k * frame_ns for k in range(10)], dtype=np.int64)
+    peaks.add(ts, np.array([100, -10, 5, -5, 1, -1, 1, -1, 1, -1], dtype=np.int64))  # 100 in frame 0, then lower
+    now = int(ts[-1]) + 1
+    assert peaks.window_peak(now, 500 * MS) == 100
+    # Late: +1000 then -1000 inside frame 3, which closed long ago.
+    peaks.add(np.array([t0 + 3 * frame_ns + 5, t0 + 3 * frame_ns + 6], dtype=np.int64),
+              np.array([1000, -1000], dtype=np.int64))
+    assert peaks.window_peak(now, 500 * MS) >= 1000
+    assert peaks.window_peak(now, 500 * MS) == max(p for _, p in peaks.frames())
+    assert peaks.late_frames == 1
+
+
 def test_bad_records_are_counted_once_each_and_nothing_else_is_lost() -> None:
     pipeline = Pipeline(FootprintConfig(reorder_window_ms=0))
     rows = [mem(1 * MS, ALLOC, 0x10, 64), mem(2 * MS, FREE, 0x99, 64),  # release with no allocation
