@@ -521,3 +521,28 @@ def test_a_disabled_sampler_passes_a_long_gap_in_a_few_steps_as_it_would_interva
                                                                               ref.cursor)
     assert short.rate_ewma == pytest.approx(ref.rate_ewma, rel=1e-9, abs=0)
     assert short.range_ewma == pytest.approx(ref.range_ewma, rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_where_a_burst_starts_is_the_same_walked_or_with_numpy(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A few level changes are walked in Python; many with numpy's running max and min. Both must find the
+    # same first change at which the interval's range meets the footprint rule, whatever the levels, the
+    # level on entering, the rule's thresholds and the usual range.
+    rng = np.random.default_rng(seed)
+    cfg = SamplerConfig()
+    walked, numpy_only = ProcessSampler(1, cfg), ProcessSampler(1, cfg)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        ts = np.sort(rng.integers(0, 10**9, n)).astype(np.int64)
+        total = int(rng.integers(0, 1 << 34)) + np.cumsum(rng.choice([-1, 1], n) * rng.integers(0, 1 << 31, n))
+        entering = int(rng.integers(0, 1 << 34))
+        usual = [None, 0.0, float(rng.integers(0, 1 << 32))][int(rng.integers(0, 3))]
+        i = int(rng.integers(0, n))
+        j = int(rng.integers(i, n + 1))
+        for s in (walked, numpy_only):
+            s.range_ewma = usual
+        monkeypatch.setattr(sampler_state, "_SMALL", 64)
+        got = walked._volatile_change(ts, total.astype(np.int64), i, j, entering)
+        monkeypatch.setattr(sampler_state, "_SMALL", 0)
+        expect = numpy_only._volatile_change(ts, total.astype(np.int64), i, j, entering)
+        assert got == expect and type(got) is int

@@ -480,12 +480,23 @@ class ProcessSampler:
         lv = total[i:j]
         if len(lv) == 0:
             return int(mem_ts[i]) if i < len(mem_ts) else 0
-        hi = np.maximum.accumulate(np.maximum(lv, entering))
-        lo = np.minimum.accumulate(np.minimum(lv, entering))
         cfg = self.config
         floor = max(entering, cfg.volatile_min_bytes)
         need = max(cfg.volatile_min_bytes, cfg.volatile_rel_change * floor, 1)
         usual = cfg.range_jump_factor * (self.range_ewma or 0.0)
+        if len(lv) <= _SMALL:
+            # A few changes (a quiet process's flush): walked, as numpy's eight calls cost more than the walk.
+            hi = lo = entering
+            for k, v in enumerate(lv.tolist()):
+                if v > hi:  # noqa: PLR1730 - comparisons, not calls of max and min, per event
+                    hi = v
+                if v < lo:  # noqa: PLR1730
+                    lo = v
+                if hi - lo >= need and hi - lo > usual:
+                    return mem_ts.item(i + k)
+            return mem_ts.item(i)
+        hi = np.maximum.accumulate(np.maximum(lv, entering))
+        lo = np.minimum.accumulate(np.minimum(lv, entering))
         rng = hi - lo
         hit = ((rng >= need) & (rng > usual)).nonzero()[0]
         return int(mem_ts[i + int(hit[0])]) if len(hit) else int(mem_ts[i])
