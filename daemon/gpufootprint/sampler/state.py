@@ -486,15 +486,15 @@ class ProcessSampler:
         usual = cfg.range_jump_factor * (self.range_ewma or 0.0)
         if len(lv) <= _SMALL:
             # A few changes (a quiet process's flush): walked, as numpy's eight calls cost more than the walk.
-            hi = lo = entering
+            top = bottom = entering
             for k, v in enumerate(lv.tolist()):
-                if v > hi:  # noqa: PLR1730 - comparisons, not calls of max and min, per event
-                    hi = v
-                if v < lo:  # noqa: PLR1730
-                    lo = v
-                if hi - lo >= need and hi - lo > usual:
-                    return mem_ts.item(i + k)
-            return mem_ts.item(i)
+                if v > top:  # noqa: PLR1730 - comparisons, not calls of max and min, per event
+                    top = v
+                if v < bottom:  # noqa: PLR1730
+                    bottom = v
+                if top - bottom >= need and top - bottom > usual:
+                    return int(mem_ts.item(i + k))
+            return int(mem_ts.item(i))
         hi = np.maximum.accumulate(np.maximum(lv, entering))
         lo = np.minimum.accumulate(np.minimum(lv, entering))
         rng = hi - lo
