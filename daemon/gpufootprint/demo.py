@@ -46,6 +46,7 @@ from gpufootprint.ingest.session import Session
 from gpufootprint.nvml.simulated import SimulatedNvml
 from gpufootprint.records import COPY_KIND_NAMES, RecordKind
 from gpufootprint.replay import Pacer, frame_time_ns, load_frames, paced, shift_frame
+from gpufootprint.signals import on_signal
 from gpufootprint.snapshot import PipelineSnapshot
 from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_json
 
@@ -252,7 +253,8 @@ def run_demo(app: App, *, speed: float, duration: float | None, traces: list[Pat
     if threading.current_thread() is threading.main_thread():
         # As PID 1 in a container, SIGTERM has no default action: without a handler `docker stop`
         # and compose wait out their grace period and then kill.
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.set())
+        # Set by the signals thread, not in the handler: this thread waits on ``stop`` (gpufootprint/signals.py).
+        on_signal(signal.SIGTERM, lambda _signum: stop.set())
     app.start()
     url = app.http.url if app.http else "(no --listen)"
     print(f"gpufootprint demo serving {url}", flush=True)

@@ -5,6 +5,7 @@ namespace (as in a container) stopping on SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -169,6 +170,7 @@ def test_demo_and_daemon_stop_on_sigterm_as_pid_1(command: str, tmp_path: Path) 
     if command == "daemon":
         argv += ["--socket", str(tmp_path / "p.sock")]
     p = _as_pid_1(argv)
+    init = 0
     try:
         init = _child_of(p.pid)
         deadline = time.monotonic() + 60
@@ -182,6 +184,11 @@ def test_demo_and_daemon_stop_on_sigterm_as_pid_1(command: str, tmp_path: Path) 
         _, err = p.communicate(timeout=30)
     finally:
         if p.poll() is None:
+            # The namespace's init holds the pipes too: killing unshare alone left communicate() waiting
+            # forever when the daemon hung (a CI rehearsal, 2026-12-06).
+            if init:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, signal.SIGKILL)
             p.kill()
             p.communicate()
     assert p.returncode == 0, err[-2000:]

@@ -21,6 +21,7 @@ from gpufootprint.configload import load_config, parse_set_option
 from gpufootprint.errors import ConfigError, TraceError
 from gpufootprint.log import setup_logging
 from gpufootprint.outfile import atomic_output, probe_writable
+from gpufootprint.signals import on_signal, restore
 
 log = logging.getLogger("gpufootprint.cli")
 
@@ -180,15 +181,15 @@ class Interrupt:
     def exit_code(self) -> int:
         return 128 + self._signum  # the shell's convention for a process ended by a signal
 
-    def _handler(self, signum: int, _frame: object) -> None:
+    def _on_signal(self, signum: int) -> None:  # on the signals thread (gpufootprint/signals.py), not in the handler
         if self.signal is None:
             self.signal, self._signum = signal.Signals(signum).name, signum
         self.stop.set()
 
     def __enter__(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+            self._old = {s: on_signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def __exit__(self, *exc: object) -> None:
         for s, old in self._old.items():
-            signal.signal(s, old)
+            restore(s, old)

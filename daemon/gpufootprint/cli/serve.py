@@ -9,7 +9,6 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType as _PyFrame
 from typing import TYPE_CHECKING
 
 import yaml
@@ -25,6 +24,7 @@ from gpufootprint.cli.common import (
 )
 from gpufootprint.configload import config_to_dict
 from gpufootprint.errors import ConfigError, TraceError
+from gpufootprint.signals import on_signal
 
 if TYPE_CHECKING:
     from gpufootprint.app import App
@@ -125,16 +125,18 @@ def install_signal_handlers(stop: threading.Event, hup: threading.Event) -> None
     """SIGTERM/SIGINT set ``stop``, SIGHUP sets ``hup``. Call it first thing, before the
     configuration is read and the daemon starts: until then a SIGHUP would kill the process."""
 
-    def _handler(signum: int, _frame: _PyFrame | None) -> None:
+    def _stop(signum: int) -> None:
         _signal_log.info("signal %s: shutting down", signal.Signals(signum).name)
         stop.set()
 
-    def _hup(_signum: int, _frame: _PyFrame | None) -> None:
-        hup.set()  # the work happens on a reload thread, never in the handler
+    def _hup(_signum: int) -> None:
+        hup.set()  # the work happens on a reload thread
 
-    signal.signal(signal.SIGTERM, _handler)
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGHUP, _hup)
+    # Acted on by the signals thread, not in the handler: the main thread waits on ``stop`` and may hold
+    # its lock when the signal comes (gpufootprint/signals.py).
+    on_signal(signal.SIGTERM, _stop)
+    on_signal(signal.SIGINT, _stop)
+    on_signal(signal.SIGHUP, _hup)
 
 
 def wait_for_signal(app: App, stop: threading.Event, reload: Callable[[], Config] | None = None,
