@@ -19,8 +19,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _start_lock = threading.Lock()
-_actions: dict[int, Callable[[int], None]] = {}
+_actions: dict[int, Callable[[int], None]] = {}  # the action of each signal now
+_handlers: dict[Any, Callable[[int], None]] = {}  # each handler made here, and its action: put back by restore
+_flushes: list[threading.Event] = []  # set, in order, as the thread reads each FLUSH byte
 _write_fd: int | None = None
+
+#: Written by ``restore`` after the handler is put back: every signal written before it is acted on first.
+FLUSH = 0
 
 
 def _deliver(read_fd: int) -> None:
@@ -29,6 +34,10 @@ def _deliver(read_fd: int) -> None:
         if not data:
             return
         for signum in data:
+            if signum == FLUSH:
+                if _flushes:
+                    _flushes.pop(0).set()
+                continue
             action = _actions.get(signum)
             if action is None:
                 continue
@@ -61,10 +70,26 @@ def on_signal(signum: int, action: Callable[[int], None]) -> Any:
         except OSError:  # the pipe is full: signals enough are on their way already
             pass
 
+    _handlers[_handler] = action
     return signal.signal(signum, _handler)
 
 
-def restore(signum: int, handler: Any) -> None:
-    """Put back ``handler`` (what ``on_signal`` returned) and forget the action."""
-    signal.signal(signum, handler)
-    _actions.pop(signum, None)
+def restore(signum: int, handler: Any, wait_s: float = 1.0) -> None:
+    """Put back ``handler`` (what ``on_signal`` returned). A signal that came before is acted on first
+    (up to ``wait_s``): one that lands as a block ends is not lost. If ``handler`` was made here, its
+    action is the signal's action again (nested uses)."""
+    current = signal.signal(signum, handler)
+    if _write_fd is not None:
+        done = threading.Event()
+        _flushes.append(done)
+        try:
+            os.write(_write_fd, bytes((FLUSH,)))
+        except OSError:
+            _flushes.remove(done)
+        else:
+            done.wait(wait_s)
+    _handlers.pop(current, None)
+    if handler in _handlers:
+        _actions[signum] = _handlers[handler]
+    else:
+        _actions.pop(signum, None)

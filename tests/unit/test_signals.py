@@ -75,3 +75,36 @@ print(len(calls))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20, check=False)
     assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
     assert "first one fails" in r.stderr  # logged, not swallowed
+
+
+def test_a_signal_that_lands_as_an_interrupt_block_ends_is_not_lost() -> None:
+    # The handler only queues the signal: the block's end must let the signals thread act on it before the
+    # action is forgotten (a review saw 65 of 200 lost before).
+    script = _PRELUDE + """
+from gpufootprint.cli.common import Interrupt
+lost = 0
+for _ in range(200):
+    it = Interrupt()
+    with it:
+        os.kill(os.getpid(), signal.SIGTERM)
+    lost += it.signal is None
+print(lost)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr[-2000:])
+
+
+def test_nested_interrupts_give_the_signal_back_to_the_outer_one() -> None:
+    script = _PRELUDE + """
+import time
+from gpufootprint.cli.common import Interrupt
+outer, inner = Interrupt(), Interrupt()
+with outer:
+    with inner:
+        pass
+    os.kill(os.getpid(), signal.SIGINT)
+    assert outer.stop.wait(5)
+print(outer.signal, inner.signal)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "SIGINT None", (r.stdout, r.stderr[-2000:])
