@@ -3,7 +3,8 @@
 # .whl (carry dist and .whl), the GPU tests that read the probe's delivery, PyTorch's figures, failed allocations
 # and OOMs, the callbacks' own cost (bench/callback_cost.py) and the live daemon's cost (bench/load.py).
 # Everything it writes goes to $OUT/native.tgz.
-#   bash bench/device_native.sh [TESTS_TIMEOUT]   (env: TESTS=..., CALLBACK=0 and LOAD=0 skip the benches)
+#   bash bench/device_native.sh [TESTS_TIMEOUT]   (env: TESTS=..., CALLBACK=0 and LOAD=0 skip
+#   either bench; the load bench runs after the tests even when the callback bench is skipped)
 set -uo pipefail
 O=${OUT:?}; R=/tmp/native; mkdir -p "$R"; T0=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -24,13 +25,13 @@ GPUFOOTPRINT_GPU_OUT=$R timeout "${1:-330}" python3 -m pytest -q -p no:cacheprov
   ${TESTS:-tests/gpu/test_probe_gpu.py tests/gpu/test_torch_figures_gpu.py tests/gpu/test_live_failure_gpu.py} \
   > "$R/gpu_tests.log" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$R/gpu_tests.log" | tail -30
-[ "${CALLBACK:-1}" = 0 ] && { echo "no callback cost run (CALLBACK=0)"; exit 0; }
+if [ "${CALLBACK:-1}" = 0 ]; then echo "no callback cost run (CALLBACK=0)"; else
 for busy in 0 1; do
   c=$([ $busy = 0 ] && echo 20000 || echo 300)
   timeout 120 python3 bench/callback_cost.py --cycles $c --reps 5 --busy $busy --json "$R/callback_cost_busy$busy.json" > "$R/callback_cost_busy$busy.txt" 2>&1
   cat "$R/callback_cost_busy$busy.txt"
 done
-echo "callback cost done at $(( $(date +%s) - T0 )) s"
+echo "callback cost done at $(( $(date +%s) - T0 )) s"; fi
 [ "${LOAD:-1}" = 0 ] && { echo "no load run (LOAD=0)"; exit 0; }
 timeout 150 python3 bench/load.py --rates 500000,2000000 --seconds 8 --frames cupti --json "$R/load.json" > "$R/load.txt" 2>&1
 tail -25 "$R/load.txt"; echo "all done at $(( $(date +%s) - T0 )) s"
