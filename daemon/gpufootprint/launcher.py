@@ -27,7 +27,7 @@ from typing import IO
 import numpy as np
 
 from gpufootprint.errors import GpuFootprintError
-from gpufootprint.records import DTYPES, RecordKind
+from gpufootprint.records import DTYPES, RecordKind, copy_records
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import PREAMBLE, Frame, FrameDecoder, FrameType
 from gpufootprint.wire.probe_options import ProbeOptions
@@ -202,7 +202,7 @@ class Relay:
             data = framing.encode_json(FrameType.STRINGS, {str(int(k) | shift): v for k, v in body.items()
                                                            if k.isdigit()})
         elif shift and frame.type is FrameType.BATCH and frame.tag == RecordKind.KERNEL:
-            recs = frame.records().copy()
+            recs = copy_records(frame.records())
             recs["name_id"] |= np.uint32(shift)
             data = framing.encode_batch(RecordKind.KERNEL, recs)
         if frame.type is FrameType.RESYNC_BEGIN:

@@ -433,6 +433,29 @@ def select(recs: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return chosen.view(recs.dtype).reshape(len(chosen))
 
 
+def copy_records(recs: np.ndarray) -> np.ndarray:
+    """``recs.copy()`` for a 1-D record array, as ``take`` does it: numpy copies a structured dtype field by
+    field (about 25 us for 390 MEMORY records, 170 us for 3,000), their words at memory speed (3 and 10 us)."""
+    rows = _rows(recs)
+    if rows is None:
+        copied: np.ndarray = recs.copy()
+        return copied
+    return rows.copy().view(recs.dtype).reshape(len(recs))
+
+
+def holds_only_itself(recs: np.ndarray) -> bool:
+    """Whether keeping ``recs`` keeps no other bytes alive and shares them with nobody outside numpy's own
+    views: it owns its data, or it views the whole of an array that does (what ``join``, ``take`` and
+    ``select`` return). A view into a frame's bytes (``np.frombuffer``), or into part of a larger array,
+    does not."""
+    base = recs.base
+    while isinstance(base, np.ndarray):
+        if base.base is None:
+            return base.nbytes == recs.nbytes and bool(recs.flags.c_contiguous)
+        base = base.base
+    return base is None
+
+
 def _rows(recs: np.ndarray) -> np.ndarray | None:
     """The records as a 2-D array of their little-endian words (a view), or None where they cannot be."""
     dtype = recs.dtype

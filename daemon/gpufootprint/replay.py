@@ -13,7 +13,7 @@ import numpy as np
 
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.records import TIME_FIELD, RecordKind
+from gpufootprint.records import TIME_FIELD, RecordKind, copy_records
 from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_json, encode_watermark
 from gpufootprint.wire.sources import TraceFile
 
@@ -181,7 +181,7 @@ def shift_frame(frame: Frame, delta_ns: int, pid: int | None = None) -> Frame:
     """The same frame with every timestamp moved by ``delta_ns`` (and pid replaced): for looping demos."""
     if frame.type is FrameType.BATCH:
         kind = RecordKind(frame.tag)
-        recs = frame.records().copy()
+        recs = copy_records(frame.records())
         for name in _SHIFT_FIELDS[kind]:
             recs[name] = (recs[name].astype("i8") + delta_ns).astype("u8")
         if pid is not None:

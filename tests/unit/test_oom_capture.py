@@ -86,6 +86,34 @@ def test_recent_records_keep_the_window_and_say_from_when_nothing_is_missing() -
     assert small.covered_from(1) == T0 + 1
 
 
+def test_recent_records_own_what_they_keep_and_copy_only_what_is_not_their_own() -> None:
+    # GIVEN the records of a decoded frame (a view into the frame's bytes), a part of a larger array, and a
+    # chunk joined from two (a whole array of its own, as the pipeline applies them)
+    import numpy as np
+    from gpufootprint.records import holds_only_itself, join
+
+    rows = mem_batch([mem(T0 + i, ALLOC, 0x1000 + i, 8, pid=1) for i in range(6)])
+    frame_bytes = bytearray(rows.tobytes())
+    decoded = np.frombuffer(frame_bytes, dtype=rows.dtype)
+    larger = rows.copy()
+    joined = join([rows[:3].copy(), rows[3:].copy()])
+    assert not holds_only_itself(decoded) and not holds_only_itself(larger[1:4]) and holds_only_itself(joined)
+    assert holds_only_itself(rows.copy()) and not holds_only_itself(larger[::2])
+    recent = RecentRecords(seconds=100, max_bytes=1 << 30)
+    # WHEN each is kept, and the frame's bytes and the larger array change afterwards
+    recent.add(1, RecordKind.MEMORY, decoded)
+    recent.add(2, RecordKind.MEMORY, larger[1:4])
+    recent.add(3, RecordKind.MEMORY, joined)
+    frame_bytes[:] = bytes(len(frame_bytes))
+    larger["bytes"] = 0
+    # THEN what was kept is what was added: the views were copied, the joined chunk kept as it is
+    assert recent.window(1, 0)[RecordKind.MEMORY].tobytes() == rows.tobytes()
+    assert recent.window(2, 0)[RecordKind.MEMORY].tobytes() == rows[1:4].tobytes()
+    kept = recent._procs[3].chunks[0][3]
+    assert kept is joined and recent.window(3, 0)[RecordKind.MEMORY].tobytes() == rows.tobytes()
+    assert recent.total_bytes == 2 * rows.nbytes + 3 * rows.itemsize
+
+
 def _workload(session: Session) -> None:
     """60 MiB held from before the window, a 30 MiB buffer freed in it, growth up to the failure."""
     hello = encode_json(FrameType.HELLO, {"pid": 42, "start_time": 7, "argv": ["train.py", "--big"]})

@@ -434,7 +434,7 @@ def test_a_stream_of_small_batches_leaves_what_the_numpy_checks_and_groupings_le
 def test_records_taken_as_rows_of_words_equal_numpy_fancy_indexing(seed: int) -> None:
     # GIVEN record arrays of every kind (random bytes; contiguous, read-only, or a strided view),
     # random integer orders (empty, repeated positions, negative ones, argsorts) and random masks
-    from gpufootprint.records import DTYPES, select, take
+    from gpufootprint.records import DTYPES, copy_records, select, take
 
     rng = np.random.default_rng(seed)
     for dtype in DTYPES.values():
@@ -450,7 +450,8 @@ def test_records_taken_as_rows_of_words_equal_numpy_fancy_indexing(seed: int) ->
                      else rng.integers(-m, m, int(rng.integers(0, 2 * m + 1))) if m else np.zeros(0, np.int64))
             mask = rng.random(m) < rng.choice([0.0, 0.5, 1.0])
             # THEN the same records in the same order, dtype and shape, in a new writable array
-            for got, want in ((take(recs, order), recs[order]), (select(recs, mask), recs[mask])):
+            for got, want in ((take(recs, order), recs[order]), (select(recs, mask), recs[mask]),
+                              (copy_records(recs), recs.copy())):
                 assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
                 assert got.flags.writeable and not np.shares_memory(got, recs)
 

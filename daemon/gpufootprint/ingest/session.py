@@ -34,7 +34,7 @@ from gpufootprint.ingest.validate import (
 )
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.probecounters import clean_counters
-from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind
+from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind, copy_records
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
 
@@ -330,7 +330,7 @@ class Session:
         if self.ns_pid is not None and len(recs):
             mine = recs["pid"] == self.ns_pid
             if mine.any():
-                recs = recs.copy()
+                recs = copy_records(recs)
                 recs["pid"][mine] = self.peer_pid
         if self.peer_pid is not None:
             foreign = recs["pid"] != self.peer_pid
@@ -398,7 +398,7 @@ class Session:
         n = int(ahead.sum())
         self.problem("future_timestamp", f"{self.name}: {n} {kind.name} records stamped more than the allowed "
                                          f"skew ahead of the daemon's clock: clamped to it")
-        recs = recs.copy()
+        recs = copy_records(recs)
         if "end" in (recs.dtype.names or ()):  # keep durations: move the interval, not just its start
             recs["end"][ahead] = recs["end"][ahead] - recs[field][ahead] + np.uint64(limit)
         recs[field][ahead] = limit

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpufootprint.records import DTYPES, TIME_FIELD, RecordKind
+from gpufootprint.records import DTYPES, TIME_FIELD, RecordKind, copy_records, holds_only_itself
 
 
 @dataclass
@@ -51,8 +51,9 @@ class RecentRecords:
             r = self._procs[pid] = _Recent(order=self._order)
         times = recs[TIME_FIELD[kind]]
         lo, hi = int(times.min()), int(times.max())
-        # A view into a large decoded frame would keep the whole frame alive: own the rows.
-        own = recs if recs.base is None else recs.copy()
+        # A view into a large decoded frame would keep the whole frame alive (and could see its bytes
+        # change): own the rows. A joined or sorted chunk is already a whole array of its own: kept as it is.
+        own = recs if holds_only_itself(recs) else copy_records(recs)
         r.chunks.append((lo, hi, kind, own))
         r.nbytes += own.nbytes
         self.total_bytes += own.nbytes

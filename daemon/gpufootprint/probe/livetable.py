@@ -25,6 +25,7 @@ from gpufootprint.records import (
     MemoryKind,
     MemoryOp,
     ReusedAddresses,
+    copy_records,
 )
 from gpufootprint.wire import cupti_layout
 
@@ -59,7 +60,7 @@ class LiveTable:
     def add(self, recs: np.ndarray) -> None:
         """Queue MEMORY records as CUPTI delivered them; ``advance`` applies them in time order."""
         if len(recs):
-            self.pending.append(recs.copy())
+            self.pending.append(copy_records(recs))
 
     def add_raw(self, structs: np.ndarray, pid: int) -> None:
         """Queue MEMORY2 structs (a view of a CUPTI buffer: copied here) for ``advance``."""
