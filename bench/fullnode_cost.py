@@ -47,11 +47,16 @@ FLUSH_NS = 100_000_000
 
 
 def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
-        prof: cProfile.Profile | None, flush_ns: int = FLUSH_NS, busy: bool = False) -> dict[str, float]:
+        prof: cProfile.Profile | None, flush_ns: int = FLUSH_NS, busy: bool = False,
+        oom: bool = True) -> dict[str, float]:
     config = Config()
     clock = [0.0]
     pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler),
                         monotonic=lambda: clock[0])
+    if oom and config.oom.enabled:
+        # The OOM capture's tap, as the daemon attaches it (app.py): it keeps each process's applied records.
+        from gpufootprint.oom.manager import OomManager
+        pipeline.hub.taps.append(OomManager(config.oom, pipeline, monotonic=lambda: clock[0]).on_records)
     if busy:  # what the ingest loop does while it is busy: watermarks wait, the snapshot is rebuilt less often
         pipeline.coalesce_s = COALESCE_S
     tick_ns = config.daemon.tick_ms * 1_000_000
@@ -134,11 +139,14 @@ def main() -> int:
     ap.add_argument("--flush-ms", type=float, default=100.0, help="each probe's flush period")
     ap.add_argument("--busy", action="store_true",
                     help="as the ingest loop runs while busy: watermarks wait up to COALESCE_S, snapshots that often")
+    ap.add_argument("--no-oom", action="store_true",
+                    help="without the OOM capture's tap (the daemon has it unless oom.enabled is false)")
     ap.add_argument("--profile")
     ap.add_argument("--src", help="the daemon/ folder of the revision to measure (default: this tree's)")
     args = ap.parse_args()
     prof = cProfile.Profile() if args.profile else None
-    res = run(args.probes, args.devices_per_probe, args.gpus, args.rate, args.seconds, prof, int(args.flush_ms * 1e6), args.busy)
+    res = run(args.probes, args.devices_per_probe, args.gpus, args.rate, args.seconds, prof, int(args.flush_ms * 1e6), args.busy,
+              not args.no_oom)
     res["src"] = _SRC
     print(json.dumps(res))
     if prof is not None:
