@@ -10,7 +10,7 @@ share of the period left waiting, and prints the CPU time (``time.thread_time``)
 (``add_raw``, which copies each buffer's structs and may move the queue within its array) and of the
 advances, and their sum. The tree measured is this file's: for a side-by-side run copy it into the other tree.
 
-Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R]
+Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R] [--threads T]
 """
 
 from __future__ import annotations
@@ -33,24 +33,35 @@ from gpufootprint.wire import cupti_layout  # noqa: E402
 PER_BUFFER = 512
 
 
-def one_round(watermarks: int, buffers: int, waiting: float) -> tuple[float, float]:
-    """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances."""
+def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1) -> tuple[float, float]:
+    """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances.
+
+    ``threads`` > 1: CUPTI's per-thread buffers, as several allocating threads give them: each group of
+    ``threads`` buffers covers one stretch of time, its records interleaved (thread j's at j, j + threads, ...;
+    addresses of their own), and each watermark falls in the middle of a group, so what waits is not the
+    queue's tail but every other stretch of the group's buffers and the groups after."""
     buf = np.zeros(PER_BUFFER, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
     buf["op"] = np.tile([1, 2], PER_BUFFER // 2)  # allocation, release
     buf["mk"] = 3  # device
     buf["bytes"] = 4096
-    buf["address"] = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
+    base_addr = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
     table, ts, cpu, queueing, n = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0.0, 0
+    groups = max(1, buffers // threads)
     for _ in range(watermarks):
-        for _ in range(buffers):
-            buf["timestamp"] = ts + np.arange(PER_BUFFER)
-            ts += PER_BUFFER
-            t = time.thread_time()
-            table.add_raw(buf, 1)
-            queueing += time.thread_time() - t
-            n += PER_BUFFER
+        for _ in range(groups):
+            for j in range(threads):
+                buf["address"] = base_addr + (j << 32)
+                buf["timestamp"] = ts + j + threads * np.arange(PER_BUFFER)
+                t = time.thread_time()
+                table.add_raw(buf, 1)
+                queueing += time.thread_time() - t
+                n += PER_BUFFER
+            ts += threads * PER_BUFFER
+        cut = ts - int(waiting * groups) * threads * PER_BUFFER
+        if threads > 1:
+            cut -= threads * PER_BUFFER // 2 + 1  # mid-group: an allocation and its release on either side
         t = time.thread_time()
-        table.advance(ts - int(waiting * buffers) * PER_BUFFER)
+        table.advance(cut)
         cpu += time.thread_time() - t
     return queueing / n * 1e6, cpu / n * 1e6
 
@@ -61,13 +72,15 @@ def main() -> int:
     ap.add_argument("--buffers", type=int, default=110, help="buffers a watermark period (110: 56,320 records)")
     ap.add_argument("--waiting", type=float, default=0.5, help="share of a period's records left waiting")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="allocating threads whose CUPTI buffers interleave in time (1: records in time order)")
     args = ap.parse_args()
     import gpufootprint
 
     print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
           f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
-          f"{args.buffers * PER_BUFFER} records, {args.waiting:g} of each left waiting")
-    runs = [one_round(args.watermarks, args.buffers, args.waiting) for _ in range(args.rounds)]
+          f"{args.buffers * PER_BUFFER} records, {args.waiting:g} of each left waiting, {args.threads} thread(s)")
+    runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads) for _ in range(args.rounds)]
     for name, us in (("queueing (add_raw)", [r[0] for r in runs]), ("advance", [r[1] for r in runs]),
                      ("both", [r[0] + r[1] for r in runs])):
         print(f"{name:18s} median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")

@@ -13,7 +13,7 @@ import numpy as np
 
 from gpufootprint.ingest.session import Session
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.records import TIME_FIELD, RecordKind, copy_records
+from gpufootprint.records import TIME_FIELD, RecordKind, copy_records, take
 from gpufootprint.wire.framing import HEADER_SIZE, Frame, FrameType, encode_batch, encode_json, encode_watermark
 from gpufootprint.wire.sources import TraceFile
 
@@ -93,7 +93,7 @@ def paced(frame: Frame, pacer: Pacer) -> Iterator[Frame]:
         return
     times = recs[TIME_FIELD[kind]].astype(np.int64)
     order = np.argsort(times, kind="stable")
-    recs, times = recs[order], times[order]
+    recs, times = take(recs, order), times[order]
     pacer.wait_for(int(times[0]))
     slots = pacer.due_slots(times)
     cuts = np.flatnonzero(np.diff(slots)) + 1

@@ -26,6 +26,9 @@ from gpufootprint.records import (
     MemoryOp,
     ReusedAddresses,
     copy_records,
+    join,
+    select,
+    take,
 )
 from gpufootprint.wire import cupti_layout
 
@@ -97,7 +100,7 @@ class LiveTable:
         """Apply the structs of ``raw`` (those where ``due``; None: all) in time order."""
         n = len(raw) if due is None else int(np.count_nonzero(due))
         if n < _BULK_MIN or self.ranges:
-            self._apply_raw_each(raw if due is None else raw[due])
+            self._apply_raw_each(raw if due is None else select(raw, due))
             return
         addrs = raw["address"]
         order = np.lexsort((raw["timestamp"], addrs))
@@ -105,14 +108,14 @@ class LiveTable:
             order = order[due[order]]
         stay = self._apply_by_address(addrs, raw["op"], order)
         if stay is None:  # a reused address: the record-by-record rule
-            self._apply_raw_each(raw if due is None else raw[due])
+            self._apply_raw_each(raw if due is None else select(raw, due))
         elif len(stay):
-            recs = cupti_layout.convert(cupti_layout.MEMORY2, raw[stay], self.raw_pid)
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, take(raw, stay), self.raw_pid)
             self.rows.update(zip(recs["addr"].tolist(), recs.tolist()))
 
     def _apply_raw_each(self, ready: np.ndarray) -> None:
         recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
-        self._apply_each(recs[np.argsort(recs["ts"], kind="stable")])
+        self._apply_each(take(recs, np.argsort(recs["ts"], kind="stable")))
 
     def advance(self, ts: int) -> None:
         """Apply every queued record with a timestamp <= ``ts``, in timestamp order.
@@ -128,23 +131,23 @@ class LiveTable:
             self._raw_as_records()  # packed records too: put them all in one time order
         if not self.pending:
             return
-        recs = self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+        recs = join(self.pending)
         due = recs["ts"] <= ts
         if due.all():
             self.pending = []
             ready = recs
         else:
-            self.pending = [recs[~due]]
-            ready = recs[due]
+            self.pending = [select(recs, ~due)]
+            ready = select(recs, due)
         if len(ready):
-            self.apply(ready[np.argsort(ready["ts"], kind="stable")])
+            self.apply(take(ready, np.argsort(ready["ts"], kind="stable")))
 
     def pending_array(self) -> np.ndarray:
         """Records queued and not yet applied (stamped after the table's watermark)."""
         self._raw_as_records()
         if not self.pending:
             return np.zeros(0, dtype=MEMORY_DTYPE)
-        return self.pending[0] if len(self.pending) == 1 else np.concatenate(self.pending)
+        return join(self.pending)
 
     def totals(self) -> dict[int, dict[int, list[int]]]:
         """device -> memory kind -> [bytes, live allocations], over the whole table."""
@@ -414,7 +417,7 @@ class StructQueue:
                 # (at the next append it would also move the records queued meanwhile)
                 self._move_to_front()
         else:
-            rest = self.view()[mask]
+            rest = select(self.view(), mask)  # as words: numpy takes a struct's 15 fields one by one
             self._start = self._end = 0
             self.append(rest)
         self._after_watermark(held)
