@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from gpufootprint.records import DTYPES, ApiRole, RecordKind
+from gpufootprint.records import DTYPES, ApiRole, RecordKind, select
 from gpufootprint.wire import cupti_layout
 
 LAUNCH, SYNC, GRAPH = ApiRole.LAUNCH, ApiRole.SYNC, ApiRole.GRAPH_LAUNCH
@@ -79,7 +79,7 @@ def api_records(u8: np.ndarray, offsets: Sequence[int], kind: int, pid: int, dev
     raw = cupti_layout.gather(u8, kind, offsets)
     roles = roles_of(kind, raw["cbid"])
     keep = roles != 0
-    raw, roles = raw[keep], roles[keep]
+    raw, roles = select(raw, keep), roles[keep]  # as words: numpy takes a struct's fields one by one
     out = np.zeros(len(raw), DTYPES[RecordKind.API])
     out["start"], out["end"], out["tid"], out["corr"], out["cbid"] = (raw["start"], raw["end"], raw["tid"],
                                                                         raw["corr"], raw["cbid"])
