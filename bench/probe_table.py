@@ -79,7 +79,8 @@ def main() -> int:
 
     print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
           f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
-          f"{args.buffers * PER_BUFFER} records, {args.waiting:g} of each left waiting, {args.threads} thread(s)")
+          f"{max(1, args.buffers // args.threads) * args.threads * PER_BUFFER} records, {args.waiting:g} of each left waiting, "
+          f"{args.threads} thread(s)")
     runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads) for _ in range(args.rounds)]
     for name, us in (("queueing (add_raw)", [r[0] for r in runs]), ("advance", [r[1] for r in runs]),
                      ("both", [r[0] + r[1] for r in runs])):

@@ -99,6 +99,7 @@ def test_recent_records_own_what_they_keep_and_copy_only_what_is_not_their_own()
     joined = join([rows[:3].copy(), rows[3:].copy()])
     assert not holds_only_itself(decoded) and not holds_only_itself(larger[1:4]) and holds_only_itself(joined)
     assert holds_only_itself(rows.copy()) and not holds_only_itself(larger[::2])
+    assert not holds_only_itself(larger[::-1])  # the whole array's bytes, but not in its order
     recent = RecentRecords(seconds=100, max_bytes=1 << 30)
     # WHEN each is kept, and the frame's bytes and the larger array change afterwards
     recent.add(1, RecordKind.MEMORY, decoded)

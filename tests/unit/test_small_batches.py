@@ -435,10 +435,11 @@ def test_records_taken_as_rows_of_words_equal_numpy_fancy_indexing(seed: int) ->
     # GIVEN record arrays of every kind (random bytes; contiguous, read-only, or a strided view),
     # random integer orders (empty, repeated positions, negative ones, argsorts) and random masks
     from gpufootprint.records import DTYPES, copy_records, select, take
-    from gpufootprint.wire.cupti_layout import RAW_DTYPES
+    from gpufootprint.wire.cupti_layout import API_RAW_DTYPE, RAW_DTYPES
 
     rng = np.random.default_rng(seed)
-    for dtype in [*DTYPES.values(), *RAW_DTYPES.values()]:  # ours, and CUPTI's structs as the probe queues them
+    # ours, and CUPTI's structs as the probe queues them and picks its launch-window calls from
+    for dtype in [*DTYPES.values(), *RAW_DTYPES.values(), API_RAW_DTYPE]:
         for _ in range(30):
             n = int(rng.choice([0, 1, 5, 300]))
             recs = rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype)
