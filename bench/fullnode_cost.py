@@ -8,7 +8,9 @@ What ``bench/load.py`` puts through a real daemon, fed straight into the daemon'
 batch of allocation/release pairs spread over its GPUs, then a watermark; every ``daemon.tick_ms``
 the snapshot is built as the ingest loop builds it. Time is simulated (``--seconds`` of it), so the
 figure is CPU time per simulated second: below 1.0 the daemon's ingest thread keeps up on one core.
-Reports CPU-seconds spent in batches+watermarks and in snapshots, and records per CPU-second.
+Reports CPU-seconds spent in batches+watermarks and in snapshots (with the leak engine after each, as the
+daemon runs it; ``--no-leaks`` without), and records per CPU-second. ``--live N``: each process also holds N
+allocations throughout, which the live tables the leak engine reads are built from.
 
 What the daemon keeps grows for ``footprint.window_peak_seconds`` (60 s): a run shorter than that measures a
 node that has not filled its windows. ``--seconds 70`` (with ``--probes 64 --devices-per-probe 1`` to stay
@@ -48,7 +50,7 @@ FLUSH_NS = 100_000_000
 
 def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
         prof: cProfile.Profile | None, flush_ns: int = FLUSH_NS, busy: bool = False,
-        oom: bool = True) -> dict[str, float]:
+        oom: bool = True, leaks: bool = True, live: int = 0) -> dict[str, float]:
     config = Config()
     clock = [0.0]
     pipeline = Pipeline(config.footprint, hub=FeatureHub(config.features, config.sampler),
@@ -57,6 +59,15 @@ def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
         # The OOM capture's tap, as the daemon attaches it (app.py): it keeps each process's applied records.
         from gpufootprint.oom.manager import OomManager
         pipeline.hub.taps.append(OomManager(config.oom, pipeline, monotonic=lambda: clock[0]).on_records)
+    tracker = None
+    if leaks and config.leaks.enabled:
+        # The leak engine as the daemon runs it after each snapshot (app.py): live tables in the snapshot, built
+        # for the devices the engine asks for where the revision can (before 2026-12-07: for every device).
+        from gpufootprint.engines.leaks import LeakTracker
+        tracker = LeakTracker(config.leaks)
+        pipeline.snapshot_live_tables = True
+        if hasattr(pipeline, "live_table_wanted"):
+            pipeline.live_table_wanted = tracker.wants_table
     if busy:  # what the ingest loop does while it is busy: watermarks wait, the snapshot is rebuilt less often
         pipeline.coalesce_s = COALESCE_S
     tick_ns = config.daemon.tick_ms * 1_000_000
@@ -72,6 +83,14 @@ def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
         recs["op"][0::2], recs["op"][1::2] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
         pipeline.process(10_000 + i, "probe").watermarked = True
         batches.append(recs)
+        if live:  # what each process holds throughout (weights, a framework's tensors): never released
+            held = np.zeros(live, MEMORY_DTYPE)
+            held["pid"], held["mk"], held["bytes"], held["op"] = 10_000 + i, MemoryKind.DEVICE, 4096, MemoryOp.ALLOCATION
+            held["dev"] = (i + np.arange(live) % max(1, devices)) % gpus
+            held["addr"] = 0x1_0000_0000 + np.arange(live, dtype=np.uint64) * 4096
+            held["ts"] = t0 - 10**10 + np.arange(live, dtype=np.uint64)
+            pipeline.submit(RecordKind.MEMORY, held)
+            pipeline.advance(10_000 + i, t0 - 10**9)  # before the first flush
     apply_s = snap_s = 0.0
     snapshots = 0
     records = 0
@@ -114,7 +133,9 @@ def run(probes: int, devices: int, gpus: int, rate: float, seconds: float,
                 c0 = time.process_time()
                 if prof is not None:
                     prof.enable()
-                ticks.pipeline_snapshot(pipeline, now / 1e9, lambda pid, exc: None)
+                snapshot = ticks.pipeline_snapshot(pipeline, now / 1e9, lambda pid, exc: None)
+                if tracker is not None:
+                    tracker.evaluate(snapshot)
                 if prof is not None:
                     prof.disable()
                 snap_s += time.process_time() - c0
@@ -142,12 +163,16 @@ def main() -> int:
                     help="as the ingest loop runs while busy: watermarks wait up to COALESCE_S, snapshots that often")
     ap.add_argument("--no-oom", action="store_true",
                     help="without the OOM capture's tap (the daemon has it unless oom.enabled is false)")
+    ap.add_argument("--no-leaks", action="store_true",
+                    help="without the leak engine and the live tables it reads (the daemon has both unless "
+                         "leaks.enabled is false)")
+    ap.add_argument("--live", type=int, default=0, help="allocations each process holds throughout (default 0)")
     ap.add_argument("--profile")
     ap.add_argument("--src", help="the daemon/ folder of the revision to measure (default: this tree's)")
     args = ap.parse_args()
     prof = cProfile.Profile() if args.profile else None
     res = run(args.probes, args.devices_per_probe, args.gpus, args.rate, args.seconds, prof, int(args.flush_ms * 1e6), args.busy,
-              not args.no_oom)
+              not args.no_oom, not args.no_leaks, args.live)
     res["src"] = _SRC
     print(json.dumps(res))
     if prof is not None:

@@ -131,6 +131,7 @@ class App:
         # and NVML's start); a test's fake clock starts it at its own now.
         started = process_start_wall() if self._clock_ns is time.time_ns else self._clock_ns() / 1e9
         self.engines = Engines(config, started_at=started)
+        self.pipeline.live_table_wanted = self.engines.leaks.wants_table  # built for growing devices only
         self.engine_outputs: EngineOutputs = EMPTY_OUTPUTS
         self.engine_errors = 0
         self.ingest.on_snapshot = self._engine_tick

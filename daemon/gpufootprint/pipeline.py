@@ -166,6 +166,10 @@ class Pipeline:
         self.hub = hub if hub is not None else FeatureHub()
         self.kernel_retention = kernel_retention  # KERNEL records kept per process (0: none)
         self.snapshot_live_tables = False  # leak suspicion reads allocation ages from snapshots
+        # Which devices' live tables the snapshot builds, (pid, dev) -> bool; None: every device's. A table is
+        # rebuilt whenever the device changed (about 0.1 us a live allocation) and only a device whose
+        # footprint grows is read, so the daemon asks the leak engine (``LeakTracker.wants_table``).
+        self.live_table_wanted: Callable[[int, int], bool] | None = None
         self._frame_ns = config.frame_ms * 1_000_000
         self._window_ns = int(config.window_peak_seconds * 1e9)
         self._reorder_ns = config.reorder_window_ms * 1_000_000
@@ -508,9 +512,11 @@ class Pipeline:
 
     def snapshot(self, wall_time: float | None = None) -> PipelineSnapshot:
         procs = []
+        tables, wanted = self.snapshot_live_tables, self.live_table_wanted
         for proc in self.processes.values():
             devices = tuple(device_snapshot(fp, proc.applied_to, self._window_ns,
-                                             _cached_live_table(proc, fp) if self.snapshot_live_tables else None)
+                                             _cached_live_table(proc, fp)
+                                             if tables and (wanted is None or wanted(proc.pid, fp.dev)) else None)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
                 pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,

@@ -71,6 +71,13 @@ class LeakTracker:
         self.trends: dict[tuple[int, int], Trend] = {}
         self.first_seen: dict[tuple[int, int], int] = {}  # trace ns of the first snapshot with the process
         self.onsets: dict[tuple[int, int], int] = {}  # trace ns where the current growth began
+        # Devices whose growth has an onset: only their allocation ages are read. The daemon's pipeline builds
+        # the live tables of these alone (``wants_table``), so a table may come one snapshot after its onset.
+        self.wanted: set[tuple[int, int]] = set()
+
+    def wants_table(self, pid: int, dev: int) -> bool:
+        """Whether the next snapshot should carry ``pid``'s live table on ``dev`` (its growth has an onset)."""
+        return (pid, dev) in self.wanted
 
     def evaluate(self, snap: PipelineSnapshot) -> tuple[LeakStatus, ...]:
         cfg = self.cfg
@@ -93,6 +100,7 @@ class LeakTracker:
                 del self.trends[key]
                 self.first_seen.pop(key, None)
                 self.onsets.pop(key, None)
+                self.wanted.discard(key)
         return tuple(out)
 
     def _judge(self, pid: int, source: str, dev: int, table: np.ndarray | None, trend: Trend, now_ns: int,
@@ -100,11 +108,9 @@ class LeakTracker:
         cfg = self.cfg
         slope = trend.slope(cfg.min_trend_points)
         age = (now_ns - self.first_seen.get(key, now_ns)) / 1e9
-        if table is None:
-            return LeakStatus(pid, source, dev, False, 0, 0, slope,
-                              ("allocation ages unknown (live tables are not in the snapshot)",))
         if age < cfg.warmup_seconds:
             self.onsets.pop(key, None)
+            self.wanted.discard(key)
             return LeakStatus(pid, source, dev, False, 0, 0, slope,
                               (f"warm-up: no verdict in the first {cfg.warmup_seconds:g} s (at {age:.0f} s)",))
         reasons: list[str] = []
@@ -127,6 +133,11 @@ class LeakTracker:
             self.onsets.pop(key, None)
             onset = None
         if onset is None:
+            self.wanted.discard(key)
+            return LeakStatus(pid, source, dev, False, 0, 0, slope, tuple(reasons))
+        self.wanted.add(key)
+        if table is None:  # not built for this snapshot: asked for from the next one on
+            reasons.append("allocation ages unknown (the live table is not in this snapshot)")
             return LeakStatus(pid, source, dev, False, 0, 0, slope, tuple(reasons))
         cutoff = now_ns - int(cfg.min_age_seconds * 1e9)
         ts = table["ts"].astype(np.int64)

@@ -63,12 +63,20 @@ def test_static_module_globals_are_never_suspects() -> None:
 
 
 def test_exited_process_and_missing_live_tables() -> None:
-    tracker = LeakTracker(LeaksConfig())
+    # GIVEN a tracker fed snapshots without live tables: an exited process, then one whose footprint grows
+    cfg = LeaksConfig(min_age_seconds=1, growth_window_seconds=4, min_trend_points=3, min_suspect_bytes=1,
+                      warmup_seconds=0, growth_segments=4)
+    tracker = LeakTracker(cfg)
     assert tracker.evaluate(snap(1.0, proc(1, dev(0, 0), exited=True, as_of_ns=S))) == ()
-    (st,) = tracker.evaluate(snap(1.0, proc(2, dev(0, MIB), as_of_ns=S)))
-    assert not st.suspect and "ages unknown" in st.reasons[0]
-    tracker.evaluate(snap(2.0))
-    assert tracker.trends == {}  # history of processes that left is dropped
+    (st,) = tracker.evaluate(snap(1.0, proc(2, dev(0, MIB), as_of_ns=100 * S)))
+    # THEN before its growth has an onset no table is needed, none is asked for, and none is missed
+    assert not st.suspect and not any("ages unknown" in r for r in st.reasons) and not tracker.wants_table(2, 0)
+    for i in range(1, 8):
+        (st,) = tracker.evaluate(snap(1.0 + i, proc(2, dev(0, (i + 1) * MIB), as_of_ns=(100 + i) * S)))
+    # once it has one, a snapshot without its table is no verdict, says so, and the table is asked for
+    assert not st.suspect and "ages unknown" in st.reasons[-1] and tracker.wants_table(2, 0)
+    tracker.evaluate(snap(20.0))
+    assert tracker.trends == {} and not tracker.wants_table(2, 0)  # history of processes that left is dropped
 
 
 def test_process_exiting_mid_window_clears_suspicion() -> None:
@@ -89,8 +97,11 @@ def test_process_exiting_mid_window_clears_suspicion() -> None:
 
 
 def run_scenario(events: list[tuple[float, int, int]], minutes: float, *, tick_s: float = 1.0,
-                 cfg: LeaksConfig | None = None) -> list[tuple[float, LeakStatus]]:
-    """``events``: (second, +bytes to allocate / -bytes to free, address). Returns each tick's verdict."""
+                 cfg: LeaksConfig | None = None, on_demand: bool = False,
+                 tables: list[bool] | None = None) -> list[tuple[float, LeakStatus]]:
+    """``events``: (second, +bytes to allocate / -bytes to free, address). Returns each tick's verdict.
+    ``on_demand``: the pipeline builds live tables only for the devices the tracker asks for, as the daemon's
+    does; ``tables`` gets, per tick, whether the snapshot carried the live table."""
     from gpufootprint.config import FootprintConfig
     from gpufootprint.pipeline import Pipeline
     from gpufootprint.records import MEMORY_DTYPE, RecordKind
@@ -99,6 +110,8 @@ def run_scenario(events: list[tuple[float, int, int]], minutes: float, *, tick_s
     pipeline.snapshot_live_tables = True
     pipeline.process(9, "probe")
     tracker = LeakTracker(cfg or LeaksConfig())
+    if on_demand:
+        pipeline.live_table_wanted = tracker.wants_table
     t0 = 10**12
     events = sorted(events)
     out: list[tuple[float, LeakStatus]] = []
@@ -115,7 +128,10 @@ def run_scenario(events: list[tuple[float, int, int]], minutes: float, *, tick_s
                 recs[i]["bytes"], recs[i]["mk"], recs[i]["pid"] = abs(delta), MemoryKind.DEVICE, 9
             pipeline.submit(RecordKind.MEMORY, recs)
         pipeline.advance(9, t0 + int(now * S))
-        (st,) = tracker.evaluate(pipeline.snapshot(wall_time=now))
+        snapshot = pipeline.snapshot(wall_time=now)
+        if tables is not None:
+            tables.append(snapshot.processes[0].devices[0].live_table is not None)
+        (st,) = tracker.evaluate(snapshot)
         out.append((now, st))
     return out
 
@@ -154,6 +170,24 @@ def test_steady_leak_of_1_mib_per_second_is_suspected_within_5_minutes_of_its_st
     # the suspects are the leaked blocks, not the weights loaded before the growth began
     assert st.top_sites[0].label == "device:1048576B" and all(s.bytes_each == MIB for s in st.top_sites)
     assert not [t for t, s in verdicts if s.suspect and t < 300]
+
+
+def test_live_tables_built_on_demand_only_once_growth_has_an_onset_and_the_verdict_one_snapshot_later() -> None:
+    # GIVEN the steady leak above, judged with every live table built and with the daemon's on-demand tables
+    events = [(0.5, 2 * GIB, 0x1000_0000)] + [(300.0 + i, MIB, 0x8_0000_0000 + i * MIB) for i in range(600)]
+    every = run_scenario(events, 15)
+    built: list[bool] = []
+    on_demand = run_scenario(events, 15, on_demand=True, tables=built)
+    # THEN no table is built before the growth has an onset, and every snapshot carries one after it
+    onset_tick = next(i for i, (_, st) in enumerate(on_demand) if any("ages unknown" in r for r in st.reasons))
+    assert not any(built[:onset_tick + 1]) and all(built[onset_tick + 1:])
+    assert 300 < on_demand[onset_tick][0] < 600
+    # and the verdicts are the same, one snapshot later at the onset
+    first_every = next(i for i, (_, st) in enumerate(every) if st.suspect)
+    first_on_demand = next(i for i, (_, st) in enumerate(on_demand) if st.suspect)
+    assert first_on_demand in (first_every, first_every + 1)
+    assert [st.suspect for _, st in every[first_every + 1:]] == [st.suspect for _, st in on_demand[first_every + 1:]]
+    assert every[-1][1] == on_demand[-1][1]
 
 
 def test_spiky_training_with_a_growing_cache_is_never_suspected() -> None:
