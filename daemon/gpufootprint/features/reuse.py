@@ -28,7 +28,7 @@ from itertools import compress
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
-from gpufootprint.records import MemoryKind, MemoryOp, select
+from gpufootprint.records import MemoryKind, MemoryOp, join, select
 
 REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
@@ -252,7 +252,8 @@ class ReuseTracker:
         while first > 0 and held < self._history:
             first -= 1
             held += len(chunks[first])
-        whole = np.concatenate(chunks[first:])[-self._history:]
+        # (joined as bytes: numpy joins a structured dtype field by field, 65,536 events at every snapshot)
+        whole = join(chunks[first:])[-self._history:]
         self._chunks = [whole]
         self._kept = len(whole)
 
@@ -267,7 +268,9 @@ class ReuseTracker:
             if not self._chunks:
                 return _NO_EVENTS
             self._compact()
-            self._events = self._chunks[0].copy()
+            # A read-only view, not a copy: no chunk is ever written after it is made (``_compact`` joins
+            # into a new array), so what a snapshot holds stays as it was.
+            self._events = self._chunks[0].view()
             self._events.flags.writeable = False
         return self._events
 

@@ -43,6 +43,25 @@ def test_kept_history_is_bounded_but_totals_are_not() -> None:
     assert 10 <= len(c.events()) <= 20 and not c.events().flags.writeable
 
 
+def test_events_a_snapshot_holds_stay_as_they_were_while_the_tracker_goes_on() -> None:
+    # GIVEN a tracker's events taken as a snapshot takes them (a read-only view, not a copy)
+    c = ReuseTracker(history=300)
+    seen: list[tuple[np.ndarray, list[tuple[int, bool]]]] = []
+    for i in range(400):
+        c.add(mem([(2 * i, 1, 16 + i % 7, 64), (2 * i + 1, 2, 16 + i % 7, 64)]))
+        if i % 37 == 0:
+            ev = c.events()
+            seen.append((ev, ev.tolist()))
+        if i == 250:
+            c.share(0.5)  # another process connected: its history shrinks (a compaction)
+    # THEN none changed while records were added, compacted and shrunk, and none can be written
+    for ev, was in seen:
+        assert ev.tolist() == was and not ev.flags.writeable
+    # and the newest are the last allocations, in order, within the shrunk history
+    last = c.events()
+    assert last["ts"].tolist() == list(range(800 - 2 * len(last), 800, 2)) and 256 <= len(last) <= 2 * 256
+
+
 def _reference_hits(batches: list[np.ndarray], capacity: int) -> list[bool]:
     """The tracker's rule written as the plain per-record loop it replaced: each batch in time order, an
     allocation hits when its (address, size) was released before it; sizeless releases take the size
