@@ -26,7 +26,6 @@ never suspects.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,7 +120,7 @@ class LeakTracker:
         if not covered or slope is None:
             reasons.append(f"fail: footprint trend needs {cfg.min_trend_points} samples over "
                            f"{cfg.growth_window_seconds * (1 - 1 / cfg.growth_segments):g} s (have "
-                           f"{len(trend.points)} over {trend.covered_seconds:.1f} s)")
+                           f"{len(trend)} over {trend.covered_seconds:.1f} s)")
         else:
             reasons.append(f"{'pass' if sustained else 'fail'}: footprint grows {slope:.0f} B/s with its floor "
                            f"rising in {rising} of {steps} segments (thresholds {cfg.min_growth_bytes_per_second:g} "
@@ -157,25 +156,21 @@ def _rising_floors(trend: Trend, window: float, segments: int) -> tuple[int, int
     The onset is the start of the segment before the first rise of the trailing
     run in which the floor rose in most steps; None when it never rose.
     """
-    if len(trend.points) < 2:
+    if len(trend) < 2:
         return 0, 0, None
-    end = trend.points[-1][0]
+    t, v = trend.times, trend.values
+    end = float(t[-1])
     start = end - window
     width = window / segments
-    floors: list[tuple[float, float] | None] = [None] * segments
-    for t, v in trend.points:
-        j = min(segments - 1, max(0, int((t - start) / width)))
-        f = floors[j]
-        if f is None or v < f[1]:
-            floors[j] = (start + j * width, v)
-    seen = [f for f in floors if f is not None]
-    ups = [b[1] > a[1] for a, b in itertools.pairwise(seen)]
+    # Each sample's segment (times rise, so each segment's samples lie together), then each segment's floor.
+    seg = np.clip(((t - start) / width).astype(np.int64), 0, segments - 1)
+    first = np.concatenate(([0], np.flatnonzero(seg[1:] != seg[:-1]) + 1))
+    floors = np.minimum.reduceat(v, first)
+    ups = floors[1:] > floors[:-1]
     onset = None
-    for i, up in enumerate(ups):
-        if up:
-            onset = int(seen[i][0] * 1e9)
-            break
-    return sum(ups), len(ups), onset
+    if ups.any():
+        onset = int((start + int(seg[first[int(np.argmax(ups))]]) * width) * 1e9)
+    return int(np.count_nonzero(ups)), len(ups), onset
 
 
 def _sites(old: np.ndarray, top: int) -> tuple[LeakSite, ...]:

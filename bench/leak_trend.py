@@ -1,0 +1,59 @@
+"""The leak engine's judgement of one device with its trend window full (no GPU needed).
+
+At every snapshot (ten a second; one a second while ingest is busy) the leak engine adds each device's
+footprint to its trend and reads the trend's least-squares slope and, past the warm-up, its segment floors,
+over ``leaks.growth_window_seconds`` (240 s: 2,400 samples at ten snapshots a second). This fills one trend at
+that cadence and times ``LeakTracker.evaluate`` of one process on one GPU, best of 5 x 200.
+
+  python bench/leak_trend.py [--src DAEMON_DIR]   (--src: the daemon/ of another revision, side by side)
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import timeit
+from pathlib import Path
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "daemon"))
+args = ap.parse_args()
+sys.path.insert(0, args.src)
+
+from gpufootprint.config import LeaksConfig  # noqa: E402
+from gpufootprint.engines.leaks import LeakTracker  # noqa: E402
+from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot  # noqa: E402
+
+print(f"{platform.node()} python {platform.python_version()}; src {args.src}")
+cfg = LeaksConfig()
+S = 1_000_000_000
+
+
+def snap(i: int) -> PipelineSnapshot:
+    size = (1 << 30) + (i % 50) * 4096  # a footprint that moves but does not grow
+    dev = DeviceSnapshot(
+        dev=0, live_bytes={"device": size}, device_bytes=size, async_device_bytes=0, pool_reserved_bytes=0,
+        pool_used_bytes=0, window_peak_bytes=size, live_allocations=1, allocations={}, releases={},
+        allocated_bytes={}, released_bytes={}, memcpy_count={}, memcpy_bytes={}, memcpy_seconds={}, memset_count=0,
+        memset_bytes=0, kernel_count=0, kernel_seconds=0.0, um_count={}, um_value={})
+    proc = ProcessSnapshot(pid=1, source="probe", exited=False, info={}, devices=(dev,), pending_records=0,
+                           as_of_ns=10**18 + i * S // 10)
+    return PipelineSnapshot(taken_at=i / 10, processes=(proc,), records_ingested={}, ingest_errors={},
+                            late_records=0, window_peak_seconds=60.0)
+
+
+tracker = LeakTracker(cfg)
+samples = int(cfg.growth_window_seconds * 10)
+for i in range(samples + 10):
+    tracker.evaluate(snap(i))
+at = [samples + 10]
+
+
+def one() -> None:
+    tracker.evaluate(snap(at[0]))
+    at[0] += 1
+
+
+us = min(timeit.repeat(one, number=200, repeat=5)) / 200 * 1e6
+print(f"evaluate, one device, {len(tracker.trends[(1, 0)].points)} samples in the trend: {us:8.1f} us")

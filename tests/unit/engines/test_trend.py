@@ -1,0 +1,79 @@
+"""The engines' trend: its window, slope and the leak engine's segment floors, against the plain loops they replaced."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import numpy as np
+import pytest
+from gpufootprint.engines.leaks import _rising_floors
+from gpufootprint.engines.trend import Trend, least_squares_slope
+
+
+class ListTrend:
+    """The trend as it was: (t, v) pairs in a deque, the window kept by popping from the left."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.points: deque[tuple[float, float]] = deque()
+
+    def add(self, t: float, value: float) -> None:
+        if self.points and t <= self.points[-1][0]:
+            if t == self.points[-1][0]:
+                self.points[-1] = (t, value)
+            return
+        self.points.append((t, value))
+        while self.points and self.points[0][0] < t - self.window:
+            self.points.popleft()
+
+
+def reference_floors(points: list[tuple[float, float]], window: float, segments: int) -> tuple[int, int, int | None]:
+    if len(points) < 2:
+        return 0, 0, None
+    start = points[-1][0] - window
+    width = window / segments
+    floors: list[tuple[float, float] | None] = [None] * segments
+    for t, v in points:
+        j = min(segments - 1, max(0, int((t - start) / width)))
+        f = floors[j]
+        if f is None or v < f[1]:
+            floors[j] = (start + j * width, v)
+    seen = [f for f in floors if f is not None]
+    ups = [b[1] > a[1] for a, b in itertools.pairwise(seen)]
+    onset = next((int(seen[i][0] * 1e9) for i, up in enumerate(ups) if up), None)
+    return sum(ups), len(ups), onset
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_trend_keeps_the_same_window_slope_and_floors_as_the_plain_loops(seed: int) -> None:
+    # GIVEN random series: snapshot cadences from 10 ms to minutes, repeated and backward times, flat stretches,
+    # steps, slow growth, wall-clock-sized times and byte-sized values, windows of 1 s to an hour
+    rng = np.random.default_rng(seed)
+    window = float(rng.choice([1.0, 4.0, 240.0, 3600.0]))
+    segments = int(rng.choice([2, 4, 8, 13]))
+    new, old = Trend(window), ListTrend(window)
+    t = 1.8e9 + float(rng.random())
+    v = float(rng.integers(0, 1 << 40))
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.03:
+            t -= float(rng.random())  # backwards: ignored
+        elif r > 0.06:
+            t += float(rng.choice([0.01, 0.1, 1.0, 60.0])) * float(rng.random() + 0.5)
+        kind = rng.random()
+        if kind < 0.4:
+            v += float(rng.integers(0, 1 << 20))
+        elif kind < 0.5:
+            v = float(rng.integers(0, 1 << 40))
+        new.add(t, v)
+        old.add(t, v)
+        # THEN the same samples, the same segment floors and onset, and the same slope to rounding
+        assert new.points == list(old.points), step
+        assert _rising_floors(new, window, segments) == reference_floors(list(old.points), window, segments), step
+        want = least_squares_slope(list(old.points)) if len(old.points) >= 5 else None
+        got = new.slope(5)
+        if want is None or got is None:
+            assert (want is None) == (got is None) or abs(want or got or 0) < 1e-6, (step, want, got)
+        else:
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-6), step
