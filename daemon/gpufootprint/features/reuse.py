@@ -28,7 +28,7 @@ from itertools import compress
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
-from gpufootprint.records import MemoryKind, MemoryOp, join, select
+from gpufootprint.records import MemoryKind, MemoryOp, select
 
 REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
@@ -78,9 +78,14 @@ class ReuseTracker:
         self._capacity = capacity
         self._history = history
         self._full = (capacity, history)
-        self._chunks: list[np.ndarray] = []
-        self._kept = 0
-        self._events: np.ndarray | None = None  # cached concatenation, read-only
+        # The newest allocations' events, ``_buf[_lo:_hi]``. Appended after ``_hi`` and never written where
+        # they lie: a full buffer is replaced by a new one holding the newest ``_history``. So a view handed
+        # out (``events``, which every snapshot of a changed device takes) stays as it was, and taking it
+        # costs nothing (it was a join of the whole history, 65,536 events, at every snapshot).
+        self._buf = _NO_EVENTS
+        self._lo = 0
+        self._hi = 0
+        self._events: np.ndarray | None = None  # the view handed out, read-only
         self.allocations = 0
         self.reused = 0
 
@@ -93,8 +98,8 @@ class ReuseTracker:
             self._freed.clear()
         if len(self._live) >= self._capacity:
             self._live.clear()
-        if self._kept > self._history:
-            self._compact()
+        self._lo = max(self._lo, self._hi - self._history)
+        self._events = None
 
     def add(self, recs: np.ndarray) -> None:
         if len(recs) <= SMALL_BATCH:
@@ -164,11 +169,7 @@ class ReuseTracker:
         ev["ts"], ev["reused"] = ts_out, hit
         self.allocations += len(ev)
         self.reused += int(np.count_nonzero(hit))
-        self._chunks.append(ev)
-        self._kept += len(ev)
-        self._events = None
-        if self._kept > self._history * 2:
-            self._compact()
+        self._append(ev)
 
     def _probe_together(self, alloc_keys: np.ndarray,
                         rel_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -239,23 +240,19 @@ class ReuseTracker:
         ev["ts"], ev["reused"] = times, hits
         self.allocations += len(ev)
         self.reused += sum(hits)
-        self._chunks.append(ev)
-        self._kept += len(ev)
-        self._events = None
-        if self._kept > self._history * 2:
-            self._compact()
+        self._append(ev)
 
-    def _compact(self) -> None:
-        # Only the newest chunks that hold the kept history are joined (the older ones would be cut off).
-        chunks, held = self._chunks, 0
-        first = len(chunks)
-        while first > 0 and held < self._history:
-            first -= 1
-            held += len(chunks[first])
-        # (joined as bytes: numpy joins a structured dtype field by field, 65,536 events at every snapshot)
-        whole = join(chunks[first:])[-self._history:]
-        self._chunks = [whole]
-        self._kept = len(whole)
+    def _append(self, ev: np.ndarray) -> None:
+        n, lo, hi = len(ev), self._lo, self._hi
+        if hi + n > len(self._buf):
+            keep = min(hi - lo, self._history)
+            buf = np.empty(max(2 * self._history, keep + n, 256), REUSE_EVENT_DTYPE)
+            _put(buf, 0, self._buf[hi - keep:hi])
+            self._buf, lo, hi = buf, 0, keep
+        _put(self._buf, hi, ev)
+        hi += n
+        self._lo, self._hi = max(lo, hi - self._history), hi
+        self._events = None
 
     @property
     def ratio(self) -> float | None:
@@ -263,16 +260,19 @@ class ReuseTracker:
         return self.reused / self.allocations if self.allocations else None
 
     def events(self) -> np.ndarray:
-        """The newest allocations' (ts, reused), oldest first, read-only."""
+        """The newest allocations' (ts, reused), oldest first, read-only: a view that stays as it is."""
         if self._events is None:
-            if not self._chunks:
+            if self._hi == self._lo:
                 return _NO_EVENTS
-            self._compact()
-            # A read-only view, not a copy: no chunk is ever written after it is made (``_compact`` joins
-            # into a new array), so what a snapshot holds stays as it was.
-            self._events = self._chunks[0].view()
+            self._events = self._buf[self._lo:self._hi]
             self._events.flags.writeable = False
         return self._events
+
+
+def _put(dst: np.ndarray, at: int, src: np.ndarray) -> None:
+    """``dst[at:at + len(src)] = src`` as bytes (numpy assigns a structured dtype field by field)."""
+    size = dst.dtype.itemsize
+    dst.view(np.uint8)[at * size:(at + len(src)) * size] = np.ascontiguousarray(src).view(np.uint8)
 
 
 def steady_ratio(events: np.ndarray, allocations: int, since: int | None) -> float | None:
