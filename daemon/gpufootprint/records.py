@@ -444,10 +444,11 @@ def copy_records(recs: np.ndarray) -> np.ndarray:
 
 
 def holds_only_itself(recs: np.ndarray) -> bool:
-    """Whether keeping ``recs`` keeps no other bytes alive and shares them with nobody outside numpy's own
-    views: it owns its data, or it views the whole of an array that does (what ``join``, ``take`` and
-    ``select`` return). A view into a frame's bytes (``np.frombuffer``), or into part of a larger array,
-    does not."""
+    """Whether keeping ``recs`` keeps no other bytes alive: it owns its data, or it views the whole of an
+    array that does (what ``join``, ``take`` and ``select`` return). A view into a frame's bytes
+    (``np.frombuffer``), into part of a larger array, or in another order does not. It cannot see who else
+    holds the owning array: callers keep without copying only arrays nobody writes afterwards (the
+    pipeline's applied chunks; a reused buffer, such as the probe's struct queue, must be copied)."""
     base = recs.base
     while isinstance(base, np.ndarray):
         if base.base is None:
