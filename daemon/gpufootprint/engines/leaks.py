@@ -70,12 +70,16 @@ class LeakTracker:
         self.trends: dict[tuple[int, int], Trend] = {}
         self.first_seen: dict[tuple[int, int], int] = {}  # trace ns of the first snapshot with the process
         self.onsets: dict[tuple[int, int], int] = {}  # trace ns where the current growth began
-        # Devices whose growth has an onset: only their allocation ages are read. The daemon's pipeline builds
-        # the live tables of these alone (``wants_table``), so a table may come one snapshot after its onset.
-        self.wanted: set[tuple[int, int]] = set()
+        # Devices whose growth had an onset within the last growth window (trace ns of the latest): only their
+        # allocation ages are read. The daemon's pipeline builds the live tables of these alone
+        # (``wants_table``), so a table may come one snapshot after a first onset. Kept a window after the
+        # latest onset: a growth whose test passes only now and then (a slope at the threshold) is judged at
+        # every passing snapshot, as with every table built.
+        self.wanted: dict[tuple[int, int], int] = {}
 
     def wants_table(self, pid: int, dev: int) -> bool:
-        """Whether the next snapshot should carry ``pid``'s live table on ``dev`` (its growth has an onset)."""
+        """Whether the next snapshot should carry ``pid``'s live table on ``dev`` (its growth had an onset
+        within the last growth window)."""
         return (pid, dev) in self.wanted
 
     def evaluate(self, snap: PipelineSnapshot) -> tuple[LeakStatus, ...]:
@@ -99,7 +103,7 @@ class LeakTracker:
                 del self.trends[key]
                 self.first_seen.pop(key, None)
                 self.onsets.pop(key, None)
-                self.wanted.discard(key)
+                self.wanted.pop(key, None)
         return tuple(out)
 
     def _judge(self, pid: int, source: str, dev: int, table: np.ndarray | None, trend: Trend, now_ns: int,
@@ -109,7 +113,7 @@ class LeakTracker:
         age = (now_ns - self.first_seen.get(key, now_ns)) / 1e9
         if age < cfg.warmup_seconds:
             self.onsets.pop(key, None)
-            self.wanted.discard(key)
+            self.wanted.pop(key, None)
             return LeakStatus(pid, source, dev, False, 0, 0, slope,
                               (f"warm-up: no verdict in the first {cfg.warmup_seconds:g} s (at {age:.0f} s)",))
         reasons: list[str] = []
@@ -132,9 +136,10 @@ class LeakTracker:
             self.onsets.pop(key, None)
             onset = None
         if onset is None:
-            self.wanted.discard(key)
+            if now_ns - self.wanted.get(key, now_ns) > cfg.growth_window_seconds * 1e9:
+                del self.wanted[key]
             return LeakStatus(pid, source, dev, False, 0, 0, slope, tuple(reasons))
-        self.wanted.add(key)
+        self.wanted[key] = now_ns
         if table is None:  # not built for this snapshot: asked for from the next one on
             reasons.append("allocation ages unknown (the live table is not in this snapshot)")
             return LeakStatus(pid, source, dev, False, 0, 0, slope, tuple(reasons))

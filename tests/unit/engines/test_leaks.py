@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from engine_support import DATA, GIB, MIB, dev, proc, replay_snapshots, snap
@@ -188,6 +190,35 @@ def test_live_tables_built_on_demand_only_once_growth_has_an_onset_and_the_verdi
     assert first_on_demand in (first_every, first_every + 1)
     assert [st.suspect for _, st in every[first_every + 1:]] == [st.suspect for _, st in on_demand[first_every + 1:]]
     assert every[-1][1] == on_demand[-1][1]
+
+
+def test_a_growth_that_passes_only_every_other_snapshot_is_judged_at_each_pass_with_tables_on_demand() -> None:
+    # GIVEN a 1 MiB/s leak with 64 MiB held on even seconds only, its slope at the threshold: the growth test
+    # passes and fails by turns (review 34 found the on-demand tables then missing at almost every pass)
+    events: list[tuple[float, int, int]] = [(sec - 0.5, MIB, 0x8_0000_0000 + sec * MIB) for sec in range(1, 900)]
+    events += [(sec - 0.4, 64 * MIB if sec % 2 == 0 else -64 * MIB, 0x1_0000_0000) for sec in range(2, 900)]
+    cfg = LeaksConfig(growth_window_seconds=239.5, min_growth_bytes_per_second=MIB, min_suspect_bytes=1)
+    every = [st.suspect for _, st in run_scenario(events, 15, cfg=cfg)]
+    on_demand = [st.suspect for _, st in run_scenario(events, 15, cfg=cfg, on_demand=True)]
+    # THEN it flips, and is suspected at the same snapshots but the first
+    assert sum(a != b for a, b in itertools.pairwise(every)) > 100
+    first = every.index(True)
+    assert on_demand[first + 1:] == every[first + 1:] and sum(on_demand) >= sum(every) - 1
+
+
+def test_tables_stop_being_asked_for_a_growth_window_after_the_growth_stops() -> None:
+    cfg = LeaksConfig(min_age_seconds=1, growth_window_seconds=4, min_trend_points=3, min_suspect_bytes=1,
+                      warmup_seconds=0, growth_segments=4)
+    tracker = LeakTracker(cfg)
+    asked = []
+    for i in range(20):
+        size = (min(i, 8) + 1) * MIB  # grows for 8 s, then flat
+        tracker.evaluate(snap(float(i), proc(1, dev(0, size), as_of_ns=(100 + i) * S)))
+        asked.append(tracker.wants_table(1, 0))
+    # asked for while it grows and for one window (4 s) after its last onset, then no more
+    assert any(asked[:9]) and not any(asked[16:])
+    last_onset = max(i for i in range(9) if asked[i]) if any(asked[:9]) else 0
+    assert all(asked[last_onset:min(20, last_onset + 4)])
 
 
 def test_spiky_training_with_a_growing_cache_is_never_suspected() -> None:

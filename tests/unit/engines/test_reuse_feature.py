@@ -44,22 +44,26 @@ def test_kept_history_is_bounded_but_totals_are_not() -> None:
 
 
 def test_events_a_snapshot_holds_stay_as_they_were_while_the_tracker_goes_on() -> None:
-    # GIVEN a tracker's events taken as a snapshot takes them (a read-only view, not a copy)
+    # GIVEN a tracker's events taken as a snapshot takes them (a read-only view, not a copy), through enough
+    # allocations to fill and replace its buffer several times, and a shrink of its history on the way
     c = ReuseTracker(history=300)
     seen: list[tuple[np.ndarray, list[tuple[int, bool]]]] = []
-    for i in range(400):
+    buffers = set()
+    for i in range(3000):
         c.add(mem([(2 * i, 1, 16 + i % 7, 64), (2 * i + 1, 2, 16 + i % 7, 64)]))
+        buffers.add(id(c._buf))
         if i % 37 == 0:
             ev = c.events()
             seen.append((ev, ev.tolist()))
-        if i == 250:
-            c.share(0.5)  # another process connected: its history shrinks (a compaction)
-    # THEN none changed while records were added, compacted and shrunk, and none can be written
+        if i == 1500:
+            c.share(0.5)  # another process connected: its history shrinks to 256
+    # THEN none changed while records were added and buffers replaced, and none can be written
+    assert len(buffers) > 5 and len(c._buf) <= 2 * 300  # replaced, and bounded
     for ev, was in seen:
         assert ev.tolist() == was and not ev.flags.writeable
-    # and the newest are the last allocations, in order, within the shrunk history
+    # and the newest are the last allocations, in order, exactly the shrunk history
     last = c.events()
-    assert last["ts"].tolist() == list(range(800 - 2 * len(last), 800, 2)) and 256 <= len(last) <= 2 * 256
+    assert last["ts"].tolist() == list(range(6000 - 2 * 256, 6000, 2))
 
 
 def _reference_hits(batches: list[np.ndarray], capacity: int) -> list[bool]:
