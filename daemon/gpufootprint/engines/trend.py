@@ -5,19 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
-    """Slope of the least-squares line through ``(t, v)`` points; None when undefined."""
-    n = len(points)
-    if n < 2:
-        return None
-    mt = sum(t for t, _ in points) / n
-    mv = sum(v for _, v in points) / n
-    var = sum((t - mt) ** 2 for t, _ in points)
-    if var <= 0:
-        return None
-    return sum((t - mt) * (v - mv) for t, v in points) / var
-
-
 class Trend:
     """Samples of one quantity over a trailing window of seconds.
 

@@ -8,7 +8,7 @@ from collections import deque
 import numpy as np
 import pytest
 from gpufootprint.engines.leaks import _rising_floors
-from gpufootprint.engines.trend import Trend, least_squares_slope
+from gpufootprint.engines.trend import Trend
 
 
 class ListTrend:
@@ -26,6 +26,19 @@ class ListTrend:
         self.points.append((t, value))
         while self.points and self.points[0][0] < t - self.window:
             self.points.popleft()
+
+
+def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
+    """The slope as ``Trend.slope`` computed it before: four sums over the pairs."""
+    n = len(points)
+    if n < 2:
+        return None
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var <= 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in points) / var
 
 
 def reference_floors(points: list[tuple[float, float]], window: float, segments: int) -> tuple[int, int, int | None]:
