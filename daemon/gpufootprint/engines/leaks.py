@@ -168,8 +168,11 @@ def _rising_floors(trend: Trend, window: float, segments: int) -> tuple[int, int
     start = end - window
     width = window / segments
     # Each sample's segment (times rise, so each segment's samples lie together), then each segment's floor.
-    seg = np.clip(((t - start) / width).astype(np.int64), 0, segments - 1)
-    first = np.concatenate(([0], np.flatnonzero(seg[1:] != seg[:-1]) + 1))
+    # (The ufuncs, not ``np.clip`` and ``np.flatnonzero``: their wrappers cost more than the work at every snapshot.)
+    seg = ((t - start) / width).astype(np.int64)
+    np.maximum(seg, 0, out=seg)
+    np.minimum(seg, segments - 1, out=seg)
+    first = np.concatenate(([0], (seg[1:] != seg[:-1]).nonzero()[0] + 1))
     floors = np.minimum.reduceat(v, first)
     ups = floors[1:] > floors[:-1]
     onset = None

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
+#: Times enter the sums as whole units of 2**-32 s: exact for any time since 1970 in float seconds (whose
+#: resolution there is 2**-22 s), and within 2**-32 s for smaller ones.
+_TIME_UNITS = 1 << 32
+
 
 class Trend:
     """Samples of one quantity over a trailing window of seconds.
 
-    Kept in two arrays (times, values) with a moving start, not a list of pairs: the engines read the slope
-    of every process's trend at every snapshot, ten a second, over windows of minutes (2,400 samples at the
-    leak engine's 240 s), and a walk of those in Python cost about a millisecond each."""
+    Kept in two arrays (times, values) with a moving start, not a list of pairs: the leak engine reads the
+    segment floors of every process's trend over windows of minutes (2,400 samples at its 240 s).
+
+    The slope comes from running sums (count, sum of times, of values, of squared times, of their products)
+    kept as Python integers, added to as a sample comes and taken from as it leaves the window: exact, so
+    nothing drifts however long a trend runs, and a slope costs a few integer operations instead of a pass
+    over the window. The engines read it for every device at every snapshot, ten a second: a pass cost
+    about 20 us a device even with few samples (numpy's fixed costs), 0.04 s a snapshot on a node of 2,048
+    devices. Values enter the sums rounded to whole units (the engines' are bytes)."""
 
     _MIN = 64
 
@@ -20,6 +30,8 @@ class Trend:
         self._v = np.empty(self._MIN)
         self._lo = 0
         self._hi = 0
+        self._origin = 0  # the first sample's time in units: the sums' times are relative to it (smaller ints)
+        self._sx = self._sy = self._sxx = self._sxy = 0
 
     def __len__(self) -> int:
         return self._hi - self._lo
@@ -38,12 +50,22 @@ class Trend:
         """The samples as (time, value) pairs, oldest first."""
         return list(zip(self.times.tolist(), self.values.tolist(), strict=True))
 
+    def _x(self, t: float) -> int:
+        return int(t * _TIME_UNITS) - self._origin
+
     def add(self, t: float, value: float) -> None:
         lo, hi = self._lo, self._hi
-        if hi > lo and t <= self._t[hi - 1]:
-            if t == self._t[hi - 1]:
-                self._v[hi - 1] = value
-            return  # time went backwards (a replay restarted): keep the newer history
+        if hi > lo:
+            last = self._t.item(hi - 1)
+            if t <= last:
+                if t == last:  # the same time again: its value replaced
+                    dy = round(value) - round(self._v.item(hi - 1))
+                    self._sy += dy
+                    self._sxy += self._x(t) * dy
+                    self._v[hi - 1] = value
+                return  # time went backwards (a replay restarted): keep the newer history
+        else:
+            self._origin = int(t * _TIME_UNITS)
         if hi == len(self._t):
             n = hi - lo
             if n * 2 > len(self._t):  # more than half full: a larger array
@@ -57,19 +79,32 @@ class Trend:
         self._t[hi] = t
         self._v[hi] = value
         hi += 1
-        # the samples at or after the horizon stay
-        self._lo = lo + int(np.searchsorted(self._t[lo:hi], t - self.window, "left"))
-        self._hi = hi
+        x, y = self._x(t), round(value)
+        self._sx += x
+        self._sy += y
+        self._sxx += x * x
+        self._sxy += x * y
+        # the samples at or after the horizon stay (usually none leaves, or one: a walk, not a search)
+        horizon = t - self.window
+        times, values = self._t, self._v
+        while times.item(lo) < horizon:
+            x, y = self._x(times.item(lo)), round(values.item(lo))
+            self._sx -= x
+            self._sy -= y
+            self._sxx -= x * x
+            self._sxy -= x * y
+            lo += 1
+        self._lo, self._hi = lo, hi
 
     def slope(self, min_points: int) -> float | None:
-        if len(self) < min_points or len(self) < 2:
+        """The least-squares slope in value units a second; None below ``min_points`` samples (or 2)."""
+        n = self._hi - self._lo
+        if n < min_points or n < 2:
             return None
-        t, v = self.times, self.values
-        dt = t - t.mean()
-        var = float(dt @ dt)
+        var = n * self._sxx - self._sx * self._sx
         if var <= 0:
             return None
-        return float(dt @ (v - v.mean())) / var
+        return (n * self._sxy - self._sx * self._sy) * _TIME_UNITS / var
 
     @property
     def covered_seconds(self) -> float:

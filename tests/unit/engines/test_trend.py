@@ -92,3 +92,36 @@ def test_the_trend_keeps_the_same_window_slope_and_floors_as_the_plain_loops(see
             assert (want is None) == (got is None) or abs(want or got or 0) < 1e-6, (step, want, got)
         else:
             assert got == pytest.approx(want, rel=1e-6, abs=1e-6), step
+
+
+def test_the_slope_stays_exact_through_a_day_of_samples_leaving_the_window() -> None:
+    # GIVEN a footprint of a terabyte growing exactly 3 B/s, sampled every second for a day from a wall-clock
+    # time, through a 240 s window: 86,160 samples leave it, each taken from the running sums
+    trend = Trend(240.0)
+    t0 = 1.8e9
+    for i in range(86_400):
+        trend.add(t0 + i, float((1 << 40) + 3 * i))
+        if i % 9_973 == 0 and i >= 4:
+            # THEN at every point the slope is 3 exactly: the sums neither drift nor lose the small
+            # growth under the large level (float sums of these squares would round by units of 2**20)
+            assert trend.slope(5) == 3.0, i
+    assert len(trend) == 241
+    assert trend.slope(5) == 3.0
+    # AND a value replaced at the latest time, and a flat stretch after it, move the slope as the plain loops do
+    trend.add(t0 + 86_399, float(1 << 40))
+    want = least_squares_slope(trend.points)
+    assert trend.slope(5) == pytest.approx(want, rel=1e-9)
+    for i in range(86_400, 86_400 + 240):
+        trend.add(t0 + i, float(1 << 40))
+    assert trend.slope(5) == 0.0
+
+
+def test_a_trend_of_few_samples_has_no_slope_and_equal_times_none() -> None:
+    trend = Trend(60.0)
+    assert trend.slope(2) is None
+    trend.add(5.0, 10.0)
+    assert trend.slope(2) is None  # one sample
+    trend.add(5.0, 20.0)  # the same time: replaced, still one sample
+    assert len(trend) == 1 and trend.points == [(5.0, 20.0)]
+    trend.add(6.0, 30.0)
+    assert trend.slope(3) is None and trend.slope(2) == 10.0
