@@ -117,15 +117,21 @@ class LeakTracker:
             return LeakStatus(pid, source, dev, False, 0, 0, slope,
                               (f"warm-up: no verdict in the first {cfg.warmup_seconds:g} s (at {age:.0f} s)",))
         reasons: list[str] = []
-        rising, steps, onset = _rising_floors(trend, cfg.growth_window_seconds, cfg.growth_segments)
         covered = trend.covered_seconds >= cfg.growth_window_seconds * (1 - 1 / cfg.growth_segments)
-        sustained = (covered and steps > 0 and rising / steps >= cfg.min_rising_share and slope is not None
-                     and slope >= cfg.min_growth_bytes_per_second)
+        onset: int | None = None
         if not covered or slope is None:
+            sustained = False
             reasons.append(f"fail: footprint trend needs {cfg.min_trend_points} samples over "
                            f"{cfg.growth_window_seconds * (1 - 1 / cfg.growth_segments):g} s (have "
                            f"{len(trend)} over {trend.covered_seconds:.1f} s)")
+        elif slope < cfg.min_growth_bytes_per_second:
+            # Too slow whatever the floors do: not walked (most devices, at every snapshot, past the warm-up).
+            sustained = False
+            reasons.append(f"fail: footprint grows {slope:.0f} B/s (threshold {cfg.min_growth_bytes_per_second:g} "
+                           f"B/s)")
         else:
+            rising, steps, onset = _rising_floors(trend, cfg.growth_window_seconds, cfg.growth_segments)
+            sustained = steps > 0 and rising / steps >= cfg.min_rising_share
             reasons.append(f"{'pass' if sustained else 'fail'}: footprint grows {slope:.0f} B/s with its floor "
                            f"rising in {rising} of {steps} segments (thresholds {cfg.min_growth_bytes_per_second:g} "
                            f"B/s, {cfg.min_rising_share:.0%})")

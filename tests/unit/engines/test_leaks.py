@@ -239,3 +239,31 @@ def test_spiky_training_with_a_growing_cache_is_never_suspected() -> None:
             events.append((t + 1.0 + 0.05 * b, -256 * MIB, 0x4_0000_0000 + b * GIB))
     verdicts = run_scenario(events, 15, tick_s=0.7)
     assert not [t for t, st in verdicts if st.suspect]
+
+
+def test_a_device_growing_slower_than_the_threshold_is_judged_without_walking_its_floors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN 6 minutes at one snapshot a second: a process flat at 1 GiB, then one growing 32 KiB a minute
+    # (about 546 B/s, under the 1,024 B/s threshold), then one growing 1 MiB every 2 s (above it)
+    from gpufootprint.engines import leaks
+
+    walks: list[int] = []
+    real = leaks._rising_floors
+
+    def counted(trend, window, segments):  # type: ignore[no-untyped-def]
+        walks.append(len(trend))
+        return real(trend, window, segments)
+
+    monkeypatch.setattr(leaks, "_rising_floors", counted)
+    flat = run_scenario([(0.5, GIB, 0x1000)], 6)
+    slow = run_scenario([(0.5, GIB, 0x1000)] + [(60.0 * m, 32 * 1024, 0x2000 + m) for m in range(1, 6)], 6)
+    assert walks == []
+    # THEN neither walked its floors, and the reason says why it fails: the slope and the threshold
+    for verdicts in (flat, slow):
+        last = verdicts[-1][1]
+        assert not last.suspect
+        assert last.reasons == (f"fail: footprint grows {last.growth_bytes_per_second:.0f} B/s (threshold 1024 B/s)",)
+    assert 0 < slow[-1][1].growth_bytes_per_second < 1024  # type: ignore[operator]
+    # AND a device above the threshold is walked at each snapshot past the warm-up and reports its segments
+    fast = run_scenario([(0.5, GIB, 0x1000)] + [(2.0 * k, MIB, 0x3000 + k) for k in range(1, 180)], 6)
+    assert walks and "segments" in fast[-1][1].reasons[0]
