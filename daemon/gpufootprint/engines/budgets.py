@@ -158,7 +158,9 @@ class BudgetTracker:
                     budget = None
                     reasons.append("fraction budget: the GPU memory size is unknown" if ent.devices
                                    else "fraction budget: no GPU in use yet")
-                trend = self.trends.setdefault(key, Trend(self.cfg.trend_window_seconds))
+                trend = self.trends.get(key)
+                if trend is None:  # (not setdefault: its argument, a new Trend, would be built at every call)
+                    trend = self.trends[key] = Trend(self.cfg.trend_window_seconds)
                 trend.add(now, float(used))
                 slope = trend.slope(self.cfg.min_trend_points)
                 ratio: float | None = None

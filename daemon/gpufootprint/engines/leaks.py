@@ -93,7 +93,9 @@ class LeakTracker:
             for dev in proc.devices:
                 key = (proc.pid, dev.dev)
                 keep.add(key)
-                trend = self.trends.setdefault(key, Trend(cfg.growth_window_seconds))
+                trend = self.trends.get(key)
+                if trend is None:  # (not setdefault: its argument, a new Trend, would be built at every call)
+                    trend = self.trends[key] = Trend(cfg.growth_window_seconds)
                 if now_ns:
                     trend.add(now_ns / 1e9, float(dev.device_bytes))
                     self.first_seen.setdefault(key, now_ns)
