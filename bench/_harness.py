@@ -54,13 +54,16 @@ def usage(pid: int) -> Usage:
 
 
 class Daemon:
-    def __init__(self, *sets: str, core: int | None = 0) -> None:
+    def __init__(self, *sets: str, core: int | None = 0, profile_ingest: str | None = None) -> None:
+        """``profile_ingest``: a path for the cProfile statistics of the ingest thread (bench/_profiled_daemon.py)."""
         self.dir = tempfile.mkdtemp(prefix="gfp-bench-")
         self.sock = os.path.join(self.dir, "probe.sock")
         self.port = free_port()
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / "daemon") + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "gpufootprint", "daemon", "--socket", self.sock,
+        run = [sys.executable, str(Path(__file__).resolve().parent / "_profiled_daemon.py"), profile_ingest] \
+            if profile_ingest else [sys.executable, "-m", "gpufootprint"]
+        cmd = [*run, "daemon", "--socket", self.sock,
                "--listen", f"127.0.0.1:{self.port}", "--set", "nvml.enabled=false"]
         for s in sets:
             cmd += ["--set", s]

@@ -153,7 +153,7 @@ def probe(sock_path: str, index: int, gpus: int, per_second: float, stop_at: flo
 
 
 def run_rate(args: argparse.Namespace, rate: float) -> dict[str, object]:
-    daemon = Daemon("footprint.process_grace_seconds=600", *args.daemon_set, core=0)
+    daemon = Daemon("footprint.process_grace_seconds=600", *args.daemon_set, core=0, profile_ingest=args.profile_ingest)
     ctx = mp.get_context("fork")
     results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     go = time.time() + 1.0 + 0.05 * args.probes  # forking 256 probes on a busy machine takes seconds
@@ -224,6 +224,9 @@ def main() -> int:
                          "them, without a checksum (cupti, wire level 3) or with one (cupti-checked)")
     ap.add_argument("--scrape-interval", type=float, default=0.1, help="seconds between timed scrapes")
     ap.add_argument("--json")
+    ap.add_argument("--profile-ingest", metavar="OUT.pstats",
+                    help="the daemon's ingest thread under cProfile, its statistics written here at the daemon's "
+                         "stop (inflates the daemon's CPU: read shares from it, not cores)")
     ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a daemon configuration override (repeatable), e.g. oom.enabled=false")
     args = ap.parse_args()
