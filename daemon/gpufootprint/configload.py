@@ -13,6 +13,7 @@ names (no ``__``: the variables Kubernetes makes for a Service named gpufootprin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -183,6 +184,8 @@ def _check_leaf(hint: Any, value: Any, meta: Mapping[str, Any], path: tuple[str,
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         value = float(value)
+        if math.isnan(value):  # YAML's .nan: every bound compares false with it, so none would catch it
+            raise ConfigError(f"{where}: expected a number, got .nan")
     elif base is str:
         if isinstance(value, int) and not isinstance(value, bool) and path[-1].endswith("mode"):
             # YAML 1.1 reads an unquoted 0600 as the octal number 384; an unquoted 660 is the

@@ -31,6 +31,9 @@ def test_each_level_overrides_the_one_before(tmp_path: Path) -> None:
     [
         ("footprint:\n  frame_ms: fast\n", {}, "c.yaml: footprint.frame_ms: expected an integer, got 'fast'"),
         ("footprint:\n  frame_ms: 0\n", {}, "footprint.frame_ms: 0 is below the minimum 1"),
+        ("leaks:\n  growth_window_seconds: .nan\n", {}, "c.yaml: leaks.growth_window_seconds: expected a number, got .nan"),
+        ("", {"GPUFOOTPRINT_BUDGETS__TREND_WINDOW_SECONDS": ".nan"},
+         "environment GPUFOOTPRINT_BUDGETS__TREND_WINDOW_SECONDS: budgets.trend_window_seconds: expected a number, got .nan"),
         ("footprint:\n  frme_ms: 3\n", {}, "footprint.frme_ms: unknown key"),
         ("logging:\n  level: loud\n", {}, "logging.level: 'loud' is not one of debug, info, warning, error"),
         ("exporter:\n  listen: nowhere\n", {}, "exporter.listen: 'nowhere' is not HOST:PORT"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 #: Times enter the sums as whole units of 2**-32 s: exact for any time since 1970 in float seconds (whose
@@ -25,6 +27,8 @@ class Trend:
     _MIN = 64
 
     def __init__(self, window_seconds: float) -> None:
+        if not window_seconds >= 0:  # (NaN too: the window's cut compares with it)
+            raise ValueError(f"a trend's window must be a number of seconds at least 0, got {window_seconds!r}")
         self.window = window_seconds
         self._t = np.empty(self._MIN)
         self._v = np.empty(self._MIN)
@@ -50,22 +54,27 @@ class Trend:
         """The samples as (time, value) pairs, oldest first."""
         return list(zip(self.times.tolist(), self.values.tolist(), strict=True))
 
-    def _x(self, t: float) -> int:
-        return int(t * _TIME_UNITS) - self._origin
-
     def add(self, t: float, value: float) -> None:
+        """A sample; one at the latest time replaces its value, an earlier one is ignored (a replay restarted:
+        the newer history stays), and so is one whose time or value is not finite (nothing to fit)."""
+        value = float(value)  # the sums take back what the array keeps: the same float
+        units = t * _TIME_UNITS
+        if not (math.isfinite(units) and math.isfinite(value)):
+            return
+        y = round(value)
         lo, hi = self._lo, self._hi
         if hi > lo:
             last = self._t.item(hi - 1)
             if t <= last:
                 if t == last:  # the same time again: its value replaced
-                    dy = round(value) - round(self._v.item(hi - 1))
+                    dy = y - round(self._v.item(hi - 1))
                     self._sy += dy
-                    self._sxy += self._x(t) * dy
+                    self._sxy += (int(units) - self._origin) * dy
                     self._v[hi - 1] = value
-                return  # time went backwards (a replay restarted): keep the newer history
+                return
         else:
-            self._origin = int(t * _TIME_UNITS)
+            self._origin = int(units)
+        x = int(units) - self._origin
         if hi == len(self._t):
             n = hi - lo
             if n * 2 > len(self._t):  # more than half full: a larger array
@@ -79,22 +88,34 @@ class Trend:
         self._t[hi] = t
         self._v[hi] = value
         hi += 1
-        x, y = self._x(t), round(value)
         self._sx += x
         self._sy += y
         self._sxx += x * x
         self._sxy += x * y
-        # the samples at or after the horizon stay (usually none leaves, or one: a walk, not a search)
+        # the samples at or after the horizon stay: usually none leaves, or one (a look, not a search)
         horizon = t - self.window
-        times, values = self._t, self._v
-        while times.item(lo) < horizon:
-            x, y = self._x(times.item(lo)), round(values.item(lo))
-            self._sx -= x
-            self._sy -= y
-            self._sxx -= x * x
-            self._sxy -= x * y
-            lo += 1
+        if self._t.item(lo) < horizon:
+            if self._t.item(lo + 1) >= horizon:  # (the newest sample stays: lo + 1 < hi here)
+                keep = lo + 1  # one leaves: a full window at an even cadence
+            else:
+                keep = lo + int(np.searchsorted(self._t[lo:hi], horizon, "left"))
+            if keep - lo <= hi - keep:
+                self._take(lo, keep, -1)  # the leaving samples out of the sums
+            else:  # most leave (a gap longer than the window): the sums of those that stay
+                self._sx = self._sy = self._sxx = self._sxy = 0
+                self._take(keep, hi, 1)
+            lo = keep
         self._lo, self._hi = lo, hi
+
+    def _take(self, start: int, stop: int, sign: int) -> None:
+        """Samples ``start:stop`` added to the sums (``sign`` 1) or taken from them (-1)."""
+        origin = self._origin
+        for t, v in zip(self._t[start:stop].tolist(), self._v[start:stop].tolist(), strict=True):
+            x, y = int(t * _TIME_UNITS) - origin, round(v)
+            self._sx += sign * x
+            self._sy += sign * y
+            self._sxx += sign * x * x
+            self._sxy += sign * x * y
 
     def slope(self, min_points: int) -> float | None:
         """The least-squares slope in value units a second; None below ``min_points`` samples (or 2)."""

@@ -267,3 +267,13 @@ def test_a_device_growing_slower_than_the_threshold_is_judged_without_walking_it
     # AND a device above the threshold is walked at each snapshot past the warm-up and reports its segments
     fast = run_scenario([(0.5, GIB, 0x1000)] + [(2.0 * k, MIB, 0x3000 + k) for k in range(1, 180)], 6)
     assert walks and "segments" in fast[-1][1].reasons[0]
+
+
+def test_a_slope_exactly_at_the_threshold_is_judged_on_its_floors() -> None:
+    # GIVEN 1,024 B allocated every second, judged every second: the slope is 1,024 B/s exactly, the threshold
+    events = [(float(k) - 0.5, 1024, 0x4000 + k) for k in range(1, 400)]
+    verdicts = run_scenario(events, 6, cfg=LeaksConfig(min_suspect_bytes=1))
+    last = verdicts[-1][1]
+    # THEN it reaches the floors (at the threshold passes) and, rising in every segment, is a suspect
+    assert last.growth_bytes_per_second == 1024.0
+    assert "rising in 7 of 7 segments" in last.reasons[0] and last.suspect

@@ -125,3 +125,39 @@ def test_a_trend_of_few_samples_has_no_slope_and_equal_times_none() -> None:
     assert len(trend) == 1 and trend.points == [(5.0, 20.0)]
     trend.add(6.0, 30.0)
     assert trend.slope(3) is None and trend.slope(2) == 10.0
+
+
+def test_samples_that_are_not_finite_are_ignored_and_large_integers_kept_as_the_array_keeps_them() -> None:
+    trend = Trend(60.0)
+    for i in range(10):
+        trend.add(1.8e9 + i, float(1000 * i))
+    before = trend.points
+    # GIVEN a value or time that is not finite (nothing to fit): THEN ignored, the trend as it was
+    for t, v in ((1.8e9 + 10, float("nan")), (1.8e9 + 10, float("inf")), (float("nan"), 5.0), (float("inf"), 5.0),
+                 (1e300, 5.0)):
+        trend.add(t, v)
+        assert trend.points == before and trend.slope(2) == 1000.0
+    # GIVEN Python integers past 2**53 (the float the array keeps is not the integer): THEN the sums are of
+    # the kept floats, so a flat stretch after a step reads flat once the step has left the window
+    big = Trend(10.0)
+    big.add(0.0, (1 << 60) + 1)
+    for i in range(1, 30):
+        big.add(float(i), 1 << 60)
+    assert big.slope(2) == 0.0
+
+
+def test_a_gap_longer_than_the_window_leaves_the_newest_sample_and_exact_sums() -> None:
+    trend = Trend(100.0)
+    for i in range(500):
+        trend.add(1.8e9 + i, float(7 * i))
+    trend.add(1.8e9 + 10_000, 5.0)  # a stall of 10,000 s: every earlier sample leaves at once
+    assert len(trend) == 1 and trend.slope(2) is None
+    for i in range(1, 50):
+        trend.add(1.8e9 + 10_000 + i, 5.0 + 3 * i)
+    assert trend.slope(2) == 3.0
+
+
+@pytest.mark.parametrize("window", [-1.0, float("nan")])
+def test_a_window_that_is_not_a_length_of_time_is_refused(window: float) -> None:
+    with pytest.raises(ValueError, match="window must be a number of seconds"):
+        Trend(window)
