@@ -401,6 +401,12 @@ def test_api_processes_and_oom_carry_the_engines_and_the_replayed_oom(stack: tup
     doc = json.loads(_get(f"{base}/api/processes"))
     rows = {r["pid"]: r for r in doc["processes"]}
     assert rows[5151]["leak_suspect"] is True and rows[5252]["leak_suspect"] is False
+    # The leak engine's reasons on /api/engines: the growing process judged on its floors, the steady one
+    # on its slope alone (under the threshold its floors are not walked)
+    leaks = {r["pid"]: r for r in json.loads(_get(f"{base}/api/engines"))["leaks"]}
+    assert leaks[5151]["suspect"] and "segments" in leaks[5151]["reasons"][0], leaks[5151]["reasons"]
+    assert re.fullmatch(r"fail: footprint grows -?\d+ B/s \(threshold 1024 B/s\)", leaks[5252]["reasons"][0]), \
+        leaks[5252]["reasons"]
     assert rows[672]["graph_verdict"] is not None
     assert {r["pod"] for r in rows.values()} == {"trainer-0"}
     assert rows[UM_PID]["oom_events"] == 1 and all(r["oom_events"] == 0 for p, r in rows.items() if p != UM_PID)
