@@ -103,7 +103,7 @@ def test_the_slope_stays_exact_through_a_day_of_samples_leaving_the_window() -> 
         trend.add(t0 + i, float((1 << 40) + 3 * i))
         if i % 9_973 == 0 and i >= 4:
             # THEN at every point the slope is 3 exactly: the sums neither drift nor lose the small
-            # growth under the large level (float sums of these squares would round by units of 2**20)
+            # growth under the large level (sums kept as floats fail here)
             assert trend.slope(5) == 3.0, i
     assert len(trend) == 241
     assert trend.slope(5) == 3.0
@@ -116,7 +116,7 @@ def test_the_slope_stays_exact_through_a_day_of_samples_leaving_the_window() -> 
     assert trend.slope(5) == 0.0
 
 
-def test_a_trend_of_few_samples_has_no_slope_and_equal_times_none() -> None:
+def test_a_trend_of_fewer_than_two_samples_has_no_slope_and_a_repeated_time_replaces_its_value() -> None:
     trend = Trend(60.0)
     assert trend.slope(2) is None
     trend.add(5.0, 10.0)
