@@ -303,3 +303,33 @@ def test_the_recount_of_waiting_allocations_follows_the_chunks_as_they_come_spli
             tables = sum(len(fp.live) for fp in proc.devices.values())
             waiting = sum(int(np.count_nonzero(c[2]["op"] == 1)) for c in proc.pending.get(RecordKind.MEMORY, ()))
             assert guard.live.by_pid[p] == tables + waiting, (tick, p)
+
+
+def test_a_batch_on_devices_the_process_has_passes_the_device_share_and_a_new_device_past_it_is_dropped() -> None:
+    # GIVEN a process that has GPUs 0 and 1 open, with a share of two devices
+    pipeline = Pipeline(load_config(env={}).footprint)
+    guard = Guard(Limits(max_devices_per_process=2))
+    opened = np.zeros(4, MEMORY_DTYPE)
+    opened["ts"], opened["addr"], opened["bytes"], opened["pid"], opened["mk"] = [1, 2, 3, 4], 4096, 4096, 7, 3
+    opened["op"], opened["dev"] = [1, 2, 1, 2], [0, 0, 1, 1]
+    seen, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, opened, problem, lambda ts: None))  # type: ignore[arg-type]
+    pipeline.advance(7, 10)
+    assert sorted(proc.devices) == [0, 1] and seen == {}
+
+    def batch(devs: list[int]) -> np.ndarray:
+        b = np.zeros(len(devs), MEMORY_DTYPE)
+        b["ts"], b["addr"], b["bytes"], b["pid"], b["op"], b["mk"] = 20, np.arange(len(devs)) * 4096 + 8192, 64, 7, 1, 3
+        b["dev"] = devs
+        return b
+
+    # THEN a batch all on one of its GPUs, or on both, is admitted whole
+    for devs in ([1] * 5, [0], [0, 1, 0]):
+        kept = guard.admit(proc, RecordKind.MEMORY, batch(devs), problem, lambda ts: None)  # type: ignore[arg-type]
+        assert kept["dev"].tolist() == devs and seen == {}
+    # AND a batch all on a third GPU, or with one record on it, loses that GPU's records, counted
+    kept = guard.admit(proc, RecordKind.MEMORY, batch([2, 2]), problem, lambda ts: None)  # type: ignore[arg-type]
+    assert len(kept) == 0 and seen == {"device_limit": 2}
+    kept = guard.admit(proc, RecordKind.MEMORY, batch([0, 0, 3]), problem, lambda ts: None)  # type: ignore[arg-type]
+    assert kept["dev"].tolist() == [0, 0] and seen == {"device_limit": 3}

@@ -454,7 +454,10 @@ class Guard:
         lim, pid = self.limits, proc.pid
         # Tables admitted whose records still wait (not opened yet) count already.
         admitted = self._new_devices.setdefault(pid, set())
-        new_devs = [d for d in np.unique(recs["dev"]).tolist() if d not in proc.devices and d not in admitted]
+        devs = recs["dev"]
+        if len(devs) and int(devs[0]) in proc.devices and not np.count_nonzero(devs != devs[0]):
+            return recs  # one device the process has already (most batches): no unique of the column
+        new_devs = [d for d in np.unique(devs).tolist() if d not in proc.devices and d not in admitted]
         if not new_devs:
             return recs
         room = self.devices.room(pid, lim.max_device_footprints, self.census, lim.max_devices_per_process)
