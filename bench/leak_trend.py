@@ -12,17 +12,13 @@ snapshot in warm-up (256 processes on 8 GPUs, the first seconds of each trend), 
 
 from __future__ import annotations
 
-import argparse
 import platform
-import sys
 import time
 import timeit
-from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "daemon"))
-args = ap.parse_args()
-sys.path.insert(0, args.src)
+from _src import src_args
+
+args = src_args(__doc__)
 
 from gpufootprint.config import LeaksConfig  # noqa: E402
 from gpufootprint.engines.leaks import LeakTracker  # noqa: E402

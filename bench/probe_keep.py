@@ -9,16 +9,12 @@ for MEMORY2 structs (128 bytes, 15 fields), best of 5 x 200, less the queue's ow
 
 from __future__ import annotations
 
-import argparse
 import platform
-import sys
 import timeit
-from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "daemon"))
-args = ap.parse_args()
-sys.path.insert(0, args.src)
+from _src import src_args
+
+args = src_args(__doc__)
 
 import numpy as np  # noqa: E402
 
