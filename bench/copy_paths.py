@@ -2,7 +2,9 @@
 
 numpy copies, masks and gathers a structured dtype field by field; these are the paths that now copy words:
 the OOM capture buffer's ``RecentRecords.add`` (a chunk joined from two, as the pipeline applies several
-flushes together, and a view into a frame's bytes), and the probe's choice of launch-window calls from a
+flushes together, and a view into a frame's bytes), the daemon's conversion of a forwarded buffer's 512
+MEMORY2 structs to its records (``cupti_layout.convert``; with caching allocators none is stream-ordered,
+under cudaMallocAsync all are, in a pool), and the probe's choice of launch-window calls from a
 buffer of API structs (``launches.api_records``). Best of 5 repeats; the buffer runs past its size bound,
 as on a full node.
 
@@ -51,3 +53,11 @@ offsets = range(0, len(u8), raw.dtype.itemsize)
 got = len(launches.api_records(u8, offsets, kind, 1, 0))
 print(f"launches.api_records, 2,048 API structs, {got} chosen: "
       f"{best(lambda: launches.api_records(u8, offsets, kind, 1, 0), 300):7.1f} us")
+structs = np.zeros(512, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+structs["op"][0::2], structs["op"][1::2] = 1, 2
+structs["address"], structs["bytes"], structs["mk"], structs["dev"] = np.arange(512) * 4096, 4096, 1, 3
+for label, pooled in (("none stream-ordered", 0), ("all in a pool", 1)):
+    structs["is_async"] = structs["pool_type"] = pooled
+    view = np.frombuffer(structs.tobytes(), structs.dtype)
+    print(f"cupti_layout.convert, 512 MEMORY2 structs, {label}: "
+          f"{best(lambda v=view: cupti_layout.convert(cupti_layout.MEMORY2, v, 7), 2000):7.1f} us")

@@ -234,19 +234,26 @@ def _convert_memory2_field_by_field(src: np.ndarray, pid: int) -> np.ndarray:
 
 
 def test_convert_of_memory2_equals_the_field_by_field_conversion() -> None:
-    """Random bytes in every field (out of range ones too), some records stream-ordered or none, as a
-    view of a buffer and as a copy: the one-assignment conversion gives the same bytes."""
+    """Random bytes in every field (out of range ones too), some records stream-ordered, none or all (and
+    all of those in a pool, or all in a local one: the shortcuts cudaMallocAsync's buffers take), as a
+    view of a buffer and as a copy: ``convert`` gives the same bytes as the reference."""
     rng = np.random.default_rng(7)
     dt = cl.RAW_DTYPES[cl.MEMORY2]
-    for trial in range(60):
+    for trial in range(100):
         n = int(rng.integers(0, 700))
         raw = rng.integers(0, 256, size=n * dt.itemsize, dtype=np.uint8)
         src = raw.view(dt)
-        if trial % 3 == 0:
+        if trial % 5 == 0:
             src["is_async"] = 0  # none stream-ordered: the pool fields are skipped
-        elif trial % 3 == 1:
+        elif trial % 5 == 1:
             src["is_async"] = rng.integers(0, 2, n)
             src["pool_type"] = rng.integers(0, 3, n)
+        elif trial % 5 == 2:
+            src["is_async"] = rng.integers(1, 1 << 31, n)  # all stream-ordered, any value that is not 0
+            src["pool_type"] = rng.choice([1, 2, 3, 256, -1], n)  # all in a pool, some past the one byte we keep
+        elif trial % 5 == 3:
+            src["is_async"] = 1
+            src["pool_type"] = cl.POOL_LOCAL  # all in a local pool: every pool field as it is
         for s in (src, src.copy(), src[::2]):
             assert cl.convert(cl.MEMORY2, s, 4242).tobytes() == _convert_memory2_field_by_field(s, 4242).tobytes()
 
