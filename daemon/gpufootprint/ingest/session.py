@@ -309,6 +309,10 @@ class Session:
                                              f"walked (an unknown record kind, or a record past its end): dropped")
             return
         u8 = np.frombuffer(data, dtype=np.uint8)
+        if self.ns_pid is not None and pid == self.ns_pid and self.peer_pid is not None:
+            pid = self.peer_pid  # the probe's own pid inside its namespace: the records are the peer's
+        # Every record of the buffer carries the pid its frame claims: checked once here, not record by record.
+        own = self.peer_pid is not None and pid == self.peer_pid
         for ck, offs in offsets.items():
             kind = cupti_layout.RECORD_KIND.get(ck)
             if kind is None or kind is RecordKind.KERNEL:
@@ -317,7 +321,7 @@ class Session:
             # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
             for at in range(0, len(offs), DECODE_CHUNK):
                 recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
-                self._records(kind, recs, frame.offset)
+                self._records(kind, recs, frame.offset, own)
 
     def _batch(self, frame: Frame) -> None:
         kind = RECORD_KINDS.get(frame.tag)
@@ -326,18 +330,20 @@ class Session:
             return
         self._records(kind, frame.records(), frame.offset)
 
-    def _records(self, kind: RecordKind, recs: np.ndarray, offset: int) -> None:
-        if self.ns_pid is not None and len(recs):
-            mine = recs["pid"] == self.ns_pid
-            if mine.any():
-                recs = copy_records(recs)
-                recs["pid"][mine] = self.peer_pid
-        if self.peer_pid is not None:
-            foreign = recs["pid"] != self.peer_pid
-            if foreign.any():
-                self.problem("pid_mismatch", f"{self.name}: {int(foreign.sum())} records claim another pid "
-                                             f"than the peer's {self.peer_pid}")
-                recs = recs[~foreign]
+    def _records(self, kind: RecordKind, recs: np.ndarray, offset: int, own: bool = False) -> None:
+        """``own``: every record is known to carry the peer's pid (a CUPTI buffer's claimed pid, checked once)."""
+        if not own:
+            if self.ns_pid is not None and len(recs):
+                mine = recs["pid"] == self.ns_pid
+                if mine.any():
+                    recs = copy_records(recs)
+                    recs["pid"][mine] = self.peer_pid
+            if self.peer_pid is not None:
+                foreign = recs["pid"] != self.peer_pid
+                if foreign.any():
+                    self.problem("pid_mismatch", f"{self.name}: {int(foreign.sum())} records claim another pid "
+                                                 f"than the peer's {self.peer_pid}")
+                    recs = recs[~foreign]
         if len(recs) == 0:
             return
         if not in_range(kind, recs, self.limits):  # the common case, every field in range, asked at once
