@@ -47,7 +47,7 @@ def test_a_16_mib_buffer_of_two_kinds_decodes_within_a_small_multiple_of_its_fra
     session = Session(Pipeline(cfg.footprint), source="trace")
     seen: dict[RecordKind, int] = {}
 
-    def keep_count(kind: RecordKind, recs: np.ndarray, offset: int) -> Any:
+    def keep_count(kind: RecordKind, recs: np.ndarray, offset: int, own: bool = False) -> Any:
         seen[kind] = seen.get(kind, 0) + len(recs)  # the records go no further: only decoding is measured
 
     session._records = keep_count  # type: ignore[method-assign]
