@@ -335,3 +335,52 @@ def test_kernel_window_opened_by_a_control_message_records_kernels_only_inside_i
     assert seen["outside_window"] == 0, seen
     assert 10 <= len(kernels) < by["end"]["launched"], seen
     assert seen["pipeline_kernels"] == len(kernels), seen
+
+
+_PICKS_ITS_GPU = r"""
+import json, os, sys, time
+from gpufootprint import probe
+if not probe.status().get("started"):
+    probe.start()  # (the interpreter's start did not: started here, still before the script's choice)
+assert probe.status().get("started"), probe.status()
+os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[1]  # the script picks its GPU once the probe runs, as by rank
+import torch
+n = torch.cuda.device_count()
+if n:
+    x = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+time.sleep(0.6)  # heartbeats (100 ms): the probe looks its devices up once CUDA is up
+print(json.dumps({"pid": os.getpid(), "count": n, "devices": probe.current().sender.devices}))
+"""
+
+
+@pytest.mark.parametrize("visible", ["", "0"])
+def test_a_script_that_picks_its_gpu_after_the_probe_started_gets_it(tmp_path: Path, visible: str) -> None:
+    """The probe starts with the interpreter; the script sets CUDA_VISIBLE_DEVICES afterwards. CUDA reads it
+    at its first cuInit, so a probe that initialised CUDA first would hand the workload every GPU (here:
+    hiding the one GPU still showed it). Its devices reach the daemon once the workload started CUDA."""
+    sock = str(tmp_path / "probe.sock")
+    daemon = Daemon(sock)
+    try:
+        env = probe_env(sock, GPUFOOTPRINT_PROBE_HEARTBEAT_MS="100")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        out = subprocess.run([sys.executable, "-c", _PICKS_ITS_GPU, visible], check=False, env=env, capture_output=True,
+                             text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        time.sleep(0.3)
+        proc = daemon.pipeline.processes.get(got["pid"])
+        info = dict(proc.info) if proc is not None else {}
+    finally:
+        daemon.stop()
+    SUMMARY[f"picks_its_gpu_{visible or 'none'}"] = {"count": got["count"], "devices": got["devices"],
+                                                     "daemon_devices": info.get("devices")}
+    _save()
+    if visible == "":
+        assert got["count"] == 0, "the probe started CUDA before the script hid the GPU"
+        assert got["devices"] == []
+    else:
+        assert got["count"] == 1
+        assert len(got["devices"]) == 1 and got["devices"][0]["index"] == 0 and got["devices"][0].get("name")
+        assert info.get("devices") == got["devices"]  # the META reached the daemon
+        assert info.get("cuda_initialised_before_probe") is False

@@ -168,3 +168,103 @@ def test_a_serial_window_switches_on_and_off_only_its_own_kind(tmp_path: Path) -
         assert fake.enabled == before
     finally:
         p.stop()
+
+
+class _Driver:
+    """CUDA's driver at the hardware edge, as far as the probe meets it: nothing is started before the first
+    ``cuInit``, which fixes the devices the process sees from ``CUDA_VISIBLE_DEVICES`` as it is then."""
+
+    def __init__(self, gpus: int) -> None:
+        self.gpus = gpus
+        self.visible: list[int] | None = None
+        self.init_calls: list[str] = []
+
+    def cu_init(self, caller: str) -> None:
+        self.init_calls.append(caller)
+        if self.visible is None:
+            import os
+
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.visible = list(range(self.gpus)) if env is None else [int(x) for x in env.split(",") if x.strip()]
+
+    def started(self) -> bool:  # hostinfo.cuda_started
+        return self.visible is not None
+
+    def devices(self) -> tuple[list[dict[str, Any]], bool]:  # hostinfo.cuda_devices: cuInit, then the devices seen
+        self.cu_init("probe")
+        assert self.visible is not None
+        return [{"index": i, "name": f"Fake GPU {g}", "total_bytes": 80 << 30} for i, g in enumerate(self.visible)], True
+
+
+def test_the_probe_never_starts_cuda_so_the_workloads_own_visible_devices_hold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe started with the interpreter, a script that picks its GPU afterwards
+    (``os.environ["CUDA_VISIBLE_DEVICES"] = "1"``, as training scripts do by rank): the workload's first
+    ``cuInit`` sees its own choice. The devices reach the daemon once CUDA is up, in a META, and a
+    replay of the recording keeps them in the process's info (what the cost engine prices)."""
+    from gpufootprint.config import FootprintConfig
+    from gpufootprint.pipeline import Pipeline
+    from gpufootprint.probe import hostinfo
+    from gpufootprint.replay import replay_file
+
+    driver = _Driver(gpus=2)
+    monkeypatch.setattr(hostinfo, "cuda_started", driver.started, raising=False)
+    monkeypatch.setattr(hostinfo, "cuda_devices", driver.devices)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), heartbeat_ms=20, flush_ms=10), fk.FakeCupti())
+    assert probe.start()
+    try:
+        time.sleep(0.1)  # heartbeats before the workload starts CUDA: none may start it
+        assert driver.init_calls == [] and probe.sender.devices == []
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+        driver.cu_init("workload")
+        assert driver.visible == [1], "the probe started CUDA before the workload chose its GPU"
+        deadline = time.monotonic() + 5
+        while not probe.sender.devices and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert probe.sender.devices == [{"index": 0, "name": "Fake GPU 1", "total_bytes": 80 << 30}]
+    finally:
+        probe.stop()
+    got = frames(path)
+    hello = next(f.json() for f in got if f.type is FrameType.HELLO)
+    assert hello["devices"] == [] and hello["cuda_initialised_before_probe"] is False
+    metas = [f.json() for f in got if f.type is FrameType.META]
+    assert [m["devices"] for m in metas] == [probe.sender.devices]
+    assert probe.sender.hello["devices"] == probe.sender.devices  # a reconnection's HELLO has them
+    pipeline = Pipeline(FootprintConfig())
+    replay_file(path, pipeline)
+    assert pipeline.processes[probe.pid].info["devices"] == probe.sender.devices
+
+
+def test_cuda_started_before_the_probe_gives_its_devices_in_the_hello(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufootprint.probe import hostinfo
+
+    driver = _Driver(gpus=1)
+    monkeypatch.setattr(hostinfo, "cuda_started", driver.started, raising=False)
+    monkeypatch.setattr(hostinfo, "cuda_devices", driver.devices)
+    driver.cu_init("workload")
+    path = tmp_path / "t.gfp"
+    probe = Probe(ProbeSettings(socket="", tee=str(path), heartbeat_ms=20, flush_ms=10), fk.FakeCupti())
+    assert probe.start()
+    time.sleep(0.1)
+    probe.stop()
+    got = frames(path)
+    hello = next(f.json() for f in got if f.type is FrameType.HELLO)
+    assert hello["devices"] == [{"index": 0, "name": "Fake GPU 0", "total_bytes": 80 << 30}]
+    assert hello["cuda_initialised_before_probe"] is True
+    assert not [f for f in got if f.type is FrameType.META]  # nothing more to tell
+
+
+def test_cuda_started_asks_only_a_driver_the_process_has_loaded() -> None:
+    """On this machine no CUDA driver is loaded into the test process: not started, and still not loaded."""
+    from gpufootprint.probe import hostinfo
+
+    def loaded() -> bool:
+        return any("libcuda.so" in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    if loaded():
+        pytest.skip("a CUDA driver is loaded in this process (a GPU machine): the question is for one without")
+    assert hostinfo.cuda_started() is False
+    assert not loaded()

@@ -81,7 +81,10 @@ class Probe:
                 s._backend = CuptiBackend(self.settings.flush_nogil)
             s.cupti.backend = s._backend
             if self._discover:
-                s.devices, s.cuda_before = hostinfo.cuda_devices()
+                # Never CUDA's first call: the devices now only if the workload started CUDA already,
+                # else the sender's heartbeat looks them up once it has (a META to the daemon).
+                s.devices, s.cuda_before = hostinfo.started_cuda_devices()
+                s.discover_pending = not s.devices
             # configure() is the first CUPTI call (cupti-python maps its libcupti); the
             # versions are read from that copy afterwards.
             s.own_device_bytes = s._backend.configure(self.settings.device_buffer_bytes,

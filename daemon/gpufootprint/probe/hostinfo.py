@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import socket
@@ -33,8 +34,37 @@ def cgroup() -> tuple[str | None, str | None]:
     return path, (m.group(1) if m else None)
 
 
+#: What ``cuDeviceGetCount`` answers before ``cuInit``.
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_started() -> bool:
+    """Whether CUDA's driver is initialised in this process, asked without loading or initialising it.
+
+    ``cuInit`` reads ``CUDA_VISIBLE_DEVICES`` (and ``CUDA_DEVICE_ORDER``, MPS's settings, ...) once, when it
+    runs. A probe started with the interpreter that called it before the workload would fix what the
+    workload sees before its own code set them (``os.environ["CUDA_VISIBLE_DEVICES"] = rank`` at the top
+    of a training script), so the probe asks only a driver the process has already loaded
+    (``RTLD_NOLOAD``), and ``cuDeviceGetCount`` answers NOT_INITIALIZED until someone called ``cuInit``."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        count = ctypes.c_int(0)
+        return int(lib.cuDeviceGetCount(ctypes.byref(count))) == 0
+    except (OSError, AttributeError):
+        return False  # not loaded here (so not started), or not a CUDA driver
+
+
+def started_cuda_devices() -> tuple[list[dict[str, Any]], bool]:
+    """``cuda_devices()`` if CUDA has started in this process; else nothing, and CUDA not started
+    (the sender looks again once it has: ``cuda_started``)."""
+    if not cuda_started():
+        return [], False
+    return cuda_devices()
+
+
 def cuda_devices() -> tuple[list[dict[str, Any]], bool]:
-    """The CUDA devices and whether any primary context was already active (CUDA started before us)."""
+    """The CUDA devices and whether any primary context was already active (CUDA started before us).
+    Calls ``cuInit``: only once the workload has started CUDA (``started_cuda_devices``)."""
     devices: list[dict[str, Any]] = []
     active = False
     try:

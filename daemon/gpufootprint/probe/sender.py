@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gpufootprint.probe import control, counters, nativecallbacks, resync, untracked
+from gpufootprint.probe import control, counters, hostinfo, nativecallbacks, resync, untracked
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
@@ -111,6 +111,7 @@ class Sender:
         self.gap_seconds = 0.0
         self.cuda_before = False
         self.devices: list[dict[str, Any]] = []
+        self.discover_pending = False  # the devices wait for the workload to start CUDA (Probe.start)
         self.hello: dict[str, Any] = {}
         self.windows = Windows(self, settings.kernel_window_kind)  # kernel and launch windows (probe/windows.py)
         self.resyncs = ResyncSchedule()
@@ -214,6 +215,8 @@ class Sender:
                         self.cupti.hooks(True)  # the tool that held CUPTI's subscriber place may have let go
                     if self.settings.oom_torch_observer and not self.oom.torch_attached:
                         self.oom.attach_torch()
+                    if self.discover_pending:
+                        self._discover_devices()
                     self._emit(framing.encode_json(FrameType.HEARTBEAT, self._heartbeat()), must=True)
                     # Likewise a heartbeat sent early at a flush's wake: from now, flushes every COUNT_FLUSH_S
                     # (a window's count, a waiting OOM, forced mode) would send one every half period.
@@ -389,6 +392,19 @@ class Sender:
                 # The daemon's table now misses these: a resync once the table holds them.
                 self.resyncs.dropped(int(arr[TIME_FIELD[kind]].max()))
         self.packer.give_back(kind, owned)
+
+    def _discover_devices(self) -> None:
+        """CUDA's devices, once the workload has started CUDA (the probe never calls ``cuInit`` first:
+        ``hostinfo.cuda_started``): in the HELLO of later connections, and to the daemon now in a META."""
+        if not hostinfo.cuda_started():
+            return
+        self.discover_pending = False
+        devices, _active = hostinfo.cuda_devices()
+        if not devices:
+            return
+        self.devices = devices
+        self.hello["devices"] = devices
+        self._emit(framing.encode_json(FrameType.META, {"pid": self.pid, "devices": devices}), must=True)
 
     def _emit(self, frame: bytes, *, must: bool = False, records: int = 0, mark: bool = False) -> bool:
         """To the tee (always) and the socket (when connected). True if the socket took it."""
