@@ -98,8 +98,8 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_kernel_windows_off_b": {},  # a second worker without windows (a replica, as probe_b)
     # Levers, one each (the cost table of docs/performance.md): no launch-call priming at CUDA's start
     # (and so no launch windows); a 10x slower sender (drains, watermarks and heartbeats); no PyTorch
-    # hooks (the profiler hand-over and the OOM observer); no device discovery at start (cuInit and
-    # the device queries through cuda-bindings, before the workload's first CUDA call).
+    # hooks (the profiler hand-over and the OOM observer); no device discovery at all (since 2026-12-07
+    # the probe never calls cuInit before the workload, and looks its devices up once CUDA is up).
     "probe_no_launch_windows": {"launch_windows": False},
     # A launch window's switches made on the sender's thread, as before 2026-12-06 (bench/launch_toggle.py)
     "probe_switch_sender": {"launch_switch_on_main": False},
@@ -463,8 +463,9 @@ def _commands() -> Any:
 def worker(config: str, socket_path: str, steps_a: int, steps_b: int, cpus: str) -> None:
     config = base_of(config)
     if config == "none_discover":
-        # Uninstrumented, but the probe's device discovery first (cuInit and device queries through
-        # cuda-bindings before the workload's own first CUDA call): does that alone move the step?
+        # Uninstrumented, but the probe's device discovery of before 2026-12-07 first (cuInit and device
+        # queries through cuda-bindings before the workload's own first CUDA call): does that alone move
+        # the step? (Today's probe looks its devices up only once the workload has started CUDA.)
         from gpufootprint.probe import hostinfo
 
         hostinfo.cuda_devices()
