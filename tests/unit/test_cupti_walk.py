@@ -254,6 +254,11 @@ def test_convert_of_memory2_equals_the_field_by_field_conversion() -> None:
         elif trial % 5 == 3:
             src["is_async"] = 1
             src["pool_type"] = cl.POOL_LOCAL  # all in a local pool: every pool field as it is
+        if trial % 10 == 7 and n:
+            src["pool_type"][int(rng.integers(0, n))] = 0  # all stream-ordered, one not in a pool
+        elif trial % 10 == 9 and n > 1:
+            src["is_async"][int(rng.integers(0, n))] = 0  # all in a pool by their type, one not stream-ordered
+            src["pool_type"] = np.where(src["pool_type"] == 0, 1, src["pool_type"])
         for s in (src, src.copy(), src[::2]):
             assert cl.convert(cl.MEMORY2, s, 4242).tobytes() == _convert_memory2_field_by_field(s, 4242).tobytes()
 

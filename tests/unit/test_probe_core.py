@@ -257,6 +257,75 @@ def test_cuda_started_before_the_probe_gives_its_devices_in_the_hello(
     assert not [f for f in got if f.type is FrameType.META]  # nothing more to tell
 
 
+def test_cuda_started_reads_the_drivers_answer_without_loading_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cuda_started`` opens libcuda only if the process has it already (RTLD_NOLOAD), once, and reads
+    cuDeviceGetCount's answer: 0 started, NOT_INITIALIZED not yet, anything else failed for good."""
+    import ctypes
+    import os
+
+    from gpufootprint.probe import hostinfo
+
+    opened: list[tuple[str, int]] = []
+    answer = {"rc": 3}
+
+    class Driver:
+        def cuDeviceGetCount(self, _count: object) -> int:
+            return answer["rc"]
+
+    def cdll(name: str, mode: int = 0) -> Driver:
+        opened.append((name, mode))
+        if not loaded:
+            raise OSError(f"{name}: cannot open shared object file")  # what dlopen(RTLD_NOLOAD) says
+        return Driver()
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(hostinfo, "_driver", [])
+    loaded = False
+    assert hostinfo.cuda_started() is False  # no driver in the process: not started
+    loaded = True
+    assert hostinfo.cuda_started() is False  # loaded, cuInit not called yet
+    answer["rc"] = 0
+    assert hostinfo.cuda_started() is True
+    answer["rc"] = 100  # CUDA_ERROR_NO_DEVICE: cuInit ran and failed
+    assert hostinfo.cuda_started() is None
+    assert [n for n, _ in opened] == ["libcuda.so.1"] * 2  # kept once found
+    assert all(mode & os.RTLD_NOLOAD for _, mode in opened)
+    assert hostinfo.started_cuda_devices() == ([], False)
+
+
+def test_a_failed_cuinit_stops_the_lookups_and_a_failure_before_the_heartbeat_finds_the_devices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpufootprint.probe import hostinfo
+
+    asked: list[int] = []
+
+    def failed() -> None:  # cuInit ran and failed
+        asked.append(1)
+
+    monkeypatch.setattr(hostinfo, "cuda_started", failed)
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "t.gfp"), heartbeat_ms=20, flush_ms=10), fk.FakeCupti())
+    assert probe.start()
+    time.sleep(0.2)
+    probe.stop()
+    assert probe.sender.discover_pending is False and probe.sender.devices == []
+    assert len(asked) == 2  # at start, then one heartbeat: a driver whose cuInit failed is not asked again
+
+    driver = _Driver(gpus=1)
+    monkeypatch.setattr(hostinfo, "cuda_started", driver.started)
+    monkeypatch.setattr(hostinfo, "cuda_devices", driver.devices)
+    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "u.gfp"), heartbeat_ms=60_000, flush_ms=10),
+                  fk.FakeCupti())
+    assert probe.start()
+    try:
+        driver.cu_init("workload")
+        probe.sender.oom.pending = lambda: True  # type: ignore[method-assign]  # a failure waits to be judged
+        probe.sender.oom.marks = lambda *a, **k: []  # type: ignore[method-assign]
+        probe.sender._queue_oom_marks()
+        assert probe.sender.devices == [{"index": 0, "name": "Fake GPU 0", "total_bytes": 80 << 30}]
+    finally:
+        probe.stop()
+
+
 def test_cuda_started_asks_only_a_driver_the_process_has_loaded() -> None:
     """On this machine no CUDA driver is loaded into the test process: not started, and still not loaded."""
     from gpufootprint.probe import hostinfo

@@ -37,9 +37,15 @@ def cgroup() -> tuple[str | None, str | None]:
 #: What ``cuDeviceGetCount`` answers before ``cuInit``.
 CUDA_ERROR_NOT_INITIALIZED = 3
 
+#: The driver library once this process has loaded it (kept: ``dlopen`` would walk the search path again at
+#: every heartbeat, and take a reference each time).
+_driver: list[Any] = []
 
-def cuda_started() -> bool:
-    """Whether CUDA's driver is initialised in this process, asked without loading or initialising it.
+
+def cuda_started() -> bool | None:
+    """Whether CUDA's driver is initialised in this process, asked without loading or initialising it:
+    True once ``cuInit`` succeeded, False while nobody called it (or no driver is loaded here), None when
+    it ran and failed (no device visible, a broken driver): nothing will start later.
 
     ``cuInit`` reads ``CUDA_VISIBLE_DEVICES`` (and ``CUDA_DEVICE_ORDER``, MPS's settings, ...) once, when it
     runs. A probe started with the interpreter that called it before the workload would fix what the
@@ -47,17 +53,21 @@ def cuda_started() -> bool:
     of a training script), so the probe asks only a driver the process has already loaded
     (``RTLD_NOLOAD``), and ``cuDeviceGetCount`` answers NOT_INITIALIZED until someone called ``cuInit``."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        if not _driver:
+            _driver.append(ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
         count = ctypes.c_int(0)
-        return int(lib.cuDeviceGetCount(ctypes.byref(count))) == 0
+        rc = int(_driver[0].cuDeviceGetCount(ctypes.byref(count)))
     except (OSError, AttributeError):
         return False  # not loaded here (so not started), or not a CUDA driver
+    if rc == 0:
+        return True
+    return False if rc == CUDA_ERROR_NOT_INITIALIZED else None
 
 
 def started_cuda_devices() -> tuple[list[dict[str, Any]], bool]:
     """``cuda_devices()`` if CUDA has started in this process; else nothing, and CUDA not started
     (the sender looks again once it has: ``cuda_started``)."""
-    if not cuda_started():
+    if cuda_started() is not True:
         return [], False
     return cuda_devices()
 

@@ -337,6 +337,8 @@ class Sender:
             return
         # Stopping, or in a profiler gap (no record of ours comes then, and no watermark): judged at once.
         settled = None if self._stop.is_set() or self.in_gap else self._table_ts
+        if self.discover_pending:
+            self._discover_devices()  # a failure before the first heartbeat after CUDA started: one GPU or several?
         # an API record names no device: the one the newest allocation record named (packer.api_dev)
         bodies = self.oom.marks(self.pid, self.packer.api_dev, settled, only_device=len(self.devices) == 1,
                                 final=self._stop.is_set())
@@ -396,7 +398,10 @@ class Sender:
     def _discover_devices(self) -> None:
         """CUDA's devices, once the workload has started CUDA (the probe never calls ``cuInit`` first:
         ``hostinfo.cuda_started``): in the HELLO of later connections, and to the daemon now in a META."""
-        if not hostinfo.cuda_started():
+        started = hostinfo.cuda_started()
+        if started is None:
+            self.discover_pending = False  # cuInit ran and failed (no device visible): nothing to list, ever
+        if not started:
             return
         self.discover_pending = False
         devices, _active = hostinfo.cuda_devices()
