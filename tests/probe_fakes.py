@@ -57,6 +57,14 @@ def peer_copy_record(nbytes: int, src: int, dst: int) -> Any:
                            src_device_id=src, src_context_id=1, dst_device_id=dst, dst_context_id=2)
 
 
+def odd_record(size: int = 32, kind_word: int = 999) -> Any:
+    """A record neither our walk nor CUPTI's can size (its kind word unknown), written where a MEMORY2
+    record would be: what a buffer our walk refuses looks like, whatever wrote it."""
+    body = bytearray(size)
+    body[:4] = kind_word.to_bytes(4, "little")
+    return SimpleNamespace(kind=MEMORY2, raw_bytes=bytes(body), stream_id=0)
+
+
 def memset_record(nbytes: int) -> Any:
     t = time.time_ns()
     return SimpleNamespace(kind=MEMSET, value=0, bytes=nbytes, start=t, end=t + 100, device_id=0, context_id=1,
@@ -317,6 +325,9 @@ class FakeRawCupti(FakeCupti):
 
         import numpy as np
 
+        if getattr(rec, "raw_bytes", None) is not None:
+            return bytes(rec.raw_bytes)  # written as it is (``odd_record``)
+
         dt = _struct_dtype(rec.kind)
         row = np.zeros(1, dtype=dt)
         for f in dt.names:
@@ -375,15 +386,17 @@ class FakeRawCupti(FakeCupti):
             self.delivery._cmp(self.queue[0] or None, self.queue[1], buf.value, size.value, used)
 
     def walk_raw(self, address: int, valid: int) -> dict[int, list[int]] | None:
-        """The reference walk (cuptiActivityGetNextRecord's job): by each struct's size."""
+        """The reference walk (cuptiActivityGetNextRecord's job): by each struct's size. Like the backend's
+        loop over cuptiActivityGetNextRecord, it stops at a record it cannot read and gives what it found
+        before it (all of a buffer, or none of it, is not what CUPTI's walk says)."""
         import ctypes
 
         out: dict[int, list[int]] = {}
         off = 0
         while off < valid:
             kind = ctypes.c_int32.from_address(address + off).value
-            if kind not in _STRUCTS:
-                return None
+            if kind not in _STRUCTS or off + _struct_dtype(kind).itemsize > valid:
+                return out
             out.setdefault(kind, []).append(off)
             off += _struct_dtype(kind).itemsize
         return out

@@ -183,6 +183,8 @@ def main() -> int:
             fake.free(int(a, 0), int(s))
         elif op == "copy":
             fake.emit(probe_fakes.memcpy_record(int(arg)))
+        elif op == "odd":  # a record no walk can size, in the next buffer
+            fake.emit(probe_fakes.odd_record())
         elif op == "kernel":
             fake.launch(arg)
         elif op == "burst":
@@ -270,7 +272,7 @@ def main() -> int:
     cur = probe.current()
     if cur is not None:
         cur.stop(timeout=60)
-    print(json.dumps({"status": probe.status(), "start_s": start_s, "workload_s": workload_s, "waited": waited,
+    print(json.dumps({"status": probe.status(), "errors": cur.errors if cur is not None else [], "start_s": start_s, "workload_s": workload_s, "waited": waited,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes",
                                                              "buffers_delivered", "refused_records",

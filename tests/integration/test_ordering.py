@@ -174,3 +174,31 @@ def test_a_probe_that_says_it_reads_forwarded_buffers_is_asked_for_them_at_its_h
     assert status["forwarded_buffers"] > 0 and status["records_dropped"] == 0, status
     assert dict(daemon.pipeline.errors.counts) == {} and daemon.pipeline.late_records == 0
     assert end["matches"], end
+
+
+def test_a_buffer_our_walk_cannot_read_is_not_forwarded_and_the_daemon_stays_exact(tmp_path: Path) -> None:
+    """Seen once on an H200 (2026-12-07, run of 392bc99 under cudaMallocAsync): the probe's walk refused a
+    buffer, CUPTI's walk read it, and the probe forwarded it unread anyway; the daemon, whose walk is the
+    probe's, could not walk it and dropped it whole (``bad_cupti_buffer``), and the footprint drifted until a
+    resync. A buffer read by CUPTI's walk is now packed in the probe: the daemon gets what CUPTI's walk
+    found, and its live view equals the probe's table at each mark, while the process runs."""
+    sock = str(tmp_path / "p.sock")
+    daemon = Daemon(sock)
+    try:
+        p = child(sock, tmp_path, "forwarding", "alloc:0x1000:512", "alloc:0x2000:1024", "mark:before",
+                  "alloc:0x3000:2048", "odd", "free:0x1000:512", "mark:after", "burst:200", "mark:end",
+                  FAKE_BUFFER_RECORDS="64")
+        res = finish(p)
+        before, after, end = daemon.wait_mark("before"), daemon.wait_mark("after"), daemon.wait_mark("end")
+    finally:
+        daemon.stop()
+    status = res["status"]
+    assert status["raw_walk_fallbacks"] == 1, status  # the scenario: one buffer our walk refused
+    assert status["forwarded_buffers"] > 0, status  # the others went out unread, as before
+    assert "bad_cupti_buffer" not in daemon.pipeline.errors.counts, dict(daemon.pipeline.errors.counts)
+    for m in (before, after, end):
+        assert m["matches"], m
+    (proc,) = daemon.pipeline.processes.values()
+    assert proc.drift_mismatches == 0
+    # and the probe says where its walk stopped, for the next one seen on a GPU
+    assert any("our walk cannot read (unknown record kind 999 at byte" in e for e in res["errors"]), res["errors"]

@@ -306,7 +306,7 @@ class Session:
         self._walked = None  # read now: the frame's bytes need not outlive it
         if offsets is None:
             self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
-                                             f"walked (an unknown record kind, or a record past its end): dropped")
+                                             f"walked ({cupti_layout.walk_stop(data, len(data))}): dropped")
             return
         u8 = np.frombuffer(data, dtype=np.uint8)
         if self.ns_pid is not None and pid == self.ns_pid and self.peer_pid is not None:

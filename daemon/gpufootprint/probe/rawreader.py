@@ -39,8 +39,10 @@ FORWARDABLE = FORWARDABLE_V1 | {cupti_layout.RUNTIME}
 class RawBufferReader:
     def __init__(self, *, pid: int, verify_walk: bool, packer: Packer, table: LiveTable, oom: OomWatch,
                  cupti: CuptiArming, resyncs: ResyncSchedule, counters: Counter[str],
-                 dropped_by_reason: Counter[str], clock_ns: Callable[[], int], walker: Walker | None = None) -> None:
+                 dropped_by_reason: Counter[str], clock_ns: Callable[[], int], walker: Walker | None = None,
+                 errors: list[str] | None = None) -> None:
         self.pid = pid
+        self.errors = errors
         self.verify_walk = verify_walk
         self.packer = packer
         self.table = table
@@ -74,10 +76,12 @@ class RawBufferReader:
                 self._forward(forward_to, tee, in_gap, buf, valid, None)
                 self.counters["raw_buffers"] += 1
                 return
-            offsets = self._walk(buf, address, valid)
+            offsets, ours = self._walk(buf, address, valid)
             if offsets is None:
                 self.counters["raw_buffers_unreadable"] += 1
-            elif forward_to is not None and offsets.keys() <= forwardable:
+            elif forward_to is not None and ours and offsets.keys() <= forwardable:
+                # Only what our walk reads goes out unread: the daemon walks it the same way. A buffer read
+                # by CUPTI's walk instead is packed here (the daemon could not walk it, and dropped it whole).
                 self._forward(forward_to, tee, in_gap, buf, valid, offsets)
             else:
                 n = self.packer.pack_raw(buf, valid, offsets)
@@ -87,9 +91,10 @@ class RawBufferReader:
         finally:
             raw.give_back(address)
 
-    def _walk(self, buf: memoryview, address: int, valid: int) -> Mapping[int, Sequence[int]] | None:
+    def _walk(self, buf: memoryview, address: int,
+              valid: int) -> tuple[Mapping[int, Sequence[int]] | None, bool]:
         """Each kind's record offsets: our walk (in C where the library loaded, for a buffer of more than one
-        kind), CUPTI's where ours cannot (or to check ours)."""
+        kind), CUPTI's where ours cannot (or to check ours); and whether they are our walk's (the daemon's)."""
         # A buffer of one kind is one look and a view of its bytes whichever walk; looked at once here.
         offsets: Mapping[int, Sequence[int]] | None = cupti_layout.uniform_runs(buf, valid)
         if offsets is None and self.walker is not None:
@@ -97,18 +102,31 @@ class RawBufferReader:
             self.counters["native_walks"] += offsets is not None
         if offsets is None:
             offsets = cupti_layout.walk(buf, valid)
+        ours = offsets is not None
         if self.verify_walk or offsets is None:
             backend = self.cupti.backend
             reference = backend.walk_raw(address, valid) if backend is not None else None
             if offsets is None:
                 self.counters["raw_walk_fallbacks"] += 1
+                self._note_fallback(buf, valid, reference)
                 offsets = reference
             elif reference is not None:
                 self.counters["raw_walks_verified"] += 1
                 if reference != {k: list(v) for k, v in offsets.items()}:
                     self.counters["raw_walk_mismatches"] += 1
-                    offsets = reference
-        return offsets
+                    offsets, ours = reference, False
+        return offsets, ours
+
+    def _note_fallback(self, buf: memoryview, valid: int, reference: Mapping[int, Sequence[int]] | None) -> None:
+        """The first few buffers our walk could not read, said in the probe's errors: where it stopped, and
+        what CUPTI's walk found (how many records of each kind, and up to which byte)."""
+        if self.errors is None or len(self.errors) >= 20:
+            return
+        found = "nothing" if reference is None else ", ".join(f"{len(v)} of kind {k}" for k, v in reference.items())
+        end = max((int(v[-1]) + cupti_layout.walk_sizes().get(k, 0) for k, v in (reference or {}).items() if len(v)),
+                  default=0)
+        self.errors.append(f"walk: a CUPTI buffer our walk cannot read ({cupti_layout.walk_stop(buf, valid)}); "
+                           f"CUPTI's walk found {found}, up to byte {end} of {valid}: packed here, not forwarded")
 
     def _forward(self, link: SocketLink, tee: FileSink | None, in_gap: bool, buf: memoryview, valid: int,
                  offsets: Mapping[int, Sequence[int]] | None) -> None:

@@ -115,10 +115,11 @@ class Sender:
         self.hello: dict[str, Any] = {}
         self.windows = Windows(self, settings.kernel_window_kind)  # kernel and launch windows (probe/windows.py)
         self.resyncs = ResyncSchedule()
+        self.errors: list[str] = []
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
             cupti=self.cupti, resyncs=self.resyncs, counters=self.counters,
-            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings))
+            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings), errors=self.errors)
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
         # stamped just before a flush can still be on its way into CUPTI's buffer (an API call in
@@ -131,7 +132,6 @@ class Sender:
         self._forward = False
         self._forwardable = FORWARDABLE_V1  # the kinds this daemon steps over (it says which)
         self._stop = threading.Event()
-        self.errors: list[str] = []
 
     @property
     def forward_seconds(self) -> float:

@@ -310,6 +310,24 @@ def walk(buf: bytes | memoryview, valid: int) -> dict[int, Runs] | None:
     return runs
 
 
+def walk_stop(buf: bytes | memoryview, valid: int) -> str:
+    """Where a record-by-record walk of ``buf[:valid]`` stops, in words (why ``walk`` returned None): for
+    the one-line error that names the place."""
+    unpack = _KIND.unpack_from
+    off = 0
+    while off < valid:
+        if off + 4 > valid:
+            return f"{valid - off} bytes after the record ending at byte {off} of {valid}"
+        kind = unpack(buf, off)[0]
+        size = _SIZES.get(kind)
+        if size is None:
+            return f"unknown record kind {kind} at byte {off} of {valid}"
+        if off + size > valid:
+            return f"a kind-{kind} record of {size} bytes at byte {off} runs past the buffer's {valid}"
+        off += size
+    return f"none: the buffer walks ({valid} bytes)"
+
+
 def _cycle(buf: bytes | memoryview, start: int, end: int) -> list[int] | None:
     """The kinds of the records from ``start`` (one of the kind at ``end``) to ``end``, in the order
     they come again from the record after ``end``; None unless they are at most ``_MAX_PERIOD``
