@@ -122,7 +122,7 @@ class RawBufferReader:
         what CUPTI's walk found (how many records of each kind, and up to which byte)."""
         if self.errors is None or len(self.errors) >= 20:
             return
-        found = "nothing" if reference is None else ", ".join(f"{len(v)} of kind {k}" for k, v in reference.items())
+        found = ", ".join(f"{len(v)} of kind {k}" for k, v in (reference or {}).items()) or "nothing"
         end = max((int(v[-1]) + cupti_layout.walk_sizes().get(k, 0) for k, v in (reference or {}).items() if len(v)),
                   default=0)
         self.errors.append(f"walk: a CUPTI buffer our walk cannot read ({cupti_layout.walk_stop(buf, valid)}); "
