@@ -303,6 +303,7 @@ class FakeRawCupti(FakeCupti):
         self.buffers_delivered = 0
         # The (CUcontext, stream) queue this fake's buffers belong to; CUPTI counts drops per queue.
         self.queue: tuple[int, int] = (0, 0)
+        self.walk_disagrees = False  # scenario: the reference walk misses each buffer's last record
 
     def register(self, requested: Any, completed: Any) -> None:
         super().register(requested, completed)
@@ -399,6 +400,11 @@ class FakeRawCupti(FakeCupti):
                 return out
             out.setdefault(kind, []).append(off)
             off += _struct_dtype(kind).itemsize
+        if self.walk_disagrees and out:
+            last = max(out, key=lambda k: out[k][-1])
+            out[last].pop()  # scenario: CUPTI's walk ends a record early
+            if not out[last]:
+                del out[last]
         return out
 
 

@@ -162,7 +162,8 @@ def main() -> int:
     cls = probe_fakes.FakeCupti if os.environ.get("FAKE_DELIVERY") == "objects" else probe_fakes.FakeRawCupti
     if os.environ.get("FAKE_STREAMS") == "1":
         cls = probe_fakes.StreamBufferedCupti
-    fake = cls(shuffle=True, buffer_records=int(os.environ.get("FAKE_BUFFER_RECORDS", "16")))
+    fake = cls(shuffle=os.environ.get("FAKE_SHUFFLE", "1") == "1", buffer_records=int(os.environ.get("FAKE_BUFFER_RECORDS", "16")))
+    fake.walk_disagrees = os.environ.get("FAKE_WALK_DISAGREES") == "1"
     t0 = time.perf_counter()
     ok = probe.start(backend=fake, discover_devices=False)
     start_s = time.perf_counter() - t0

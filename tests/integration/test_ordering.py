@@ -181,24 +181,51 @@ def test_a_buffer_our_walk_cannot_read_is_not_forwarded_and_the_daemon_stays_exa
     buffer, CUPTI's walk read it, and the probe forwarded it unread anyway; the daemon, whose walk is the
     probe's, could not walk it and dropped it whole (``bad_cupti_buffer``), and the footprint drifted until a
     resync. A buffer read by CUPTI's walk is now packed in the probe: the daemon gets what CUPTI's walk
-    found, and its live view equals the probe's table at each mark, while the process runs."""
+    found, while the process runs. Here a record no walk can size ends a buffer (records in order), so
+    CUPTI's walk reads the two before it: the daemon must hold them (3,072 bytes live, not the 1,536 it held
+    before them)."""
     sock = str(tmp_path / "p.sock")
     daemon = Daemon(sock)
     try:
         p = child(sock, tmp_path, "forwarding", "alloc:0x1000:512", "alloc:0x2000:1024", "mark:before",
-                  "alloc:0x3000:2048", "odd", "free:0x1000:512", "mark:after", "burst:200", "mark:end",
-                  FAKE_BUFFER_RECORDS="64")
+                  "alloc:0x3000:2048", "free:0x1000:512", "odd", "mark:after", "burst:200", "mark:end",
+                  FAKE_BUFFER_RECORDS="64", FAKE_SHUFFLE="0")
         res = finish(p)
         before, after, end = daemon.wait_mark("before"), daemon.wait_mark("after"), daemon.wait_mark("end")
     finally:
         daemon.stop()
     status = res["status"]
     assert status["raw_walk_fallbacks"] == 1, status  # the scenario: one buffer our walk refused
+    assert status["raw_walk_unread_bytes"] == 32, status  # the odd record itself, past CUPTI's last one
     assert status["forwarded_buffers"] > 0, status  # the others went out unread, as before
     assert "bad_cupti_buffer" not in daemon.pipeline.errors.counts, dict(daemon.pipeline.errors.counts)
-    for m in (before, after, end):
-        assert m["matches"], m
+    assert before["live_bytes"] == {"device": 1536} and before["matches"], before
+    assert after["live_bytes"] == {"device": 3072} and after["matches"], after  # the packed buffer's two records
+    assert end["live_bytes"] == {"device": 3072} and end["matches"], end
     (proc,) = daemon.pipeline.processes.values()
     assert proc.drift_mismatches == 0
     # and the probe says where its walk stopped, for the next one seen on a GPU
-    assert any("our walk cannot read (unknown record kind 999 at byte" in e for e in res["errors"]), res["errors"]
+    assert any("our walk cannot read it (unknown record kind 999 at byte 256 of 288); CUPTI's walk found 2 of kind"
+               in e for e in res["errors"]), res["errors"]
+
+
+def test_a_buffer_whose_walks_disagree_is_not_forwarded(tmp_path: Path) -> None:
+    """Checking its walk against CUPTI's (``raw_verify_walk``, as the GPU tests run), the probe that finds them
+    apart takes CUPTI's: then it packs the buffer, since the daemon would walk it as the probe did. Here
+    CUPTI's walk misses each buffer's last record: the daemon's view equals the probe's at every mark, and
+    nothing went out unread."""
+    sock = str(tmp_path / "p.sock")
+    daemon = Daemon(sock)
+    try:
+        p = child(sock, tmp_path, "forwarding", "alloc:0x1000:512", "alloc:0x2000:1024", "mark:one",
+                  "burst:50", "mark:two", FAKE_BUFFER_RECORDS="64", FAKE_SHUFFLE="0", FAKE_WALK_DISAGREES="1",
+                  GPUFOOTPRINT_PROBE_RAW_VERIFY_WALK="1")
+        res = finish(p)
+        one, two = daemon.wait_mark("one"), daemon.wait_mark("two")
+    finally:
+        daemon.stop()
+    status = res["status"]
+    assert status["raw_walk_mismatches"] >= 2 and status["forwarded_buffers"] == 0, status
+    assert one["matches"] and two["matches"], (one, two)
+    assert any("our walk and CUPTI's disagree" in e for e in res["errors"]), res["errors"]
+    assert "bad_cupti_buffer" not in daemon.pipeline.errors.counts

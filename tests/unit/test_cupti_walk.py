@@ -278,3 +278,31 @@ def test_a_buffer_of_one_kind_is_read_in_one_look_as_record_by_record() -> None:
     truncated = bytes(build([cl.MEMORY2] * 3, rng))[:-8]
     assert cl.uniform_runs(truncated, len(truncated)) is None and cl.walk(truncated, len(truncated)) is None
     assert cl.uniform_runs(b"", 0) is None
+
+
+def test_walk_stop_names_a_place_exactly_where_walk_refuses() -> None:
+    """``walk_stop`` (the daemon's and the probe's words for a refused buffer) says the buffer walks exactly
+    when ``walk`` reads it, and otherwise names the byte of the first record a plain walk cannot read."""
+    rng = random.Random(29)
+    kinds = [cl.MEMORY2, cl.MEMORY_POOL, cl.RUNTIME, cl.DRIVER, cl.MEMCPY]
+    for trial in range(400):
+        layout = [rng.choice(kinds) for _ in range(rng.randrange(1, 40))]
+        buf = build(layout, rng)
+        valid = len(buf)
+        if trial % 4 == 1:  # an unknown kind somewhere
+            at = sum(SIZES[k] for k in layout[:rng.randrange(len(layout))])
+            buf[at:at + 4] = (999).to_bytes(4, "little")
+        elif trial % 4 == 2:  # a tail cut inside a record, or inside a kind word
+            valid -= rng.choice([2, 8, SIZES[layout[-1]] - 8, SIZES[layout[-1]] - 2])
+        elif trial % 4 == 3:  # a known kind of another size where one was
+            at = sum(SIZES[k] for k in layout[:rng.randrange(len(layout))])
+            buf[at:at + 4] = rng.choice(kinds).to_bytes(4, "little")
+        said = cl.walk_stop(bytes(buf), valid)
+        ref = reference_walk(bytes(buf), valid)
+        assert (cl.walk(bytes(buf), valid) is None) == (ref is None) == (not said.startswith("none")), (trial, said)
+        if ref is None:
+            at = int(said.split("at byte ")[1].split()[0]) if "at byte " in said else None
+            if "runs past" in said or "unknown record kind" in said:
+                assert at is not None and at % 8 == 0 and at < valid, said
+            else:
+                assert said.endswith(f"of {valid}") and "bytes after the record ending" in said, said

@@ -81,6 +81,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "driver_hooks": c["driver_hooks"], "driver_hooks_unavailable": c["driver_hooks_unavailable"],
         "raw_foreign_buffers": raw.foreign if raw else 0,
         "raw_walk_fallbacks": c["raw_walk_fallbacks"], "raw_walk_mismatches": c["raw_walk_mismatches"],
+        "raw_walk_unread_bytes": c["raw_walk_unread_bytes"],
         "raw_walks_verified": c["raw_walks_verified"], "raw_buffers_unreadable": c["raw_buffers_unreadable"],
         "bulk_fallbacks": packer.bulk_fallbacks,
         "packer_unknown_kinds": packer.unknown_kinds, "packer_bad_records": packer.bad_records,

@@ -108,25 +108,31 @@ class RawBufferReader:
             reference = backend.walk_raw(address, valid) if backend is not None else None
             if offsets is None:
                 self.counters["raw_walk_fallbacks"] += 1
-                self._note_fallback(buf, valid, reference)
+                self._note_walks("our walk cannot read it", buf, valid, reference)
                 offsets = reference
             elif reference is not None:
                 self.counters["raw_walks_verified"] += 1
                 if reference != {k: list(v) for k, v in offsets.items()}:
                     self.counters["raw_walk_mismatches"] += 1
+                    self._note_walks("our walk and CUPTI's disagree", buf, valid, reference)
                     offsets, ours = reference, False
         return offsets, ours
 
-    def _note_fallback(self, buf: memoryview, valid: int, reference: Mapping[int, Sequence[int]] | None) -> None:
-        """The first few buffers our walk could not read, said in the probe's errors: where it stopped, and
-        what CUPTI's walk found (how many records of each kind, and up to which byte)."""
+    def _note_walks(self, what: str, buf: memoryview, valid: int,
+                    reference: Mapping[int, Sequence[int]] | None) -> None:
+        """A buffer read by CUPTI's walk instead of ours: the bytes past CUPTI's last record counted
+        (``raw_walk_unread_bytes``: their records, if any, are lost here and at the daemon alike, and no
+        resync brings them back), and the first few said in the probe's errors: where a record-by-record
+        walk stops, what CUPTI's walk found and up to which byte."""
+        sizes = cupti_layout.walk_sizes()
+        # A kind we cannot size counts as ending where it starts: the unread bytes are then an upper bound.
+        end = max((int(v[-1]) + sizes.get(k, 0) for k, v in (reference or {}).items() if len(v)), default=0)
+        self.counters["raw_walk_unread_bytes"] += max(0, valid - end)
         if self.errors is None or len(self.errors) >= 20:
             return
         found = ", ".join(f"{len(v)} of kind {k}" for k, v in (reference or {}).items()) or "nothing"
-        end = max((int(v[-1]) + cupti_layout.walk_sizes().get(k, 0) for k, v in (reference or {}).items() if len(v)),
-                  default=0)
-        self.errors.append(f"walk: a CUPTI buffer our walk cannot read ({cupti_layout.walk_stop(buf, valid)}); "
-                           f"CUPTI's walk found {found}, up to byte {end} of {valid}: packed here, not forwarded")
+        self.errors.append(f"walk: a CUPTI buffer {what} ({cupti_layout.walk_stop(buf, valid)}); CUPTI's walk "
+                           f"found {found}, up to byte {end} of {valid}: packed here, not forwarded")
 
     def _forward(self, link: SocketLink, tee: FileSink | None, in_gap: bool, buf: memoryview, valid: int,
                  offsets: Mapping[int, Sequence[int]] | None) -> None:
