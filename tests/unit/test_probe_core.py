@@ -313,17 +313,15 @@ def test_a_failed_cuinit_stops_the_lookups_and_a_failure_before_the_heartbeat_fi
     driver = _Driver(gpus=1)
     monkeypatch.setattr(hostinfo, "cuda_started", driver.started)
     monkeypatch.setattr(hostinfo, "cuda_devices", driver.devices)
-    probe = Probe(ProbeSettings(socket="", tee=str(tmp_path / "u.gfp"), heartbeat_ms=60_000, flush_ms=10),
-                  fk.FakeCupti())
+    probe = Probe(ProbeSettings(socket="", heartbeat_ms=60_000, flush_ms=10), fk.FakeCupti())
     assert probe.start()
-    try:
-        driver.cu_init("workload")
-        probe.sender.oom.pending = lambda: True  # type: ignore[method-assign]  # a failure waits to be judged
-        probe.sender.oom.marks = lambda *a, **k: []  # type: ignore[method-assign]
-        probe.sender._queue_oom_marks()
-        assert probe.sender.devices == [{"index": 0, "name": "Fake GPU 0", "total_bytes": 80 << 30}]
-    finally:
-        probe.stop()
+    probe.stop()  # the sender's thread gone: the judgement below is the only one
+    assert probe.sender.discover_pending and probe.sender.devices == []
+    driver.cu_init("workload")
+    probe.sender.oom.pending = lambda: True  # type: ignore[method-assign]  # a failure waits to be judged
+    probe.sender.oom.marks = lambda *a, **k: []  # type: ignore[method-assign]
+    probe.sender._queue_oom_marks()
+    assert probe.sender.devices == [{"index": 0, "name": "Fake GPU 0", "total_bytes": 80 << 30}]
 
 
 def test_cuda_started_asks_only_a_driver_the_process_has_loaded() -> None:
