@@ -104,6 +104,9 @@ class ProcessState:
     # at some version, so an unchanged table is not rebuilt every tick.
     live_versions: dict[int, int] = field(default_factory=dict)
     live_tables: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
+    # Per device: the last snapshot built, with what it was built from (the table's ``changes``, the
+    # watermark it is as of, its live table): kept while all three stay as they were.
+    device_snapshots: dict[int, tuple[int, int, np.ndarray | None, DeviceSnapshot]] = field(default_factory=dict)
 
     @property
     def probe_counters(self) -> dict[str, float]:
@@ -514,9 +517,8 @@ class Pipeline:
         procs = []
         tables, wanted = self.snapshot_live_tables, self.live_table_wanted
         for proc in self.processes.values():
-            devices = tuple(device_snapshot(fp, proc.applied_to, self._window_ns,
-                                             _cached_live_table(proc, fp)
-                                             if tables and (wanted is None or wanted(proc.pid, fp.dev)) else None)
+            devices = tuple(self._device_snapshot(proc, fp, _cached_live_table(proc, fp)
+                                                  if tables and (wanted is None or wanted(proc.pid, fp.dev)) else None)
                             for _, fp in sorted(proc.devices.items()))
             procs.append(ProcessSnapshot(
                 pid=proc.pid, source=proc.source, exited=proc.exited_at is not None,
@@ -541,6 +543,16 @@ class Pipeline:
             verify_results=dict(self.verify_results),
             **self._feature_fields(),
         )
+
+    def _device_snapshot(self, proc: ProcessState, fp: DeviceFootprint, table: np.ndarray | None) -> DeviceSnapshot:
+        """The device's snapshot, built again only if its table changed, its watermark moved (the window's
+        peak is as of it) or its live table is another: a quiet node's devices cost a lookup a tick."""
+        kept = proc.device_snapshots.get(fp.dev)
+        if kept is not None and kept[0] == fp.changes and kept[1] == proc.applied_to and kept[2] is table:
+            return kept[3]
+        snap = device_snapshot(fp, proc.applied_to, self._window_ns, table)
+        proc.device_snapshots[fp.dev] = (fp.changes, proc.applied_to, table, snap)
+        return snap
 
     def _feature_fields(self) -> dict[str, Any]:
         """What the feature hub adds to the snapshot: features per (pid, gpu), sampler, anomaly windows."""
