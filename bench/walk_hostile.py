@@ -6,7 +6,9 @@ A probe's CUPTI_BUFFER frame is walked record by record where records of one kin
 whole rest of the buffer each time, so runs of about 10 records of alternating kinds made it
 quadratic: 16-24 s of the daemon's one ingest thread for one 16 MiB frame (review of 2026-12-06, this
 2-core VM). This prints, per pattern, the walk and the gather of every record (16,384 at a time, as
-ingest/session.py decodes), in ms.
+ingest/session.py decodes), in ms. Last, what naming the place a refused frame stops costs (``walk_stop``,
+for the daemon's error): a 16 MiB frame of the smallest records (RUNTIME API, the most to walk) whose last
+record's kind is unknown, walked to it.
 
 Usage: python bench/walk_hostile.py [PATTERN...] [--base-tree DIR]
 (``--base-tree``: also time the cupti_layout of another checkout, e.g. a ``git worktree`` of e29a2e6^.)
@@ -109,6 +111,12 @@ def main() -> int:
         for label, mod in mods:
             walk_ms, gather_ms, n = time_walk(mod, buf)
             print(f"{name:24s} {label:9s} walk {walk_ms:9.1f} ms  gather {gather_ms:8.1f} ms  records {n}", flush=True)
+    refused = bytearray(build(iter([K.RUNTIME] * (FRAME // K._SIZES[K.RUNTIME]))))
+    last = len(refused) - K._SIZES[K.RUNTIME]
+    refused[last:last + 4] = (999).to_bytes(4, "little")
+    t0 = time.perf_counter()
+    where = K.walk_stop(bytes(refused), len(refused))
+    print(f"walk_stop of a refused 16 MiB frame: {(time.perf_counter() - t0) * 1e3:.1f} ms ({where})")
     return 0
 
 

@@ -306,8 +306,9 @@ class Session:
         pid, data, offsets = self.cupti_walk(frame)
         self._walked = None  # read now: the frame's bytes need not outlive it
         if offsets is None:
-            # Where it stops only for the first few (a record-by-record walk in Python: about 0.1 s a 16 MiB
-            # frame, which any peer can send again and again); the rest are counted.
+            # Where it stops only for the first few (a record-by-record walk in Python: 112-114 ms a 16 MiB frame
+            # of API records on a 2-core VM, bench/walk_hostile.py, and any peer can send one again and again);
+            # the rest are counted.
             where = cupti_layout.walk_stop(data, len(data)) if self._bad_buffers_said < 5 else "not looked at"
             self._bad_buffers_said += 1
             self.problem("bad_cupti_buffer", f"{self.name}: byte {frame.offset}: a CUPTI buffer that cannot be "
