@@ -130,4 +130,4 @@ def test_a_cupti_buffer_counted_as_received_then_read_is_walked_once(monkeypatch
             conn.session.handle(frame)
     assert walks == [7 * raw.dtype.itemsize, 512 * raw.dtype.itemsize, 3 * raw.dtype.itemsize]
     assert received[pid] == [522, 0] and conn.session.records == 515
-    assert conn.session._walked is None  # the frame read: its bytes are not kept
+    assert not conn.session._walked  # the frames read: their bytes are not kept

@@ -163,14 +163,16 @@ def count_received(conn: Connection, frame: Frame, received: dict[int, list[int]
 
 
 class BatchMerger:
-    """Hands one read's frames to the session, joining runs of BATCH frames of one kind.
+    """Hands one read's frames to the session, joining runs of BATCH frames of one kind, and runs of
+    CUPTI_BUFFER frames.
 
     The pipeline's cost is mostly per batch (sorting, frames, sampler), not per record, so when
     the daemon falls behind and one read holds many small batches of a connection, they are
-    applied as one: the busier the daemon, the larger its batches. Watermarks between them are
-    reduced to the highest, applied after the joined batch (records it covers are applied at
-    once, as before; only ``late`` counting differs). Resync contents, damaged batches and every
-    other frame go through one by one, in order.
+    applied as one: the busier the daemon, the larger its batches. A busy probe's flush is several
+    CUPTI buffers of 512 records, which the session reads as one (``Session.cupti_buffers``).
+    Watermarks between them are reduced to the highest, applied after the joined batch (records it
+    covers are applied at once, as before; only ``late`` counting differs). Resync contents, damaged
+    batches and every other frame go through one by one, in order.
     """
 
     def __init__(self, conn: Connection) -> None:
@@ -182,7 +184,11 @@ class BatchMerger:
     def add(self, frame: Frame) -> None:
         ftype = frame.type
         if ftype is FrameType.BATCH and not self.conn.resync and self._whole(frame):
-            if self.run and self.run[0].tag != frame.tag:
+            if self.run and (self.run[0].type is not FrameType.BATCH or self.run[0].tag != frame.tag):
+                self.flush()
+            self.run.append(frame)
+        elif ftype is FrameType.CUPTI_BUFFER and not self.conn.resync:
+            if self.run and self.run[0].type is not FrameType.CUPTI_BUFFER:
                 self.flush()
             self.run.append(frame)
         elif ftype is FrameType.WATERMARK and len(frame.payload) == 8 and self.run:
@@ -198,6 +204,8 @@ class BatchMerger:
         self.run, self.mark, self.mark_ts = [], None, -1
         if len(run) == 1:
             self.conn.session.handle(run[0])
+        elif run and run[0].type is FrameType.CUPTI_BUFFER:
+            self.conn.session.cupti_buffers(run)
         elif run:
             joined = b"".join(f.payload for f in run)
             self.conn.session.handle(Frame(FrameType.BATCH, run[0].tag, joined, run[0].offset))

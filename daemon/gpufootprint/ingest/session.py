@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from gpufootprint.ingest.validate import (
 )
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.probecounters import clean_counters
-from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind, copy_records
+from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind, copy_records, join
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
 
@@ -57,6 +57,9 @@ _MAX_INFO_BYTES = 64 * 1024
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
 #: Records of one kind decoded at once from a forwarded CUPTI buffer (about 2 MiB of raw structs).
 DECODE_CHUNK = 16_384
+#: CUPTI_BUFFER frames whose walks a session keeps until it reads them: more than one read holds
+#: (``transport.RECV_BYTES`` is 256 KiB, four 64 KiB buffers).
+WALKS_KEPT = 64
 #: What a kernel name costs beyond its characters (its dict entry, its key and str objects): an
 #: empty name is not free.
 NAME_CHARGE = 64
@@ -116,10 +119,10 @@ class Session:
         self.limits = Limits()
         self.guard: Guard | None = None
         self._string_bytes = 0  # kernel-name charge this stream holds (counted in the guard)
-        # The CUPTI_BUFFER frame last walked and what the walk found: the ingest server counts a frame's
-        # records as received (``protocol.count_received``) right before handing it here, and a walk
-        # costs about 4 us a 512-record buffer.
-        self._walked: tuple[Frame, int, memoryview, dict[int, cupti_layout.Runs] | None] | None = None
+        # The CUPTI_BUFFER frames walked and not read yet, by identity, with what each walk found: the
+        # ingest server counts a read's frames as received (``protocol.count_received``) before handing
+        # them here, and a walk costs about 4 us a 512-record buffer.
+        self._walked: dict[int, tuple[Frame, int, memoryview, dict[int, cupti_layout.Runs] | None]] = {}
         self._bad_buffers_said = 0  # CUPTI buffers that could not be walked, of which the first few say where
         self._resync_held = 0  # records of the open resync, counted in the guard's node-wide room
 
@@ -292,19 +295,53 @@ class Session:
 
     def cupti_walk(self, frame: Frame) -> tuple[int, memoryview, dict[int, cupti_layout.Runs] | None]:
         """(pid, buffer, ``cupti_layout.walk``'s offsets) of a CUPTI_BUFFER frame, walked once however
-        often it is asked (the last frame's is kept until the session reads the frame)."""
-        walked = self._walked
+        often it is asked (kept until the session reads the frame; the last ``WALKS_KEPT`` at most)."""
+        walked = self._walked.get(id(frame))
         if walked is not None and walked[0] is frame:
             return walked[1], walked[2], walked[3]
         pid, data = cupti_buffer(frame)
         offsets = cupti_layout.walk(data, len(data))
-        self._walked = (frame, pid, data, offsets)
+        if len(self._walked) >= WALKS_KEPT:  # frames counted and never read (a peer cut off): the oldest go
+            del self._walked[next(iter(self._walked))]
+        self._walked[id(frame)] = (frame, pid, data, offsets)
         return pid, data, offsets
+
+    def cupti_buffers(self, frames: list[Frame]) -> None:
+        """Consecutive CUPTI_BUFFER frames of one read, read as one: each buffer is walked and converted as
+        alone, then each run of records of one kind, next to each other in the order they came, goes on
+        as one batch. What the daemon pays per batch (the fields' checks, the ingest guard, the pipeline's
+        chunk) was paid per buffer: a 64 KiB buffer holds 512 allocation records, and a busy probe's flush
+        is several (bench/cupti_runs.py). Records, their kinds and the buffers' own problems come in the
+        order of the frames, as read one by one; a problem of a joined batch's records (a field out of range,
+        a share of a bound) names the byte of its first frame."""
+        runs: list[tuple[RecordKind, list[np.ndarray], int, bool]] = []
+        for frame in frames:
+            self.frames += 1
+            try:
+                for kind, recs, own in self._cupti_records(frame):
+                    last = runs[-1] if runs else None
+                    if last is not None and last[0] is kind and last[3] and own:
+                        last[1].append(recs)
+                    else:
+                        runs.append((kind, [recs], frame.offset, own))
+            except FrameError as exc:
+                self.problem("bad_frame", f"{self.name}: {exc}")
+        for kind, parts, offset, own in runs:
+            self._records(kind, join(parts), offset, own)
 
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
+        for kind, recs, own in self._cupti_records(frame):
+            self._records(kind, recs, frame.offset, own)
+
+    def _cupti_records(self, frame: Frame) -> Iterator[tuple[RecordKind, np.ndarray, bool]]:
+        """A CUPTI buffer's records, kind by kind in chunks, with whether all are known to be the peer's."""
         pid, data, offsets = self.cupti_walk(frame)
-        self._walked = None  # read now: the frame's bytes need not outlive it
+        walked = self._walked
+        walked.pop(id(frame), None)  # read now: the frame's bytes need not outlive it
+        if walked:  # nor those of frames before it that were counted and will never be read (a run cut short)
+            for key in [k for k, w in walked.items() if w[0].offset <= frame.offset]:
+                del walked[key]
         if offsets is None:
             # Where it stops only for the first few (a record-by-record walk in Python: 112-114 ms a 16 MiB frame
             # of API records on a 2-core VM, bench/walk_hostile.py, and any peer can send one again and again);
@@ -326,8 +363,7 @@ class Session:
             # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
             # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
             for at in range(0, len(offs), DECODE_CHUNK):
-                recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid)
-                self._records(kind, recs, frame.offset, own)
+                yield kind, cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid), own
 
     def _batch(self, frame: Frame) -> None:
         kind = RECORD_KINDS.get(frame.tag)
@@ -357,8 +393,9 @@ class Session:
             # 2262): larger ones are damage (or a sentinel) in any source, trace or probe.
             absurd = recs[TIME_FIELD[kind]] >= np.uint64(MAX_TIMESTAMP_NS)
             if absurd.any():
-                self.problem("bad_timestamp", f"{self.name}: byte {offset}: {int(absurd.sum())} {kind.name} "
-                                              f"records with a timestamp beyond the year 2262: dropped")
+                n = int(absurd.sum())  # records, as the fields' checks count them (a joined batch counts as its parts)
+                self.problem("bad_timestamp", f"{self.name}: byte {offset}: {n} {kind.name} "
+                                              f"records with a timestamp beyond the year 2262: dropped", n)
                 recs = recs[~absurd]
                 if len(recs) == 0:
                     return
@@ -409,7 +446,7 @@ class Session:
             return recs
         n = int(ahead.sum())
         self.problem("future_timestamp", f"{self.name}: {n} {kind.name} records stamped more than the allowed "
-                                         f"skew ahead of the daemon's clock: clamped to it")
+                                         f"skew ahead of the daemon's clock: clamped to it", n)
         recs = copy_records(recs)
         if "end" in (recs.dtype.names or ()):  # keep durations: move the interval, not just its start
             recs["end"][ahead] = recs["end"][ahead] - recs[field][ahead] + np.uint64(limit)
