@@ -8,8 +8,13 @@ protocol's order check and received count, the batch merger, and a session with 
 pipeline with its feature hub, all as the daemon wires them. Prints records per CPU-second of this
 process, the best of ``--rounds``.
 
+What one read holds depends on how far behind the daemon is. ``--reads flush`` (the default): each flush
+read on its own, in reads of ``RECV_BYTES`` (a daemon that keeps up reads a flush soon after it is sent);
+``--reads stream``: the stream read end to end in reads of ``RECV_BYTES`` (a daemon behind, whose reads hold
+several flushes and their watermarks).
+
   python bench/cupti_runs.py [--src DAEMON_DIR] [--per-flush 3126] [--flushes 300] [--rounds 3]
-                             [--frame-records 512]
+                             [--frame-records 512] [--reads flush|stream]
 
 ``--src``: the daemon/ folder of another revision (a ``git worktree`` of it), to run side by side: run
 this script once for each, alternately.
@@ -29,22 +34,22 @@ ap.add_argument("--per-flush", type=int, default=3126, help="records a flush (ev
 ap.add_argument("--flushes", type=int, default=300)
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--frame-records", type=int, default=512, help="records a CUPTI buffer (512: 64 KiB)")
+ap.add_argument("--reads", choices=("flush", "stream"), default="flush")
 args = ap.parse_args()
 sys.path.insert(0, args.src)
 
-import numpy as np  # noqa: E402
-
-from gpufootprint.config import Config  # noqa: E402
-from gpufootprint.hub import FeatureHub  # noqa: E402
-from gpufootprint.ingest.protocol import BatchMerger, Connection, count_received, order_violation  # noqa: E402
-from gpufootprint.ingest.server import PROBE_UNCHECKED  # noqa: E402
-from gpufootprint.ingest.session import Session  # noqa: E402
-from gpufootprint.ingest.transport import RECV_BYTES  # noqa: E402
-from gpufootprint.ingest.validate import Guard, Limits  # noqa: E402
-from gpufootprint.pipeline import Pipeline  # noqa: E402
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp  # noqa: E402
-from gpufootprint.wire import cupti_layout, framing  # noqa: E402
-from gpufootprint.wire.framing import FrameDecoder, FrameType  # noqa: E402
+import numpy as np
+from gpufootprint.config import Config
+from gpufootprint.hub import FeatureHub
+from gpufootprint.ingest.protocol import BatchMerger, Connection, count_received, order_violation
+from gpufootprint.ingest.server import PROBE_UNCHECKED
+from gpufootprint.ingest.session import Session
+from gpufootprint.ingest.transport import RECV_BYTES
+from gpufootprint.ingest.validate import Guard, Limits
+from gpufootprint.pipeline import Pipeline
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
+from gpufootprint.wire import cupti_layout, framing
+from gpufootprint.wire.framing import FrameDecoder, FrameType
 
 PID = 4321
 
@@ -59,7 +64,8 @@ def flush_frames(recs: np.ndarray, per_frame: int) -> bytes:
     return b"".join(framing.encode_cupti_buffer(PID, data[i:i + step], checked=False) for i in range(0, len(data), step))
 
 
-def stream(per_flush: int, flushes: int, per_frame: int) -> bytes:
+def stream(per_flush: int, flushes: int, per_frame: int) -> list[bytes]:
+    """The HELLO, then each flush's bytes (its buffers and its watermark)."""
     recs = np.zeros(per_flush, MEMORY_DTYPE)
     pairs = per_flush // 2
     recs["pid"], recs["mk"], recs["bytes"] = PID, MemoryKind.DEVICE, 2 << 20
@@ -74,10 +80,16 @@ def stream(per_flush: int, flushes: int, per_frame: int) -> bytes:
         recs["ts"] = last + 1 + np.arange(per_flush, dtype=np.uint64) * gap
         last = int(recs["ts"][-1]) + 1
         out.append(flush_frames(recs, per_frame) + framing.encode_watermark(last))
-    return b"".join(out)
+    return out
 
 
-def one_round(data: bytes) -> float:
+def reads(parts: list[bytes], how: str) -> list[bytes]:
+    """What the daemon's recv calls return: each part (``flush``) or the whole (``stream``) in pieces."""
+    whole = [b"".join(parts)] if how == "stream" else parts
+    return [p[i:i + RECV_BYTES] for p in whole for i in range(0, len(p), RECV_BYTES)]
+
+
+def one_round(chunks: list[bytes]) -> float:
     cfg = Config()
     pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
     guard = Guard(Limits.from_config(cfg.daemon))
@@ -90,9 +102,9 @@ def one_round(data: bytes) -> float:
     received: dict[int, list[int]] = {}
     try:
         t0 = time.process_time()
-        for i in range(0, len(data), RECV_BYTES):
+        for chunk in chunks:
             merger = BatchMerger(conn)
-            for frame in conn.decoder.feed(data[i:i + RECV_BYTES]):
+            for frame in conn.decoder.feed(chunk):
                 assert order_violation(conn, frame) is None
                 count_received(conn, frame, received)
                 merger.add(frame)
@@ -106,11 +118,12 @@ def one_round(data: bytes) -> float:
 
 
 def main() -> int:
-    data = stream(args.per_flush, args.flushes, args.frame_records)
+    chunks = reads(stream(args.per_flush, args.flushes, args.frame_records), args.reads)
     n = args.per_flush * args.flushes
-    best = min(one_round(data) for _ in range(args.rounds))
+    best = min(one_round(chunks) for _ in range(args.rounds))
     print(f"{n / best / 1e6:.3f} M records per CPU-second ({best / args.flushes * 1e6:.0f} us a flush of "
-          f"{args.per_flush} records in buffers of {args.frame_records}; best of {args.rounds}; {args.src})")
+          f"{args.per_flush} records in buffers of {args.frame_records}, {len(chunks)} reads ({args.reads}); "
+          f"best of {args.rounds}; {args.src})")
     return 0
 
 

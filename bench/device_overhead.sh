@@ -18,7 +18,9 @@
 # Time on an H100 host (2026-12-06, 4 workers a group, 14 workers): a round of 12/80 steps takes 4.9-5.1 s
 # (caching, cudaMallocAsync), of 6/40 steps with caching off about 6.0 s, plus about 20 s to start and 20 s
 # to end: 60 rounds need MAX_SECONDS of about 330 (caching, async) to 380 (caching off), so one verdict a
-# call (600 s at most). Runs 44-46 were given 225-275 s and stopped at 43-49 rounds: not verdicts.
+# call (600 s at most). Runs 44-46 were given 225-275 s and stopped at 43-49 rounds: not verdicts. On H100
+# 91bc0c1c (2026-12-07, run 57) a round with caching off took 7.1 s: 370 s stopped it at 49 rounds, and 60
+# need about 470 (a 16-worker caching run with none_discover, 6.1 s a round, 390 s in all).
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
