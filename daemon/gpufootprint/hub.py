@@ -93,6 +93,10 @@ class FeatureHub:
         self._torch: dict[int, dict[int, tuple[int | None, int | None]]] = {}
         self._history_part = 1.0  # of the configured history each table keeps (_share_history)
         self.taps: list[Callable[[int, int, RecordKind, np.ndarray], None]] = []
+        # (pid, dev) -> (what they were built from, the features): a quiet node's devices cost a lookup a tick.
+        # (builder, its changes, sampler, its steps, as of, pool reserved, pool used, the features)
+        self._features_kept: dict[tuple[int, int], tuple[FrameBuilder, int, ProcessSampler | None, int, int, int, int,
+                                                         DeviceFeatures]] = {}
 
     # --- hooks the pipeline calls -------------------------------------------------------
 
@@ -173,6 +177,7 @@ class FeatureHub:
         self._torch.pop(pid, None)
         for key in [k for k in self.builders if k[0] == pid]:
             del self.builders[key]
+            self._features_kept.pop(key, None)
         self._share_history()
 
     def _share_history(self) -> None:
@@ -351,10 +356,29 @@ class FeatureHub:
 
     def device_features(self, pid: int, dev: int, as_of_ns: int, pool_reserved: int,
                         pool_used: int) -> DeviceFeatures | None:
-        builder = self.builders.get((pid, dev))
+        """The device's features as of ``as_of_ns``, built again only if what they read changed: the table's
+        frames and counters (``FrameBuilder.changes``), the sampler's last peaks (its steps), the watermark
+        (the migration windows and rate are as of it) or the pool figures. A snapshot asks for every device at
+        every tick; a process's records and peaks move only at its watermarks, one a second by default."""
+        key = (pid, dev)
+        builder = self.builders.get(key)
         if builder is None:
             return None
         s = self.samplers.get(pid)
+        steps = s.steps if s is not None else -1
+        kept = self._features_kept.get(key)
+        if kept is not None:
+            k_builder, k_changes, k_sampler, k_steps, k_as_of, k_reserved, k_used, features = kept
+            if (k_builder is builder and k_changes == builder.changes and k_sampler is s and k_steps == steps
+                    and k_as_of == as_of_ns and k_reserved == pool_reserved and k_used == pool_used):
+                return features
+        features = self._device_features(builder, s, pid, dev, as_of_ns, pool_reserved, pool_used)
+        self._features_kept[key] = (builder, builder.changes, s, steps, as_of_ns, pool_reserved, pool_used, features)
+        return features
+
+    @staticmethod
+    def _device_features(builder: FrameBuilder, s: ProcessSampler | None, pid: int, dev: int, as_of_ns: int,
+                         pool_reserved: int, pool_used: int) -> DeviceFeatures:
         return DeviceFeatures(
             pid=pid, dev=dev,
             frame_peak_bytes=s.last_peak.get(dev) if s is not None else None,

@@ -123,6 +123,7 @@ class ProcessSampler:
         self._events: list[np.ndarray] = []  # timestamps of every record (rate)
         self._one_dev: int | None = None  # set per walk: the only device in it, if one
         self.bulk_bursts = True  # burst frames judged together (off: one by one, for tests)
+        self.steps = 0  # calls of advance and finish: what the last peaks are as of (the hub keeps features by it)
         self.bulk_steady = True  # the sampler off: empty intervals passed together (off: one by one, for tests)
         self.walk_bursts = True  # ... a few frames of few events in Python (off: always with numpy, for tests)
         self.wait_in_frame = True  # new records inside an unfinished burst frame wait untouched (off: for tests)
@@ -143,10 +144,12 @@ class ProcessSampler:
 
     def advance(self, watermark: int) -> None:
         """Close every interval that ends at or before ``watermark``."""
+        self.steps += 1
         self._run(watermark, final=False)
 
     def finish(self, end: int) -> None:
         """The stream ended at ``end``: close the last partial interval and any open window."""
+        self.steps += 1
         self._run(end, final=True)
 
     def _run(self, limit: int, final: bool) -> None:
