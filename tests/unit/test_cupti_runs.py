@@ -23,7 +23,7 @@ from gpufootprint.ingest.server import PROBE_UNCHECKED
 from gpufootprint.ingest.session import Session
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
-from gpufootprint.records import RecordKind
+from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire import cupti_layout as cl
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import FrameDecoder, FrameType
@@ -171,6 +171,8 @@ def test_a_reads_run_of_cupti_buffers_gives_what_the_buffers_one_by_one_give(see
         # Fewer batches, never more; and kinds interleave as they came (a run of one kind is joined, not
         # kinds gathered across each other).
         assert len(joined["kinds_in_order"]) <= len(alone["kinds_in_order"])
+        if reads == [1 << 22]:
+            assert len(joined["kinds_in_order"]) < len(alone["kinds_in_order"])  # runs were joined
         collapse = [k for i, k in enumerate(alone["kinds_in_order"]) if i == 0 or alone["kinds_in_order"][i - 1] != k]
         assert [k for i, k in enumerate(joined["kinds_in_order"])
                 if i == 0 or joined["kinds_in_order"][i - 1] != k] == collapse
@@ -178,9 +180,14 @@ def test_a_reads_run_of_cupti_buffers_gives_what_the_buffers_one_by_one_give(see
 
 def test_a_flush_of_full_memory_buffers_is_one_batch_for_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seven 512-record buffers and a watermark in one read (what a probe at 2 M records a second across 64
-    probes sends each 100 ms): one admission by the guard, one batch to the pipeline."""
+    probes sends each 100 ms): one admission by the guard, one batch to the pipeline. (The process's first
+    buffer, on a device it has not opened, is admitted alone.)"""
     rng = Stream(99)
-    frames = [framing.PREAMBLE, framing.encode_json(FrameType.HELLO, {"pid": PID, "start_time": 1, "cupti_buffers": 3})]
+    opening = b"".join(_struct(cl.MEMORY2, op=1, mk=3, address=0x1000 << dev, bytes=4096, timestamp=T0 + dev, dev=dev)
+                       for dev in (0, 1))  # both devices the stream's buffers use
+    first = [framing.PREAMBLE, framing.encode_json(FrameType.HELLO, {"pid": PID, "start_time": 1, "cupti_buffers": 3}),
+             framing.encode_cupti_buffer(PID, opening, checked=False), framing.encode_watermark(T0 + 2)]
+    frames = [b"".join(first)]
     for _ in range(7):
         frames.append(framing.encode_cupti_buffer(PID, b"".join(rng._memory() for _ in range(512)), checked=False))
     frames.append(framing.encode_watermark(rng.ts))
@@ -192,7 +199,144 @@ def test_a_flush_of_full_memory_buffers_is_one_batch_for_the_guard(monkeypatch: 
         return admit(self, proc, kind, recs, *a)
 
     monkeypatch.setattr(Guard, "admit", counted)
-    out = _read(b"".join(frames), [1 << 20])
-    assert admitted == [7 * 512]
-    assert out["kinds_in_order"] == [RecordKind.MEMORY] and out["session_records"] == 7 * 512
+    out = _read(b"".join(frames), [len(frames[0]), 1 << 20])
+    assert admitted == [2, 7 * 512]
+    assert out["kinds_in_order"] == [RecordKind.MEMORY] * 2 and out["session_records"] == 2 + 7 * 512
     assert not out["errors"]
+
+
+def _mem(n: int, *, op: int = 1, dev: int = 0, addr0: int = 0x7F00_0000_0000, t0: int = T0) -> bytes:
+    """``n`` MEMORY2 structs of 1 MiB each, one every 8 MiB of addresses, one a nanosecond."""
+    r = np.zeros(n, cl.RAW_DTYPES[cl.MEMORY2])
+    r.view(np.uint8).reshape(n, -1)[:, :4] = np.frombuffer(np.int32(cl.MEMORY2).tobytes(), np.uint8)
+    r["op"], r["mk"], r["bytes"], r["dev"] = op, 3, 1 << 20, dev
+    r["address"] = addr0 + np.arange(n, dtype=np.uint64) * (1 << 23)
+    r["timestamp"] = t0 + np.arange(n, dtype=np.uint64)
+    return r.tobytes()
+
+
+def _one_read(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns: int | None = None,
+              **limits: Any) -> dict[str, Any]:
+    """``frames`` after a HELLO, in one read, through the merger (``joined``) or each to the session."""
+    import dataclasses
+
+    cfg = Config()
+    pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
+    guard = Guard(dataclasses.replace(Limits.from_config(cfg.daemon), **limits))
+    pipeline.waiting_room = guard.waiting_room
+    session = Session(pipeline, source="probe", name=f"probe pid={PID}", peer_pid=PID)
+    session.guard, session.limits = guard, guard.limits
+    if future_ns is not None:
+        session.future_limit_ns = lambda: future_ns
+    guard.census.connect(PID, 0, "t")
+    conn = Connection(socket.socket(socket.AF_UNIX), FrameDecoder(cfg.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED),
+                      session, PID, 0)
+    hello = framing.encode_json(FrameType.HELLO, {"pid": hello_pid, "start_time": 1, "cupti_buffers": 3})
+    received: dict[int, list[int]] = {}
+    merger = BatchMerger(conn)
+    try:
+        for frame in conn.decoder.feed(framing.PREAMBLE + hello + b"".join(frames)):
+            assert order_violation(conn, frame) is None
+            count_received(conn, frame, received)
+            if joined:
+                merger.add(frame)
+            else:
+                session.handle(frame)
+        merger.flush()
+    finally:
+        conn.sock.close()
+    pending = pipeline.processes[PID].pending_records if PID in pipeline.processes else 0
+    pipeline.watermark(PID, T0 + 10**15)
+    proc = pipeline.processes.get(PID)
+    return {"errors": dict(pipeline.errors.counts), "pending_before_watermark": pending, "records": session.records,
+            "received": received.get(PID), "walks_left": len(session._walked),
+            "devices": {d: (fp.device_bytes, len(fp.live)) for d, fp in sorted(proc.devices.items())} if proc else {}}
+
+
+def _cu(pid: int, data: bytes) -> bytes:
+    return framing.encode_cupti_buffer(pid, data, checked=False)
+
+
+# At a share of the node's bounds a joined batch would be refused otherwise than its buffers one by one (the
+# guard keeps the first allocations of a batch that fit, counts the batch's own releases, opens devices by
+# number, and applies waiting records only when some already wait): such a run goes on buffer by buffer.
+SHARES = {
+    "allocations freed inside the first buffer, the second past the share": (
+        [_mem(512) + _mem(512, op=2, t0=T0 + 1000), _mem(700, addr0=0x9_0000_0000_0000, t0=T0 + 5000)],
+        {"max_live_allocations_per_process": 600}),
+    "the second buffer frees the first's and allocates past the share": (
+        [_mem(600), _mem(600, op=2, t0=T0 + 1000) + _mem(300, addr0=0x9_0000_0000_0000, t0=T0 + 5000)],
+        {"max_live_allocations_per_process": 600}),
+    "a device past the share, opened by a later buffer of a lower number": (
+        [_mem(4, dev=5), _mem(4, dev=1, addr0=0x1_0000_0000, t0=T0 + 100)], {"max_device_footprints": 1}),
+    "more records waiting than the pending share": (
+        [_mem(512, addr0=0x1_0000_0000_0000 * (i + 1), t0=T0 + i * 1000) for i in range(5)],
+        {"max_pending_records_per_process": 1000}),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARES))
+def test_at_a_share_a_run_refuses_what_its_buffers_refused_one_by_one(case: str) -> None:
+    buffers, limits = SHARES[case]
+    frames = [_cu(PID, b) for b in buffers]
+    alone, joined = _one_read(frames, False, **limits), _one_read(frames, True, **limits)
+    assert set(alone["errors"]) & {"allocation_limit", "device_limit", "pending_limit"}, alone  # a share was met
+    assert joined == alone
+
+
+FINE = {
+    "a frame too short for its header between two buffers": [
+        _cu(PID, _mem(3)), framing.encode(FrameType.CUPTI_BUFFER, b"\1\2\3\4"),
+        _cu(PID, _mem(3, addr0=0x1_0000_0000_0000, t0=T0 + 10))],
+    "a resync begun and ended inside the read": [
+        _cu(PID, _mem(3)), framing.encode_json(FrameType.RESYNC_BEGIN, {"ts": T0 + 5}),
+        _cu(PID, _mem(2, addr0=0x2_0000_0000_0000, t0=T0 + 6)), framing.encode_json(FrameType.RESYNC_END, {}),
+        _cu(PID, _mem(3, addr0=0x3_0000_0000_0000, t0=T0 + 20)), _cu(PID, _mem(3, addr0=0x4_0000_0000_0000, t0=T0 + 30))],
+    "BATCH frames between runs of buffers": [
+        _cu(PID, _mem(3)), _cu(PID, _mem(3, addr0=0x1_0000_0000_0000, t0=T0 + 10)),
+        framing.encode_batch(RecordKind.MEMORY, np.array(
+            [(T0 + 20, 0x6_0000_0000_0000, 4096, 0, 0, 0, 0, PID, 0, 1, 0, 1, 1, 3, 0, 0)], dtype=MEMORY_DTYPE)),
+        _cu(PID, _mem(3, addr0=0x2_0000_0000_0000, t0=T0 + 30)), _cu(PID, _mem(3, addr0=0x3_0000_0000_0000, t0=T0 + 40))],
+    "a GOODBYE after a run": [
+        _cu(PID, _mem(3)), _cu(PID, _mem(3, addr0=0x1_0000_0000_0000, t0=T0 + 10)),
+        framing.encode_json(FrameType.GOODBYE, {"ts": T0 + 100})],
+}
+
+
+@pytest.mark.parametrize("case", list(FINE))
+def test_protocol_frames_inside_a_read_give_what_the_frames_one_by_one_give(case: str) -> None:
+    alone, joined = _one_read(FINE[case], False), _one_read(FINE[case], True)
+    assert alone["records"] > 0 and joined == alone
+
+
+def test_buffers_under_the_probes_namespace_pid_join_and_another_pids_are_refused_alike() -> None:
+    frames = [_cu(777, _mem(3)), _cu(777, _mem(3, addr0=0x1_0000_0000_0000, t0=T0 + 10)),
+              _cu(PID + 5, _mem(2, addr0=0x5_0000_0000_0000, t0=T0 + 50)),
+              _cu(777, _mem(3, addr0=0x6_0000_0000_0000, t0=T0 + 60))]
+    alone, joined = _one_read(frames, False, hello_pid=777), _one_read(frames, True, hello_pid=777)
+    assert alone["records"] == 9 and alone["errors"] == {"pid_mismatch": 1} and joined == alone
+
+
+def test_records_ahead_of_the_clock_are_counted_by_record_in_a_joined_batch() -> None:
+    frames = [_cu(PID, _mem(3, t0=T0 + 10**12)), _cu(PID, _mem(3, addr0=0x1_0000_0000_0000, t0=T0 + 2 * 10**12))]
+    alone, joined = _one_read(frames, False, future_ns=T0), _one_read(frames, True, future_ns=T0)
+    assert alone["errors"] == {"future_timestamp": 6} and joined == alone
+
+
+def test_a_read_of_many_tiny_buffers_walks_each_once_and_keeps_no_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read can hold thousands of small CUPTI frames: they are read in runs of ``MAX_RUN_FRAMES``, each
+    frame walked once (counted as received, then read), and no walk outlives the read."""
+    from gpufootprint.ingest.protocol import MAX_RUN_FRAMES
+
+    walks: list[int] = []
+    walk = cl.walk
+
+    def counted(buf: Any, valid: int) -> Any:
+        walks.append(valid)
+        return walk(buf, valid)
+
+    monkeypatch.setattr(cl, "walk", counted)
+    n = 5 * MAX_RUN_FRAMES + 7
+    frames = [_cu(PID, _mem(1, addr0=0x1_0000_0000 + (k << 24), t0=T0 + k)) for k in range(n)]
+    out = _one_read(frames, True)
+    assert len(walks) == n and out["walks_left"] == 0 and out["records"] == n and not out["errors"]

@@ -59,3 +59,40 @@ def test_a_16_mib_buffer_of_two_kinds_decodes_within_a_small_multiple_of_its_fra
         tracemalloc.stop()
     assert seen == {RecordKind.MEMORY: n // 2, RecordKind.MEMCPY: n // 2}
     assert peak <= DECODE_MULTIPLE * len(data), f"{peak / 2**20:.1f} MiB to decode {len(data) / 2**20:.1f} MiB"
+
+
+def test_a_16_mib_buffer_read_in_a_run_with_a_small_neighbour_decodes_within_the_same_bound() -> None:
+    """A read's consecutive CUPTI buffers are read as one run (``Session.cupti_buffers``): records of one kind
+    are joined up to ``DECODE_CHUNK`` at a time and handed on as each run ends, so a 16 MiB buffer read beside
+    another is still decoded a chunk at a time (held whole, it took 20 MiB for a 16 MiB frame)."""
+    for data in (_mixed_buffer(16)[0], _allocations_buffer(16)):
+        frames = FrameDecoder(32 << 20).feed(PREAMBLE + encode_cupti_buffer(4242, data)
+                                             + encode_cupti_buffer(4242, data[:256]))
+        cfg = load_config(env={})
+        session = Session(Pipeline(cfg.footprint), source="probe", peer_pid=4242)
+        seen = [0]
+
+        def keep_count(kind: RecordKind, recs: np.ndarray, offset: int, own: bool = False, seen: list[int] = seen) -> Any:
+            seen[0] += len(recs)
+
+        session._records = keep_count  # type: ignore[method-assign]
+        tracemalloc.start()
+        try:
+            session.cupti_buffers(frames)  # what the batch merger does with the read's two frames
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert seen[0] > 0
+        assert peak <= DECODE_MULTIPLE * len(data), f"{peak / 2**20:.1f} MiB to decode {len(data) / 2**20:.1f} MiB"
+
+
+def _allocations_buffer(megabytes: int) -> bytes:
+    """MEMORY2 records only, back to back: one run of one kind, which a walk views in place."""
+    m = cl.RAW_DTYPES[cl.MEMORY2]
+    n = megabytes * (1 << 20) // m.itemsize - 1
+    r = np.zeros(n, m)
+    r.view(np.uint8).reshape(n, -1)[:, :4] = np.frombuffer(np.int32(cl.MEMORY2).tobytes(), np.uint8)
+    r["op"], r["mk"], r["bytes"] = 1, 3, 4096
+    r["address"] = 0x7000_0000 + np.arange(n, dtype=np.uint64) * 4096
+    r["timestamp"] = time.time_ns() + np.arange(n, dtype=np.uint64)
+    return r.tobytes()

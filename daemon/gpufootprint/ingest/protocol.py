@@ -162,6 +162,11 @@ def count_received(conn: Connection, frame: Frame, received: dict[int, list[int]
         counts[0] += n
 
 
+#: CUPTI_BUFFER frames read as one run at most: a read of many tiny frames (a 256 KiB read holds about
+#: 13,000 empty ones) is read in runs of this many, each frame walked once (``Session.WALKS_KEPT``).
+MAX_RUN_FRAMES = 64
+
+
 class BatchMerger:
     """Hands one read's frames to the session, joining runs of BATCH frames of one kind, and runs of
     CUPTI_BUFFER frames.
@@ -191,6 +196,8 @@ class BatchMerger:
             if self.run and self.run[0].type is not FrameType.CUPTI_BUFFER:
                 self.flush()
             self.run.append(frame)
+            if len(self.run) >= MAX_RUN_FRAMES:  # the session keeps each unread frame's walk: a bounded few
+                self.flush()
         elif ftype is FrameType.WATERMARK and len(frame.payload) == 8 and self.run:
             ts = int.from_bytes(frame.payload, "little")
             if ts > self.mark_ts:

@@ -57,9 +57,9 @@ _MAX_INFO_BYTES = 64 * 1024
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f]")
 #: Records of one kind decoded at once from a forwarded CUPTI buffer (about 2 MiB of raw structs).
 DECODE_CHUNK = 16_384
-#: CUPTI_BUFFER frames whose walks a session keeps until it reads them: more than one read holds
-#: (``transport.RECV_BYTES`` is 256 KiB, four 64 KiB buffers).
-WALKS_KEPT = 64
+#: CUPTI_BUFFER frames whose walks a session keeps until it reads them: a run's (``protocol.MAX_RUN_FRAMES``)
+#: and the one counted next.
+WALKS_KEPT = 72
 #: What a kernel name costs beyond its characters (its dict entry, its key and str objects): an
 #: empty name is not free.
 NAME_CHARGE = 64
@@ -295,7 +295,8 @@ class Session:
 
     def cupti_walk(self, frame: Frame) -> tuple[int, memoryview, dict[int, cupti_layout.Runs] | None]:
         """(pid, buffer, ``cupti_layout.walk``'s offsets) of a CUPTI_BUFFER frame, walked once however
-        often it is asked (kept until the session reads the frame; the last ``WALKS_KEPT`` at most)."""
+        often it is asked: kept until the session has read the frames of the read or run that holds it
+        (``WALKS_KEPT`` at most)."""
         walked = self._walked.get(id(frame))
         if walked is not None and walked[0] is frame:
             return walked[1], walked[2], walked[3]
@@ -307,41 +308,63 @@ class Session:
         return pid, data, offsets
 
     def cupti_buffers(self, frames: list[Frame]) -> None:
-        """Consecutive CUPTI_BUFFER frames of one read, read as one: each buffer is walked and converted as
-        alone, then each run of records of one kind, next to each other in the order they came, goes on
-        as one batch. What the daemon pays per batch (the fields' checks, the ingest guard, the pipeline's
-        chunk) was paid per buffer: a 64 KiB buffer holds 512 allocation records, and a busy probe's flush
-        is several (bench/cupti_runs.py). Records, their kinds and the buffers' own problems come in the
-        order of the frames, as read one by one; a problem of a joined batch's records (a field out of range,
-        a share of a bound) names the byte of its first frame."""
-        runs: list[tuple[RecordKind, list[np.ndarray], int, bool]] = []
-        for frame in frames:
-            self.frames += 1
-            try:
-                for kind, recs, own in self._cupti_records(frame):
-                    last = runs[-1] if runs else None
-                    if last is not None and last[0] is kind and last[3] and own:
-                        last[1].append(recs)
-                    else:
-                        runs.append((kind, [recs], frame.offset, own))
-            except FrameError as exc:
-                self.problem("bad_frame", f"{self.name}: {exc}")
-        for kind, parts, offset, own in runs:
-            self._records(kind, join(parts), offset, own)
+        """Consecutive CUPTI_BUFFER frames of one read (``protocol.MAX_RUN_FRAMES`` at most), read as one:
+        each buffer is walked and converted as alone, then each run of records of one kind, next to each other
+        in the order they came, goes on as one batch (``DECODE_CHUNK`` records at most). What the daemon pays
+        per batch (the fields' checks, the ingest guard, the pipeline's chunk) was paid per buffer: a 64 KiB
+        buffer holds 512 allocation records, and a busy probe's flush is several (bench/cupti_runs.py).
+        Records, their kinds and the buffers' own problems come in the order of the frames, as read one by
+        one; a problem of a joined batch's records (a field out of range) names the byte of its first frame.
+        A joined batch that would meet a share of the node's bounds goes on buffer by buffer instead
+        (``Guard.fits``): what a share refuses is what it refused reading the buffers one by one."""
+        run: list[tuple[np.ndarray, int]] = []  # (records, offset of their frame) of one kind, the peer's
+        run_kind: RecordKind | None = None
+        held = 0
+        try:
+            for frame in frames:
+                self.frames += 1
+                try:
+                    for kind, recs, own in self._cupti_records(frame):
+                        if run and (kind is not run_kind or not own or held + len(recs) > DECODE_CHUNK):
+                            self._joined(run_kind, run)
+                            run, held = [], 0
+                        if not own:  # another pid's: refused record by record, as alone
+                            self._records(kind, recs, frame.offset, own)
+                            continue
+                        run.append((recs, frame.offset))
+                        run_kind, held = kind, held + len(recs)
+                except FrameError as exc:
+                    self.problem("bad_frame", f"{self.name}: {exc}")
+            if run:
+                self._joined(run_kind, run)
+        finally:
+            self._walked.clear()  # the read's frames are read (or never will be): their walks go
+
+    def _joined(self, kind: RecordKind | None, run: list[tuple[np.ndarray, int]]) -> None:
+        """A run of one kind's records, the peer's, from consecutive buffers: one batch if the guard would
+        admit it whole, else its buffers' records one by one."""
+        assert kind is not None
+        recs = join([r for r, _ in run])
+        if len(run) == 1 or self.guard is None or self.peer_pid is None or (
+                self._resync is None and self.guard.fits(self._own(self.peer_pid), kind, recs)):
+            self._records(kind, recs, run[0][1], True)
+            return
+        del recs
+        for part, offset in run:
+            self._records(kind, part, offset, True)
 
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
-        for kind, recs, own in self._cupti_records(frame):
-            self._records(kind, recs, frame.offset, own)
+        try:
+            for kind, recs, own in self._cupti_records(frame):
+                self._records(kind, recs, frame.offset, own)
+        finally:
+            self._walked.clear()  # read in order: every frame counted before it is read too
 
     def _cupti_records(self, frame: Frame) -> Iterator[tuple[RecordKind, np.ndarray, bool]]:
         """A CUPTI buffer's records, kind by kind in chunks, with whether all are known to be the peer's."""
         pid, data, offsets = self.cupti_walk(frame)
-        walked = self._walked
-        walked.pop(id(frame), None)  # read now: the frame's bytes need not outlive it
-        if walked:  # nor those of frames before it that were counted and will never be read (a run cut short)
-            for key in [k for k, w in walked.items() if w[0].offset <= frame.offset]:
-                del walked[key]
+        self._walked.pop(id(frame), None)  # read now: the frame's bytes need not outlive it
         if offsets is None:
             # Where it stops only for the first few (a record-by-record walk in Python: 112-114 ms a 16 MiB frame
             # of API records on a 2-core VM, bench/walk_hostile.py, and any peer can send one again and again);

@@ -426,6 +426,31 @@ class Guard:
         self.pending.add(pid, len(recs), census)
         return recs
 
+    def fits(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> bool:
+        """Whether ``admit`` would take ``recs`` whole, by a bound that cannot be wrong the other way: every
+        device already open, every allocation within the live share (the batch's own releases not counted),
+        all of it within the pending share. A batch that does not fit is not refused here; the session admits
+        its parts one by one, as they came."""
+        lim, pid = self.limits, proc.pid
+        if not len(recs):
+            return True
+        devs = recs["dev"]
+        admitted = self._new_devices.get(pid, ())  # tables admitted whose records still wait: open already
+        one = int(devs[0]) if not np.count_nonzero(devs != devs[0]) else None
+        if one is not None and one in proc.devices:
+            pass  # one device the process has (most batches)
+        elif any(d not in proc.devices and d not in admitted for d in ([one] if one is not None else
+                                                                        np.unique(devs).tolist())):
+            return False
+        if len(recs) > self.waiting_room(proc):
+            return False
+        if kind is RecordKind.MEMORY:
+            n_alloc = int(np.count_nonzero(recs["op"] == _ALLOCATION))
+            if n_alloc and n_alloc > self.live.room(pid, lim.max_live_allocations, self.census,
+                                                     lim.max_live_allocations_per_process):
+                return False
+        return True
+
     def admit_resync(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
         """The part of a completed resync that may become ``proc``'s live table: it replaces the
         tables the process holds, so their allocations are given back first."""
