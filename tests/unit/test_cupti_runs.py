@@ -340,3 +340,13 @@ def test_a_read_of_many_tiny_buffers_walks_each_once_and_keeps_no_walk(monkeypat
     frames = [_cu(PID, _mem(1, addr0=0x1_0000_0000 + (k << 24), t0=T0 + k)) for k in range(n)]
     out = _one_read(frames, True)
     assert len(walks) == n and out["walks_left"] == 0 and out["records"] == n and not out["errors"]
+
+
+def test_a_watermark_between_buffers_is_applied_where_it_came_so_the_pending_share_is_met_alike() -> None:
+    """Each buffer alone fits the pending share and its watermark applies it; held together past the
+    watermark they would not: a watermark ends a run of buffers (review 40)."""
+    frames = [_cu(PID, _mem(600)), framing.encode_watermark(T0 + 700),
+              _cu(PID, _mem(600, addr0=0x9_0000_0000_0000, t0=T0 + 1000)), framing.encode_watermark(T0 + 2000)]
+    alone = _one_read(frames, False, max_pending_records_per_process=1000)
+    joined = _one_read(frames, True, max_pending_records_per_process=1000)
+    assert alone["errors"] == {} and joined == alone

@@ -173,11 +173,13 @@ class BatchMerger:
 
     The pipeline's cost is mostly per batch (sorting, frames, sampler), not per record, so when
     the daemon falls behind and one read holds many small batches of a connection, they are
-    applied as one: the busier the daemon, the larger its batches. A busy probe's flush is several
-    CUPTI buffers of 512 records, which the session reads as one (``Session.cupti_buffers``).
-    Watermarks between them are reduced to the highest, applied after the joined batch (records it
-    covers are applied at once, as before; only ``late`` counting differs). Resync contents, damaged
-    batches and every other frame go through one by one, in order.
+    applied as one: the busier the daemon, the larger its batches. Watermarks between BATCH frames are
+    reduced to the highest, applied after the joined batch (records it covers are applied at once, as
+    before; only ``late`` counting differs). A busy probe's flush is several CUPTI buffers of 512 records
+    and a watermark: the buffers up to a watermark are read as one (``Session.cupti_buffers``), and the
+    watermark ends the run, so a run the ingest guard sends buffer by buffer meets each share as the
+    buffers one by one did. Resync contents, damaged batches and every other frame go through one by one,
+    in order.
     """
 
     def __init__(self, conn: Connection) -> None:
@@ -198,7 +200,8 @@ class BatchMerger:
             self.run.append(frame)
             if len(self.run) >= MAX_RUN_FRAMES:  # the session keeps each unread frame's walk: a bounded few
                 self.flush()
-        elif ftype is FrameType.WATERMARK and len(frame.payload) == 8 and self.run:
+        elif ftype is FrameType.WATERMARK and len(frame.payload) == 8 and self.run \
+                and self.run[0].type is FrameType.BATCH:
             ts = int.from_bytes(frame.payload, "little")
             if ts > self.mark_ts:
                 self.mark, self.mark_ts = frame, ts

@@ -308,7 +308,7 @@ class Session:
         return pid, data, offsets
 
     def cupti_buffers(self, frames: list[Frame]) -> None:
-        """Consecutive CUPTI_BUFFER frames of one read (``protocol.MAX_RUN_FRAMES`` at most), read as one:
+        """Consecutive CUPTI_BUFFER frames of one read, up to a watermark (``protocol.MAX_RUN_FRAMES`` at most), read as one:
         each buffer is walked and converted as alone, then each run of records of one kind, next to each other
         in the order they came, goes on as one batch (``DECODE_CHUNK`` records at most). What the daemon pays
         per batch (the fields' checks, the ingest guard, the pipeline's chunk) was paid per buffer: a 64 KiB
@@ -316,7 +316,10 @@ class Session:
         Records, their kinds and the buffers' own problems come in the order of the frames, as read one by
         one; a problem of a joined batch's records (a field out of range) names the byte of its first frame.
         A joined batch that would meet a share of the node's bounds goes on buffer by buffer instead
-        (``Guard.fits``): what a share refuses is what it refused reading the buffers one by one."""
+        (``Guard.fits``): what a share refuses is what it refused reading the buffers one by one. (The
+        guard's count of live allocations after a joined batch also credits releases of allocations an
+        earlier buffer of the run made, closer to the truth than the buffers one by one, until the tick's
+        recount sets it from the tables.)"""
         run: list[tuple[np.ndarray, int]] = []  # (records, offset of their frame) of one kind, the peer's
         run_kind: RecordKind | None = None
         held = 0

@@ -39,6 +39,10 @@ def live_decisions(trace: Path, policy_file: Path, tmp_path: Path) -> list[dict[
     try:
         result = replay_file(trace, app.pipeline, guard=app.ingest.lock)
         assert result.problems == []
+        # The replay over, the loop stops as `replay` ends a run: its last tick applies and publishes everything.
+        # (A busy loop, its share of a core above LoopLoad.CPU_ON, as under a parallel test run, builds a
+        # snapshot at most every COALESCE_S: a tick right after one of its own would publish nothing new.)
+        app.ingest.stop_event.set()
         app.ingest.tick()
         assert app.http is not None
         report = json.loads(urllib.request.urlopen(app.http.url.replace("/metrics", "/api/engines"),
