@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,6 @@ from gpufootprint.config import FootprintConfig
 from gpufootprint.footprint.device_snapshot import device_snapshot
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.replay import replay_file
-from gpufootprint.snapshot import DeviceSnapshot
 from gpufootprint.wire.framing import Frame
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -22,8 +22,9 @@ TRACES = ["h200_probe_async.gfp.gz", "h200_probe_pinned_managed.gfp.gz", "h200_k
           "h100_native_probe_churn_nocache.gfp.gz", "synth_leak.gfp.gz"]
 
 
-def _same(kept: DeviceSnapshot, fresh: DeviceSnapshot) -> bool:
-    for f in dataclasses.fields(DeviceSnapshot):
+def _same(kept: Any, fresh: Any) -> bool:
+    """Two snapshots (or features) of one dataclass equal field by field, arrays by their values."""
+    for f in dataclasses.fields(kept):
         a, b = getattr(kept, f.name), getattr(fresh, f.name)
         if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
             if a is None or b is None or not np.array_equal(a, b):
@@ -141,19 +142,6 @@ def test_a_device_whose_live_table_is_wanted_now_gets_it_in_the_next_snapshot() 
     assert pipeline.snapshot(0.0).processes[0].devices[0].live_table is None
 
 
-def _same_features(kept: object, fresh: object) -> bool:
-    from gpufootprint.snapshot import DeviceFeatures
-
-    for f in dataclasses.fields(DeviceFeatures):
-        a, b = getattr(kept, f.name), getattr(fresh, f.name)
-        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-            if a is None or b is None or not np.array_equal(a, b):
-                return False
-        elif a != b:
-            return False
-    return True
-
-
 @pytest.mark.parametrize("trace", TRACES)
 def test_kept_device_features_equal_ones_built_afresh_at_every_frame(trace: str) -> None:
     """The feature hub keeps a device's features while its frames and counters, its sampler's steps, the
@@ -172,7 +160,7 @@ def test_kept_device_features_equal_ones_built_afresh_at_every_frame(trace: str)
             fp = proc.devices[f.dev]
             fresh = hub._device_features(hub.builders[(f.pid, f.dev)], hub.samplers.get(f.pid), f.pid, f.dev,
                                          proc.applied_to, fp.pool_reserved_bytes, fp.async_device_bytes)
-            assert _same_features(f, fresh), (trace, f.pid, f.dev, f, fresh)
+            assert type(f) is type(fresh) and _same(f, fresh), (trace, f.pid, f.dev, f, fresh)
             seen["features"] += 1
             seen["kept"] += last.get((f.pid, f.dev)) is f
             last[(f.pid, f.dev)] = f

@@ -14,14 +14,13 @@ allocation-reuse ratio (``features.reuse``), which needs a set lookup per alloca
 from __future__ import annotations
 
 import enum
-import functools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Concatenate, Final, ParamSpec, TypeVar
+from typing import Final
 
 import numpy as np
 
+from gpufootprint.changes import counted
 from gpufootprint.features.reuse import ReuseTracker
 from gpufootprint.footprint.cells import cell_sums, run_ends, run_starts
 from gpufootprint.footprint.peaks import FramePeaks
@@ -115,19 +114,6 @@ def _runs(idx: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return starts, idx[starts].tolist()
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _changes(method: Callable[Concatenate[FrameBuilder, _P], _R]) -> Callable[Concatenate[FrameBuilder, _P], _R]:
-    """A method that changes what the device's features read: counted (``FrameBuilder.changes``)."""
-    def changing(self: FrameBuilder, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self.changes += 1
-        return method(self, *args, **kwargs)
-    functools.update_wrapper(changing, method)  # its name, docstring and __wrapped__
-    return changing
-
-
 class FrameBuilder:
     """Frames and feature counters of one (pid, device). Feed it batches in time order."""
 
@@ -152,11 +138,11 @@ class FrameBuilder:
         self.page_faults: Counter[str] = Counter()
         self.torch_allocated: int | None = None
         self.torch_reserved: int | None = None
-        # Every call of a method that changes what the features read (``_changes``): the hub keeps a device's
+        # Every call of a method that changes what the features read (``changes.counted``): the hub keeps a device's
         # features while this count, the sampler's steps, the watermark and the pool figures stay as they were.
         self.changes = 0
 
-    @_changes
+    @counted
     def share_history(self, part: float) -> None:
         """Keep ``part`` (0 < part <= 1) of the configured history (frames, migration windows, reuse):
         the hub's node-wide budget divided among the tables (``features.history_tables``)."""
@@ -168,7 +154,7 @@ class FrameBuilder:
 
     # --- input ------------------------------------------------------------------
 
-    @_changes
+    @counted
     def on_levels(self, ts: np.ndarray, deltas: np.ndarray, level_after: int) -> None:
         """GPU-resident level changes just applied to the footprint (time order)."""
         runs = self.peaks.runs
@@ -191,7 +177,7 @@ class FrameBuilder:
         for fid, lvl in zip(idx[ends].tolist(), levels[ends].tolist()):
             self._end_level[fid] = lvl
 
-    @_changes
+    @counted
     def on_memory(self, recs: np.ndarray) -> None:
         runs = self.peaks.take_runs()  # the last reader of the footprint's runs of this batch
         if len(recs) <= SMALL_BATCH:
@@ -237,7 +223,7 @@ class FrameBuilder:
                 row[_R_N] += 1
                 row[_R_B] += size
 
-    @_changes
+    @counted
     def on_memcpy(self, recs: np.ndarray) -> None:
         if len(recs) <= SMALL_BATCH:
             self._on_memcpy_small(recs)
@@ -329,7 +315,7 @@ class FrameBuilder:
             w[8] += n
             w[9] += b
 
-    @_changes
+    @counted
     def on_memset(self, recs: np.ndarray) -> None:
         if len(recs) <= SMALL_BATCH:
             frame_ns = self.frame_ns
@@ -346,7 +332,7 @@ class FrameBuilder:
             self._row(fid)[_SET_B] += b
         self._prune()
 
-    @_changes
+    @counted
     def on_unified(self, recs: np.ndarray) -> None:
         start = recs["start"].astype(np.int64)
         ck = recs["ck"]
@@ -372,7 +358,7 @@ class FrameBuilder:
                     self._window(wid)[col] += v[i]
         self._prune()
 
-    @_changes
+    @counted
     def on_torch(self, allocated: int | None, reserved: int | None) -> None:
         self.torch_allocated, self.torch_reserved = allocated, reserved
 

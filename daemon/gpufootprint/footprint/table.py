@@ -25,16 +25,14 @@ reads as one rule; tests/unit/test_small_batches.py holds every pair equal.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from gpufootprint.changes import counted
 from gpufootprint.footprint.cells import EXACT, key_sums
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import (
@@ -108,19 +106,6 @@ def _allocates_live(live: dict[int, LiveAllocation], addrs: np.ndarray) -> bool:
     return not live.keys().isdisjoint(addrs.tolist())
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _changes(method: Callable[Concatenate[DeviceFootprint, _P], _R]) -> Callable[Concatenate[DeviceFootprint, _P], _R]:
-    """A method that changes what a snapshot of the device reads: counted (``DeviceFootprint.changes``)."""
-    def changing(self: DeviceFootprint, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        self.changes += 1
-        return method(self, *args, **kwargs)
-    functools.update_wrapper(changing, method)  # its name, docstring and __wrapped__
-    return changing
-
-
 @dataclass
 class DeviceFootprint:
     pid: int
@@ -152,13 +137,13 @@ class DeviceFootprint:
     pool_floor: int = 0
     # Addresses allocated again while live, for their old allocations' late releases (module doc).
     reused: ReusedAddresses = field(default_factory=ReusedAddresses)
-    # Every call of a method that changes the table (``_changes``): the pipeline keeps a device's snapshot
+    # Every call of a method that changes the table (``changes.counted``): the pipeline keeps a device's snapshot
     # while this and its process's watermark stay as they were (most devices of a quiet node, most ticks).
     changes: int = 0
 
     # --- memory -------------------------------------------------------------
 
-    @_changes
+    @counted
     def apply_memory(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges:
         """Apply MEMORY records of this (pid, dev), sorted by timestamp.
 
@@ -384,12 +369,12 @@ class DeviceFootprint:
             errors.add("double_allocation", f"pid={self.pid} dev={self.dev}: an address allocated again "
                                             "while live, its release never came", n)
 
-    @_changes
+    @counted
     def settle_reused(self, errors: IngestErrors) -> None:
         """The stream ended: no late release can come any more for the reused addresses."""
         self._lost(self.reused.settle(), errors)
 
-    @_changes
+    @counted
     def replace_live(self, recs: np.ndarray, ts: int, errors: IngestErrors) -> LevelChanges:
         """A resync: the probe's whole live table replaces ours as of ``ts``. Reused addresses stay
         remembered, as the probe's table keeps its own: a late release may still come after it."""
@@ -416,7 +401,7 @@ class DeviceFootprint:
         """Bytes resident on the GPU: the quantity whose window peak is tracked."""
         return sum(b for k, b in enumerate(self.live_by_kind) if _RESIDENT[k])
 
-    @_changes
+    @counted
     def release_all(self, ts: int) -> LevelChanges:
         """The process exited: the driver freed everything it held."""
         self.reused.settle()  # counted already: the pipeline settles a stream before its exit
@@ -429,7 +414,7 @@ class DeviceFootprint:
 
     # --- pools, copies, sets, kernels, unified memory ---------------------------
 
-    @_changes
+    @counted
     def apply_pool(self, recs: np.ndarray, errors: IngestErrors) -> None:
         for op, addr, size, used in zip(recs["op"].tolist(), recs["addr"].tolist(),
                                         recs["size"].tolist(), recs["used"].tolist()):
@@ -441,7 +426,7 @@ class DeviceFootprint:
             else:
                 errors.add("unknown_pool_op", f"pid={self.pid} pool operation {op}")
 
-    @_changes
+    @counted
     def note_pool_config(self, recs: np.ndarray) -> None:
         """MEMORY2 records of stream-ordered allocations carry their pool's size and use.
 
@@ -517,7 +502,7 @@ class DeviceFootprint:
         if changed:
             self.pool_floor = self.async_device_bytes
 
-    @_changes
+    @counted
     def apply_memcpy(self, recs: np.ndarray) -> None:
         if len(recs) <= _SMALL_POOL_BATCH:
             self._apply_memcpy_small(recs)
@@ -566,17 +551,17 @@ class DeviceFootprint:
             self.memcpy_bytes[kind] += size
             self.memcpy_ns[kind] += ns
 
-    @_changes
+    @counted
     def apply_memset(self, recs: np.ndarray) -> None:
         self.memset_count += len(recs)
         self.memset_bytes += int(recs["bytes"].sum())
 
-    @_changes
+    @counted
     def apply_kernel(self, recs: np.ndarray) -> None:
         self.kernel_count += len(recs)
         self.kernel_ns += int((recs["end"].astype(np.int64) - recs["start"].astype(np.int64)).clip(min=0).sum())
 
-    @_changes
+    @counted
     def apply_unified(self, recs: np.ndarray) -> None:
         ck = recs["ck"]
         values = um_counter_values(ck, recs["value"])
