@@ -23,7 +23,7 @@ import numpy as np
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
 
-from tests.conftest import ALLOC, cli_env
+from tests.conftest import ALLOC, FREE, cli_env
 from tests.daemon_process import free_port, scrape, wait
 from tests.integration.test_hostile_peers import GoodPeer, LiveServer, _connect, _good_still_reports
 
@@ -167,6 +167,73 @@ def test_live_allocations_past_the_bound_are_refused_and_the_rest_is_exact(live)
     srv.wait(lambda: srv.pipeline.errors.counts["allocation_limit"] >= 4000)
     srv.wait(lambda: srv.device_bytes(ME) == 1000 * 4096)
     assert sum(len(fp.live) for fp in srv.pipeline.processes[ME].devices.values()) == 1000
+    _good_still_reports(srv, good)
+    s.close()
+
+
+def _pairs(addrs: np.ndarray, size: int, ts: int, *, release_first: bool) -> np.ndarray:
+    """One release and one allocation of each address, stamped one after the other (2 ns a pair)."""
+    recs = np.zeros(2 * len(addrs), MEMORY_DTYPE)
+    recs["ts"] = ts + np.arange(len(recs))
+    recs["addr"] = np.repeat(addrs, 2)
+    recs["bytes"] = np.uint64(size)
+    recs["pid"], recs["dev"], recs["mk"] = ME, 0, 3
+    recs["op"] = np.tile([FREE, ALLOC] if release_first else [ALLOC, FREE], len(addrs))
+    return recs
+
+
+def _live_count(srv) -> int:  # type: ignore[no-untyped-def]
+    proc = srv.pipeline.processes.get(ME)
+    return 0 if proc is None else sum(len(fp.live) for fp in proc.devices.values())
+
+
+def test_releasing_an_address_before_allocating_it_holds_no_more_than_the_share(live) -> None:
+    """A release of an address nobody allocated, then its allocation, grows the table by one: such pairs
+    are not pairs the batch made and freed, whatever the batch's order, and cannot carry a process past
+    its share of live allocations."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    for i in range(20):
+        addrs = 0x1_0000_0000 + (i * 500 + np.arange(500, dtype=np.uint64)) * 4096
+        batch = _pairs(addrs, 4096, t + i * 10_000, release_first=True)
+        s.sendall(encode_batch(RecordKind.MEMORY, batch) + encode_watermark(int(batch["ts"][-1])))
+        # live, after each batch: never past the share, and what is live is counted exactly
+        srv.wait(lambda i=i: srv.pipeline.errors.counts["allocation_limit"] >= (i + 1) * 500 - 100)
+        srv.wait(lambda: srv.pipeline.processes[ME].pending_records == 0)
+        assert _live_count(srv) == 100
+        srv.wait(lambda: srv.device_bytes(ME) == 100 * 4096)
+    _good_still_reports(srv, good)
+    s.close()
+
+
+def test_a_process_at_its_share_that_frees_and_allocates_again_is_not_refused(live) -> None:
+    """At its share, a process that frees what it holds and allocates as much again (the same addresses,
+    as a stream-ordered pool reuses them, or new ones) does not grow, and loses nothing."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
+    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    srv.wait(lambda: srv.device_bytes(ME) == 100 * 4096)
+    held = first["addr"].copy()
+    for r in range(1, 7):
+        ts = t + r * 10_000
+        if r % 2:  # the same addresses: release each, then allocate it again, larger
+            batch = _pairs(held, 4096 * (r + 1), ts, release_first=True)
+        else:  # all released, then as many new addresses allocated
+            new = 0x2_0000_0000 + (r * 100 + np.arange(100, dtype=np.uint64)) * 4096
+            gone = _pairs(held, 0, ts, release_first=True)[0::2]
+            made = _allocations(100, 4096 * (r + 1), base=int(new[0]), ts=ts + 1000)
+            batch = np.concatenate([gone, made])
+            held = made["addr"].copy()
+        s.sendall(encode_batch(RecordKind.MEMORY, batch) + encode_watermark(int(batch["ts"][-1])))
+        # live, after each batch: the table moved to the new sizes, nothing refused
+        srv.wait(lambda r=r: srv.device_bytes(ME) == 100 * 4096 * (r + 1))
+        assert _live_count(srv) == 100
+        assert srv.pipeline.errors.counts["allocation_limit"] == 0
     _good_still_reports(srv, good)
     s.close()
 

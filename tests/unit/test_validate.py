@@ -123,15 +123,28 @@ def test_releases_of_the_batchs_own_allocations_counted_alike_for_small_and_larg
 
     rng = np.random.default_rng(3)
     for n in [1, 2, 7, 40, 200, 256, 257, 600]:
-        recs = np.zeros(n, MEMORY_DTYPE)
-        recs["op"] = rng.choice([MemoryOp.ALLOCATION, MemoryOp.RELEASE, MemoryOp.ALLOCATION + 5], n)
-        recs["addr"] = rng.integers(0, 12, n) << 20
-        recs["dev"] = rng.integers(0, 3, n)
-        allocs = recs["op"] == MemoryOp.ALLOCATION
-        pairs = {(int(d), int(a)) for d, a, o in zip(recs["dev"], recs["addr"], recs["op"]) if o == MemoryOp.ALLOCATION}
-        gone = {(int(d), int(a)) for d, a, o in zip(recs["dev"], recs["addr"], recs["op"]) if o == MemoryOp.RELEASE}
-        assert _released_here(recs, allocs) == len(pairs & gone), n
-        assert _released_here(recs[::-1].copy(), allocs[::-1].copy()) == len(pairs & gone), n
+        for times in ("ordered", "shuffled", "ties"):
+            recs = np.zeros(n, MEMORY_DTYPE)
+            recs["op"] = rng.choice([MemoryOp.ALLOCATION, MemoryOp.RELEASE, MemoryOp.ALLOCATION + 5], n)
+            recs["addr"] = rng.integers(0, 12, n) << 20
+            recs["dev"] = rng.integers(0, 3, n)
+            recs["ts"] = {"ordered": np.arange(n), "shuffled": rng.permutation(n),
+                          "ties": rng.integers(0, 4, n)}[times]
+            allocs = recs["op"] == MemoryOp.ALLOCATION
+            assert _released_here(recs, allocs) == _freed_after_allocation(recs), (n, times)
+            assert _released_here(recs[::-1].copy(), allocs[::-1].copy()) == _freed_after_allocation(recs), n
+
+
+def _freed_after_allocation(recs: np.ndarray) -> int:
+    """The oracle: (device, address) keys with a release stamped strictly after an allocation of the key."""
+    from gpufootprint.records import MemoryOp
+
+    first: dict[tuple[int, int], int] = {}
+    rows = list(zip(recs["dev"].tolist(), recs["addr"].tolist(), recs["op"].tolist(), recs["ts"].tolist()))
+    for d, a, o, t in rows:
+        if o == MemoryOp.ALLOCATION:
+            first[(d, a)] = min(t, first.get((d, a), t))
+    return len({(d, a) for d, a, o, t in rows if o == MemoryOp.RELEASE and (d, a) in first and t > first[(d, a)]})
 
 
 
@@ -152,19 +165,22 @@ def test_releases_of_the_batchs_own_allocations_on_one_device_and_many_past_the_
                 recs["addr"] = rng.integers(0, int(rng.integers(1, 40)), n).astype(np.uint64) \
                     * np.uint64(rng.choice([1, 1 << 21, 1 << 63]))
                 recs["dev"] = rng.choice(devices, n)
+                # in time order (a probe's buffer), shuffled (buffers of several threads) or few times (ties)
+                recs["ts"] = [np.arange(n), rng.permutation(n), rng.integers(0, 3, n)][int(rng.integers(3))]
                 allocs = recs["op"] == MemoryOp.ALLOCATION
-                rows = list(zip(recs["dev"].tolist(), recs["addr"].tolist(), recs["op"].tolist()))
-                made = {(d, a) for d, a, o in rows if o == MemoryOp.ALLOCATION}
-                gone = {(d, a) for d, a, o in rows if o == MemoryOp.RELEASE}
-                assert _released_here(recs, allocs) == len(made & gone), (n, devices)
+                assert _released_here(recs, allocs) == _freed_after_allocation(recs), (n, devices)
     # The same address on two devices: allocated on one, released on the other, frees nothing here.
     recs = np.zeros(600, MEMORY_DTYPE)
     recs["op"][:300], recs["op"][300:] = MemoryOp.ALLOCATION, MemoryOp.RELEASE
     recs["addr"] = np.tile(np.arange(300, dtype=np.uint64) << 21, 2)
     recs["dev"][:300], recs["dev"][300:] = 0, 1
+    recs["ts"] = np.arange(600)
     assert _released_here(recs, recs["op"] == MemoryOp.ALLOCATION) == 0
     recs["dev"][300:] = 0
     assert _released_here(recs, recs["op"] == MemoryOp.ALLOCATION) == 300
+    # Released first, allocated after: nothing the batch made is freed (the addresses end live).
+    recs["ts"] = np.arange(600)[::-1]
+    assert _released_here(recs, recs["op"] == MemoryOp.ALLOCATION) == 0
 
 
 MS = 1_000_000
@@ -333,3 +349,70 @@ def test_a_batch_on_devices_the_process_has_passes_the_device_share_and_a_new_de
     assert len(kept) == 0 and seen == {"device_limit": 2}
     kept = guard.admit(proc, RecordKind.MEMORY, batch([0, 0, 3]), problem, lambda ts: None)  # type: ignore[arg-type]
     assert kept["dev"].tolist() == [0, 0] and seen == {"device_limit": 3}
+
+
+def _memory(ts: int, ops: list[int], addrs: list[int], size: int = 4096) -> np.ndarray:
+    recs = np.zeros(len(ops), MEMORY_DTYPE)
+    recs["ts"] = ts + np.arange(len(ops))
+    recs["op"], recs["addr"], recs["bytes"], recs["pid"], recs["mk"] = ops, addrs, size, 7, 3
+    return recs
+
+
+def _held_at_share(share: int) -> tuple[Pipeline, Guard, object]:
+    """A process holding ``share`` allocations (applied), with a share of ``share``: no room left."""
+    pipeline = Pipeline(load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000}).footprint)
+    guard = Guard(Limits(max_live_allocations_per_process=share))
+    pipeline.submit(RecordKind.MEMORY, _memory(1000, [1] * share, [4096 * (i + 1) for i in range(share)]))
+    pipeline.advance(7, 10_000)
+    proc = pipeline.processes[7]
+    guard.recount(pipeline.processes)
+    assert guard.live.room(7, guard.limits.max_live_allocations, guard.census, share) == 0
+    return pipeline, guard, proc
+
+
+def test_at_its_share_releases_of_what_the_process_holds_make_room_only_where_nothing_waiting_touches_them() -> None:
+    from gpufootprint.ingest.validate import TOUCH_SCAN_RECORDS, _freed_from_table
+
+    pipeline, guard, proc = _held_at_share(10)
+    held = [4096 * (i + 1) for i in range(10)]
+    new = [1 << 30 | 4096 * i for i in range(10)]
+    # GIVEN a batch that releases all ten and allocates ten new addresses: admitted whole
+    seen, problem = _counter()
+    batch = _memory(20_000, [2] * 10 + [1] * 10, held + new)
+    assert len(guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)) == 20  # type: ignore[arg-type]
+    assert seen == {}
+    pipeline.submit(RecordKind.MEMORY, batch)
+    pipeline.advance(7, 30_000)
+    guard.recount(pipeline.processes)
+    # WHEN a waiting chunk (not applied) already releases five of what it holds
+    pipeline.submit(RecordKind.MEMORY, _memory(40_000, [2] * 5, new[:5]))
+    assert proc.pending_records == 5
+    # THEN a batch releasing all ten again and allocating ten more makes room for five only: the five the
+    # waiting chunk released may be gone before it, so its releases of them free nothing known
+    batch = _memory(50_000, [2] * 10 + [1] * 10, new + held)
+    kept = guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)  # type: ignore[arg-type]
+    assert seen == {"allocation_limit": 5} and len(kept) == 15
+    # AND a reused address (its release may be a late one) and a long wait credit nothing
+    fp = proc.devices[0]
+    fp.reused.reused(new[9], 60_000, 0)
+    assert _freed_from_table(proc, _memory(70_000, [2, 2], [new[8], new[9]])) == 1
+    long = np.zeros(TOUCH_SCAN_RECORDS, KERNEL_DTYPE)
+    long["start"], long["pid"] = 80_000 + np.arange(TOUCH_SCAN_RECORDS), 7
+    long["end"] = long["start"] + 1
+    pipeline.submit(RecordKind.KERNEL, long)
+    assert _freed_from_table(proc, _memory(90_000, [2, 2], [new[8], new[9]])) == 0
+
+
+def test_releasing_what_nobody_allocated_then_allocating_it_grows_the_table() -> None:
+    """The live-share hole of review 40, at the guard: ten pairs "release X, allocate X" of addresses the
+    process does not hold leave ten live; at a share of ten with ten held, all ten allocations are refused."""
+    _, guard, proc = _held_at_share(10)
+    fresh = [1 << 32 | 4096 * i for i in range(10)]
+    seen, problem = _counter()
+    batch = _memory(20_000, [2, 1] * 10, [a for a in fresh for _ in (0, 1)])
+    kept = guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)  # type: ignore[arg-type]
+    assert seen == {"allocation_limit": 10} and int(np.count_nonzero(kept["op"] == 1)) == 0
+    # while the same pairs the other way round (allocated, then released) hold nothing and pass
+    seen.clear()
+    batch = _memory(30_000, [1, 2] * 10, [a for a in fresh for _ in (0, 1)])
+    assert len(guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)) == 20 and seen == {}  # type: ignore[arg-type]
