@@ -416,3 +416,15 @@ def test_releasing_what_nobody_allocated_then_allocating_it_grows_the_table() ->
     seen.clear()
     batch = _memory(30_000, [1, 2] * 10, [a for a in fresh for _ in (0, 1)])
     assert len(guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)) == 20 and seen == {}  # type: ignore[arg-type]
+
+
+def test_past_the_device_share_the_devices_a_batch_names_first_are_admitted() -> None:
+    pipeline = Pipeline(load_config(env={}).footprint)
+    guard = Guard(Limits(max_devices_per_process=2))
+    proc = pipeline.process(7, "probe")
+    recs = np.zeros(6, MEMORY_DTYPE)
+    recs["ts"], recs["addr"], recs["bytes"], recs["pid"], recs["op"], recs["mk"] = 1, 4096, 64, 7, 1, 3
+    recs["dev"] = [5, 5, 1, 3, 0, 1]  # first seen: 5, then 1, then 3 and 0
+    seen, problem = _counter()
+    kept = guard.admit(proc, RecordKind.MEMORY, recs, problem, lambda ts: None)  # type: ignore[arg-type]
+    assert kept["dev"].tolist() == [5, 5, 1, 1] and seen == {"device_limit": 2}

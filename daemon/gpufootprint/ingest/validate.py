@@ -488,7 +488,11 @@ class Guard:
         devs = recs["dev"]
         if len(devs) and int(devs[0]) in proc.devices and not np.count_nonzero(devs != devs[0]):
             return recs  # one device the process has already (most batches): no unique of the column
-        new_devs = [d for d in np.unique(devs).tolist() if d not in proc.devices and d not in admitted]
+        seen, first = np.unique(devs, return_index=True)
+        # In the order they first came: past the share, the devices a batch named last are refused, not the
+        # highest numbers.
+        new_devs = [d for _, d in sorted(zip(first.tolist(), seen.tolist()))
+                    if d not in proc.devices and d not in admitted]
         if not new_devs:
             return recs
         room = self.devices.room(pid, lim.max_device_footprints, self.census, lim.max_devices_per_process)
