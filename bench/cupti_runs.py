@@ -42,8 +42,18 @@ import numpy as np
 from gpufootprint.config import Config
 from gpufootprint.hub import FeatureHub
 from gpufootprint.ingest.protocol import BatchMerger, Connection, count_received, order_violation
-from gpufootprint.ingest.server import PROBE_UNCHECKED
 from gpufootprint.ingest.session import Session
+
+try:
+    from gpufootprint.ingest.protocol import probe_connection
+except ImportError:  # a revision before the daemon's wiring was one function: wired here as its _accept did
+    from gpufootprint.ingest.server import PROBE_UNCHECKED
+
+    def probe_connection(sock, pid, uid, tenant, pipeline, guard, max_frame_bytes):  # type: ignore[no-redef]
+        session = Session(pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid)
+        session.guard, session.limits = guard, guard.limits
+        guard.census.connect(pid, uid, tenant)
+        return Connection(sock, FrameDecoder(max_frame_bytes, unchecked=PROBE_UNCHECKED), session, pid, uid)
 from gpufootprint.ingest.transport import RECV_BYTES
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
@@ -94,11 +104,8 @@ def one_round(chunks: list[bytes]) -> float:
     pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
     guard = Guard(Limits.from_config(cfg.daemon))
     pipeline.waiting_room = guard.waiting_room
-    session = Session(pipeline, source="probe", name=f"probe pid={PID}", peer_pid=PID)
-    session.guard, session.limits = guard, guard.limits
-    guard.census.connect(PID, 0, "bench")
-    conn = Connection(socket.socket(socket.AF_UNIX), FrameDecoder(cfg.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED),
-                      session, PID, 0)
+    conn = probe_connection(socket.socket(socket.AF_UNIX), PID, 0, "bench", pipeline, guard, cfg.daemon.max_frame_bytes)
+    session = conn.session
     received: dict[int, list[int]] = {}
     try:
         t0 = time.process_time()

@@ -18,15 +18,14 @@ import numpy as np
 import pytest
 from gpufootprint.config import Config
 from gpufootprint.hub import FeatureHub
-from gpufootprint.ingest.protocol import BatchMerger, Connection, count_received, order_violation
-from gpufootprint.ingest.server import PROBE_UNCHECKED
+from gpufootprint.ingest.protocol import BatchMerger, Connection, count_received, order_violation, probe_connection
 from gpufootprint.ingest.session import Session
 from gpufootprint.ingest.validate import Guard, Limits
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire import cupti_layout as cl
 from gpufootprint.wire import framing
-from gpufootprint.wire.framing import FrameDecoder, FrameType
+from gpufootprint.wire.framing import FrameType
 
 PID = 4321
 T0 = 1_790_000_000_000_000_000
@@ -106,11 +105,8 @@ def _daemon_side() -> tuple[Pipeline, Session, Connection, list[tuple[RecordKind
     pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
     guard = Guard(Limits.from_config(cfg.daemon))
     pipeline.waiting_room = guard.waiting_room
-    session = Session(pipeline, source="probe", name=f"probe pid={PID}", peer_pid=PID)
-    session.guard, session.limits = guard, guard.limits
-    guard.census.connect(PID, 0, "t")
-    conn = Connection(socket.socket(socket.AF_UNIX), FrameDecoder(cfg.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED),
-                      session, PID, 0)
+    conn = probe_connection(socket.socket(socket.AF_UNIX), PID, 0, "t", pipeline, guard, cfg.daemon.max_frame_bytes)
+    session = conn.session
     submitted: list[tuple[RecordKind, bytes]] = []
     submit = pipeline.submit
 
@@ -224,13 +220,9 @@ def _one_read(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns
     pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
     guard = Guard(dataclasses.replace(Limits.from_config(cfg.daemon), **limits))
     pipeline.waiting_room = guard.waiting_room
-    session = Session(pipeline, source="probe", name=f"probe pid={PID}", peer_pid=PID)
-    session.guard, session.limits = guard, guard.limits
-    if future_ns is not None:
-        session.future_limit_ns = lambda: future_ns
-    guard.census.connect(PID, 0, "t")
-    conn = Connection(socket.socket(socket.AF_UNIX), FrameDecoder(cfg.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED),
-                      session, PID, 0)
+    conn = probe_connection(socket.socket(socket.AF_UNIX), PID, 0, "t", pipeline, guard, cfg.daemon.max_frame_bytes,
+                            future_limit_ns=None if future_ns is None else (lambda: future_ns))
+    session = conn.session
     hello = framing.encode_json(FrameType.HELLO, {"pid": hello_pid, "start_time": 1, "cupti_buffers": 3})
     received: dict[int, list[int]] = {}
     merger = BatchMerger(conn)

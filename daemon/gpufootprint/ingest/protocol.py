@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpufootprint.errors import FrameError
-from gpufootprint.ingest.session import Session
+from gpufootprint.ingest.session import MarkCallback, Session
+from gpufootprint.ingest.validate import Guard
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.records import DTYPES, RecordKind
 from gpufootprint.wire import cupti_layout
@@ -57,6 +58,28 @@ class Connection:
     # The probe opens launch windows (HELLO ``launch_windows``); an older one would read such a request
     # as a window of kernel records, whose lasting cost launch windows exist to avoid.
     launch_windows: bool = False
+
+
+#: Frames a probe may send without a checksum (framing.UNCHECKED): its forwarded CUPTI buffers, once this
+#: daemon's verify CONTROL named a level that allows it. Their records are checked as any others are.
+PROBE_UNCHECKED = frozenset({FrameType.CUPTI_BUFFER})
+
+
+def probe_connection(sock: socket.socket, pid: int, uid: int, tenant: str, pipeline: Pipeline, guard: Guard,
+                     max_frame_bytes: int, *, on_mark: MarkCallback | None = None,
+                     future_limit_ns: Callable[[], int] | None = None) -> Connection:
+    """A live probe's connection, wired as the daemon wires every peer it accepts: its session bounded by
+    ``guard``'s shares, its decoder by ``max_frame_bytes`` (forwarded CUPTI buffers unchecked), the peer
+    counted in the guard's census under ``tenant``. One place, so that the benches and tests that read
+    frames without a socket loop read them exactly as the daemon does."""
+    session = Session(pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid, on_mark=on_mark)
+    if future_limit_ns is not None:
+        session.future_limit_ns = future_limit_ns  # a clock step on the probe's host is bounded
+    session.guard, session.limits = guard, guard.limits
+    conn = Connection(sock, FrameDecoder(max_frame_bytes, unchecked=PROBE_UNCHECKED), session, pid, uid)
+    conn.tenant = tenant
+    guard.census.connect(pid, uid, tenant)
+    return conn
 
 
 #: Why each order violation cuts a peer off, for the log line.

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 from gpufootprint.config import Config
 from gpufootprint.ingest.protocol import (
@@ -36,6 +36,7 @@ from gpufootprint.ingest.protocol import (
     count_received,
     decoder_reason,
     order_violation,
+    probe_connection,
     verify_request,
     wants_verify,
 )
@@ -55,16 +56,12 @@ from gpufootprint.pipeline import Pipeline
 from gpufootprint.serverstats import ServerStats, TickHealth
 from gpufootprint.snapshot import EMPTY_SNAPSHOT, PipelineSnapshot
 from gpufootprint.wakepipe import WakePipe
-from gpufootprint.wire.framing import Frame, FrameDecoder, FrameType, encode_json
+from gpufootprint.wire.framing import Frame, FrameType, encode_json
 
 if TYPE_CHECKING:
     from gpufootprint.nvml.poller import NvmlPoller
 
 log = logging.getLogger(__name__)
-
-#: Frames a probe may send without a checksum (framing.UNCHECKED): its forwarded CUPTI buffers, once this
-#: daemon's verify CONTROL named a level that allows it. Their records are checked as any others are.
-PROBE_UNCHECKED: Final = frozenset({FrameType.CUPTI_BUFFER})
 
 _LIVENESS_S = 2.0  # how often disconnected probe pids are checked for having exited
 #: While the ingest loop is busy (``_Load``), a probe's watermarks may wait this long so that several of
@@ -301,15 +298,10 @@ class IngestServer:
             tenant = tenant_of(pid, uid, self.config.kubernetes.proc_root)
             if not self._room_for(sock, pid, uid, tenant):
                 continue
-            session = Session(self.pipeline, source="probe", name=f"probe pid={pid}", peer_pid=pid,
-                              on_mark=self._on_mark)
-            session.future_limit_ns = self._future_limit_ns  # a clock step on the probe's host is bounded
-            session.guard, session.limits = self.guard, self.guard.limits
-            conn = Connection(sock, FrameDecoder(self.config.daemon.max_frame_bytes, unchecked=PROBE_UNCHECKED), session,
-                              pid, uid)
-            conn.tenant = tenant
+            conn = probe_connection(sock, pid, uid, tenant, self.pipeline, self.guard,
+                                    self.config.daemon.max_frame_bytes, on_mark=self._on_mark,
+                                    future_limit_ns=self._future_limit_ns)
             self._conns[sock.fileno()] = conn
-            self.guard.census.connect(pid, uid, tenant)
             self._sel.register(sock, selectors.EVENT_READ, conn)
             self.connections_total += 1
             self._rlog("connected", logging.INFO, "probe connected pid=%d uid=%d tenant=%s", pid, uid, tenant)
