@@ -49,7 +49,9 @@ for n in (2, 16, 512):
     recs["op"][0::2], recs["op"][1::2] = 1, 2
     recs["addr"] = np.repeat(np.arange(n // 2) * 4096 + 0x1000, 2)
     recs["pid"], recs["bytes"], recs["mk"] = 7, 4096, 3
-    recs["ts"] = np.arange(1, n + 1)  # in time order, as a probe's buffer is (each release after its allocation)
+    # In time order, as a probe's buffer is (each release after its allocation), and after the process's
+    # watermark (10): records at or before it would be late ones.
+    recs["ts"] = np.arange(11, n + 11)
 
     def admit(recs: np.ndarray = recs, n: int = n) -> None:
         guard.admit(proc, RecordKind.MEMORY, recs, ignore, ignore)

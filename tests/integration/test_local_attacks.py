@@ -238,6 +238,89 @@ def test_a_process_at_its_share_that_frees_and_allocates_again_is_not_refused(li
     s.close()
 
 
+def _reuse_then_late_release(held: np.ndarray, new: np.ndarray, ts: int, corr: int) -> np.ndarray:
+    """Each held X: allocated again (corr c+1), then released (corr c, stamped 1 ns later): the table
+    takes the release for the old allocation's late one and keeps X live. Then ``new`` allocated."""
+    n = len(held)
+    recs = np.zeros(2 * n + len(new), MEMORY_DTYPE)
+    recs["ts"] = ts + np.arange(len(recs))
+    recs["addr"][:2 * n] = np.repeat(held, 2)
+    recs["addr"][2 * n:] = new
+    recs["op"][:2 * n] = np.tile([ALLOC, FREE], n)
+    recs["op"][2 * n:] = ALLOC
+    recs["corr"][:2 * n] = corr + np.arange(2 * n) + np.tile([1, -1], n)  # each release's id below its reuse's
+    recs["corr"][2 * n:] = corr + 2 * n + np.arange(len(new))
+    recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+    return recs
+
+
+def test_reallocating_held_addresses_with_late_releases_holds_no_more_than_the_share(live) -> None:
+    """Review 41, through the socket: each batch allocates every held address again, releases it with the
+    older call's id (a late release: it stays live) and allocates as many new ones."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
+    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    srv.wait(lambda: _live_count(srv) == 100)
+    held, corr = first["addr"].copy(), 1000
+    counts = []
+    for r in range(1, 11):
+        new = 0x2_0000_0000 + (r * 100 + np.arange(100, dtype=np.uint64)) * 4096
+        batch = _reuse_then_late_release(held, new, t + r * 10_000, corr)
+        corr += 1000
+        s.sendall(encode_batch(RecordKind.MEMORY, batch) + encode_watermark(int(batch["ts"][-1])))
+        srv.wait(lambda last=int(batch["ts"][-1]): srv.pipeline.processes[ME].applied_to == last)
+        counts.append((_live_count(srv), srv.pipeline.errors.counts["allocation_limit"]))
+        held = new
+    _good_still_reports(srv, good)
+    s.close()
+    assert _live_count(srv) <= 100, f"{_live_count(srv)} live allocations held at a share of 100"
+
+
+def _mem(ops, addrs, ts0) -> np.ndarray:  # type: ignore[no-untyped-def]
+    recs = np.zeros(len(addrs), MEMORY_DTYPE)
+    recs["ts"] = ts0 + np.arange(len(addrs))
+    recs["addr"], recs["op"] = addrs, ops
+    recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+    return recs
+
+
+def test_a_resync_after_releases_of_the_table_holds_no_more_than_the_share(live) -> None:
+    """Past its share: a waiting batch releases every held key (credited: they are in the table) and allocates
+    as many new ones; then a resync replaces the table by as many other keys (admit_resync allows the current
+    size). The waiting releases then free nothing; the new allocations stay. Each round doubles the table."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
+    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    srv.wait(lambda: _live_count(srv) == 100)
+    counts, nxt = [], 0x10_0000_0000
+    for r in range(1, 6):
+        proc = srv.pipeline.processes[ME]
+        held = np.array(sorted(proc.devices[0].live), dtype=np.uint64)
+        h = len(held)
+        base = t + r * 10**9
+        new = nxt + np.arange(h, dtype=np.uint64) * 4096; nxt += h * 4096
+        other = nxt + np.arange(h, dtype=np.uint64) * 4096; nxt += h * 4096
+        # 1. waiting: release all held, allocate h new (stamped after the resync below)
+        batch = _mem(np.r_[np.full(h, FREE), np.full(h, ALLOC)], np.r_[held, new], base + 1000)
+        s.sendall(encode_batch(RecordKind.MEMORY, batch))
+        srv.wait(lambda h=h: srv.pipeline.processes[ME].pending_records >= h)
+        # 2. a resync as of before that batch: a table of h other addresses
+        table = _mem(np.full(h, ALLOC), other, base)
+        s.sendall(encode_json(FrameType.RESYNC_BEGIN, {"ts": base + 500}) + encode_batch(RecordKind.MEMORY, table)
+                  + encode_json(FrameType.RESYNC_END, {}) + encode_watermark(int(batch["ts"][-1])))
+        srv.wait(lambda last=int(batch["ts"][-1]): srv.pipeline.processes[ME].applied_to == last)
+        counts.append((_live_count(srv), dict(srv.pipeline.errors.counts)))
+    _good_still_reports(srv, good)
+    s.close()
+    assert _live_count(srv) <= 100, f"{_live_count(srv)} live allocations held at a share of 100"
+
+
 def test_records_held_back_past_the_pending_bound_are_applied_not_hoarded(tmp_path: Path) -> None:
     from gpufootprint.configload import load_config
     from gpufootprint.ingest.server import IngestServer

@@ -371,7 +371,7 @@ def _held_at_share(share: int) -> tuple[Pipeline, Guard, object]:
 
 
 def test_at_its_share_releases_of_what_the_process_holds_make_room_only_where_nothing_waiting_touches_them() -> None:
-    from gpufootprint.ingest.validate import TOUCH_SCAN_RECORDS, _freed_from_table
+    from gpufootprint.ingest.validate import TOUCH_SCAN_RECORDS
 
     pipeline, guard, proc = _held_at_share(10)
     held = [4096 * (i + 1) for i in range(10)]
@@ -395,12 +395,12 @@ def test_at_its_share_releases_of_what_the_process_holds_make_room_only_where_no
     # AND a reused address (its release may be a late one) and a long wait credit nothing
     fp = proc.devices[0]
     fp.reused.reused(new[9], 60_000, 0)
-    assert _freed_from_table(proc, _memory(70_000, [2, 2], [new[8], new[9]])) == 1
+    assert guard._freed_from_table(proc, _memory(70_000, [2, 2], [new[8], new[9]])) == 1
     long = np.zeros(TOUCH_SCAN_RECORDS, KERNEL_DTYPE)
     long["start"], long["pid"] = 80_000 + np.arange(TOUCH_SCAN_RECORDS), 7
     long["end"] = long["start"] + 1
     pipeline.submit(RecordKind.KERNEL, long)
-    assert _freed_from_table(proc, _memory(90_000, [2, 2], [new[8], new[9]])) == 0
+    assert guard._freed_from_table(proc, _memory(90_000, [2, 2], [new[8], new[9]])) == 0
 
 
 def test_releasing_what_nobody_allocated_then_allocating_it_grows_the_table() -> None:
@@ -428,3 +428,135 @@ def test_past_the_device_share_the_devices_a_batch_names_first_are_admitted() ->
     seen, problem = _counter()
     kept = guard.admit(proc, RecordKind.MEMORY, recs, problem, lambda ts: None)  # type: ignore[arg-type]
     assert kept["dev"].tolist() == [5, 5, 1, 1] and seen == {"device_limit": 2}
+
+
+# --- review 41: the guard's estimate attacked at Guard.admit with a real Pipeline ---
+
+_SHARE = 100
+
+
+def _setup(share: int = _SHARE) -> tuple[Pipeline, Guard]:
+    pipeline = Pipeline(load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000}).footprint)
+    guard = Guard(Limits(max_live_allocations_per_process=share))
+    return pipeline, guard
+
+
+def _recs(ts, ops, addrs, corr=None, dev=0):  # type: ignore[no-untyped-def]
+    r = np.zeros(len(ops), MEMORY_DTYPE)
+    r["ts"], r["op"], r["addr"] = ts, ops, addrs
+    r["bytes"], r["pid"], r["mk"], r["dev"] = 4096, 7, 3, dev
+    if corr is not None:
+        r["corr"] = corr
+    return r
+
+
+def _live(proc) -> int:  # type: ignore[no-untyped-def]
+    return sum(len(fp.live) for fp in proc.devices.values())
+
+
+@pytest.mark.parametrize("share", [10, 100], ids=["few-records", "sorted-path"])
+def test_a_held_address_allocated_again_then_released_late_is_not_credited_as_freed(share: int) -> None:
+    """Review 41: "allocate X (held) again, then release X with the older call's id" leaves X live (the
+    release is the old allocation's late one); counting the release as freeing a held X let a process grow
+    by its share at every batch."""
+    pipeline, guard = _setup(share)
+    _, problem = _counter()
+    held = [0x1000_0000 + 4096 * i for i in range(share)]
+    first = _recs(1000 + np.arange(share), [1] * share, held)
+    pipeline.submit(RecordKind.MEMORY, guard.admit(pipeline.process(7, "probe"), RecordKind.MEMORY, first, problem, lambda ts: None))
+    pipeline.advance(7, 10_000)
+    guard.recount(pipeline.processes)
+    proc = pipeline.processes[7]
+    t, corr, nxt = 20_000, 10, 0x4000_0000
+    for rnd in range(10):
+        # each held X: allocate X again (corr c+1), then release it (corr c: a "late release" of the old one)
+        ts, ops, addrs, corrs = [], [], [], []
+        for x in held:
+            ts += [t, t + 1]; ops += [1, 2]; addrs += [x, x]; corrs += [corr + 1, corr]
+            t += 2; corr += 2
+        new = [nxt + 4096 * i for i in range(share)]; nxt += 4096 * share
+        ts += list(range(t, t + share)); ops += [1] * share; addrs += new; corrs += list(range(corr, corr + share))
+        t += share; corr += share
+        batch = _recs(ts, ops, addrs, corrs)
+        kept = guard.admit(proc, RecordKind.MEMORY, batch, problem, lambda ts: None)
+        pipeline.submit(RecordKind.MEMORY, kept)
+        pipeline.advance(7, t)
+        guard.recount(pipeline.processes)
+        held = new
+    assert _live(proc) <= share, f"table holds {_live(proc)} live allocations, share {share}"
+
+
+def test_at_its_share_frees_in_one_flush_make_room_for_the_next_while_the_watermark_waits() -> None:
+    pipeline, guard = _setup()
+    pipeline.coalesce_s = 1.0  # a busy daemon: watermarks wait to be applied together
+    seen, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
+    first = _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held)
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, first, problem, lambda ts: None))
+    pipeline.advance(7, 10_000)
+    guard.recount(pipeline.processes)
+    # flush 1: frees ten of what it holds, with its watermark (coalesced: waits)
+    frees = _recs(20_000 + np.arange(10), [2] * 10, held[:10])
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, frees, problem, lambda ts: pipeline.advance(7, ts)))
+    pipeline.watermark(7, 20_009)
+    guard.recount(pipeline.processes)  # a tick's exact recount in between
+    # flush 2: allocates ten new ones: it is not growing
+    allocs = _recs(30_000 + np.arange(10), [1] * 10, [0x9000_0000 + 4096 * i for i in range(10)])
+    guard.admit(proc, RecordKind.MEMORY, allocs, problem, lambda ts: pipeline.advance(7, ts))
+    assert seen == {}, seen
+
+
+def test_at_its_share_frees_and_allocations_in_two_buffers_of_one_flush_are_not_refused() -> None:
+    pipeline, guard = _setup()
+    seen, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held), problem, lambda ts: None))
+    pipeline.advance(7, 10_000)
+    guard.recount(pipeline.processes)
+    buf1 = _recs(20_000 + np.arange(10), [2] * 10, held[:10])  # one buffer: ten frees
+    buf2 = _recs(20_010 + np.arange(10), [1] * 10, [0x9000_0000 + 4096 * i for i in range(10)])  # next: ten mallocs
+    assert not guard.fits(proc, RecordKind.MEMORY, np.concatenate([buf1, buf2]))  # so judged buffer by buffer
+    for part in (buf1, buf2):  # session._joined's fallback: the buffers one by one, each submitted
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, part, problem, lambda ts: None))
+    assert seen == {}, seen
+
+
+def test_a_late_allocation_whose_release_waits_counts_as_live_until_the_release_applies() -> None:
+    pipeline, guard = _setup()
+    _, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held), problem, lambda ts: None))
+    pipeline.advance(7, 10_000)
+    proc.watermarked = True
+    guard.recount(pipeline.processes)
+    for i in range(1000):  # alloc Y stamped before the watermark (late: applied now), its release far ahead (waits)
+        b = _recs([500, 10**15 + i], [1, 2], [0x8000_0000 + 4096 * i] * 2)
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, b, problem, lambda ts: pipeline.advance(7, ts)))
+        if i % 100 == 0:
+            guard.recount(pipeline.processes)
+    assert _live(proc) <= _SHARE
+
+
+
+def test_a_resync_replaces_the_table_whose_releases_were_credited() -> None:
+    """Review 41: a waiting batch releases every held allocation (credited: the table holds them) and makes
+    as many new ones; a resync then replaces that table. The waiting releases will free nothing, so the
+    resync may hold only what the share leaves beside the waiting allocations: here nothing."""
+    pipeline, guard = _setup(10)
+    seen, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(10)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(10), [1] * 10, held),
+                                                   problem, lambda ts: None))
+    pipeline.advance(7, 10_000)
+    guard.recount(pipeline.processes)
+    new = [0x9000_0000 + 4096 * i for i in range(10)]
+    waiting = _recs(30_000 + np.arange(20), [2] * 10 + [1] * 10, held + new)
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, waiting, problem, lambda ts: None))
+    assert seen == {} and proc.pending_records == 20
+    other = [0xA000_0000 + 4096 * i for i in range(10)]
+    kept = guard.admit_resync(proc, _recs(20_000 + np.arange(10), [1] * 10, other), problem)
+    assert int(np.count_nonzero(kept["op"] == 1)) == 0 and seen == {"allocation_limit": 10}

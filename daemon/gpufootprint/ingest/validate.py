@@ -266,6 +266,9 @@ class Guard:
         # The allocations in each waiting chunk of MEMORY records, counted once: id(chunk) -> (a weak
         # reference to it, the count). While the loop is busy a chunk waits up to a second, ten ticks.
         self._allocations_in: dict[int, tuple[weakref.ref[np.ndarray], int]] = {}
+        # pid -> (the newest waiting chunk read, the (device, address) keys waiting records touch): kept
+        # between ticks only (``_waiting_keys``).
+        self._touched: dict[int, tuple[int, set[tuple[int, int]]]] = {}
 
     @property
     def string_bytes(self) -> int:
@@ -330,6 +333,7 @@ class Guard:
             kernels[pid] = (len(proc.kernels.array()) if proc.kernels is not None else 0) \
                 + (len(proc.launches.array()) if proc.launches is not None else 0)
         self._allocations_in = counted  # the chunks that no longer wait are forgotten
+        self._touched.clear()
         for room, usage in ((self.devices, devices), (self.live, live), (self.pending, pending),
                             (self.kernels, kernels), (self.metadata, self._metadata_of)):
             room.recount(usage, self.census)
@@ -403,34 +407,84 @@ class Guard:
                 self.pending.add(pid, proc.pending_records - pending, census)
         recs = self.admit_devices(proc, recs, problem)
         if kind is RecordKind.MEMORY and len(recs):
-            allocs = recs["op"] == _ALLOCATION
-            n_alloc = int(np.count_nonzero(allocs))
-            if n_alloc:
-                room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
-                growth = n_alloc - _released_here(recs, allocs)
-                freed = 0
-                if growth > room:
-                    # Near its share: releases of what the process holds now free room too (exactly only
-                    # where nothing waiting touches them, so looked up only here, a dictionary look-up each).
-                    freed = _freed_from_table(proc, recs)
-                    growth -= freed
-                if growth <= room:
-                    n_alloc = growth  # pairs made and freed inside the batch leave nothing live
-                else:
-                    # Keep releases (they only shrink the table) and the first allocations that fit.
-                    over = allocs & (np.cumsum(allocs) > room + freed)
-                    dropped = int(over.sum())
-                    problem("allocation_limit", f"pid={pid}: {dropped} allocations past its share of "
-                                                f"daemon.max_live_allocations={lim.max_live_allocations} "
-                                                f"(daemon.max_live_allocations_per_process="
-                                                f"{lim.max_live_allocations_per_process})", dropped)
-                    self.refuse(pid, "allocation_limit", dropped, self.live, lim.max_live_allocations,
-                                lim.max_live_allocations_per_process)
-                    recs = recs[~over]
-                    n_alloc = room
-                self.live.add(pid, n_alloc, census)
+            recs = self._admit_allocations(proc, recs, problem, advance)
         self.pending.add(pid, len(recs), census)
         return recs
+
+    def _admit_allocations(self, proc: ProcessState, recs: np.ndarray, problem: Problem,
+                           advance: Callable[[int], None]) -> np.ndarray:
+        """A MEMORY batch's allocations within the process's live share; its count moved by the batch's
+        growth, which is never estimated below what the tables will gain (the tick's recount makes it
+        exact again)."""
+        lim, census, pid = self.limits, self.census, proc.pid
+        allocs = recs["op"] == _ALLOCATION
+        n_alloc = int(np.count_nonzero(allocs))
+        room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
+        growth = n_alloc - _released_here(recs, allocs, max(proc.applied_to, proc.due_to)) if n_alloc else 0
+        freed = 0
+        if growth > room and proc.due_to > proc.applied_to:
+            # What its watermarks made due first, as a daemon keeping up would have applied it (a busy one
+            # lets it wait): its releases are then in the table, counted as the tick's recount counts.
+            advance(proc.due_to)
+            waiting = sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in proc.pending.get(RecordKind.MEMORY, ()))
+            self.live.add(pid, sum(len(fp.live) for fp in proc.devices.values()) + waiting - self.live.by_pid[pid],
+                          census)
+            room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
+        if growth > room or (room < len(recs) and n_alloc < len(recs)):
+            # At or near its share: releases of what the process holds now free room too, this batch's and,
+            # credited now, for the batches after it (which could not credit them: they will be waiting).
+            freed = self._freed_from_table(proc, recs)
+            growth -= freed
+        if growth > room:
+            # Keep releases (they only shrink the table) and the first allocations that fit.
+            over = allocs & (np.cumsum(allocs) > room + freed)
+            dropped = int(over.sum())
+            problem("allocation_limit", f"pid={pid}: {dropped} allocations past its share of "
+                                        f"daemon.max_live_allocations={lim.max_live_allocations} "
+                                        f"(daemon.max_live_allocations_per_process="
+                                        f"{lim.max_live_allocations_per_process})", dropped)
+            self.refuse(pid, "allocation_limit", dropped, self.live, lim.max_live_allocations,
+                        lim.max_live_allocations_per_process)
+            recs = recs[~over]
+            growth = room
+        self.live.add(pid, growth, census)  # pairs made and freed inside the batch leave nothing live
+        return recs
+
+    def _freed_from_table(self, proc: ProcessState, recs: np.ndarray) -> int:
+        """(device, address) keys whose first record in ``recs`` is a release (stamped before any allocation
+        of them there) of an allocation ``proc``'s applied table holds now: each frees one live allocation,
+        and whatever the batch does to the key after is counted by ``_released_here``'s bound. Counted only
+        where that state is known: not a reused address (its release may be a late one, which frees
+        nothing), touched by no record still waiting for the watermark (which may release it first), and
+        with at most ``TOUCH_SCAN_RECORDS`` records waiting. A key allocated first in the batch is left out:
+        that allocation reuses a live address, and the release after it may be absorbed as the old
+        allocation's late one, the key staying live."""
+        if proc.pending_records > TOUCH_SCAN_RECORDS:
+            return 0
+        candidates = _released_first(recs)
+        if not candidates:
+            return 0
+        devices = proc.devices
+        held = [(dev, addr) for dev, addr in candidates
+                if (fp := devices.get(dev)) is not None and addr in fp.live
+                and not (fp.reused and addr in fp.reused.addresses())]
+        if held and proc.pending_records:
+            touched = self._waiting_keys(proc)
+            held = [key for key in held if key not in touched]
+        return len(held)
+
+    def _waiting_keys(self, proc: ProcessState) -> set[tuple[int, int]]:
+        """Every (device, address) the process's waiting MEMORY records touch (a superset: chunks applied
+        since are forgotten only at the tick's recount). Each chunk is read once: the set is kept with the
+        arrival number of the newest chunk it holds."""
+        seen, keys = self._touched.get(proc.pid, (0, set()))
+        newest = seen
+        for chunk in proc.pending.get(RecordKind.MEMORY, ()):
+            if chunk[1] > seen:
+                keys.update(zip(chunk[2]["dev"].tolist(), chunk[2]["addr"].tolist()))
+                newest = max(newest, chunk[1])
+        self._touched[proc.pid] = (newest, keys)
+        return keys
 
     def fits(self, proc: ProcessState, kind: RecordKind, recs: np.ndarray) -> bool:
         """Whether ``admit`` would take ``recs`` whole, by a bound that cannot be wrong the other way: every
@@ -459,14 +513,15 @@ class Guard:
 
     def admit_resync(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
         """The part of a completed resync that may become ``proc``'s live table: it replaces the
-        tables the process holds, so their allocations are given back first."""
+        tables the process holds, so their allocations are given back first (what still waits for the
+        watermark stays counted, as the recount counts it: its releases' credit was for the old table)."""
         lim, pid = self.limits, proc.pid
         recs = self.admit_devices(proc, recs, problem)
-        current = sum(len(fp.live) for fp in proc.devices.values())
+        waiting = sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in proc.pending.get(RecordKind.MEMORY, ()))
+        self.live.add(pid, waiting - self.live.by_pid[pid], self.census)
         allocs = recs["op"] == _ALLOCATION
         n_alloc = int(np.count_nonzero(allocs))
-        room = self.live.room(pid, lim.max_live_allocations, self.census, lim.max_live_allocations_per_process) \
-            + current
+        room = self.live.room(pid, lim.max_live_allocations, self.census, lim.max_live_allocations_per_process)
         if n_alloc > room:
             over = allocs & (np.cumsum(allocs) > room)
             dropped = int(over.sum())
@@ -477,7 +532,7 @@ class Guard:
                         lim.max_live_allocations_per_process)
             recs = recs[~over]
             n_alloc = room
-        self.live.add(pid, n_alloc - current, self.census)
+        self.live.add(pid, n_alloc, self.census)
         return recs
 
     def admit_devices(self, proc: ProcessState, recs: np.ndarray, problem: Problem) -> np.ndarray:
@@ -511,22 +566,31 @@ class Guard:
         return recs
 
 
-def _released_here(recs: np.ndarray, allocs: np.ndarray) -> int:
+def _released_here(recs: np.ndarray, allocs: np.ndarray, applied_to: int = 0) -> int:
     """(device, address) keys that ``recs`` allocate and then release: each release stamped after an
     allocation of its key in ``recs`` frees what the batch itself added (a process that allocates and
     frees between two flushes holds none of it live). At most one per key, so a flood of releases cannot
     hide allocations; and only a release stamped after the allocation (strictly: the pipeline applies
     records of equal time in arrival order, which a sender chooses), so that "release X, then allocate
     X" of an X nobody holds, which leaves X live, frees nothing. Each key's net growth is then at most
-    its allocations less this one release: never below what the table will gain."""
+    its allocations less this one release: never below what the table will gain.
+    With ``applied_to`` (the process's watermark), a batch stamped on both sides of it is counted side by
+    side: its records at or before it are applied at once and the rest wait, so an allocation applied now
+    whose release waits is live until that release applies."""
     releases = recs["op"] == _RELEASE
-    if not releases.any():
+    if not np.count_nonzero(releases):
         return 0
     devs, addrs, times = recs["dev"], recs["addr"], recs["ts"]
+    few = len(recs) <= _FEW_PAIRS
+    tl = times.tolist() if few else None
+    if applied_to and (min(tl) if tl is not None else int(times.min())) <= applied_to \
+            < (max(tl) if tl is not None else int(times.max())):  # (the max only where some are late)
+        late = times <= applied_to
+        return _released_here(recs[late], allocs[late]) + _released_here(recs[~late], allocs[~late])
     one = devs[0] == devs[-1] and np.count_nonzero(devs == devs[0]) == len(devs)
-    if len(recs) <= (_FEW_PAIRS if one else _FEW_PAIRS_DEVICES):
+    if few or len(recs) <= (_FEW_PAIRS if one else _FEW_PAIRS_DEVICES):
         # A few records: (device, address) pairs in Python dicts and sets cost less than numpy's sorts.
-        dl, al, tl = devs.tolist(), addrs.tolist(), times.tolist()
+        dl, al, tl = devs.tolist(), addrs.tolist(), times.tolist() if tl is None else tl
         first_made: dict[tuple[int, int], int] = {}
         for i in np.flatnonzero(allocs).tolist():
             key = (dl[i], al[i])
@@ -581,25 +645,42 @@ def _freed_after(keys: np.ndarray, key_times: np.ndarray, among: np.ndarray, amo
 TOUCH_SCAN_RECORDS = 8192
 
 
-def _freed_from_table(proc: ProcessState, recs: np.ndarray) -> int:
-    """(device, address) keys ``recs`` release that are live in ``proc``'s applied table now: each frees one
-    live allocation, whatever else the batch does to the key (a key's growth is its state after the batch
-    less its state before, at most 1 - 1). Counted only where that state before is known: not a reused
-    address (its release may be a late one, which frees nothing) and touched by no record still waiting
-    for the watermark (which may release it first)."""
+def _released_first(recs: np.ndarray) -> list[tuple[int, int]]:
+    """The distinct (device, address) keys whose first record in ``recs`` (by time; a tie counts as an
+    allocation first) is a release."""
     releases = recs["op"] == _RELEASE
-    if not np.count_nonzero(releases) or proc.pending_records > TOUCH_SCAN_RECORDS:
-        return 0
-    held = set()
-    devices = proc.devices
-    for dev, addr in set(zip(recs["dev"][releases].tolist(), recs["addr"][releases].tolist())):
-        fp = devices.get(dev)
-        if fp is not None and addr in fp.live and not (fp.reused and addr in fp.reused.addresses()):
-            held.add((dev, addr))
-    if held and proc.pending_records:
-        for chunk in proc.pending.get(RecordKind.MEMORY, ()):
-            held.difference_update(zip(chunk[2]["dev"].tolist(), chunk[2]["addr"].tolist()))
-    return len(held)
+    if not np.count_nonzero(releases):
+        return []
+    devs, addrs, times = recs["dev"], recs["addr"], recs["ts"]
+    if len(recs) <= _FEW_PAIRS:
+        dl, al, tl, ol = devs.tolist(), addrs.tolist(), times.tolist(), recs["op"].tolist()
+        first_gone: dict[tuple[int, int], int] = {}
+        for d, a, t, o in zip(dl, al, tl, ol):
+            if o == _RELEASE and t < first_gone.get((d, a), _NEVER):
+                first_gone[(d, a)] = t
+        for d, a, t, o in zip(dl, al, tl, ol):
+            if o == _ALLOCATION and (d, a) in first_gone and t <= first_gone[(d, a)]:
+                del first_gone[(d, a)]
+        return list(first_gone)
+    # By key, then time, releases before allocations of the same time reversed (a tie counts as the
+    # allocation first): the first record of each key decides.
+    keys = _keys(devs, addrs)
+    order = np.lexsort((releases, times, keys))  # an allocation (False) sorts before a release at one time
+    k = keys[order]
+    first = np.empty(len(k), dtype=bool)
+    first[0] = True
+    first[1:] = k[1:] != k[:-1]
+    at = order[first & releases[order]]
+    return list(zip(devs[at].tolist(), addrs[at].tolist()))
+
+
+def _keys(devs: np.ndarray, addrs: np.ndarray) -> np.ndarray:
+    """One u64 key per (device, address): the address on one device; on several the address's rank among
+    them offset by the device (a rank is below the batch's length, a device below 2**32: no overflow)."""
+    if devs[0] == devs[-1] and np.count_nonzero(devs == devs[0]) == len(devs):
+        return addrs
+    ranked, ranks = np.unique(addrs, return_inverse=True)
+    return devs.astype(np.uint64) * np.uint64(len(ranked)) + ranks.astype(np.uint64)
 
 
 #: The operations as numpy scalars of the records' ``op`` type: comparing a column with the IntEnum
