@@ -560,3 +560,87 @@ def test_a_resync_replaces_the_table_whose_releases_were_credited() -> None:
     other = [0xA000_0000 + 4096 * i for i in range(10)]
     kept = guard.admit_resync(proc, _recs(20_000 + np.arange(10), [1] * 10, other), problem)
     assert int(np.count_nonzero(kept["op"] == 1)) == 0 and seen == {"allocation_limit": 10}
+
+
+# --- review 42 -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recount", [True, False], ids=["a-tick-between", "no-tick"])
+def test_pairs_split_by_the_next_watermark_cannot_grow_the_table_batch_after_batch(recount: bool) -> None:
+    """Review 42: each batch allocates k addresses and releases them stamped far ahead; the watermark after it
+    applies the allocations and leaves the releases waiting. Each pair counted as freed in its batch, the
+    tables grew by k a batch, up to the waiting share (50,100 at a share of 100). Past its share in the
+    applied tables a process's batch credits nothing it frees itself: one batch past the share at most."""
+    pipeline, guard = _setup(100)
+    seen, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(100)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(100), [1] * 100, held),
+                                                   problem, lambda ts: None))
+    pipeline.watermark(7, 10_000)
+    guard.recount(pipeline.processes)
+    k, t, far, nxt = 50, 20_000, 10**15, 0x4000_0000
+    for _ in range(40):
+        ys = [nxt + 4096 * i for i in range(k)]
+        nxt += 4096 * k
+        batch = _recs(np.r_[t + np.arange(k), far + np.arange(k)], [1] * k + [2] * k, ys + ys)
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
+                                                       lambda ts: pipeline.advance(7, ts)))
+        pipeline.watermark(7, t + k)  # the allocations applied, their releases left waiting
+        t, far = t + 1000, far + 1000
+        if recount:
+            guard.recount(pipeline.processes)
+        assert _live(proc) <= 100 + k, _live(proc)
+    assert seen.get("allocation_limit", 0) >= 38 * k
+
+
+def test_a_restarted_process_does_not_read_its_predecessors_waiting_keys() -> None:
+    """Review 42: the waiting keys were kept by pid with the arrival number of the newest chunk read; a
+    restarted process numbers its chunks from 0 again, so its new chunks were skipped and a release waiting
+    in them was credited again by every batch until the tick."""
+    pipeline, guard = _setup(100)
+    _, problem = _counter()
+    proc = pipeline.process(7, "probe")
+    held = [0x1000_0000 + 4096 * i for i in range(100)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(100), [1] * 100, held),
+                                                   problem, lambda ts: None))
+    pipeline.watermark(7, 10_000)
+    for i in range(200):  # fill the predecessor's waiting keys (one-record chunks of other addresses)
+        pipeline.submit(RecordKind.MEMORY, _recs([20_000 + i], [1], [0x7000_0000 + 4096 * i]))
+    assert guard._freed_from_table(proc, _recs([30_000], [2], [held[0]])) == 1  # the keys read: none of held[0]
+    proc2 = pipeline.restart(7, "probe")
+    assert proc2 is not proc and pipeline.processes[7] is proc2
+    # the new process holds the same 100 (applied) and waits on a release of held[0]
+    pipeline.submit(RecordKind.MEMORY, _recs(1000 + np.arange(100), [1] * 100, held))
+    pipeline.watermark(7, 10_000)
+    pipeline.submit(RecordKind.MEMORY, _recs([40_000], [2], [held[0]]))
+    assert proc2.pending_records == 1
+    assert guard._freed_from_table(proc2, _recs([50_000], [2], [held[0]])) == 0
+
+
+def test_the_first_release_judged_alike_on_both_paths_whatever_the_operations() -> None:
+    from gpufootprint.ingest.validate import _FEW_PAIRS, _released_first
+
+    rng = np.random.default_rng(42)
+    for n in (_FEW_PAIRS + 1, 200, 700):
+        for _ in range(50):
+            recs = _recs(rng.integers(0, 40, n), rng.choice([0, 1, 2, 3], n), rng.integers(0, 16, n) * 4096,
+                         dev=0)
+            recs["dev"] = rng.choice([0, 0, 3], n)
+            few = [sorted(_released_first(recs[i:i + _FEW_PAIRS])) for i in range(0, n, _FEW_PAIRS)]
+            many = sorted(_released_first(recs))
+            # the oracle: keys whose earliest known record (an allocation first on a tie) is a release
+            first: dict[tuple[int, int], tuple[int, int]] = {}
+            for d, a, t, o in zip(recs["dev"].tolist(), recs["addr"].tolist(), recs["ts"].tolist(),
+                                  recs["op"].tolist()):
+                if o in (1, 2) and (t, o) < first.get((d, a), (1 << 64, 3)):
+                    first[(d, a)] = (t, o)
+            assert many == sorted(k for k, (_, o) in first.items() if o == 2), n
+            for part, got in zip(range(0, n, _FEW_PAIRS), few):
+                sub = recs[part:part + _FEW_PAIRS]
+                first = {}
+                for d, a, t, o in zip(sub["dev"].tolist(), sub["addr"].tolist(), sub["ts"].tolist(),
+                                      sub["op"].tolist()):
+                    if o in (1, 2) and (t, o) < first.get((d, a), (1 << 64, 3)):
+                        first[(d, a)] = (t, o)
+                assert got == sorted(k for k, (_, o) in first.items() if o == 2)
