@@ -322,6 +322,69 @@ def test_a_resync_after_releases_of_the_table_holds_no_more_than_the_share(live)
     assert _live_count(srv) <= 100, f"{_live_count(srv)} live allocations held at a share of 100"
 
 
+def test_releases_of_held_allocations_stamped_ahead_hold_no_more_than_a_batch_past_the_share(live) -> None:
+    """Each batch: release k held allocations stamped a minute ahead (they wait for the watermark) and allocate
+    k new ones covered by the watermark sent with it (review 43: 8,100 live at a share of 100 after 160 batches).
+    Past its share with records waiting, a process has them applied before its next batch is judged."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
+    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    srv.wait(lambda: _live_count(srv) == 100)
+    untouched, nxt, k = list(first["addr"].tolist()), 0x2_0000_0000, 50
+    far = t + 60 * 10**9
+    for r in range(1, 161):
+        rel, untouched = untouched[:k], untouched[k:]
+        new = [nxt + 4096 * i for i in range(k)]
+        nxt += 4096 * k
+        recs = np.zeros(len(rel) + k, MEMORY_DTYPE)
+        recs["ts"] = np.r_[far + r * 1000 + np.arange(len(rel)), t + r * 10_000 + np.arange(k)]
+        recs["op"] = [FREE] * len(rel) + [ALLOC] * k
+        recs["addr"] = rel + new
+        recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+        wm = t + r * 10_000 + k
+        s.sendall(encode_batch(RecordKind.MEMORY, recs) + encode_watermark(wm))
+        # this batch read (its releases are the newest stamps) and its watermark applied, before the next is sent
+        srv.wait(lambda r=r: srv.pipeline.processes[ME].max_ts >= far + r * 1000)
+        srv.wait(lambda wm=wm: srv.pipeline.processes[ME].applied_to >= wm)
+        untouched += new
+        assert _live_count(srv) <= 100 + k, f"{_live_count(srv)} live allocations held at a share of 100"
+    live_n = _live_count(srv)
+    _good_still_reports(srv, good)
+    s.close()
+    assert live_n <= 100 + k, f"{live_n} live allocations held at a share of 100"
+
+
+def test_pairs_split_by_one_watermark_after_many_batches_are_back_within_the_share_at_the_next_tick(live) -> None:
+    """Review 43: 400 batches of pairs behind a watermark that does not move, then one that applies every
+    allocation at once (20,000 at a share of 100, for good before): the next tick applies what waits."""
+    srv, good = live(max_live_allocations_per_process=100)
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns() - 5 * 10**9
+    s.sendall(encode_watermark(t))
+    far, nxt, k = time.time_ns() + 60 * 10**9, 0x2_0000_0000, 50
+    for r in range(400):
+        recs = np.zeros(2 * k, MEMORY_DTYPE)
+        ys = nxt + 4096 * np.arange(k, dtype=np.uint64)
+        nxt += 4096 * k
+        recs["ts"] = np.r_[t + 1000 + r * 1000 + np.arange(k), far + r * 1000 + np.arange(k)]
+        recs["op"] = [ALLOC] * k + [FREE] * k
+        recs["addr"] = np.r_[ys, ys]
+        recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+        s.sendall(encode_batch(RecordKind.MEMORY, recs) + encode_watermark(t))
+    srv.wait(lambda: srv.pipeline.processes[ME].pending_records
+             + srv.pipeline.errors.counts['allocation_limit'] >= 400 * 2 * k - 2000)
+    time.sleep(0.5)
+    s.sendall(encode_watermark(t + 1000 + 400 * 1000))
+    srv.wait(lambda: srv.pipeline.processes[ME].applied_to >= t + 1000 + 400 * 1000)
+    srv.wait(lambda: _live_count(srv) <= 100)  # the next tick
+    _good_still_reports(srv, good)
+    s.close()
+
+
 def test_records_held_back_past_the_pending_bound_are_applied_not_hoarded(tmp_path: Path) -> None:
     from gpufootprint.configload import load_config
     from gpufootprint.ingest.server import IngestServer

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gpufootprint.configload import load_config
 from gpufootprint.ingest.validate import Guard, Limits, check_fields
-from gpufootprint.pipeline import Pipeline
+from gpufootprint.pipeline import Pipeline, ProcessState
 from gpufootprint.records import KERNEL_DTYPE, MEMORY_DTYPE, UM_CPU_PAGE_FAULT_COUNT, UNIFIED_MEMORY_DTYPE, RecordKind
 
 
@@ -565,20 +565,32 @@ def test_a_resync_replaces_the_table_whose_releases_were_credited() -> None:
 # --- review 42 -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recount", [True, False], ids=["a-tick-between", "no-tick"])
-def test_pairs_split_by_the_next_watermark_cannot_grow_the_table_batch_after_batch(recount: bool) -> None:
-    """Review 42: each batch allocates k addresses and releases them stamped far ahead; the watermark after it
-    applies the allocations and leaves the releases waiting. Each pair counted as freed in its batch, the
-    tables grew by k a batch, up to the waiting share (50,100 at a share of 100). Past its share in the
-    applied tables a process's batch credits nothing it frees itself: one batch past the share at most."""
-    pipeline, guard = _setup(100)
+def _tick(pipeline: Pipeline, guard: Guard) -> None:
+    """What the daemon's tick does with the shares: recount, then apply what waits for a process past its share."""
+    guard.recount(pipeline.processes)
+    guard.apply_waiting_past_share(pipeline)
+
+
+def _held_by(pipeline: Pipeline, guard: Guard, share: int) -> tuple[ProcessState, list[int], dict[str, int], object]:
     seen, problem = _counter()
     proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(100)]
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(100), [1] * 100, held),
-                                                   problem, lambda ts: None))
+    guard.census.connect(7, 1000, "t")
+    held = [0x1000_0000 + 4096 * i for i in range(share)]
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(share), [1] * share,
+                                                                                  held), problem, lambda ts: None))
     pipeline.watermark(7, 10_000)
     guard.recount(pipeline.processes)
+    return proc, held, seen, problem
+
+
+@pytest.mark.parametrize("tick", [True, False], ids=["a-tick-between", "no-tick"])
+def test_pairs_split_by_the_next_watermark_cannot_grow_the_tables_batch_after_batch(tick: bool) -> None:
+    """Review 42: each batch allocates k addresses and releases them stamped far ahead; the watermark after it
+    applies the allocations and leaves the releases waiting. Each pair counted as freed in its batch, the
+    tables grew by k a batch, up to the waiting share (50,100 at a share of 100). Now a process whose applied
+    tables are past its share has what waits applied before its next batch is judged: one batch past it."""
+    pipeline, guard = _setup(100)
+    proc, _, seen, problem = _held_by(pipeline, guard, 100)
     k, t, far, nxt = 50, 20_000, 10**15, 0x4000_0000
     for _ in range(40):
         ys = [nxt + 4096 * i for i in range(k)]
@@ -588,10 +600,71 @@ def test_pairs_split_by_the_next_watermark_cannot_grow_the_table_batch_after_bat
                                                        lambda ts: pipeline.advance(7, ts)))
         pipeline.watermark(7, t + k)  # the allocations applied, their releases left waiting
         t, far = t + 1000, far + 1000
-        if recount:
-            guard.recount(pipeline.processes)
+        if tick:
+            _tick(pipeline, guard)
         assert _live(proc) <= 100 + k, _live(proc)
-    assert seen.get("allocation_limit", 0) >= 38 * k
+    assert seen.get("pending_limit", 0) + pipeline.errors.counts["pending_limit"] > 0
+
+
+def test_releases_of_what_it_holds_left_waiting_cannot_grow_the_tables_batch_after_batch() -> None:
+    """Review 43: each batch releases k of what the process holds, stamped a minute ahead, and allocates k new
+    ones that the watermark after it covers: the releases credited (the table holds them), the allocations
+    applied, the releases left waiting; 8,300 live at a share of 100 after 400 batches."""
+    pipeline, guard = _setup(100)
+    proc, held, _, problem = _held_by(pipeline, guard, 100)
+    k, t, far, nxt = 10, 20_000, 60 * 10**9, 0x4000_0000
+    for _ in range(200):
+        gone, held = held[:k], held[k:]
+        new = [nxt + 4096 * i for i in range(k)]
+        nxt += 4096 * k
+        batch = _recs(np.r_[far + np.arange(k), t + np.arange(k)], [2] * k + [1] * k, gone + new)
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
+                                                       lambda ts: pipeline.advance(7, ts)))
+        pipeline.watermark(7, t + k)
+        held += new
+        t, far = t + 1000, far + 1000
+        assert _live(proc) <= 100 + k, _live(proc)
+
+
+def test_pairs_waiting_behind_an_old_watermark_are_applied_back_to_the_share_at_the_next_tick() -> None:
+    """Review 43: pairs "allocate Y now, release Y far ahead" behind a watermark that does not move: nothing is
+    applied, so nothing is past the share; one later watermark applies every allocation at once (50,000 at a
+    share of 100). That transient lasts until the next tick, which applies what waits: back to the share."""
+    pipeline, guard = _setup(100)
+    proc, _, _, problem = _held_by(pipeline, guard, 100)
+    k, t, far, nxt = 50, 20_000, 10**15, 0x4000_0000
+    for _ in range(200):
+        ys = [nxt + 4096 * i for i in range(k)]
+        nxt += 4096 * k
+        batch = _recs(np.r_[t + np.arange(k), far + np.arange(k)], [1] * k + [2] * k, ys + ys)
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
+                                                       lambda ts: pipeline.advance(7, ts)))
+        pipeline.watermark(7, 10_000)
+        t, far = t + 1000, far + 1000
+    pipeline.watermark(7, t)
+    _tick(pipeline, guard)
+    assert _live(proc) <= 100, _live(proc)
+
+
+def test_a_process_past_a_share_that_shrank_keeps_its_churn() -> None:
+    """Review 43: a process holding 150 when a second tenant connects (its share now 100) that allocates and
+    frees 20 temporaries a flush does not grow: nothing of it is refused."""
+    pipeline = Pipeline(load_config(env={}, overrides={"footprint.reorder_window_ms": 600_000}).footprint)
+    guard = Guard(Limits(max_live_allocations=200, max_live_allocations_per_process=200))
+    proc, _, seen, problem = _held_by(pipeline, guard, 150)
+    guard.census.connect(8, 1001, "other")
+    assert guard.past_share(proc)
+    t, nxt = 20_000, 0x4000_0000
+    for _ in range(10):
+        tmp = [nxt + 4096 * i for i in range(20)]
+        nxt += 4096 * 20
+        batch = _recs(t + np.arange(40), [1] * 20 + [2] * 20, tmp + tmp)
+        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
+                                                       lambda ts: pipeline.advance(7, ts)))
+        pipeline.watermark(7, t + 40)
+        _tick(pipeline, guard)
+        t += 1000
+    assert seen == {} and _live(proc) == 150
 
 
 def test_a_restarted_process_does_not_read_its_predecessors_waiting_keys() -> None:

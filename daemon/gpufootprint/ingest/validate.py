@@ -26,7 +26,7 @@ import numpy as np
 
 from gpufootprint.config import DaemonConfig
 from gpufootprint.ingest.tenants import Census, Offenders, Room
-from gpufootprint.pipeline import ProcessState
+from gpufootprint.pipeline import Pipeline, ProcessState
 from gpufootprint.records import (
     DTYPES,
     MAX_TIMESTAMP_NS,
@@ -421,6 +421,18 @@ class Guard:
         lim, census, pid = self.limits, self.census, proc.pid
         allocs = recs["op"] == _ALLOCATION
         n_alloc = int(np.count_nonzero(allocs))
+        if n_alloc and proc.pending_records and self.past_share(proc):
+            # Its applied tables past its share while records wait: pairs a watermark split (allocations
+            # applied, their releases stamped far ahead left waiting), or releases of what it holds left
+            # waiting while the allocations they made room for were applied. All of it applied now, as at its
+            # waiting share: what it holds then waits on no release, and its tables come back within a batch
+            # of its share whatever its watermarks do.
+            problem("pending_limit", f"pid={pid}: {proc.pending_records} records waiting while its tables hold "
+                                     f"more than its share of daemon.max_live_allocations: applied at once",
+                    proc.pending_records)
+            advance(max(proc.max_ts, proc.applied_to + 1))
+            self.live.add(pid, sum(len(fp.live) for fp in proc.devices.values()) - self.live.by_pid[pid], census)
+            self.pending.add(pid, proc.pending_records - self.pending.by_pid[pid], census)
         room, growth = self._room_and_growth(proc, recs, allocs, n_alloc)
         freed = 0
         if growth > room and proc.due_to > proc.applied_to:
@@ -461,14 +473,25 @@ class Guard:
         room = self.live.room(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
         if not n_alloc:
             return room, 0
-        share = self.live.process_share(pid, lim.max_live_allocations, census, lim.max_live_allocations_per_process)
-        if sum(len(fp.live) for fp in proc.devices.values()) > share:
-            # Its applied tables already past its share (a share that shrank as others connected, or pairs a
-            # watermark split: their allocations applied, their releases left waiting, stamped far ahead):
-            # nothing the batch allocates is credited, not even what it frees itself, so pairs split that way
-            # cannot grow the tables batch after batch.
-            return 0, n_alloc
         return room, n_alloc - _released_here(recs, allocs, max(proc.applied_to, proc.due_to))
+
+    def past_share(self, proc: ProcessState) -> bool:
+        """Whether ``proc``'s applied tables hold more live allocations than its own share now."""
+        lim = self.limits
+        share = self.live.process_share(proc.pid, lim.max_live_allocations, self.census,
+                                        lim.max_live_allocations_per_process)
+        return sum(len(fp.live) for fp in proc.devices.values()) > share
+
+    def apply_waiting_past_share(self, pipeline: Pipeline) -> None:
+        """At the tick: a live probe whose applied tables are past its share while records of its wait has them
+        applied at once (``_admit_allocations`` says why), counted as ``pending_limit``."""
+        for pid, proc in list(pipeline.processes.items()):
+            if proc.source == "probe" and proc.pending_records and proc.exited_at is None \
+                    and pid in self.census.uid_of and self.past_share(proc):
+                pipeline.errors.add("pending_limit", f"pid={pid}: {proc.pending_records} records waiting while its "
+                                    f"tables hold more than its share of daemon.max_live_allocations: applied at "
+                                    f"once", proc.pending_records)
+                pipeline.advance(pid, max(proc.max_ts, proc.applied_to + 1))
 
     def _freed_from_table(self, proc: ProcessState, recs: np.ndarray) -> int:
         """(device, address) keys whose first record in ``recs`` is a release (stamped before any allocation
