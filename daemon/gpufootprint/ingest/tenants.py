@@ -133,11 +133,6 @@ class Room:
         return max(0, min(p_share - self.by_pid[pid], t_share - self.by_tenant[tenant],
                           CEILING * total - self.used))
 
-    def process_share(self, pid: int, total: int, census: Census, per_process: int | None = None) -> int:
-        """``pid``'s own share of ``total`` now (within ``per_process``)."""
-        p_share = census.shares(total, pid)[1]
-        return p_share if per_process is None else min(p_share, per_process)
-
     def at_share(self, pid: int, total: int, census: Census, per_process: int | None = None) -> str:
         """Which bound a refusal hit, for the log: ``process``, ``tenant`` or ``node``."""
         t_share, p_share = census.shares(total, pid)

@@ -26,7 +26,7 @@ import numpy as np
 
 from gpufootprint.config import DaemonConfig
 from gpufootprint.ingest.tenants import Census, Offenders, Room
-from gpufootprint.pipeline import Pipeline, ProcessState
+from gpufootprint.pipeline import ProcessState
 from gpufootprint.records import (
     DTYPES,
     MAX_TIMESTAMP_NS,
@@ -421,18 +421,6 @@ class Guard:
         lim, census, pid = self.limits, self.census, proc.pid
         allocs = recs["op"] == _ALLOCATION
         n_alloc = int(np.count_nonzero(allocs))
-        if n_alloc and proc.pending_records and self.past_share(proc):
-            # Its applied tables past its share while records wait: pairs a watermark split (allocations
-            # applied, their releases stamped far ahead left waiting), or releases of what it holds left
-            # waiting while the allocations they made room for were applied. All of it applied now, as at its
-            # waiting share: what it holds then waits on no release, and its tables come back within a batch
-            # of its share whatever its watermarks do.
-            problem("pending_limit", f"pid={pid}: {proc.pending_records} records waiting while its tables hold "
-                                     f"more than its share of daemon.max_live_allocations: applied at once",
-                    proc.pending_records)
-            advance(max(proc.max_ts, proc.applied_to + 1))
-            self.live.add(pid, sum(len(fp.live) for fp in proc.devices.values()) - self.live.by_pid[pid], census)
-            self.pending.add(pid, proc.pending_records - self.pending.by_pid[pid], census)
         room, growth = self._room_and_growth(proc, recs, allocs, n_alloc)
         freed = 0
         if growth > room and proc.due_to > proc.applied_to:
@@ -446,9 +434,9 @@ class Guard:
                 self.live.add(pid, sum(len(fp.live) for fp in proc.devices.values()) + waiting
                               - self.live.by_pid[pid], census)
             room, growth = self._room_and_growth(proc, recs, allocs, n_alloc)
-        if growth > room or (room < len(recs) and n_alloc < len(recs)):
-            # At or near its share: releases of what the process holds now free room too, this batch's and,
-            # credited now, for the batches after it (which could not credit them: they will be waiting).
+        if growth > room:
+            # At its share: releases of what the process holds now free room too, where no watermark can
+            # apply the batch's allocations and leave them waiting (``_freed_from_table``).
             freed = self._freed_from_table(proc, recs)
             growth -= freed
         if growth > room:
@@ -475,24 +463,6 @@ class Guard:
             return room, 0
         return room, n_alloc - _released_here(recs, allocs, max(proc.applied_to, proc.due_to))
 
-    def past_share(self, proc: ProcessState) -> bool:
-        """Whether ``proc``'s applied tables hold more live allocations than its own share now."""
-        lim = self.limits
-        share = self.live.process_share(proc.pid, lim.max_live_allocations, self.census,
-                                        lim.max_live_allocations_per_process)
-        return sum(len(fp.live) for fp in proc.devices.values()) > share
-
-    def apply_waiting_past_share(self, pipeline: Pipeline) -> None:
-        """At the tick: a live probe whose applied tables are past its share while records of its wait has them
-        applied at once (``_admit_allocations`` says why), counted as ``pending_limit``."""
-        for pid, proc in list(pipeline.processes.items()):
-            if proc.source == "probe" and proc.pending_records and proc.exited_at is None \
-                    and pid in self.census.uid_of and self.past_share(proc):
-                pipeline.errors.add("pending_limit", f"pid={pid}: {proc.pending_records} records waiting while its "
-                                    f"tables hold more than its share of daemon.max_live_allocations: applied at "
-                                    f"once", proc.pending_records)
-                pipeline.advance(pid, max(proc.max_ts, proc.applied_to + 1))
-
     def _freed_from_table(self, proc: ProcessState, recs: np.ndarray) -> int:
         """(device, address) keys whose first record in ``recs`` is a release (stamped before any allocation
         of them there) of an allocation ``proc``'s applied table holds now: each frees one live allocation,
@@ -504,6 +474,17 @@ class Guard:
         allocation's late one, the key staying live."""
         if proc.pending_records > TOUCH_SCAN_RECORDS:
             return 0
+        # Only releases stamped no later than the batch's last allocation (or already due): releases stamped
+        # after all of them (say a minute ahead) would wait while the allocations they made room for are
+        # applied, the table growing batch after batch (review 43). Interleaved frees and reuses (a
+        # stream-ordered pool) keep their credit.
+        allocs = recs["op"] == _ALLOCATION
+        if not np.count_nonzero(allocs):
+            return 0
+        times = recs["ts"]
+        horizon = max(proc.applied_to, proc.due_to, int(times[allocs].max()))
+        if int(times.max()) > horizon:
+            recs = recs[times <= horizon]
         candidates = _released_first(recs)
         if not candidates:
             return 0
@@ -569,6 +550,12 @@ class Guard:
         watermark stays counted, as the recount counts it: its releases' credit was for the old table)."""
         lim, pid = self.limits, proc.pid
         recs = self.admit_devices(proc, recs, problem)
+        table = recs["op"] == _ALLOCATION
+        if np.count_nonzero(table) != len(recs):
+            # A resync is a table of live allocations: anything else in it would be made live uncounted.
+            problem("bad_resync_record", f"pid={pid}: {len(recs) - int(np.count_nonzero(table))} records of a "
+                                         f"resync that are not allocations: dropped", len(recs) - int(np.count_nonzero(table)))
+            recs = recs[table]
         waiting = sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in proc.pending.get(RecordKind.MEMORY, ()))
         self.live.add(pid, waiting - self.live.by_pid[pid], self.census)
         allocs = recs["op"] == _ALLOCATION
