@@ -9,10 +9,10 @@ a process may hold stays far below 2**63).
 
 For live probes a ``Guard`` also bounds what one process, and all of them together,
 can make the daemon hold: devices, live allocations, records waiting in the reorder
-buffer. The totals are recounted at every tick and moved by each admitted batch; a batch's
-allocations are also judged against what the process's applied tables hold, so a flood between
-two ticks stays within a batch of the share (docs/known-issues.md says where the count between
-ticks is an estimate). docs/reliability.md gives the memory each bound implies.
+buffer. The totals are recounted at every tick and moved by each admitted batch, so a flood
+between two ticks is bounded too (docs/known-issues.md says where the count between ticks is an
+estimate, and how pairs that a watermark splits can pass the live share up to the waiting share).
+docs/reliability.md gives the memory each bound implies.
 """
 
 from __future__ import annotations
@@ -415,9 +415,9 @@ class Guard:
     def _admit_allocations(self, proc: ProcessState, recs: np.ndarray, problem: Problem,
                            advance: Callable[[int], None]) -> np.ndarray:
         """A MEMORY batch's allocations within the process's live share; its count moved by the batch's
-        growth: its allocations less the pairs it makes and frees itself (none past the share in the applied
-        tables) and, at or near the share, less its releases of what the tables hold (the tick's recount
-        makes the count exact again)."""
+        growth: its allocations less the pairs it makes and frees itself and, at the share, less its releases
+        of what the tables hold (the tick's recount makes the count exact again; docs/known-issues.md says
+        where a watermark that splits the batch's pairs still lets the tables pass the share)."""
         lim, census, pid = self.limits, self.census, proc.pid
         allocs = recs["op"] == _ALLOCATION
         n_alloc = int(np.count_nonzero(allocs))
