@@ -328,7 +328,7 @@ class Guard:
                 waiting.difference_update(proc.devices)
             devices[pid] = len(proc.devices) + (len(waiting) if waiting else 0)
             # Waiting allocations become live ones: counted with them, so a flush adds nothing.
-            live[pid] = sum(len(fp.live) for fp in proc.devices.values()) + sum(
+            live[pid] = _held(proc) + sum(
                 self._waiting_allocations(chunk[2], counted) for chunk in proc.pending.get(RecordKind.MEMORY, ()))
             pending[pid] = proc.pending_records
             kernels[pid] = (len(proc.kernels.array()) if proc.kernels is not None else 0) \
@@ -428,11 +428,8 @@ class Guard:
             # lets it wait): its releases are then in the table, counted as the tick's recount counts (where
             # few chunks wait: each is counted).
             advance(proc.due_to)
-            chunks = proc.pending.get(RecordKind.MEMORY, ())
-            if len(chunks) <= TOUCH_SCAN_CHUNKS:
-                waiting = sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in chunks)
-                self.live.add(pid, sum(len(fp.live) for fp in proc.devices.values()) + waiting
-                              - self.live.by_pid[pid], census)
+            if len(proc.pending.get(RecordKind.MEMORY, ())) <= TOUCH_SCAN_CHUNKS:
+                self.live.add(pid, _held(proc) + _allocations_waiting(proc) - self.live.by_pid[pid], census)
             room, growth = self._room_and_growth(proc, recs, allocs, n_alloc)
         if growth > room:
             # At its share: releases of what the process holds now free room too, where no watermark can
@@ -556,8 +553,7 @@ class Guard:
             problem("bad_resync_record", f"pid={pid}: {len(recs) - int(np.count_nonzero(table))} records of a "
                                          f"resync that are not allocations: dropped", len(recs) - int(np.count_nonzero(table)))
             recs = recs[table]
-        waiting = sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in proc.pending.get(RecordKind.MEMORY, ()))
-        self.live.add(pid, waiting - self.live.by_pid[pid], self.census)
+        self.live.add(pid, _allocations_waiting(proc) - self.live.by_pid[pid], self.census)
         allocs = recs["op"] == _ALLOCATION
         n_alloc = int(np.count_nonzero(allocs))
         room = self.live.room(pid, lim.max_live_allocations, self.census, lim.max_live_allocations_per_process)
@@ -638,16 +634,8 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray, applied_to: int = 0) ->
                 first_made[key] = tl[i]
         return len({key for i in np.flatnonzero(releases).tolist()
                     if tl[i] > first_made.get(key := (dl[i], al[i]), _NEVER)})
-    made, gone = addrs[allocs], addrs[releases]
-    if not one:
-        # Several devices: one key per (device, address), the address's rank among the batch's addresses
-        # offset by the device (a rank is below the batch's length, a device below 2**32: no overflow).
-        ranked, ranks = np.unique(np.concatenate((made, gone)), return_inverse=True)
-        width = np.uint64(len(ranked))
-        ranks = ranks.astype(np.uint64)
-        made = devs[allocs].astype(np.uint64) * width + ranks[:len(made)]
-        gone = devs[releases].astype(np.uint64) * width + ranks[len(made):]
-    return _freed_after(gone, times[releases], made, times[allocs])
+    keys = addrs if one else _keys(devs, addrs)
+    return _freed_after(keys[releases], times[releases], keys[allocs], times[allocs])
 
 
 #: Records of a batch up to which ``_released_here`` pairs them in Python sets, on one device and on
@@ -686,6 +674,17 @@ TOUCH_SCAN_RECORDS = 8192
 #: Waiting MEMORY chunks up to which they are counted or looked through at a batch near the share: past it
 #: (a sender of many tiny batches), the batch is judged without them, as if they released nothing.
 TOUCH_SCAN_CHUNKS = 256
+
+
+def _held(proc: ProcessState) -> int:
+    """The live allocations ``proc``'s applied tables hold."""
+    return sum(len(fp.live) for fp in proc.devices.values())
+
+
+def _allocations_waiting(proc: ProcessState) -> int:
+    """The allocations among ``proc``'s MEMORY records still waiting for the watermark (counted now;
+    ``Guard.recount`` keeps its counts chunk by chunk)."""
+    return sum(int(np.count_nonzero(c[2]["op"] == _ALLOCATION)) for c in proc.pending.get(RecordKind.MEMORY, ()))
 
 
 def _released_first(recs: np.ndarray) -> list[tuple[int, int]]:
