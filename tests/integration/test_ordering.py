@@ -11,6 +11,7 @@ window" applied the quiet thread's releases after the busy thread had reused the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,18 +27,30 @@ def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_n
     # (200 ms here) can make one record late (docs/known-issues.md, "A record can come late on a starved
     # machine": once in about five full runs on 2026-12-06, once on 2026-12-07). The fault this test found
     # made 15 late records in every run, so a second try hides no regression of it.
+    _twice(lambda where: _churn_across_threads(where, forward), tmp_path)
+
+
+def _twice(run: Callable[[Path], str | None], tmp_path: Path) -> None:
+    """``run`` in a fresh folder until it holds, two tries at most (the tests that call it say why)."""
     failures = []
     for attempt in range(2):
-        failure = _churn_across_threads(tmp_path / f"try{attempt}", forward)
+        where = tmp_path / f"try{attempt}"
+        where.mkdir()
+        failure = run(where)
         if failure is None:
             return
         failures.append(failure)
     pytest.fail("; ".join(failures))
 
 
+def _failed(checks: list[tuple[bool, str]]) -> str | None:
+    """What did not hold among ``checks``, or None."""
+    bad = [detail for ok, detail in checks if not ok]
+    return "; ".join(bad)[:2000] if bad else None
+
+
 def _churn_across_threads(where: Path, forward: str) -> str | None:
     """One run of the test above: None when everything held, else what did not."""
-    where.mkdir()
     sock = str(where / "p.sock")
     daemon = Daemon(sock)
     try:
@@ -64,8 +77,7 @@ def _churn_across_threads(where: Path, forward: str) -> str | None:
                (proc.drift_checks, proc.drift_mismatches, proc.drift_bytes)),
               (pipeline.verify_results["match"] >= 5 and pipeline.verify_results["mismatch"] == 0, "verify",
                dict(pipeline.verify_results))]
-    bad = [f"{name}: {detail!r}" for ok, name, detail in checks if not ok]
-    return "; ".join(bad)[:2000] if bad else None
+    return _failed([(ok, f"{name}: {detail!r}") for ok, name, detail in checks])
 
 
 def _wait_file(path: Path, timeout: float = 30.0) -> None:
@@ -156,18 +168,11 @@ def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_k
     # Two tries: on a 2-core test machine whose other test worker is busy too, the daemon itself can be
     # starved (it did not keep up twice in about eight full runs on 2026-12-07). The fault this test found
     # failed every run (three of three on 20c0614), so a second try hides no regression of it.
-    failures = []
-    for attempt in range(2):
-        failure = _bursts_behind_busy_threads(tmp_path / f"try{attempt}", compiled)
-        if failure is None:
-            return
-        failures.append(failure)
-    pytest.fail("; ".join(failures))
+    _twice(lambda where: _bursts_behind_busy_threads(where, compiled), tmp_path)
 
 
 def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
     """One run of the test above: None when everything held, else what did not."""
-    where.mkdir()
     sock = str(where / "p.sock")
     daemon = Daemon(sock)
     try:
@@ -188,8 +193,7 @@ def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
               (dict(daemon.pipeline.errors.counts) == {} and daemon.pipeline.late_records == 0,
                dict(daemon.pipeline.errors.counts)),
               (end["matches"] and end["live_bytes"].get("device", 0) == 0, end)]
-    bad = [repr(detail) for ok, detail in checks if not ok]
-    return "; ".join(bad)[:2000] if bad else None
+    return _failed([(ok, repr(detail)) for ok, detail in checks])
 
 
 def test_a_probe_that_says_it_reads_forwarded_buffers_is_asked_for_them_at_its_hello(tmp_path: Path) -> None:

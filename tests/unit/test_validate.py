@@ -488,14 +488,8 @@ def test_a_held_address_allocated_again_then_released_late_is_not_credited_as_fr
 
 def test_at_its_share_frees_in_one_flush_make_room_for_the_next_while_the_watermark_waits() -> None:
     pipeline, guard = _setup()
+    proc, held, seen, problem = _held_by(pipeline, guard, _SHARE)
     pipeline.coalesce_s = 1.0  # a busy daemon: watermarks wait to be applied together
-    seen, problem = _counter()
-    proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
-    first = _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held)
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, first, problem, lambda ts: None))
-    pipeline.advance(7, 10_000)
-    guard.recount(pipeline.processes)
     # flush 1: frees ten of what it holds, with its watermark (coalesced: waits)
     frees = _recs(20_000 + np.arange(10), [2] * 10, held[:10])
     pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, frees, problem, lambda ts: pipeline.advance(7, ts)))
@@ -511,12 +505,7 @@ def test_at_its_share_frees_in_one_flush_make_room_for_the_next_while_the_waterm
                    "allocations in the next are judged buffer by buffer at the share, the frees not credited")
 def test_at_its_share_frees_and_allocations_in_two_buffers_of_one_flush_are_not_refused() -> None:
     pipeline, guard = _setup()
-    seen, problem = _counter()
-    proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held), problem, lambda ts: None))
-    pipeline.advance(7, 10_000)
-    guard.recount(pipeline.processes)
+    proc, held, seen, problem = _held_by(pipeline, guard, _SHARE)
     buf1 = _recs(20_000 + np.arange(10), [2] * 10, held[:10])  # one buffer: ten frees
     buf2 = _recs(20_010 + np.arange(10), [1] * 10, [0x9000_0000 + 4096 * i for i in range(10)])  # next: ten mallocs
     assert not guard.fits(proc, RecordKind.MEMORY, np.concatenate([buf1, buf2]))  # so judged buffer by buffer
@@ -527,13 +516,7 @@ def test_at_its_share_frees_and_allocations_in_two_buffers_of_one_flush_are_not_
 
 def test_a_late_allocation_whose_release_waits_counts_as_live_until_the_release_applies() -> None:
     pipeline, guard = _setup()
-    _, problem = _counter()
-    proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(_SHARE)]
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(_SHARE), [1] * _SHARE, held), problem, lambda ts: None))
-    pipeline.advance(7, 10_000)
-    proc.watermarked = True
-    guard.recount(pipeline.processes)
+    proc, _, _, problem = _held_by(pipeline, guard, _SHARE)
     for i in range(1000):  # alloc Y stamped before the watermark (late: applied now), its release far ahead (waits)
         b = _recs([500, 10**15 + i], [1, 2], [0x8000_0000 + 4096 * i] * 2)
         pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, b, problem, lambda ts: pipeline.advance(7, ts)))
@@ -548,13 +531,7 @@ def test_a_resync_replaces_the_table_whose_releases_were_credited() -> None:
     as many new ones; a resync then replaces that table. The waiting releases will free nothing, so the
     resync may hold only what the share leaves beside the waiting allocations: here nothing."""
     pipeline, guard = _setup(10)
-    seen, problem = _counter()
-    proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(10)]
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(10), [1] * 10, held),
-                                                   problem, lambda ts: None))
-    pipeline.advance(7, 10_000)
-    guard.recount(pipeline.processes)
+    proc, held, seen, problem = _held_by(pipeline, guard, 10)
     new = [0x9000_0000 + 4096 * i for i in range(10)]
     waiting = _recs(30_000 + np.arange(20), [2] * 10 + [1] * 10, held + new)
     pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, waiting, problem, lambda ts: None))
@@ -676,12 +653,7 @@ def test_a_restarted_process_does_not_read_its_predecessors_waiting_keys() -> No
     restarted process numbers its chunks from 0 again, so its new chunks were skipped and a release waiting
     in them was credited again by every batch until the tick."""
     pipeline, guard = _setup(100)
-    _, problem = _counter()
-    proc = pipeline.process(7, "probe")
-    held = [0x1000_0000 + 4096 * i for i in range(100)]
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, _recs(1000 + np.arange(100), [1] * 100, held),
-                                                   problem, lambda ts: None))
-    pipeline.watermark(7, 10_000)
+    proc, held, _, _ = _held_by(pipeline, guard, 100)
     for i in range(200):  # fill the predecessor's waiting keys (one-record chunks of other addresses)
         pipeline.submit(RecordKind.MEMORY, _recs([20_000 + i], [1], [0x7000_0000 + 4096 * i]))
     assert guard._freed_from_table(proc, _recs([30_000, 30_001], [2, 1], [held[0], 1 << 40])) == 1  # none of held[0] read
