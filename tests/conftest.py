@@ -70,6 +70,23 @@ def data_dir() -> Path:
     return DATA
 
 
+@pytest.fixture
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every ``cupti_layout.walk`` of a CUPTI buffer from now on, by its valid bytes: what tests count to show
+    a buffer is walked once (a walk costs about 4 us a 512-record buffer), not once a reader."""
+    from gpufootprint.wire import cupti_layout
+
+    seen: list[int] = []
+    walk = cupti_layout.walk
+
+    def counted(buf: Any, valid: int) -> Any:
+        seen.append(valid)
+        return walk(buf, valid)
+
+    monkeypatch.setattr(cupti_layout, "walk", counted)
+    return seen
+
+
 def mem(ts: int, op: int, addr: int, size: int, *, kind: int = MemoryKind.DEVICE, pid: int = 100,
         dev: int = 0, is_async: int = 0, corr: int = 0) -> tuple:
     """A MEMORY record as a tuple; the CUDA call's correlation id only where a test names one."""

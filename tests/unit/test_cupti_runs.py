@@ -315,19 +315,11 @@ def test_records_ahead_of_the_clock_are_counted_by_record_in_a_joined_batch() ->
     assert alone["errors"] == {"future_timestamp": 6} and joined == alone
 
 
-def test_a_read_of_many_tiny_buffers_walks_each_once_and_keeps_no_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_read_of_many_tiny_buffers_walks_each_once_and_keeps_no_walk(walks: list[int]) -> None:
     """A read can hold thousands of small CUPTI frames: they are read in runs of ``MAX_RUN_FRAMES``, each
     frame walked once (counted as received, then read), and no walk outlives the read."""
     from gpufootprint.ingest.protocol import MAX_RUN_FRAMES
 
-    walks: list[int] = []
-    walk = cl.walk
-
-    def counted(buf: Any, valid: int) -> Any:
-        walks.append(valid)
-        return walk(buf, valid)
-
-    monkeypatch.setattr(cl, "walk", counted)
     n = 5 * MAX_RUN_FRAMES + 7
     frames = [_cu(PID, _mem(1, addr0=0x1_0000_0000 + (k << 24), t0=T0 + k)) for k in range(n)]
     out = _one_read(frames, True)

@@ -92,7 +92,7 @@ def test_a_launch_window_goes_only_to_a_probe_that_says_it_opens_them(hello: dic
         conn.sock.close()
 
 
-def test_a_cupti_buffer_counted_as_received_then_read_is_walked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cupti_buffer_counted_as_received_then_read_is_walked_once(walks: list[int]) -> None:
     """The server counts a CUPTI_BUFFER's records as received, then its session reads them: one walk of
     the buffer serves both (a walk costs about 4 us a 512-record buffer), and each frame is walked afresh."""
     import numpy as np
@@ -107,14 +107,6 @@ def test_a_cupti_buffer_counted_as_received_then_read_is_walked_once(monkeypatch
     pipeline = Pipeline(load_config(env={}).footprint)
     conn = _connection()
     conn.pid, conn.session = pid, Session(pipeline, source="probe", name="probe", peer_pid=pid)
-    walks: list[int] = []
-    walk = cupti_layout.walk
-
-    def counted(buf: Any, valid: int) -> Any:
-        walks.append(valid)
-        return walk(buf, valid)
-
-    monkeypatch.setattr(cupti_layout, "walk", counted)
     received: dict[int, list[int]] = {}
     # Frames of different sizes; the first is counted but never read (a peer cut off right after it):
     # the next one is still walked afresh, not answered with the first one's walk.
