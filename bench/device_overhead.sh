@@ -21,6 +21,8 @@
 # call (600 s at most). Runs 44-46 were given 225-275 s and stopped at 43-49 rounds: not verdicts. On H100
 # 91bc0c1c (2026-12-07, run 57) a round with caching off took 7.1 s: 370 s stopped it at 49 rounds, and 60
 # need about 470 (a 16-worker caching run with none_discover, 6.1 s a round, 390 s in all).
+# On the slower H200 f8be4986 (2026-12-07, runs 59-60) caching off took 7.5 s a round (60 in 463 s after a
+# 25 s start) and cudaMallocAsync 6.3 s (330 s stopped it at 48): give cudaMallocAsync 420 there.
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
