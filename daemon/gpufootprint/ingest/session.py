@@ -411,7 +411,13 @@ class Session:
                 continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
             # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
             # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
-            for at in range(0, len(offs), DECODE_CHUNK):
+            n = len(offs)
+            if n <= DECODE_CHUNK:
+                # One chunk (every 64 KiB buffer CUPTI fills): the offsets as walked. A slice of them is a new
+                # ``Runs`` built piece by piece in Python (about 3 us a buffer on a 2-core VM).
+                yield kind, ck, cupti_layout.gather(u8, ck, offs), pid, own
+                continue
+            for at in range(0, n, DECODE_CHUNK):
                 yield kind, ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid, own
 
     def _batch(self, frame: Frame) -> None:
