@@ -137,7 +137,11 @@ class ReuseTracker:
         # for allocations the first missed whose key a release of this batch holds.
         keys = reuse_keys(addr, size)
         is_rel = ops == release
-        alloc_keys = keys[is_alloc]
+        # The allocations by their positions, found once: a boolean mask copies run by run of True, and
+        # allocations and releases interleave (about 6 us a 1,563-record batch for each of the two columns
+        # taken, against 2.5 us for the positions and 1 us a column gathered by them).
+        alloc_pos = is_alloc.nonzero()[0]
+        alloc_keys = keys[alloc_pos]
         rel_pos = is_rel.nonzero()[0]
         if len(alloc_keys) == 0:
             if len(rel_pos):
@@ -163,8 +167,8 @@ class ReuseTracker:
                 here = rel_keys[at] == miss_keys
                 if here.any():
                     miss, at = miss[here], at[here]
-                    hit[miss] = first_pos[at] < is_alloc.nonzero()[0][miss]
-        ts_out = sel["ts"][is_alloc]
+                    hit[miss] = first_pos[at] < alloc_pos[miss]
+        ts_out = sel["ts"][alloc_pos]
         ev = np.empty(len(ts_out), REUSE_EVENT_DTYPE)
         ev["ts"], ev["reused"] = ts_out, hit
         self.allocations += len(ev)

@@ -34,7 +34,7 @@ from gpufootprint.ingest.validate import (
 )
 from gpufootprint.pipeline import Pipeline
 from gpufootprint.probecounters import clean_counters
-from gpufootprint.records import MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind, copy_records, join
+from gpufootprint.records import DTYPES, MAX_TIMESTAMP_NS, MEMORY_DTYPE, TIME_FIELD, RecordKind, copy_records
 from gpufootprint.wire import cupti_layout
 from gpufootprint.wire.framing import RECORD_KINDS, Frame, FrameType, cupti_buffer
 
@@ -320,22 +320,24 @@ class Session:
         guard's count of live allocations after a joined batch also credits releases of allocations an
         earlier buffer of the run made, closer to the truth than the buffers one by one, until the tick's
         recount sets it from the tables.)"""
-        run: list[tuple[np.ndarray, int]] = []  # (records, offset of their frame) of one kind, the peer's
+        # (CUPTI kind, raw structs, offset of their frame) of one of our kinds, the peer's: converted when the
+        # run ends, straight into its joined batch (``_joined``).
+        run: list[tuple[int, np.ndarray, int]] = []
         run_kind: RecordKind | None = None
         held = 0
         try:
             for frame in frames:
                 self.frames += 1
                 try:
-                    for kind, recs, own in self._cupti_records(frame):
-                        if run and (kind is not run_kind or not own or held + len(recs) > DECODE_CHUNK):
+                    for kind, ck, raw, pid, own in self._cupti_raw(frame):
+                        if run and (kind is not run_kind or not own or held + len(raw) > DECODE_CHUNK):
                             self._joined(run_kind, run)
                             run, held = [], 0
                         if not own:  # another pid's: refused record by record, as alone
-                            self._records(kind, recs, frame.offset, own)
+                            self._records(kind, cupti_layout.convert(ck, raw, pid), frame.offset, own)
                             continue
-                        run.append((recs, frame.offset))
-                        run_kind, held = kind, held + len(recs)
+                        run.append((ck, raw, frame.offset))
+                        run_kind, held = kind, held + len(raw)
                 except FrameError as exc:
                     self.problem("bad_frame", f"{self.name}: {exc}")
             if run:
@@ -343,18 +345,32 @@ class Session:
         finally:
             self._walked.clear()  # the read's frames are read (or never will be): their walks go
 
-    def _joined(self, kind: RecordKind | None, run: list[tuple[np.ndarray, int]]) -> None:
+    def _joined(self, kind: RecordKind | None, run: list[tuple[int, np.ndarray, int]]) -> None:
         """A run of one kind's records, the peer's, from consecutive buffers: one batch if the guard would
-        admit it whole, else its buffers' records one by one."""
+        admit it whole, else its buffers' records one by one (each a part of the joined batch, as converted).
+
+        Every buffer's structs are converted into their place in one batch, made once: converted each into its
+        own array and then joined, a run of seven 512-record buffers paid seven allocations and a second copy
+        of every record (``bench/cupti_runs.py``)."""
         assert kind is not None
-        recs = join([r for r, _ in run])
-        if len(run) == 1 or self.guard is None or self.peer_pid is None or (
-                self._resync is None and self.guard.fits(self._own(self.peer_pid), kind, recs)):
-            self._records(kind, recs, run[0][1], True)
+        pid = self.peer_pid if self.peer_pid is not None else 0  # only the peer's records join a run
+        if len(run) == 1:
+            ck, raw, offset = run[0]
+            self._records(kind, cupti_layout.convert(ck, raw, pid), offset, True)
             return
-        del recs
-        for part, offset in run:
-            self._records(kind, part, offset, True)
+        recs = np.zeros(sum(len(raw) for _, raw, _ in run), DTYPES[kind])
+        at = 0
+        for ck, raw, _ in run:
+            cupti_layout.convert(ck, raw, pid, out=recs[at:at + len(raw)])
+            at += len(raw)
+        if self.guard is None or self.peer_pid is None or (
+                self._resync is None and self.guard.fits(self._own(self.peer_pid), kind, recs)):
+            self._records(kind, recs, run[0][2], True)
+            return
+        at = 0
+        for _, raw, offset in run:
+            self._records(kind, recs[at:at + len(raw)], offset, True)
+            at += len(raw)
 
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
@@ -366,6 +382,13 @@ class Session:
 
     def _cupti_records(self, frame: Frame) -> Iterator[tuple[RecordKind, np.ndarray, bool]]:
         """A CUPTI buffer's records, kind by kind in chunks, with whether all are known to be the peer's."""
+        for kind, ck, raw, pid, own in self._cupti_raw(frame):
+            yield kind, cupti_layout.convert(ck, raw, pid), own
+
+    def _cupti_raw(self, frame: Frame) -> Iterator[tuple[RecordKind, int, np.ndarray, int, bool]]:
+        """``_cupti_records`` before conversion: (our kind, CUPTI's kind, the raw structs as
+        ``cupti_layout.gather`` gives them (a view of the frame where they lie in one run), the pid they
+        are converted with, whether all are known to be the peer's)."""
         pid, data, offsets = self.cupti_walk(frame)
         self._walked.pop(id(frame), None)  # read now: the frame's bytes need not outlive it
         if offsets is None:
@@ -388,8 +411,14 @@ class Session:
                 continue  # API records (the driver-API switch) carry nothing; kernel names need the probe
             # Kind by kind, in chunks: what is decoded at once stays a small part of the frame, whatever
             # the mix of kinds (docs/reliability.md, Limits: decoding a forwarded buffer).
-            for at in range(0, len(offs), DECODE_CHUNK):
-                yield kind, cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid), own
+            n = len(offs)
+            if n <= DECODE_CHUNK:
+                # One chunk (every 64 KiB buffer CUPTI fills): the offsets as walked. A slice of them is a new
+                # ``Runs`` built piece by piece in Python (about 3 us a buffer on a 2-core VM).
+                yield kind, ck, cupti_layout.gather(u8, ck, offs), pid, own
+                continue
+            for at in range(0, n, DECODE_CHUNK):
+                yield kind, ck, cupti_layout.gather(u8, ck, offs[at:at + DECODE_CHUNK]), pid, own
 
     def _batch(self, frame: Frame) -> None:
         kind = RECORD_KINDS.get(frame.tag)

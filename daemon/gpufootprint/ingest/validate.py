@@ -635,7 +635,11 @@ def _released_here(recs: np.ndarray, allocs: np.ndarray, applied_to: int = 0) ->
         return len({key for i in np.flatnonzero(releases).tolist()
                     if tl[i] > first_made.get(key := (dl[i], al[i]), _NEVER)})
     keys = addrs if one else _keys(devs, addrs)
-    return _freed_after(keys[releases], times[releases], keys[allocs], times[allocs])
+    # Each side by its positions: a boolean mask over a column of the records (strided) copies run by run of
+    # True, and a batch's allocations and releases interleave (5.2 us a 1,563-record column under churn,
+    # against 2.5 us for the positions, once a side, and 1.1 us a column gathered by them).
+    rel_at, alloc_at = np.flatnonzero(releases), np.flatnonzero(allocs)
+    return _freed_after(keys[rel_at], times[rel_at], keys[alloc_at], times[alloc_at])
 
 
 #: Records of a batch up to which ``_released_here`` pairs them in Python sets, on one device and on

@@ -480,9 +480,15 @@ _MEMORY2_THEIRS: Final = ["dev", "stream", "corr", "bytes", "timestamp", "addres
 _MEMORY2_PAIRS: Final = tuple(zip(_MEMORY2_OURS, _MEMORY2_THEIRS))
 
 
-def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] | None = None) -> np.ndarray:
-    """Raw structs of one CUPTI kind -> our record dtype (``name_id`` maps a kernel's name pointer)."""
-    out = np.zeros(len(src), dtype=DTYPES[RECORD_KIND[kind]])
+def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] | None = None,
+            out: np.ndarray | None = None) -> np.ndarray:
+    """Raw structs of one CUPTI kind -> our record dtype (``name_id`` maps a kernel's name pointer).
+
+    ``out``: where to write them, zeros of that dtype and ``len(src)`` records (a part of a larger batch, so
+    that buffers read together are converted into their joined batch, not each into its own and then copied
+    again); returned."""
+    if out is None:
+        out = np.zeros(len(src), dtype=DTYPES[RECORD_KIND[kind]])
     out["pid"] = pid
     if kind == MEMORY2:
         # Field by field: numpy's one structured assignment of the nine (by position, casting each) costs
