@@ -334,3 +334,33 @@ def test_a_watermark_between_buffers_is_applied_where_it_came_so_the_pending_sha
     alone = _one_read(frames, False, max_pending_records_per_process=1000)
     joined = _one_read(frames, True, max_pending_records_per_process=1000)
     assert alone["errors"] == {} and joined == alone
+
+
+def test_buffers_read_one_by_one_at_a_share_each_wait_in_arrays_of_their_own() -> None:
+    """A run the guard would not admit whole goes on buffer by buffer. What then waits must hold only its own
+    records: a buffer's records left waiting as a view of the run's joined batch would keep the whole run (up
+    to ``DECODE_CHUNK`` records) alive for each one, so a peer at its share could pin a run's memory with every
+    record it leaves waiting, past what the pending share counts."""
+    import dataclasses
+
+    cfg = Config()
+    pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
+    guard = Guard(dataclasses.replace(Limits.from_config(cfg.daemon), max_live_allocations_per_process=600))
+    pipeline.waiting_room = guard.waiting_room
+    conn = probe_connection(socket.socket(socket.AF_UNIX), PID, 0, "t", pipeline, guard, cfg.daemon.max_frame_bytes)
+    hello = framing.encode_json(FrameType.HELLO, {"pid": PID, "start_time": 1, "cupti_buffers": 3})
+    # past the share: the first buffer's 700 allocations, then a buffer releasing the first of them, stamped later
+    frames = [_cu(PID, _mem(700)), _cu(PID, _mem(1, op=2, t0=T0 + 5000))]
+    merger = BatchMerger(conn)
+    try:
+        for frame in conn.decoder.feed(framing.PREAMBLE + hello + b"".join(frames)):
+            assert order_violation(conn, frame) is None
+            merger.add(frame)
+        merger.flush()
+    finally:
+        conn.sock.close()
+    proc = pipeline.processes[PID]
+    waiting = [recs for heap in proc.pending.values() for _, _, recs, _ in heap]
+    assert pipeline.errors.counts["allocation_limit"] > 0 and waiting  # the share was met, records wait
+    held = {id(r if r.base is None else r.base): (r if r.base is None else r.base).nbytes for r in waiting}
+    assert sum(held.values()) <= sum(r.nbytes for r in waiting), (held, [len(r) for r in waiting])

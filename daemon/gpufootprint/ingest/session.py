@@ -347,7 +347,7 @@ class Session:
 
     def _joined(self, kind: RecordKind | None, run: list[tuple[int, np.ndarray, int]]) -> None:
         """A run of one kind's records, the peer's, from consecutive buffers: one batch if the guard would
-        admit it whole, else its buffers' records one by one (each a part of the joined batch, as converted).
+        admit it whole, else its buffers' records one by one.
 
         Every buffer's structs are converted into their place in one batch, made once: converted each into its
         own array and then joined, a run of seven 512-record buffers paid seven allocations and a second copy
@@ -367,10 +367,11 @@ class Session:
                 self._resync is None and self.guard.fits(self._own(self.peer_pid), kind, recs)):
             self._records(kind, recs, run[0][2], True)
             return
-        at = 0
-        for _, raw, offset in run:
-            self._records(kind, recs[at:at + len(raw)], offset, True)
-            at += len(raw)
+        # Buffer by buffer, each converted into an array of its own again: a part of the joined batch left
+        # waiting would keep the whole run alive for its few records, past what the pending share counts.
+        del recs
+        for ck, raw, offset in run:
+            self._records(kind, cupti_layout.convert(ck, raw, pid), offset, True)
 
     def _cupti_buffer(self, frame: Frame) -> None:
         """A CUPTI activity buffer forwarded as CUPTI wrote it: read here, then as a BATCH of each kind."""
