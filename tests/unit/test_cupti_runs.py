@@ -364,3 +364,11 @@ def test_buffers_read_one_by_one_at_a_share_each_wait_in_arrays_of_their_own() -
     assert pipeline.errors.counts["allocation_limit"] > 0 and waiting  # the share was met, records wait
     held = {id(r if r.base is None else r.base): (r if r.base is None else r.base).nbytes for r in waiting}
     assert sum(held.values()) <= sum(r.nbytes for r in waiting), (held, [len(r) for r in waiting])
+
+
+def test_convert_into_rows_of_another_length_is_refused() -> None:
+    """numpy would broadcast one struct over every row of a longer ``out``: said, not written."""
+    raw = np.frombuffer(_mem(1), cl.RAW_DTYPES[cl.MEMORY2])
+    with pytest.raises(ValueError, match="1 records into 5 rows"):
+        cl.convert(cl.MEMORY2, raw, PID, out=np.zeros(5, MEMORY_DTYPE))
+    assert cl.convert(cl.MEMORY2, raw, PID, out=np.zeros(1, MEMORY_DTYPE))["addr"].tolist() == [0x7F00_0000_0000]

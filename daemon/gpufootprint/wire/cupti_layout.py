@@ -489,6 +489,8 @@ def convert(kind: int, src: np.ndarray, pid: int, name_id: Callable[[int], int] 
     again); returned."""
     if out is None:
         out = np.zeros(len(src), dtype=DTYPES[RECORD_KIND[kind]])
+    elif len(out) != len(src):  # numpy would broadcast one record over every row
+        raise ValueError(f"convert: {len(src)} records into {len(out)} rows")
     out["pid"] = pid
     if kind == MEMORY2:
         # Field by field: numpy's one structured assignment of the nine (by position, casting each) costs
