@@ -98,6 +98,20 @@ def test_a_release_cupti_never_wrote_at_an_address_never_reused_stays_one_alloca
     assert proc.exited_at is not None and not proc.devices[0].live  # its exit ends it
 
 
+def test_a_recordings_own_live_bytes_say_whose_loss_a_difference_at_a_quiet_point_is() -> None:
+    """What the GPU test says when it fails: the records of the lost-release recording, applied in time order,
+    leave that one 2 MiB allocation live at the end, as the daemon read; a daemon figure other than the
+    records' is called the daemon's loss."""
+    from tests.lost_releases import live_at, whose_loss
+
+    path = DATA / f"h200_survive_{LOST_RELEASE}.gfp.gz"
+    pid, live = live_at(path, "end")
+    assert pid == 2587 and live == {0x7F697C600000: (2 << 20, live[0x7F697C600000][1])}, live
+    assert live_at(path, "round_1")[1].get(0x7F697C600000) is not None  # PyTorch held it then
+    assert "as the daemon read" in whose_loss(path, "end", 2 << 20, 0)
+    assert "the daemon lost or misread" in whose_loss(path, "end", 0, 0)
+
+
 def test_the_cli_replays_a_survivor_with_every_mark_equal(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     report = subprocess.run([sys.executable, "-m", "gpufootprint", "replay", str(DATA / "h200_survive_oom_cupy.gfp.gz"),
