@@ -36,10 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import probe_sender  # noqa: E402
-from _harness import machine  # noqa: E402
-from gpufootprint.probe.rawreader import FORWARDABLE  # noqa: E402
+import numpy as np
+import probe_sender
+from _harness import machine
+from gpufootprint.probe.rawreader import FORWARDABLE
 
 CONFIGS = ("none", "aa", "wake", "reader")
 
