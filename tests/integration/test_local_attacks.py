@@ -188,6 +188,18 @@ def _live_count(srv) -> int:  # type: ignore[no-untyped-def]
     return 0 if proc is None else sum(len(fp.live) for fp in proc.devices.values())
 
 
+def _holding_its_share(srv) -> tuple[socket.socket, int, np.ndarray]:  # type: ignore[no-untyped-def]
+    """A peer connected to ``srv`` whose 100 allocations (its share, in these tests) are applied: (its socket,
+    the time they start at, their records)."""
+    s = _connect(srv.server.socket_path)
+    s.sendall(_hello())
+    t = time.time_ns()
+    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
+    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    srv.wait(lambda: _live_count(srv) == 100)
+    return s, t, first
+
+
 def test_releasing_an_address_before_allocating_it_holds_no_more_than_the_share(live) -> None:
     """A release of an address nobody allocated, then its allocation, grows the table by one: such pairs
     are not pairs the batch made and freed, whatever the batch's order, and cannot carry a process past
@@ -214,11 +226,7 @@ def test_a_process_at_its_share_that_frees_and_allocates_again_is_not_refused(li
     """At its share, a process that frees what it holds and allocates as much again (the same addresses,
     as a stream-ordered pool reuses them, or new ones) does not grow, and loses nothing."""
     srv, good = live(max_live_allocations_per_process=100)
-    s = _connect(srv.server.socket_path)
-    s.sendall(_hello())
-    t = time.time_ns()
-    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
-    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
+    s, t, first = _holding_its_share(srv)
     srv.wait(lambda: srv.device_bytes(ME) == 100 * 4096)
     held = first["addr"].copy()
     for r in range(1, 7):
@@ -260,12 +268,7 @@ def test_reallocating_held_addresses_with_late_releases_holds_no_more_than_the_s
     """Review 41, through the socket: each batch allocates every held address again, releases it with the
     older call's id (a late release: it stays live) and allocates as many new ones."""
     srv, good = live(max_live_allocations_per_process=100)
-    s = _connect(srv.server.socket_path)
-    s.sendall(_hello())
-    t = time.time_ns()
-    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
-    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
-    srv.wait(lambda: _live_count(srv) == 100)
+    s, t, first = _holding_its_share(srv)
     held, corr = first["addr"].copy(), 1000
     for r in range(1, 11):
         new = 0x2_0000_0000 + (r * 100 + np.arange(100, dtype=np.uint64)) * 4096
@@ -280,9 +283,10 @@ def test_reallocating_held_addresses_with_late_releases_holds_no_more_than_the_s
     assert _live_count(srv) <= 100, f"{_live_count(srv)} live allocations held at a share of 100"
 
 
-def _mem(ops, addrs, ts0) -> np.ndarray:  # type: ignore[no-untyped-def]
+def _mem(ops, addrs, ts) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Records of 4 KiB on device 0: ``ts`` an array of their times, or the first of consecutive nanoseconds."""
     recs = np.zeros(len(addrs), MEMORY_DTYPE)
-    recs["ts"] = ts0 + np.arange(len(addrs))
+    recs["ts"] = ts + np.arange(len(addrs)) if np.ndim(ts) == 0 else ts
     recs["addr"], recs["op"] = addrs, ops
     recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
     return recs
@@ -293,12 +297,7 @@ def test_a_resync_after_releases_of_the_table_holds_no_more_than_the_share(live)
     as many new ones; then a resync replaces the table by as many other keys (admit_resync allows the current
     size). The waiting releases then free nothing; the new allocations stay. Each round doubles the table."""
     srv, good = live(max_live_allocations_per_process=100)
-    s = _connect(srv.server.socket_path)
-    s.sendall(_hello())
-    t = time.time_ns()
-    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
-    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
-    srv.wait(lambda: _live_count(srv) == 100)
+    s, t, _ = _holding_its_share(srv)
     nxt = 0x10_0000_0000
     for r in range(1, 6):
         proc = srv.pipeline.processes[ME]
@@ -327,23 +326,15 @@ def test_releases_of_held_allocations_stamped_ahead_hold_no_more_than_a_batch_pa
     k new ones covered by the watermark sent with it (review 43: 8,100 live at a share of 100 after 160 batches).
     Past its share with records waiting, a process has them applied before its next batch is judged."""
     srv, good = live(max_live_allocations_per_process=100)
-    s = _connect(srv.server.socket_path)
-    s.sendall(_hello())
-    t = time.time_ns()
-    first = _allocations(100, 4096, base=0x1_0000_0000, ts=t)
-    s.sendall(encode_batch(RecordKind.MEMORY, first) + encode_watermark(int(first["ts"][-1])))
-    srv.wait(lambda: _live_count(srv) == 100)
+    s, t, first = _holding_its_share(srv)
     untouched, nxt, k = list(first["addr"].tolist()), 0x2_0000_0000, 50
     far = t + 60 * 10**9
     for r in range(1, 161):
         rel, untouched = untouched[:k], untouched[k:]
         new = [nxt + 4096 * i for i in range(k)]
         nxt += 4096 * k
-        recs = np.zeros(len(rel) + k, MEMORY_DTYPE)
-        recs["ts"] = np.r_[far + r * 1000 + np.arange(len(rel)), t + r * 10_000 + np.arange(k)]
-        recs["op"] = [FREE] * len(rel) + [ALLOC] * k
-        recs["addr"] = rel + new
-        recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+        recs = _mem([FREE] * len(rel) + [ALLOC] * k, rel + new,
+                    np.r_[far + r * 1000 + np.arange(len(rel)), t + r * 10_000 + np.arange(k)])
         wm = t + r * 10_000 + k
         s.sendall(encode_batch(RecordKind.MEMORY, recs) + encode_watermark(wm))
         # this batch read (its releases are the newest stamps) and its watermark applied, before the next is sent
@@ -369,13 +360,10 @@ def test_pairs_split_by_one_watermark_after_many_batches_are_back_within_the_sha
     s.sendall(encode_watermark(t))
     far, nxt, k = time.time_ns() + 60 * 10**9, 0x2_0000_0000, 50
     for r in range(400):
-        recs = np.zeros(2 * k, MEMORY_DTYPE)
         ys = nxt + 4096 * np.arange(k, dtype=np.uint64)
         nxt += 4096 * k
-        recs["ts"] = np.r_[t + 1000 + r * 1000 + np.arange(k), far + r * 1000 + np.arange(k)]
-        recs["op"] = [ALLOC] * k + [FREE] * k
-        recs["addr"] = np.r_[ys, ys]
-        recs["bytes"], recs["pid"], recs["dev"], recs["mk"] = 4096, ME, 0, 3
+        recs = _mem([ALLOC] * k + [FREE] * k, np.r_[ys, ys],
+                    np.r_[t + 1000 + r * 1000 + np.arange(k), far + r * 1000 + np.arange(k)])
         s.sendall(encode_batch(RecordKind.MEMORY, recs) + encode_watermark(t))
     srv.wait(lambda: srv.pipeline.processes[ME].pending_records
              + srv.pipeline.errors.counts['allocation_limit'] >= 400 * 2 * k - 2000)

@@ -454,6 +454,12 @@ def _live(proc) -> int:  # type: ignore[no-untyped-def]
     return sum(len(fp.live) for fp in proc.devices.values())
 
 
+def _admitted(pipeline: Pipeline, guard: Guard, proc: ProcessState, batch: np.ndarray, problem: object) -> None:
+    """``batch`` through the guard into the pipeline as a session sends it, due watermarks applied first."""
+    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,  # type: ignore[arg-type]
+                                                   lambda ts: pipeline.advance(7, ts)))
+
+
 @pytest.mark.parametrize("share", [10, 100], ids=["few-records", "sorted-path"])
 def test_a_held_address_allocated_again_then_released_late_is_not_credited_as_freed(share: int) -> None:
     """Review 41: "allocate X (held) again, then release X with the older call's id" leaves X live (the
@@ -492,7 +498,7 @@ def test_at_its_share_frees_in_one_flush_make_room_for_the_next_while_the_waterm
     pipeline.coalesce_s = 1.0  # a busy daemon: watermarks wait to be applied together
     # flush 1: frees ten of what it holds, with its watermark (coalesced: waits)
     frees = _recs(20_000 + np.arange(10), [2] * 10, held[:10])
-    pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, frees, problem, lambda ts: pipeline.advance(7, ts)))
+    _admitted(pipeline, guard, proc, frees, problem)
     pipeline.watermark(7, 20_009)
     guard.recount(pipeline.processes)  # a tick's exact recount in between
     # flush 2: allocates ten new ones: it is not growing
@@ -519,7 +525,7 @@ def test_a_late_allocation_whose_release_waits_counts_as_live_until_the_release_
     proc, _, _, problem = _held_by(pipeline, guard, _SHARE)
     for i in range(1000):  # alloc Y stamped before the watermark (late: applied now), its release far ahead (waits)
         b = _recs([500, 10**15 + i], [1, 2], [0x8000_0000 + 4096 * i] * 2)
-        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, b, problem, lambda ts: pipeline.advance(7, ts)))
+        _admitted(pipeline, guard, proc, b, problem)
         if i % 100 == 0:
             guard.recount(pipeline.processes)
     assert _live(proc) <= _SHARE
@@ -561,6 +567,16 @@ def _held_by(pipeline: Pipeline, guard: Guard, share: int) -> tuple[ProcessState
     return proc, held, seen, problem
 
 
+def _split_pairs(pipeline: Pipeline, guard: Guard, proc: ProcessState, problem: object, k: int, t: int, far: int,
+                 nxt: int) -> int:
+    """One batch of ``k`` pairs a watermark will split: each address allocated from ``t`` on, released from
+    ``far`` on, through the guard; the next free address."""
+    ys = [nxt + 4096 * i for i in range(k)]
+    _admitted(pipeline, guard, proc, _recs(np.r_[t + np.arange(k), far + np.arange(k)], [1] * k + [2] * k, ys + ys),
+              problem)
+    return nxt + 4096 * k
+
+
 @pytest.mark.xfail(strict=True, reason="known issue (docs/known-issues.md): pairs a watermark splits, their "
                    "releases stamped far ahead left waiting, grow the tables up to the waiting share")
 @pytest.mark.parametrize("tick", [True, False], ids=["a-tick-between", "no-tick"])
@@ -573,11 +589,7 @@ def test_pairs_split_by_the_next_watermark_cannot_grow_the_tables_batch_after_ba
     proc, _, seen, problem = _held_by(pipeline, guard, 100)
     k, t, far, nxt = 50, 20_000, 10**15, 0x4000_0000
     for _ in range(40):
-        ys = [nxt + 4096 * i for i in range(k)]
-        nxt += 4096 * k
-        batch = _recs(np.r_[t + np.arange(k), far + np.arange(k)], [1] * k + [2] * k, ys + ys)
-        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
-                                                       lambda ts: pipeline.advance(7, ts)))
+        nxt = _split_pairs(pipeline, guard, proc, problem, k, t, far, nxt)
         pipeline.watermark(7, t + k)  # the allocations applied, their releases left waiting
         t, far = t + 1000, far + 1000
         if tick:
@@ -598,8 +610,7 @@ def test_releases_of_what_it_holds_left_waiting_cannot_grow_the_tables_batch_aft
         new = [nxt + 4096 * i for i in range(k)]
         nxt += 4096 * k
         batch = _recs(np.r_[far + np.arange(k), t + np.arange(k)], [2] * k + [1] * k, gone + new)
-        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
-                                                       lambda ts: pipeline.advance(7, ts)))
+        _admitted(pipeline, guard, proc, batch, problem)
         pipeline.watermark(7, t + k)
         held += new
         t, far = t + 1000, far + 1000
@@ -616,11 +627,7 @@ def test_pairs_waiting_behind_an_old_watermark_are_applied_back_to_the_share_at_
     proc, _, _, problem = _held_by(pipeline, guard, 100)
     k, t, far, nxt = 50, 20_000, 10**15, 0x4000_0000
     for _ in range(200):
-        ys = [nxt + 4096 * i for i in range(k)]
-        nxt += 4096 * k
-        batch = _recs(np.r_[t + np.arange(k), far + np.arange(k)], [1] * k + [2] * k, ys + ys)
-        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
-                                                       lambda ts: pipeline.advance(7, ts)))
+        nxt = _split_pairs(pipeline, guard, proc, problem, k, t, far, nxt)
         pipeline.watermark(7, 10_000)
         t, far = t + 1000, far + 1000
     pipeline.watermark(7, t)
@@ -640,8 +647,7 @@ def test_a_process_past_a_share_that_shrank_keeps_its_churn() -> None:
         tmp = [nxt + 4096 * i for i in range(20)]
         nxt += 4096 * 20
         batch = _recs(t + np.arange(40), [1] * 20 + [2] * 20, tmp + tmp)
-        pipeline.submit(RecordKind.MEMORY, guard.admit(proc, RecordKind.MEMORY, batch, problem,
-                                                       lambda ts: pipeline.advance(7, ts)))
+        _admitted(pipeline, guard, proc, batch, problem)
         pipeline.watermark(7, t + 40)
         _tick(pipeline, guard)
         t += 1000
