@@ -11,28 +11,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from gpufootprint import recording
-from gpufootprint.records import DTYPES, MemoryKind, MemoryOp, RecordKind
+from gpufootprint.records import MemoryKind
 
 
 def live_at(path: str | Path, label: str) -> tuple[int, dict[int, tuple[int, int]]]:
     """(the mark's pid, {address: (bytes, time)}) of the device allocations live at mark ``label`` when the
-    recording's records of that pid are applied in time order, each release retiring its address."""
+    recording's records (and resyncs) of that pid are applied in time order (``recording.tables_at``: a double
+    allocation keeps the first, where the daemon keeps the second; the two differ only if their sizes do)."""
     rec = recording.load([path])
     (mark,) = [m for m in rec.marks if m.get("label") == label]
-    pid, ts = int(mark["pid"]), int(mark["ts"])
-    chunks = rec.memory.get(pid, [])
-    mem = np.concatenate(chunks) if chunks else np.zeros(0, DTYPES[RecordKind.MEMORY])
-    mem = mem[(mem["mk"] == MemoryKind.DEVICE) & (mem["ts"] <= ts)]
-    mem = mem[np.argsort(mem["ts"], kind="stable")]
-    live: dict[int, tuple[int, int]] = {}
-    for t, op, addr, size in zip(mem["ts"].tolist(), mem["op"].tolist(), mem["addr"].tolist(), mem["bytes"].tolist()):
-        if op == MemoryOp.ALLOCATION:
-            live[addr] = (size, t)
-        elif op == MemoryOp.RELEASE:
-            live.pop(addr, None)
-    return pid, live
+    pid = int(mark["pid"])
+    table = recording.tables_at(rec, pid, int(mark.get("dev", 0)), int(mark["ts"]))
+    return pid, {addr: (size, ts) for addr, (size, kind, ts) in table.items() if kind == MemoryKind.DEVICE}
 
 
 def whose_loss(path: str | Path, label: str, daemon_bytes: int, framework_bytes: int) -> str:
