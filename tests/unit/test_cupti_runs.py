@@ -211,9 +211,10 @@ def _mem(n: int, *, op: int = 1, dev: int = 0, addr0: int = 0x7F00_0000_0000, t0
     return r.tobytes()
 
 
-def _one_read(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns: int | None = None,
-              **limits: Any) -> dict[str, Any]:
-    """``frames`` after a HELLO, in one read, through the merger (``joined``) or each to the session."""
+def _read_into(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns: int | None = None,
+          **limits: Any) -> tuple[Pipeline, Session, dict[int, list[int]]]:
+    """``frames`` after a HELLO, in one read, through the merger (``joined``) or each to the session: the
+    pipeline, the session and the records counted as received, by pid."""
     import dataclasses
 
     cfg = Config()
@@ -237,6 +238,13 @@ def _one_read(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns
         merger.flush()
     finally:
         conn.sock.close()
+    return pipeline, session, received
+
+
+def _one_read(frames: list[bytes], joined: bool, hello_pid: int = PID, future_ns: int | None = None,
+              **limits: Any) -> dict[str, Any]:
+    """What ``_read_into`` left: errors, what waited, what was read and received, the tables after a watermark."""
+    pipeline, session, received = _read_into(frames, joined, hello_pid, future_ns, **limits)
     pending = pipeline.processes[PID].pending_records if PID in pipeline.processes else 0
     pipeline.watermark(PID, T0 + 10**15)
     proc = pipeline.processes.get(PID)
@@ -341,24 +349,9 @@ def test_buffers_read_one_by_one_at_a_share_each_wait_in_arrays_of_their_own() -
     records: a buffer's records left waiting as a view of the run's joined batch would keep the whole run (up
     to ``DECODE_CHUNK`` records) alive for each one, so a peer at its share could pin a run's memory with every
     record it leaves waiting, past what the pending share counts."""
-    import dataclasses
-
-    cfg = Config()
-    pipeline = Pipeline(cfg.footprint, hub=FeatureHub(cfg.features, cfg.sampler))
-    guard = Guard(dataclasses.replace(Limits.from_config(cfg.daemon), max_live_allocations_per_process=600))
-    pipeline.waiting_room = guard.waiting_room
-    conn = probe_connection(socket.socket(socket.AF_UNIX), PID, 0, "t", pipeline, guard, cfg.daemon.max_frame_bytes)
-    hello = framing.encode_json(FrameType.HELLO, {"pid": PID, "start_time": 1, "cupti_buffers": 3})
     # past the share: the first buffer's 700 allocations, then a buffer releasing the first of them, stamped later
     frames = [_cu(PID, _mem(700)), _cu(PID, _mem(1, op=2, t0=T0 + 5000))]
-    merger = BatchMerger(conn)
-    try:
-        for frame in conn.decoder.feed(framing.PREAMBLE + hello + b"".join(frames)):
-            assert order_violation(conn, frame) is None
-            merger.add(frame)
-        merger.flush()
-    finally:
-        conn.sock.close()
+    pipeline, _, _ = _read_into(frames, True, max_live_allocations_per_process=600)
     proc = pipeline.processes[PID]
     waiting = [recs for heap in proc.pending.values() for _, _, recs, _ in heap]
     assert pipeline.errors.counts["allocation_limit"] > 0 and waiting  # the share was met, records wait
