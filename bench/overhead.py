@@ -136,6 +136,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     "probe_python_callbacks": {"native_callbacks": False},
     # The sender's walk of buffers of mixed kinds in Python (before 2026-12-06 evening), not in C.
     "probe_python_walk": {"native_walk": False},
+    # The sender's read of a forwarded buffer in numpy after the C walk (before 2026-12-07 evening), not in one
+    # C call (the walk, the MEMORY2 structs copied into the table's queue, the API records' return values).
+    "probe_python_read": {"native_read": False},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -182,7 +185,7 @@ VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
                                          "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
                                          "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked",
-                                         "probe_python_callbacks", "probe_python_walk"],
+                                         "probe_python_callbacks", "probe_python_walk", "probe_python_read"],
                           "cupti_floor": ["cupti_floor_python_callbacks"],
                           "probe_python_callbacks": ["cupti_floor_python_callbacks"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no

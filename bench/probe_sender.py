@@ -17,7 +17,10 @@ allocator makes them), plus one buffer where a MEMORY_POOL record breaks the run
              frame the buffer as it is into a send buffer, apply the table at a watermark every
              57,000 records
   reader     the probe's own reader (probe/rawreader.py) forwarding each buffer, as the sender does (without
-             a checksum, as to today's daemon; before 2026-12-06 18:15 UTC this stage computed one)
+             a checksum, as to today's daemon; before 2026-12-06 18:15 UTC this stage computed one); its
+             table's queue emptied every 57,000 records, as a watermark would (before 2026-12-07 it only grew)
+  reader_numpy  the same with the read after the C walk in numpy (ProbeSettings.native_read off: the probe
+             before 2026-12-07 evening)
 
 Usage: python bench/probe_sender.py [--records N] [--rounds R] [--api-every K] [--calls] [--spinners N]
 Prints microseconds per record for each stage (median of R rounds) and the machine.
@@ -191,16 +194,33 @@ def run(bufs: list[tuple[ctypes.Array, int]], n: int) -> dict[str, float]:  # ty
     t6 = time.perf_counter()
     # The probe's own reader (probe/rawreader.py) forwarding each buffer to a link that takes everything:
     # what the sender thread does a buffer, the probe's code as it is (its table applied only at watermarks).
-    reader = _reader()
-    link = _TakesAll()
-    t7 = time.perf_counter()
-    for raw, valid in bufs:
-        reader.read(ctypes.addressof(raw), valid, forward_to=link, forwardable=FORWARDABLE,  # type: ignore[arg-type]
-                    tee=None, in_gap=False)
-    t8 = time.perf_counter()
+    # Its table's queue is emptied every WATERMARK_RECORDS records, as a watermark would (the apply is the
+    # `table` stage's): a queue that only grew would time its growth. `reader_numpy`: the same reader with the
+    # read in numpy after the C walk (ProbeSettings.native_read off, the probe before 2026-12-07 evening).
+    times = {}
+    for stage, native_read in (("reader", True), ("reader_numpy", False)):
+        reader = _reader(native_read)
+        if stage == "reader_numpy" and not hasattr(reader, "native_read"):
+            continue  # a tree before the C read has one reader
+        link = _TakesAll()
+        queue = getattr(reader.table, "pending_raw", None)
+        t7 = time.perf_counter()
+        for raw, valid in bufs:
+            reader.read(ctypes.addressof(raw), valid, forward_to=link, forwardable=FORWARDABLE,  # type: ignore[arg-type]
+                        tee=None, in_gap=False)
+            if queue is not None and len(queue) >= WATERMARK_RECORDS:
+                queue.clear()
+        times[stage] = time.perf_counter() - t7
     us = 1e6 / n
     return {"walk": (t1 - t0) * us, "pack": (t2 - t1) * us, "table": (t3 - t2) * us, "encode": (t4 - t3) * us,
-            "total": (t4 - t0) * us, "forwarded_total": (t6 - t5) * us, "reader": (t8 - t7) * us}
+            "total": (t4 - t0) * us, "forwarded_total": (t6 - t5) * us, **{k: v * us for k, v in times.items()}}
+
+
+def _native_read(on: bool) -> dict[str, bool]:
+    """The reader's ``native_read`` argument, where this tree's reader has one (--src runs older trees)."""
+    import inspect
+
+    return {"native_read": on} if "native_read" in inspect.signature(RawBufferReader).parameters else {}
 
 
 class _TakesAll:
@@ -208,7 +228,7 @@ class _TakesAll:
         return True
 
 
-def _reader() -> RawBufferReader:
+def _reader(native_read: bool = True) -> RawBufferReader:
     from collections import Counter
     from types import SimpleNamespace
 
@@ -216,7 +236,7 @@ def _reader() -> RawBufferReader:
     reader = RawBufferReader(pid=1, verify_walk=False, packer=Packer(1, lambda chunk: None, capacity=4096, bulk=True),
                            table=LiveTable(), oom=OomWatch(time.time_ns), cupti=cupti,  # type: ignore[arg-type]
                            resyncs=ResyncSchedule(), counters=Counter(), dropped_by_reason=Counter(),
-                           clock_ns=time.time_ns, walker=WALKER)
+                           clock_ns=time.time_ns, walker=WALKER, **_native_read(native_read))
     reader.checked = False  # as the probe sends to today's daemon (CUPTI_BUFFERS_UNCHECKED): no checksum
     return reader
 

@@ -54,8 +54,10 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["started"]
-    # the daemon reads CUPTI's buffers itself (they are forwarded unread): the probe still saw the failures
+    # the daemon reads CUPTI's buffers itself (they are forwarded unread): the probe still saw the failures,
+    # in its one C read of each buffer (its return values looked at there)
     assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 2
+    assert status["status"]["native_reads"] == status["status"]["forwarded_buffers"]
     # THEN one event in /metrics, for that pid
     events = wait(lambda: [v for labels, v in scrape(port).get("gpufootprint_oom_events_total", [])
                             if labels["pid"] == str(pid)], timeout=20)

@@ -414,7 +414,7 @@ def test_the_api_records_return_values_read_in_place_are_the_gathered_ones() -> 
     offsets = np.arange(50, dtype=np.intp) * size + 8
     for i, off in enumerate(offsets):
         buf[off:off + size] = rows[i:i + 1].view(np.uint8)
-    assert cupti_layout.API_RAW_DTYPE.fields["ret"][1] == cupti_layout._API_RET_OFFSET
+    assert cupti_layout.API_RAW_DTYPE.fields["ret"][1] == cupti_layout.API_RET_OFFSET
     got = cupti_layout.api_returns(buf, offsets[::3])
     assert list(got) == list(cupti_layout.gather(buf, cupti_layout.RUNTIME, offsets[::3])["ret"])
     assert list(cupti_layout.api_returns(buf, cupti_layout.Runs([range(8, 8 + 50 * size, size)]))) == list(rows["ret"])

@@ -72,6 +72,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
         "native_callbacks": 1 if raw is not None and raw.native else 0,
         "native_callbacks_unavailable": c["native_callbacks_unavailable"], "native_walks": c["native_walks"],
+        "native_reads": c["native_reads"],
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
         "raw_buffers_refused": raw.refused if raw else 0,

@@ -373,14 +373,7 @@ class StructQueue:
         return self._end - self._start
 
     def append(self, structs: np.ndarray) -> None:
-        n = len(self)
-        if self._end + len(structs) > len(self._buf):
-            if self._start and n + len(structs) <= len(self._buf):
-                self._move_to_front()
-            else:
-                grown = np.zeros(max(n + len(structs), 2 * len(self._buf), self._MIN), dtype=self._buf.dtype)
-                grown[:n].view(np.uint8)[:] = self._buf[self._start:self._end].view(np.uint8)
-                self._buf, self._start, self._end = grown, 0, n
+        self._make_room(len(structs))
         end = self._end + len(structs)
         if structs.dtype == self._buf.dtype and structs.flags.c_contiguous:
             # as bytes (numpy copies a structured dtype with gaps field by field, about 10x slower), through
@@ -391,6 +384,30 @@ class StructQueue:
         else:
             self._buf[self._end:end] = structs
         self._end = end
+
+    def room(self, n: int) -> int:
+        """The address of free room for ``n`` more structs at the queue's end, for a writer outside numpy
+        (the probe's C read of a buffer); ``commit`` then takes what it wrote into the queue. Valid until
+        the next change."""
+        self._make_room(n)
+        return int(self._buf.ctypes.data) + self._end * int(self._buf.dtype.itemsize)
+
+    def commit(self, n: int) -> np.ndarray:
+        """Take ``n`` structs written at ``room``'s address into the queue; returns them (a view)."""
+        if self._end + n > len(self._buf):
+            raise ValueError(f"StructQueue.commit: {n} structs past the room made ({len(self._buf) - self._end})")
+        self._end += n
+        return self._buf[self._end - n:self._end]
+
+    def _make_room(self, more: int) -> None:
+        n = len(self)
+        if self._end + more > len(self._buf):
+            if self._start and n + more <= len(self._buf):
+                self._move_to_front()
+            else:
+                grown = np.zeros(max(n + more, 2 * len(self._buf), self._MIN), dtype=self._buf.dtype)
+                grown[:n].view(np.uint8)[:] = self._buf[self._start:self._end].view(np.uint8)
+                self._buf, self._start, self._end = grown, 0, n
 
     def _move_to_front(self) -> None:
         if self._start:

@@ -22,16 +22,19 @@ import os
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 
 from gpufootprint.probe.rawcallbacks import COMPLETED, REQUESTED, RawDelivery
 from gpufootprint.wire import cupti_layout
 
+if TYPE_CHECKING:
+    from gpufootprint.probe.livetable import StructQueue
+
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 3  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
+_ABI = 4  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
@@ -74,18 +77,25 @@ def load() -> tuple[Any | None, str]:
         io.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64]
     lib.gfp_eventfd_clear.restype = ctypes.c_int
     lib.gfp_eventfd_clear.argtypes = [ctypes.c_int]
-    for walk in (lib.gfp_walk, _walk_letting_the_gil_go()):
+    for walk in (lib.gfp_walk, _letting_the_gil_go("gfp_walk")):
         walk.restype = ctypes.c_int64
         walk.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    for read in (lib.gfp_read, _letting_the_gil_go("gfp_read")):
+        read.restype = ctypes.c_int64
+        read.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64,
+                         ctypes.c_void_p]
     return lib, ""
 
 
 @cache
-def _walk_letting_the_gil_go() -> Any:
-    """``gfp_walk`` through a CDLL handle of the same library: for buffers past ``WALK_KEEPS_GIL_BYTES``, whose
-    walk (6.5 ms at 16 MiB, 75 ms at 256 MiB on the development VM) is longer than a switch interval."""
-    return ctypes.CDLL(str(LIBRARY)).gfp_walk
+def _letting_the_gil_go(name: str) -> Any:
+    """``gfp_walk`` or ``gfp_read`` through a CDLL handle of the same library: for buffers past
+    ``WALK_KEEPS_GIL_BYTES``, whose walk (6.5 ms at 16 MiB, 75 ms at 256 MiB on the development VM) is longer
+    than a switch interval."""
+    return getattr(ctypes.CDLL(str(LIBRARY)), name)
 
 
 #: The largest buffer walked holding the GIL (the default CUPTI buffer is 64 KiB, about 0.1 ms to walk).
@@ -113,7 +123,11 @@ class Walker:
         if lib is None:
             raise OSError(why)
         self._walk = lib.gfp_walk
-        self._walk_long = _walk_letting_the_gil_go()
+        self._walk_long = _letting_the_gil_go("gfp_walk")
+        self._read = lib.gfp_read
+        self._read_long = _letting_the_gil_go("gfp_read")
+        self._summary = np.zeros(3 + len(_API_KINDS), np.int64)
+        self._at: tuple[int, int, int, int] | None = None
         self._offsets = np.zeros(0, np.uint32)
         self._scratch = np.zeros(0, np.int32)
         self._counts = np.zeros(len(_WALK_SIZES), np.int64)
@@ -139,6 +153,83 @@ class Walker:
             out[kind] = cast(Sequence[int], grouped[at:at + count])
             at += count
         return out
+
+    def read(self, address: int, valid: int, queue: StructQueue) -> Read | None:
+        """One buffer walked in C, its MEMORY2 structs copied into the free room at ``queue``'s end (not yet
+        in it: ``Read.keep`` puts them there) and its API records' return values looked at, in one call that
+        keeps the GIL for a buffer up to ``WALK_KEEPS_GIL_BYTES``. None where the buffer cannot be walked
+        exactly (the Python walk, and CUPTI's, then have their say). The answer is valid until the next call."""
+        most = valid // _SMALLEST + 1
+        if len(self._offsets) < most:
+            self._offsets = np.empty(most, np.uint32)
+            self._scratch = np.empty(most, np.int32)
+            self._at = None
+        if self._at is None:  # the arrays' addresses: numpy's .ctypes costs about a microsecond a look
+            self._at = (self._offsets.ctypes.data, self._scratch.ctypes.data, self._counts.ctypes.data,
+                        self._summary.ctypes.data)
+        offsets_at, scratch_at, counts_at, summary_at = self._at
+        room = valid // _MEMORY2_SIZE
+        read = self._read if valid <= WALK_KEEPS_GIL_BYTES else self._read_long
+        n = int(read(address, valid, _SIZES_AT, len(_WALK_SIZES), offsets_at, scratch_at, most, counts_at,
+                     cupti_layout.MEMORY2, queue.room(room), room, _API_KINDS_AT, len(_API_KINDS),
+                     cupti_layout.API_RET_OFFSET, _COUNTED_MASK, summary_at))
+        if n < 0:
+            return None
+        return Read(self, queue, n, self._summary.tolist())
+
+
+#: The API kinds whose records' return values ``Walker.read`` looks at (the OOM watch's), in that order.
+_API_KINDS = np.array(sorted(cupti_layout.API_KINDS), dtype=np.int32)
+_API_KINDS_AT = _API_KINDS.ctypes.data
+_SIZES_AT = _WALK_SIZES.ctypes.data
+_MEMORY2_SIZE = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
+#: The kinds the daemon counts as records (cupti_layout.RECORD_KIND), as a mask of bits by kind.
+_COUNTED_MASK = sum(1 << k for k in cupti_layout.RECORD_KIND if k < 64)
+
+
+@cache
+def kind_mask(kinds: frozenset[int]) -> int:
+    """A set of CUPTI kinds as ``Read.kinds``'s mask (bit k: kind k; kept per set: asked for every buffer)."""
+    return sum(1 << k for k in kinds if 0 <= k < 64)
+
+
+class Read:
+    """``Walker.read``'s answer for one buffer (valid until the walker's next call): ``kinds``, the mask of the
+    kinds it holds (``kind_mask``); ``records``, those the daemon counts (memory, pool); ``memory2``, its
+    MEMORY2 structs; ``failed_calls``, each API kind's records whose call did not succeed."""
+
+    __slots__ = ("_n", "_queue", "_walker", "failed_calls", "kinds", "memory2", "records")
+
+    def __init__(self, walker: Walker, queue: StructQueue, n: int, summary: list[int]) -> None:
+        self._walker = walker
+        self._queue = queue
+        self._n = n
+        self.kinds, self.memory2, self.records = summary[0], summary[1], summary[2]
+        self.failed_calls = dict(zip(_API_KIND_LIST, summary[3:]))
+
+    def holds(self, kind: int) -> bool:
+        return bool(self.kinds >> kind & 1)
+
+    def keep(self) -> np.ndarray:
+        """Put the buffer's MEMORY2 structs in the queue (copied there already); returns them, a view of the
+        queue valid until its next change."""
+        return self._queue.commit(self.memory2)
+
+    def offsets(self) -> dict[int, Sequence[int]]:
+        """Each kind's record offsets, as ``Walker.__call__`` gives them (for the readers that need them: a
+        failed call, a failure waiting, a launch window, a recording)."""
+        w = self._walker
+        grouped = w._offsets[:self._n].astype(np.intp)
+        out: dict[int, Sequence[int]] = {}
+        at = 0
+        for kind in np.flatnonzero(w._counts).tolist():
+            count = int(w._counts[kind])
+            out[kind] = cast(Sequence[int], grouped[at:at + count])
+            at += count
+        return out
+
+
+_API_KIND_LIST = _API_KINDS.tolist()
 
 
 class NativeDelivery:

@@ -132,6 +132,11 @@ class OomWatch:
 
     # --- CUPTI's API records -------------------------------------------------------------
 
+    def reads_calls(self, *, failed: bool) -> bool:
+        """Whether a buffer's API records need ``api_rows``: a call in it failed, or a failure waits to be
+        judged (a success on its thread may settle it). Otherwise it has nothing to look at."""
+        return failed or bool(self._waiting)
+
     def api_rows(self, u8: np.ndarray, offsets: Sequence[int], kind: int = DRIVER_RECORD) -> None:
         """API records of one kind (DRIVER or RUNTIME) in one raw buffer, at ``offsets`` in its bytes."""
         names = _CBIDS.get(kind)

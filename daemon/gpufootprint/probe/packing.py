@@ -184,6 +184,10 @@ class Packer:
         else:
             self.unknown_kinds += n
 
+    def launch_window_open(self) -> bool:
+        """Whether a launch window takes API records now (``put_launch_rows`` converts none otherwise)."""
+        return self.launch_span is not None
+
     def put_launch_rows(self, u8: np.ndarray, offsets: Sequence[int], kind: int) -> int:
         """A launch window's calls among a forwarded (not packed) buffer's API records (sender thread)."""
         with self._lock:

@@ -20,7 +20,7 @@ import numpy as np
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
-from gpufootprint.probe.nativecallbacks import Walker
+from gpufootprint.probe.nativecallbacks import Read, Walker, kind_mask
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.packing import Packer
 from gpufootprint.probe.rawcallbacks import view
@@ -40,7 +40,7 @@ class RawBufferReader:
     def __init__(self, *, pid: int, verify_walk: bool, packer: Packer, table: LiveTable, oom: OomWatch,
                  cupti: CuptiArming, resyncs: ResyncSchedule, counters: Counter[str],
                  dropped_by_reason: Counter[str], clock_ns: Callable[[], int], walker: Walker | None = None,
-                 errors: list[str] | None = None) -> None:
+                 errors: list[str] | None = None, native_read: bool = True) -> None:
         self.pid = pid
         self.errors = errors
         self.verify_walk = verify_walk
@@ -56,6 +56,10 @@ class RawBufferReader:
         # The walk in C (probe/nativecallbacks.py) where the library loaded: a buffer whose kinds are mixed
         # unevenly costs the Python walk a loop step a record (PyTorch's cache off: about 2 us a record)
         self.walker = walker
+        # A forwarded buffer read in one C call (``Walker.read``: the walk, the MEMORY2 structs copied into the
+        # table's queue, the API records' return values looked at) where the walker loaded; off: walked in C,
+        # the rest in numpy (what the probe did before 2026-12-07 evening; the bench's lever)
+        self.native_read = native_read and walker is not None
         # Forwarded buffers with a checksum: False once the daemon said it takes them without (its
         # level, framing.CUPTI_BUFFERS_UNCHECKED), until the next connection.
         self.checked = True
@@ -70,6 +74,17 @@ class RawBufferReader:
         assert raw is not None
         try:
             buf = view(address, valid)
+            if forward_to is not None and self.native_read and not self.verify_walk:
+                assert self.walker is not None
+                got = self.walker.read(address, valid, self.table.pending_raw)
+                # A buffer our walk cannot read, or with kinds the daemon does not read (kernels: their names are
+                # pointers into this process), goes the way below (the structs written past the queue's end
+                # were not taken into it).
+                if got is not None and not got.kinds & ~kind_mask(forwardable):
+                    self._forward_read(forward_to, tee, in_gap, buf, valid, got)
+                    self.counters["raw_buffers"] += 1
+                    self.counters["native_reads"] += 1
+                    return
             if forward_to is not None and not self.verify_walk \
                     and cupti_layout.uniform_kind(buf, valid) == cupti_layout.MEMORY2:
                 # Allocation churn fills whole buffers with MEMORY2 records: no walk needed.
@@ -157,15 +172,53 @@ class RawBufferReader:
                 self.oom.api_rows(u8, api, api_kind)
                 # a launch window's calls go on as records of their own (the daemon steps over these)
                 self.packer.put_launch_rows(u8, api, api_kind)
-        if tee is not None:  # recordings keep the plain BATCH frames every reader knows
-            for ck, offs in offsets.items():
-                kind = cupti_layout.RECORD_KIND.get(ck)
-                if kind is not None:
-                    recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs), self.pid)
-                    try:
-                        tee.put(framing.encode_batch(kind, recs))
-                    except OSError:
-                        self.counters["tee_errors"] += 1
+        if tee is not None:
+            self._tee(tee, buf, valid, offsets)
+        self._send(link, buf, valid, n, structs if mem is not None and len(mem) else None)
+
+    def _forward_read(self, link: SocketLink, tee: FileSink | None, in_gap: bool, buf: memoryview, valid: int,
+                      got: Read) -> None:
+        """``_forward`` for a buffer ``Walker.read`` read: its MEMORY2 structs already copied into the table's
+        queue (taken in here), its API records' return values already looked at. The offsets are built only
+        for what reads them: a failed call, a failure waiting to be judged, a launch window, a recording."""
+        structs = None
+        if got.memory2:
+            structs = got.keep()
+            self.table.raw_pid = self.pid
+            self.packer.api_dev = int(structs["dev"][-1])  # what an API record (OOM, launch) is stamped with
+            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
+                self.cupti.configure_unified_memory(in_gap)
+        offsets: Mapping[int, Sequence[int]] | None = None
+        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+        for api_kind, failed in got.failed_calls.items():
+            if not got.holds(api_kind):
+                continue
+            wanted = self.oom.reads_calls(failed=failed > 0)
+            if wanted or self.packer.launch_window_open() or tee is not None:
+                if offsets is None:
+                    offsets = got.offsets()
+                if wanted:
+                    self.oom.api_rows(u8, offsets[api_kind], api_kind)
+                self.packer.put_launch_rows(u8, offsets[api_kind], api_kind)
+        if tee is not None:
+            self._tee(tee, buf, valid, offsets if offsets is not None else got.offsets())
+        self._send(link, buf, valid, got.records, structs)
+
+    def _tee(self, tee: FileSink, buf: memoryview, valid: int, offsets: Mapping[int, Sequence[int]]) -> None:
+        """Recordings keep the plain BATCH frames every reader knows."""
+        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+        for ck, offs in offsets.items():
+            kind = cupti_layout.RECORD_KIND.get(ck)
+            if kind is not None:
+                recs = cupti_layout.convert(ck, cupti_layout.gather(u8, ck, offs), self.pid)
+                try:
+                    tee.put(framing.encode_batch(kind, recs))
+                except OSError:
+                    self.counters["tee_errors"] += 1
+
+    def _send(self, link: SocketLink, buf: memoryview, valid: int, n: int, structs: np.ndarray | None) -> None:
+        """One forwarded buffer's frame to the link; ``n`` the records the daemon counts in it, ``structs``
+        its MEMORY2 structs (for the resync a dropped buffer needs), if any."""
         self.counters["raw_records"] += n
         self.counters["forwarded_buffers"] += 1
         if not self.checked:
@@ -179,7 +232,7 @@ class RawBufferReader:
         else:
             self.counters["records_dropped"] += n
             self.dropped_by_reason["buffer_full"] += n
-            if mem is not None and len(mem):
+            if structs is not None:
                 self.resyncs.dropped(int(structs["timestamp"].max()))
             elif n:
                 self.resyncs.dropped(self._clock_ns())

@@ -119,7 +119,8 @@ class Sender:
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
             cupti=self.cupti, resyncs=self.resyncs, counters=self.counters,
-            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings), errors=self.errors)
+            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings), errors=self.errors,
+            native_read=settings.native_read)
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
         # stamped just before a flush can still be on its way into CUPTI's buffer (an API call in

@@ -65,6 +65,10 @@ class ProbeSettings(ProbeOptions):
     native_callbacks: bool = True
     # The sender's walk of a CUPTI buffer of mixed kinds in C (the same library); off: the Python walk
     native_walk: bool = True
+    # The sender's read of a buffer it forwards in one C call of the same library (the walk, the MEMORY2 structs
+    # copied into its table's queue, the API records' return values looked at); off: walked in C, the rest in
+    # numpy (what the probe did before 2026-12-07 evening). Needs native_walk.
+    native_read: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

@@ -95,7 +95,7 @@ RECORD_KIND: Final[dict[int, RecordKind]] = {
 API_RAW_DTYPE: Final = _raw(40, cbid=("<u4", 4), start=("<u8", 8), end=("<u8", 16), pid=("<u4", 24),
                             tid=("<u4", 28), corr=("<u4", 32), ret=("<u4", 36))
 
-_API_RET_OFFSET: Final = 36  # CUpti_ActivityAPI's returnValue (API_RAW_DTYPE's "ret")
+API_RET_OFFSET: Final = 36  # CUpti_ActivityAPI's returnValue (API_RAW_DTYPE's "ret")
 
 # Kinds walked over but not converted.
 SKIPPED_SIZES: Final[dict[int, int]] = {DRIVER: API_RAW_DTYPE.itemsize, RUNTIME: API_RAW_DTYPE.itemsize}
@@ -459,7 +459,7 @@ def api_returns(u8: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
     """The return values of the API records (DRIVER or RUNTIME) at ``offsets``, read in place: no record
     gathered. (Records start 8-byte aligned in CUPTI's buffers; an offset that is not 4-byte aligned
     falls back to gathering.)"""
-    at = np.asarray(offsets, dtype=np.intp) + _API_RET_OFFSET
+    at = np.asarray(offsets, dtype=np.intp) + API_RET_OFFSET
     if len(at) and (int(at.min()) < 0 or int(at.max()) + 4 > len(u8) or bool((at & 3).any())):
         return np.asarray(gather(u8, RUNTIME, offsets)["ret"])
     words: np.ndarray = u8[:len(u8) // 4 * 4].view("<u4")

@@ -28,7 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define GFP_ABI 3 /* raised at every change of an exported signature: a stale library is refused, not misread */
+#define GFP_ABI 4 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
@@ -293,6 +293,64 @@ int64_t gfp_walk(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
         offsets[start[kind]++] = (uint32_t)off;
         off += sizes[kind];
     }
+    return n;
+}
+
+/* The sender's read of a buffer it forwards to the daemon as it is, in one call that keeps the GIL (a 64 KiB
+ * buffer in a few microseconds, where the walk, the gather of the MEMORY2 structs, their copy into the probe's
+ * queue and the look at the API records' return values cost Python and numpy about a hundred): gfp_walk's
+ * answer (offsets, counts, the return value), and in the same pass
+ *   - each record of kind `copy_kind` copied back to back into `copy_out`, which has room for `copy_room` of
+ *     them (sizes[copy_kind] bytes each): the probe's table queue, written in place;
+ *   - summary[0]: a mask of the kinds present (bit k: kind k; every kind gfp_walk knows is below 64);
+ *     summary[1]: the records of `copy_kind` copied; summary[2]: the records of the kinds in `counted_mask`
+ *     (what the daemon counts); summary[3 + i], for each of the `n_api` kinds in `api_kinds`: how many of its
+ *     records carry a non-zero 32-bit word at `ret_offset` (a call that did not return success). A record
+ *     too short to hold that word counts as failed: the caller then reads those records itself.
+ * Returns the number of records, -1 where the buffer cannot be walked exactly (as gfp_walk), -2 where the
+ * records of `copy_kind` do not fit `copy_out` (then nothing is to be read from it), -3 for a kind past 63. */
+int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int32_t nsizes, uint32_t *offsets,
+                 int32_t *scratch, int64_t most, int64_t *counts, int32_t copy_kind, uint8_t *copy_out,
+                 int64_t copy_room, const int32_t *api_kinds, int32_t n_api, uint32_t ret_offset,
+                 uint64_t counted_mask, int64_t *summary) {
+    int64_t n = gfp_walk(buf, valid, sizes, nsizes, offsets, scratch, most, counts);
+    if (n < 0) return n;
+    uint64_t kinds = 0;
+    summary[1] = summary[2] = 0;
+    for (int32_t i = 0; i < n_api; i++) summary[3 + i] = 0;
+    int64_t at = 0; /* the first offset of kind k's group (the groups follow in kind order) */
+    for (int32_t k = 0; k < nsizes; k++) {
+        int64_t count = counts[k];
+        if (count == 0) continue;
+        if (k > 63) return -3;
+        kinds |= (uint64_t)1 << k;
+        if (counted_mask >> k & 1) summary[2] += count;
+        const uint32_t *offs = offsets + at;
+        at += count;
+        uint64_t size = sizes[k];
+        if (k == copy_kind) {
+            if (count > copy_room) return -2;
+            for (int64_t i = 0; i < count; i++) memcpy(copy_out + (uint64_t)i * size, buf + offs[i], size);
+            summary[1] = count;
+            continue;
+        }
+        for (int32_t a = 0; a < n_api; a++) {
+            if (api_kinds[a] != k) continue;
+            if ((uint64_t)ret_offset + sizeof(uint32_t) > size) {
+                summary[3 + a] = count;
+                break;
+            }
+            int64_t failed = 0;
+            for (int64_t i = 0; i < count; i++) {
+                uint32_t ret;
+                memcpy(&ret, buf + offs[i] + ret_offset, sizeof ret);
+                failed += ret != 0;
+            }
+            summary[3 + a] = failed;
+            break;
+        }
+    }
+    summary[0] = (int64_t)kinds;
     return n;
 }
 
