@@ -13,6 +13,8 @@ second thread, every ``1/--rate`` seconds:
   reader   wakes and reads one buffer through the probe's ``RawBufferReader`` (caching off's layout: each
            allocation's MEMORY2 record followed by two API records, buffers of 16 to 512 records, as forced
            flushes hand them over), and applies its table every 100 buffers, as at a watermark
+  reader_numpy  the same with the read after the C walk in numpy (``native_read`` off: the probe before
+           2026-12-07 evening; on a tree without that setting, the same as ``reader``)
 
 The configurations alternate step by step within each round, and the verdict is each one's median step against
 ``none`` over the rounds, with the reader thread's own CPU a buffer (``time.thread_time``) beside it: if the steps
@@ -41,7 +43,7 @@ import probe_sender
 from _harness import machine
 from gpufootprint.probe.rawreader import FORWARDABLE
 
-CONFIGS = ("none", "aa", "wake", "reader")
+CONFIGS = ("none", "aa", "wake", "reader", "reader_numpy")
 
 
 def step(work: int) -> None:
@@ -62,7 +64,7 @@ class Beside:
         self.stop = threading.Event()
         self.cpu = 0.0
         self.wakes = 0
-        self.reader = probe_sender._reader()
+        self.reader = probe_sender._reader(what != "reader_numpy")
         self.link = probe_sender._TakesAll()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -70,7 +72,7 @@ class Beside:
         k = 0
         while not self.stop.wait(self.period):
             t0 = time.thread_time()
-            if self.what == "reader":
+            if self.what in ("reader", "reader_numpy"):
                 raw, valid = self.bufs[k % len(self.bufs)]
                 self.reader.read(ctypes.addressof(raw), valid, forward_to=self.link,  # type: ignore[arg-type]
                                  forwardable=FORWARDABLE, tee=None, in_gap=False)
@@ -100,7 +102,7 @@ def main() -> int:
         order = list(CONFIGS)
         rng.shuffle(order)
         for c in order:
-            beside = Beside(c, args.rate, bufs) if c in ("wake", "reader") else None
+            beside = Beside(c, args.rate, bufs) if c in ("wake", "reader", "reader_numpy") else None
             if beside is not None:
                 beside.thread.start()
             step(work)  # settles
