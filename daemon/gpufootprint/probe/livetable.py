@@ -385,6 +385,10 @@ class StructQueue:
             self._buf[self._end:end] = structs
         self._end = end
 
+    def spare(self) -> int:
+        """Structs that fit after the queue's end as it is (no move, no growth)."""
+        return len(self._buf) - self._end
+
     def room(self, n: int) -> int:
         """The address of free room for ``n`` more structs at the queue's end, for a writer outside numpy
         (the probe's C read of a buffer); ``commit`` then takes what it wrote into the queue. Valid until

@@ -127,16 +127,14 @@ class Walker:
         self._read = lib.gfp_read
         self._read_long = _letting_the_gil_go("gfp_read")
         self._summary = np.zeros(3 + len(_API_KINDS), np.int64)
+        self.retries = 0  # buffers read twice: their MEMORY2 structs did not fit the queue's room
         self._at: tuple[int, int, int, int] | None = None
         self._offsets = np.zeros(0, np.uint32)
         self._scratch = np.zeros(0, np.int32)
         self._counts = np.zeros(len(_WALK_SIZES), np.int64)
 
     def __call__(self, address: int, valid: int) -> dict[int, Sequence[int]] | None:
-        most = valid // _SMALLEST + 1
-        if len(self._offsets) < most:
-            self._offsets = np.empty(most, np.uint32)
-            self._scratch = np.empty(most, np.int32)
+        most = self._room_for(valid)
         walk = self._walk if valid <= WALK_KEEPS_GIL_BYTES else self._walk_long
         n = int(walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
                            self._scratch.ctypes.data, most, self._counts.ctypes.data))
@@ -154,25 +152,39 @@ class Walker:
             at += count
         return out
 
-    def read(self, address: int, valid: int, queue: StructQueue) -> Read | None:
-        """One buffer walked in C, its MEMORY2 structs copied into the free room at ``queue``'s end (not yet
-        in it: ``Read.keep`` puts them there) and its API records' return values looked at, in one call that
-        keeps the GIL for a buffer up to ``WALK_KEEPS_GIL_BYTES``. None where the buffer cannot be walked
-        exactly (the Python walk, and CUPTI's, then have their say). The answer is valid until the next call."""
+    def _room_for(self, valid: int) -> int:
+        """The most records ``valid`` bytes can hold, the walker's arrays grown to that (and the addresses ``read``
+        keeps of them forgotten: the C code must never write into arrays numpy has freed)."""
         most = valid // _SMALLEST + 1
         if len(self._offsets) < most:
             self._offsets = np.empty(most, np.uint32)
             self._scratch = np.empty(most, np.int32)
             self._at = None
+        return most
+
+    def read(self, address: int, valid: int, queue: StructQueue) -> Read | None:
+        """One buffer walked in C, its MEMORY2 structs copied into the free room at ``queue``'s end (not yet
+        in it: ``Read.keep`` puts them there) and its API records' return values looked at, in one call that
+        keeps the GIL for a buffer up to ``WALK_KEEPS_GIL_BYTES``. None where the buffer cannot be walked
+        exactly (the Python walk, and CUPTI's, then have their say). The answer is valid until the next call."""
+        most = self._room_for(valid)
         if self._at is None:  # the arrays' addresses: numpy's .ctypes costs about a microsecond a look
             self._at = (self._offsets.ctypes.data, self._scratch.ctypes.data, self._counts.ctypes.data,
                         self._summary.ctypes.data)
         offsets_at, scratch_at, counts_at, summary_at = self._at
-        room = valid // _MEMORY2_SIZE
         read = self._read if valid <= WALK_KEEPS_GIL_BYTES else self._read_long
-        n = int(read(address, valid, _SIZES_AT, len(_WALK_SIZES), offsets_at, scratch_at, most, counts_at,
-                     cupti_layout.MEMORY2, queue.room(room), room, _API_KINDS_AT, len(_API_KINDS),
-                     cupti_layout.API_RET_OFFSET, _COUNTED_MASK, summary_at))
+        # The room the queue has now, not the most a buffer could need: an API-only or kernel buffer then costs
+        # the queue nothing. Where the structs do not fit (-2: the walk's counts say how many), the queue makes
+        # room for exactly them and the buffer is read again (after a watermark, or as the queue first grows).
+        room = min(valid // _MEMORY2_SIZE, queue.spare())
+        for _ in range(2):
+            n = int(read(address, valid, _SIZES_AT, len(_WALK_SIZES), offsets_at, scratch_at, most, counts_at,
+                         cupti_layout.MEMORY2, queue.room(room), room, _API_KINDS_AT, len(_API_KINDS),
+                         cupti_layout.API_RET_OFFSET, _COUNTED_MASK, summary_at))
+            if n != -2:
+                break
+            room = int(self._counts[cupti_layout.MEMORY2])
+            self.retries += 1
         if n < 0:
             return None
         return Read(self, queue, n, self._summary.tolist())
