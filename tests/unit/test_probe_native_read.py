@@ -319,3 +319,38 @@ def test_gfp_read_counts_kinds_copies_and_failed_calls_at_the_edges() -> None:
     assert n == 6 and summary[1:3] == [2, 3]
     n, summary = raw_read(api, 0, 40)  # the word would lie past the 40-byte record
     assert n == 3 and summary[3:] == [1, 2]  # DRIVER: its one record; RUNTIME: both
+
+
+def test_with_walks_verified_the_c_read_is_checked_against_cuptis_walk_and_a_disagreement_goes_the_old_way() -> None:
+    """``raw_verify_walk`` (the GPU tests): each buffer the C read forwards is walked by CUPTI too, counted once as
+    verified; where CUPTI's walk disagrees, the buffer is read by CUPTI's walk instead (packed here, not forwarded),
+    the disagreement counted once and said in the probe's errors."""
+    rng = random.Random(5)
+    buf = _buffer(rng, T0, calls=True, failures=False, pool=False, kernels=False, managed=False, size=20_000)
+
+    def reference(address: int, valid: int) -> dict[int, list[int]] | None:
+        walked = cupti_layout.walk(memoryview((ctypes.c_uint8 * valid).from_address(address)), valid)
+        return None if walked is None else {k: list(v) for k, v in walked.items()}
+
+    for cupti_says in ("same", "other"):
+        side = _Side(True, um_wanted=False)
+        errors: list[str] = []
+        side.reader.errors = errors
+        side.reader.verify_walk = True
+
+        def walk_raw(address: int, valid: int, cupti_says: str = cupti_says) -> dict[int, list[int]] | None:
+            got = reference(address, valid)
+            if cupti_says == "other" and got is not None:
+                got[MEM] = got[MEM][:-1]  # CUPTI's walk found one record fewer
+            return got
+
+        side.cupti.backend = SimpleNamespace(walk_raw=walk_raw)
+        _read([side], buf, forwardable=FORWARDABLE, tee=False)
+        c = side.counters
+        if cupti_says == "same":
+            assert c["native_reads"] == 1 and c["raw_walks_verified"] == 1 and c["raw_walk_mismatches"] == 0
+            assert c["forwarded_buffers"] == 1 and len(side.link.sent) == 1 and not errors
+        else:
+            assert c["native_reads"] == 0 and c["raw_walks_verified"] == 1 and c["raw_walk_mismatches"] == 1
+            assert c["forwarded_buffers"] == 0 and not side.link.sent and len(side.table.pending_raw) == 0
+            assert len(errors) == 1 and "our walk and CUPTI's disagree" in errors[0]

@@ -74,13 +74,15 @@ class RawBufferReader:
         assert raw is not None
         try:
             buf = view(address, valid)
-            if forward_to is not None and self.native_read and not self.verify_walk:
+            if forward_to is not None and self.native_read:
                 assert self.walker is not None
                 got = self.walker.read(address, valid, self.table.pending_raw)
                 # A buffer our walk cannot read, or with kinds the daemon does not read (kernels: their names are
-                # pointers into this process), goes the way below (the structs written past the queue's end
-                # were not taken into it).
-                if got is not None and not got.kinds & ~kind_mask(forwardable):
+                # pointers into this process), or (``verify_walk``) whose walk CUPTI's contradicts, goes the way
+                # below, which counts and says the disagreement (the structs written past the queue's end were
+                # not taken into it).
+                if got is not None and not got.kinds & ~kind_mask(forwardable) \
+                        and (not self.verify_walk or self._agrees_with_cupti(address, valid, got)):
                     self._forward_read(forward_to, tee, in_gap, buf, valid, got)
                     self.counters["raw_buffers"] += 1
                     self.counters["native_reads"] += 1
@@ -105,6 +107,16 @@ class RawBufferReader:
             self.counters["raw_buffers"] += 1
         finally:
             raw.give_back(address)
+
+    def _agrees_with_cupti(self, address: int, valid: int, got: Read) -> bool:
+        """``verify_walk`` for the C read: CUPTI's own walk of the buffer gives the same offsets (counted as
+        verified); False where it does not or cannot walk it (counted by the walk below, which reads it again)."""
+        backend = self.cupti.backend
+        reference = backend.walk_raw(address, valid) if backend is not None else None
+        if reference is None or reference != {k: list(v) for k, v in got.offsets().items()}:
+            return False
+        self.counters["raw_walks_verified"] += 1
+        return True
 
     def _walk(self, buf: memoryview, address: int,
               valid: int) -> tuple[Mapping[int, Sequence[int]] | None, bool]:
