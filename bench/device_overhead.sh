@@ -23,6 +23,9 @@
 # need about 470 (a 16-worker caching run with none_discover, 6.1 s a round, 390 s in all).
 # On the slower H200 f8be4986 (2026-12-07, runs 59-60) caching off took 7.5 s a round (60 in 463 s after a
 # 25 s start) and cudaMallocAsync 6.3 s (330 s stopped it at 48): give cudaMallocAsync 420 there.
+# On H100 8db1a075 (2026-12-07, runs 61-62, slower still) caching off with 14 workers took about 9 s a round
+# (535 s stopped it at 56: 60 need about 580, so drop a group or give it the whole 600) and cudaMallocAsync
+# with 12 workers 5.7 s (60 rounds in 371 s after a 30 s start).
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.
