@@ -118,7 +118,8 @@ def check_delivery(daemon: Daemon, scenario: str, env: dict[str, str]) -> None:
         rows[pid] = {k: c.get(k) for k in ("raw_delivery", "native_callbacks", "raw_buffers", "raw_records", "raw_walks_verified",
                                            "raw_walk_mismatches", "raw_walk_fallbacks", "raw_buffers_unreadable",
                                            "raw_buffers_refused", "raw_foreign_buffers", "packer_bad_records",
-                                           "cupti_dropped_records", "records_sent", "callback_seconds")}
+                                           "cupti_dropped_records", "records_sent", "callback_seconds",
+                                           "forwarded_buffers", "native_reads")}
         if env.get("GPUFOOTPRINT_PROBE_DELIVERY", "raw") == "raw":
             assert c.get("raw_delivery") == 1, f"{scenario}: raw delivery not registered: {rows[pid]}"
             # CUPTI's threads ran the C buffer callbacks (the library is built into the wheel), unless asked not to
@@ -127,6 +128,10 @@ def check_delivery(daemon: Daemon, scenario: str, env: dict[str, str]) -> None:
             assert c.get("raw_buffers", 0) > 0 and c.get("raw_walks_verified") == c.get("raw_buffers"), rows[pid]
             assert c.get("raw_walk_mismatches") == 0 and c.get("raw_walk_fallbacks") == 0, rows[pid]
             assert c.get("raw_buffers_unreadable") == 0 and c.get("packer_bad_records") == 0, rows[pid]
+            # Every buffer forwarded unread went through the C read, checked against CUPTI's walk (a disagreement
+            # would have been read by CUPTI's walk instead, and counted above), unless asked not to
+            if env.get("GPUFOOTPRINT_PROBE_NATIVE_READ", "1") != "0":
+                assert c.get("native_reads") == c.get("forwarded_buffers"), rows[pid]
     SUMMARY.setdefault("delivery", {})[scenario] = rows
 
 
