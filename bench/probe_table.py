@@ -10,7 +10,10 @@ share of the period left waiting, and prints the CPU time (``time.thread_time``)
 (``add_raw``, which copies each buffer's structs and may move the queue within its array) and of the
 advances, and their sum. The tree measured is this file's: for a side-by-side run copy it into the other tree.
 
-Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R] [--threads T]
+The table's totals, which the daemon asks for with every watermark, are timed apart (``totals``, a watermark), with
+``--live`` allocations held through the run: before 2026-12-07 evening they were a walk of every live entry.
+
+Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R] [--threads T] [--live N]
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ from gpufootprint.wire import cupti_layout  # noqa: E402
 PER_BUFFER = 512
 
 
-def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1) -> tuple[float, float]:
-    """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances.
+def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1,
+              live: int = 0) -> tuple[float, float, float]:
+    """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances, and of the table's
+    totals a watermark (what the daemon asks for with each one), in microseconds.
+
+    ``live``: allocations that stay live through the run (a model's weights and state; with PyTorch's cache off
+    or cudaMallocAsync each tensor is one), applied before the first period.
 
     ``threads`` > 1: CUPTI's per-thread buffers, as several allocating threads give them: each group of
     ``threads`` buffers covers one stretch of time, its records interleaved (thread j's at j, j + threads, ...;
@@ -45,7 +53,14 @@ def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1) -
     buf["mk"] = 3  # device
     buf["bytes"] = 4096
     base_addr = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
-    table, ts, cpu, queueing, n = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0.0, 0
+    table, ts, cpu, queueing, n, totals = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0.0, 0, 0.0
+    if live:
+        held = np.zeros(live, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
+        held["op"], held["mk"], held["bytes"] = 1, 3, 1 << 20
+        held["address"] = 0x9_0000_0000 + np.arange(live) * (1 << 20)
+        held["timestamp"] = ts - live + np.arange(live)
+        table.add_raw(held, 1)
+        table.advance(ts - 1)
     groups = max(1, buffers // threads)
     for _ in range(watermarks):
         for _ in range(groups):
@@ -63,7 +78,10 @@ def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1) -
         t = time.thread_time()
         table.advance(cut)
         cpu += time.thread_time() - t
-    return queueing / n * 1e6, cpu / n * 1e6
+        t = time.thread_time()
+        table.totals()
+        totals += time.thread_time() - t
+    return queueing / n * 1e6, cpu / n * 1e6, totals / watermarks * 1e6
 
 
 def main() -> int:
@@ -74,17 +92,20 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1,
                     help="allocating threads whose CUPTI buffers interleave in time (1: records in time order)")
+    ap.add_argument("--live", type=int, default=0, help="allocations that stay live through the run")
     args = ap.parse_args()
     import gpufootprint
 
     print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
           f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
           f"{max(1, args.buffers // args.threads) * args.threads * PER_BUFFER} records, {args.waiting:g} of each left waiting, "
-          f"{args.threads} thread(s)")
-    runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads) for _ in range(args.rounds)]
+          f"{args.threads} thread(s), {args.live} allocations live")
+    runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads, args.live) for _ in range(args.rounds)]
     for name, us in (("queueing (add_raw)", [r[0] for r in runs]), ("advance", [r[1] for r in runs]),
                      ("both", [r[0] + r[1] for r in runs])):
         print(f"{name:18s} median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")
+    tot = [r[2] for r in runs]
+    print(f"{'totals':18s} median {statistics.median(tot):.1f} us a watermark (range {min(tot):.1f}-{max(tot):.1f})")
     return 0
 
 
