@@ -333,3 +333,19 @@ def test_the_totals_kept_as_rows_come_and_go_equal_a_walk_of_every_row_after_eve
             by_structs.advance(mark)
             for table in (by_records, by_structs):
                 assert table.totals() == _walked_totals(table), (seed, i)
+
+
+def test_many_allocations_that_stay_at_once_are_summed_as_a_walk_sums_them() -> None:
+    """A model loading: thousands of allocations that stay, in one watermark, summed by (device, kind) with numpy;
+    and a table made with rows already in it counts them."""
+    rng = random.Random(9)
+    rows = [rec(1, 0x7F00_0000_0000 + i * 0x10_0000, rng.randrange(1, 1 << 30), 1_000 + i, dev=rng.choice((0, 1, 7)),
+                mk=rng.choice((2, 3)), is_async=1) for i in range(5000)]
+    by_records, by_structs = LiveTable(), LiveTable()
+    by_records.add(arr(rows))
+    by_structs.add_raw(_structs(rows), pid=1)
+    for table in (by_records, by_structs):
+        table.advance(10_000)
+        assert len(table.rows) == 5000 and table.totals() == _walked_totals(table)
+    made = LiveTable(rows=dict(by_records.rows))
+    assert made.totals() == _walked_totals(by_records)

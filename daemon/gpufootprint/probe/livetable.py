@@ -62,7 +62,10 @@ class LiveTable:
     # (device, memory kind) -> [bytes, entries] over ``rows``, kept as rows come and go: the daemon asks for the
     # table's totals with every watermark, and a walk of every live row (2,000 rows: 0.4 ms on the development
     # VM, the GIL held) landed in a workload's step once a second. ``ranges`` are few and walked.
-    _sums: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    _sums: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._recount()  # a table made with rows already in it
 
     def _came(self, row: Row) -> None:
         pair = self._sums.get((row[DEV], row[MK]))
@@ -134,7 +137,7 @@ class LiveTable:
             self._apply_raw_each(raw if due is None else select(raw, due))
         elif len(stay):
             recs = cupti_layout.convert(cupti_layout.MEMORY2, take(raw, stay), self.raw_pid)
-            self._stay(recs["addr"].tolist(), recs.tolist())
+            self._stay(recs["addr"].tolist(), recs.tolist(), recs)
 
     def _apply_raw_each(self, ready: np.ndarray) -> None:
         recs = cupti_layout.convert(cupti_layout.MEMORY2, ready, self.raw_pid)
@@ -206,14 +209,27 @@ class LiveTable:
             return
         if len(stay):
             rows = recs[stay]
-            self._stay(rows["addr"].tolist(), rows.tolist())
+            self._stay(rows["addr"].tolist(), rows.tolist(), rows)
 
-    def _stay(self, addrs: list[int], rows: list[Row]) -> None:
-        """The allocations ``_apply_by_address`` left live, into the table (the rows they replace, if any, were
-        taken out of the sums there)."""
+    def _stay(self, addrs: list[int], rows: list[Row], recs: np.ndarray) -> None:
+        """The allocations ``_apply_by_address`` left live (``rows``, the records ``recs`` as tuples), into the
+        table; the rows they replace, if any, were taken out of the sums there. Many at once (a model loading)
+        are summed by (device, kind) with numpy rather than one by one."""
         self.rows.update(zip(addrs, rows))
-        for row in rows:
-            self._came(row)
+        if len(rows) < _BULK_MIN:
+            for row in rows:
+                self._came(row)
+            return
+        key = recs["dev"].astype(np.int64) << 32 | recs["mk"].astype(np.int64)
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        sizes = np.add.reduceat(recs["bytes"][order].astype(np.int64), starts).tolist()
+        counts = np.diff(np.r_[starts, len(key)]).tolist()
+        for k, nbytes, entries in zip(key[starts].tolist(), sizes, counts):
+            pair = self._sums.setdefault((k >> 32, k & 0xFFFF_FFFF), [0, 0])
+            pair[0] += nbytes
+            pair[1] += entries
 
     def _apply_by_address(self, addrs: np.ndarray, ops: np.ndarray, order: np.ndarray) -> np.ndarray | None:
         """Apply records given in ``order`` (by address, then time): per address only its last record
@@ -259,6 +275,7 @@ class LiveTable:
     def _apply_each(self, recs: np.ndarray) -> None:
         rows = self.rows
         reused = self.reused
+        sums = self._sums
         for row in recs.tolist():
             op, addr = row[OP], row[ADDR]
             if op == _ALLOC:
@@ -267,7 +284,12 @@ class LiveTable:
                     self.lost_releases += reused.reused(addr, row[TS], row[CORR])
                     self._gone(old)
                 rows[addr] = row
-                self._came(row)
+                pair = sums.get((row[DEV], row[MK]))  # _came, inline: this loop runs a step a record
+                if pair is None:
+                    sums[(row[DEV], row[MK])] = [row[BYTES], 1]
+                else:
+                    pair[0] += row[BYTES]
+                    pair[1] += 1
             elif op == _RELEASE:
                 if reused:
                     late, lost = reused.release(addr, row[TS], row[CORR])
@@ -277,7 +299,9 @@ class LiveTable:
                         continue
                 old = rows.pop(addr, None)
                 if old is not None:
-                    self._gone(old)
+                    pair = sums[(old[DEV], old[MK])]  # _gone, inline
+                    pair[0] -= old[BYTES]
+                    pair[1] -= 1
                 elif not (self.ranges and self._cut_range(addr, row[BYTES])):
                     self.stale_releases += 1
         if reused and len(recs):
