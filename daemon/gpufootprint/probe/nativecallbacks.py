@@ -140,9 +140,12 @@ class Walker:
                            self._scratch.ctypes.data, most, self._counts.ctypes.data))
         if n < 0:
             return None
-        # Each kind's offsets, in buffer order, as np.intp arrays (copies: the walker's arrays are reused)
-        # where the Python walk gives Runs: every reader of a walk (gather, len, iteration, the OOM watch,
-        # the launch rows) takes either.
+        return self._grouped(n)
+
+    def _grouped(self, n: int) -> dict[int, Sequence[int]]:
+        """The last walk's ``n`` offsets by kind, in buffer order, as np.intp arrays (copies: the walker's arrays
+        are reused) where the Python walk gives Runs: every reader of a walk (gather, len, iteration, the OOM
+        watch, the launch rows) takes either."""
         grouped = self._offsets[:n].astype(np.intp)
         out: dict[int, Sequence[int]] = {}
         at = 0
@@ -230,15 +233,7 @@ class Read:
     def offsets(self) -> dict[int, Sequence[int]]:
         """Each kind's record offsets, as ``Walker.__call__`` gives them (for the readers that need them: a
         failed call, a failure waiting, a launch window, a recording)."""
-        w = self._walker
-        grouped = w._offsets[:self._n].astype(np.intp)
-        out: dict[int, Sequence[int]] = {}
-        at = 0
-        for kind in np.flatnonzero(w._counts).tolist():
-            count = int(w._counts[kind])
-            out[kind] = cast(Sequence[int], grouped[at:at + count])
-            at += count
-        return out
+        return self._walker._grouped(self._n)
 
 
 _API_KIND_LIST = _API_KINDS.tolist()
