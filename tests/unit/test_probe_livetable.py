@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 from gpufootprint.probe.livetable import LiveTable, untracked_address
-from gpufootprint.records import MEMORY_DTYPE, MemoryKind
+from gpufootprint.records import DEVICE_RESIDENT_KINDS, MEMORY_DTYPE, MemoryKind
 
 
 def rec(op: int, addr: int, size: int, ts: int, mk: int = 3, is_async: int = 0, dev: int = 0, corr: int = 1) -> tuple:
@@ -333,6 +333,12 @@ def test_the_totals_kept_as_rows_come_and_go_equal_a_walk_of_every_row_after_eve
             by_structs.advance(mark)
             for table in (by_records, by_structs):
                 assert table.totals() == _walked_totals(table), (seed, i)
+                for dev in (0, 1):  # what the untracked poll reads, from the same sums
+                    walked = sum(r[2] for r in [*table.rows.values(), *table.ranges.values()]
+                                 if r[8] == dev and r[13] in DEVICE_RESIDENT_KINDS and r[13] != MemoryKind.UNTRACKED)
+                    assert table.resident_bytes(dev) == walked, (seed, i, dev)
+                    assert table.resident_bytes(dev, exclude_untracked=False) == walked + sum(
+                        r[2] for r in table.rows.values() if r[8] == dev and r[13] == MemoryKind.UNTRACKED), (seed, i)
 
 
 def test_many_allocations_that_stay_at_once_are_summed_as_a_walk_sums_them() -> None:

@@ -355,11 +355,14 @@ class LiveTable:
         return total
 
     def resident_bytes(self, dev: int, *, exclude_untracked: bool = True) -> int:
-        total = 0
-        for row in self._all():
-            if row[DEV] == dev and row[MK] in DEVICE_RESIDENT_KINDS:
-                if exclude_untracked and row[MK] == MemoryKind.UNTRACKED:
-                    continue
+        """GPU-resident bytes of ``dev`` in the table (rows by their kept sums: the untracked poll asks every
+        ``untracked_ms``, and a walk of every live row held the GIL for it)."""
+        def counted(mk: int) -> bool:
+            return mk in DEVICE_RESIDENT_KINDS and not (exclude_untracked and mk == MemoryKind.UNTRACKED)
+
+        total = sum(nbytes for (d, mk), (nbytes, _) in self._sums.items() if d == dev and counted(mk))
+        for row in self.ranges.values():
+            if row[DEV] == dev and counted(row[MK]):
                 total += row[BYTES]
         return total
 
