@@ -228,7 +228,16 @@ def test_records_of_several_devices_and_processes_are_kept_apart() -> None:
     assert pipeline.device_state(2, 1).live_bytes == {"device": 40}  # type: ignore[union-attr]
 
 
+def _walked_counts(fp) -> dict[int, int]:  # type: ignore[no-untyped-def]
+    """Live allocations by kind as a walk of the table gives them (what ``live_counts`` was before it kept them)."""
+    counts: dict[int, int] = {}
+    for entry in fp.live.values():
+        counts[entry[1]] = counts.get(entry[1], 0) + 1
+    return counts
+
+
 def _state(fp) -> tuple:  # type: ignore[no-untyped-def]
+    assert fp.live_counts() == _walked_counts(fp)  # the counts kept as the table changes
     return ({a: tuple(e) for a, e in fp.live.items()}, list(fp.live_by_kind),
             fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level)
@@ -380,3 +389,21 @@ def test_a_lost_release_followed_by_quick_reuse_cycles_is_not_taken_for_late_rel
         state = pipeline.device_state(100, 0)
         assert state is not None and state.live_bytes == {}
         assert pipeline.errors.counts == {"double_allocation": 1} and pipeline.errors.repairs == {}
+
+
+def test_a_resync_and_an_exit_leave_the_kept_live_counts_as_a_walk_gives_them() -> None:
+    """The probe's TOTALS are checked against ``live_counts``: kept as the table changes, they must follow a
+    resync that replaces the table (with a duplicate address refused) and the exit that empties it."""
+    from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
+
+    fp = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS))
+    errors = IngestErrors()
+    fp._apply_memory_each(mem_batch([mem(1 * MS, ALLOC, 0x10, 64), mem(2 * MS, ALLOC, 0x20, 128)]), errors)
+    table = mem_batch([mem(3 * MS, ALLOC, 0x30, 32), mem(3 * MS, ALLOC, 0x40, 32), mem(3 * MS, ALLOC, 0x40, 32),
+                       mem(3 * MS, ALLOC, 0x50, 16, kind=2)])
+    fp.replace_live(table, 3 * MS, errors)
+    assert fp.live_counts() == _walked_counts(fp) == {3: 2, 2: 1}
+    fp._apply_memory_each(mem_batch([mem(4 * MS, FREE, 0x30, 32)]), errors)
+    assert fp.live_counts() == _walked_counts(fp) == {3: 1, 2: 1}
+    fp.release_all(5 * MS)
+    assert fp.live_counts() == {} == _walked_counts(fp)

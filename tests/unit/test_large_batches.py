@@ -310,6 +310,10 @@ def test_frames_read_out_of_the_pieces_equal_frames_gathered_from_small_pieces(s
 
 
 def _footprint_state(fp: DeviceFootprint, levels: Any) -> tuple[Any, ...]:
+    walked: dict[int, int] = {}
+    for entry in fp.live.values():
+        walked[entry[1]] = walked.get(entry[1], 0) + 1
+    assert fp.live_counts() == walked  # the counts kept as the table changes, as a walk gives them
     return ({a: tuple(e) for a, e in fp.live.items()}, list(fp.live_by_kind),
             fp.async_device_bytes, list(fp.allocations), list(fp.releases), list(fp.allocated_bytes),
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level, levels.ts.tolist(), levels.deltas.tolist(),

@@ -113,6 +113,10 @@ class DeviceFootprint:
     peaks: FramePeaks
     live: dict[int, LiveAllocation] = field(default_factory=dict)
     live_by_kind: list[int] = field(default_factory=lambda: [0] * _N_KINDS)
+    # Live allocations by kind, kept as ``live`` changes: the probe's TOTALS, checked at every watermark of every
+    # process, ask for them, and a walk of every live allocation of a device for each check cost a node's daemon
+    # its processes' whole tables once a second.
+    live_count_by_kind: list[int] = field(default_factory=lambda: [0] * _N_KINDS)
     async_device_bytes: int = 0
     pools: dict[int, tuple[int, int]] = field(default_factory=dict)  # pool addr -> (reserved, used)
     allocations: list[int] = field(default_factory=lambda: [0] * _N_KINDS)
@@ -161,12 +165,8 @@ class DeviceFootprint:
         return levels
 
     def live_counts(self) -> dict[int, int]:
-        """Live allocations by memory kind."""
-        counts: dict[int, int] = {}
-        for entry in self.live.values():
-            kind = entry[LIVE_KIND]
-            counts[kind] = counts.get(kind, 0) + 1
-        return counts
+        """Live allocations by memory kind (kinds with none left out)."""
+        return {k: n for k, n in enumerate(self.live_count_by_kind) if n}
 
     def _apply_memory_bulk(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges | None:
         """The numpy path; None (nothing changed) when the batch needs the per-record loop."""
@@ -261,6 +261,7 @@ class DeviceFootprint:
                 ab = int(size[(kind == k) & ~is_rel].sum())
                 rb = int(size[(kind == k) & is_rel].sum())
             self.live_by_kind[k] += ab - rb
+            self.live_count_by_kind[k] += n_alloc[k] - n_rel[k]
             self.allocations[k] += n_alloc[k]
             self.releases[k] += n_rel[k]
             self.allocated_bytes[k] += ab
@@ -292,6 +293,7 @@ class DeviceFootprint:
     def _apply_memory_each(self, recs: np.ndarray, errors: IngestErrors) -> LevelChanges:
         live = self.live
         by_kind = self.live_by_kind
+        count_by_kind = self.live_count_by_kind
         allocations, allocated_bytes = self.allocations, self.allocated_bytes
         releases, released_bytes = self.releases, self.released_bytes
         resident = _RESIDENT_LIST
@@ -319,6 +321,7 @@ class DeviceFootprint:
                     self._lost(self.reused.reused(addr, ts_list[i], corrs[i]), errors)
                     old_bytes, old_kind, _, old_async = old
                     by_kind[old_kind] -= old_bytes
+                    count_by_kind[old_kind] -= 1
                     releases[old_kind] += 1
                     released_bytes[old_kind] += old_bytes
                     if old_async:
@@ -328,6 +331,7 @@ class DeviceFootprint:
                 is_async = asyncs[i] != 0
                 live[addr] = (size, kind, ts_list[i], is_async)
                 by_kind[kind] += size
+                count_by_kind[kind] += 1
                 allocations[kind] += 1
                 allocated_bytes[kind] += size
                 if is_async:
@@ -350,6 +354,7 @@ class DeviceFootprint:
                     errors.add("release_size_mismatch",
                                f"pid={self.pid} addr={addr:#x} allocated {e_bytes} released {sizes[i]}")
                 by_kind[kind] -= e_bytes
+                count_by_kind[kind] -= 1
                 releases[kind] += 1
                 released_bytes[kind] += e_bytes
                 if e_async:
@@ -380,6 +385,7 @@ class DeviceFootprint:
         remembered, as the probe's table keeps its own: a late release may still come after it."""
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
+        self.live_count_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0
         for addr, size, kind, rts, is_async in zip(recs["addr"].tolist(), recs["bytes"].tolist(),
                                                    recs["mk"].tolist(), recs["ts"].tolist(),
@@ -392,6 +398,7 @@ class DeviceFootprint:
                 continue
             self.live[addr] = (size, kind, rts, bool(is_async))
             self.live_by_kind[kind] += size
+            self.live_count_by_kind[kind] += 1
             if is_async:
                 self.async_device_bytes += size
         return self.peaks.reset(ts, self.device_bytes)
@@ -407,6 +414,7 @@ class DeviceFootprint:
         self.reused.settle()  # counted already: the pipeline settles a stream before its exit
         self.live.clear()
         self.live_by_kind = [0] * _N_KINDS
+        self.live_count_by_kind = [0] * _N_KINDS
         self.async_device_bytes = 0
         self.pools.clear()
         self.pool_floor = 0
