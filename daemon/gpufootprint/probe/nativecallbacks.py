@@ -135,9 +135,9 @@ class Walker:
 
     def __call__(self, address: int, valid: int) -> dict[int, Sequence[int]] | None:
         most = self._room_for(valid)
+        offsets_at, scratch_at, counts_at, _ = self._arrays_at()
         walk = self._walk if valid <= WALK_KEEPS_GIL_BYTES else self._walk_long
-        n = int(walk(address, valid, _WALK_SIZES.ctypes.data, len(_WALK_SIZES), self._offsets.ctypes.data,
-                           self._scratch.ctypes.data, most, self._counts.ctypes.data))
+        n = int(walk(address, valid, _SIZES_AT, len(_WALK_SIZES), offsets_at, scratch_at, most, counts_at))
         if n < 0:
             return None
         return self._grouped(n)
@@ -165,16 +165,21 @@ class Walker:
             self._at = None
         return most
 
+    def _arrays_at(self) -> tuple[int, int, int, int]:
+        """The addresses of the walker's arrays (offsets, scratch, counts, summary), kept until ``_room_for`` grows
+        them: numpy's ``.ctypes`` costs about a microsecond a look."""
+        if self._at is None:
+            self._at = (self._offsets.ctypes.data, self._scratch.ctypes.data, self._counts.ctypes.data,
+                        self._summary.ctypes.data)
+        return self._at
+
     def read(self, address: int, valid: int, queue: StructQueue) -> Read | None:
         """One buffer walked in C, its MEMORY2 structs copied into the free room at ``queue``'s end (not yet
         in it: ``Read.keep`` puts them there) and its API records' return values looked at, in one call that
         keeps the GIL for a buffer up to ``WALK_KEEPS_GIL_BYTES``. None where the buffer cannot be walked
         exactly (the Python walk, and CUPTI's, then have their say). The answer is valid until the next call."""
         most = self._room_for(valid)
-        if self._at is None:  # the arrays' addresses: numpy's .ctypes costs about a microsecond a look
-            self._at = (self._offsets.ctypes.data, self._scratch.ctypes.data, self._counts.ctypes.data,
-                        self._summary.ctypes.data)
-        offsets_at, scratch_at, counts_at, summary_at = self._at
+        offsets_at, scratch_at, counts_at, summary_at = self._arrays_at()
         read = self._read if valid <= WALK_KEEPS_GIL_BYTES else self._read_long
         # The room the queue has now, not the most a buffer could need: an API-only or kernel buffer then costs
         # the queue nothing. Where the structs do not fit (-2: the walk's counts say how many), the queue makes
@@ -198,14 +203,16 @@ _API_KINDS = np.array(sorted(cupti_layout.API_KINDS), dtype=np.int32)
 _API_KINDS_AT = _API_KINDS.ctypes.data
 _SIZES_AT = _WALK_SIZES.ctypes.data
 _MEMORY2_SIZE = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2].itemsize
-#: The kinds the daemon counts as records (cupti_layout.RECORD_KIND), as a mask of bits by kind.
-_COUNTED_MASK = sum(1 << k for k in cupti_layout.RECORD_KIND if k < 64)
 
 
 @cache
 def kind_mask(kinds: frozenset[int]) -> int:
     """A set of CUPTI kinds as ``Read.kinds``'s mask (bit k: kind k; kept per set: asked for every buffer)."""
     return sum(1 << k for k in kinds if 0 <= k < 64)
+
+
+#: The kinds the daemon counts as records (cupti_layout.RECORD_KIND), as a mask of bits by kind.
+_COUNTED_MASK = kind_mask(frozenset(cupti_layout.RECORD_KIND))
 
 
 class Read:

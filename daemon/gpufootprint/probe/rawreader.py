@@ -36,6 +36,15 @@ FORWARDABLE_V1 = frozenset({cupti_layout.MEMORY2, cupti_layout.MEMORY_POOL, cupt
 FORWARDABLE = FORWARDABLE_V1 | {cupti_layout.RUNTIME}
 
 
+def memory_seen(packer: Packer, cupti: CuptiArming, recs: np.ndarray, in_gap: bool) -> None:
+    """What a batch of memory records (MEMORY2 structs or our records: both name ``dev`` and ``mk``) tells the
+    sender: the device an API record (OOM, launch) is stamped with, and whether unified memory needs its
+    counters."""
+    packer.api_dev = int(recs["dev"][-1])
+    if cupti.um_wanted and bool((recs["mk"] == MemoryKind.MANAGED).any()):
+        cupti.configure_unified_memory(in_gap)
+
+
 class RawBufferReader:
     def __init__(self, *, pid: int, verify_walk: bool, packer: Packer, table: LiveTable, oom: OomWatch,
                  cupti: CuptiArming, resyncs: ResyncSchedule, counters: Counter[str],
@@ -175,9 +184,7 @@ class RawBufferReader:
         if mem is not None and len(mem):
             structs = cupti_layout.gather(u8, cupti_layout.MEMORY2, mem)
             self.table.add_raw(structs, self.pid)
-            self.packer.api_dev = int(structs["dev"][-1])  # what an API record (OOM, launch) is stamped with
-            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
-                self.cupti.configure_unified_memory(in_gap)
+            memory_seen(self.packer, self.cupti, structs, in_gap)
         for api_kind in cupti_layout.API_KINDS:  # failed allocations are found here, before the buffer leaves
             api = offsets.get(api_kind)
             if api is not None and len(api):
@@ -197,23 +204,21 @@ class RawBufferReader:
         if got.memory2:
             structs = got.keep()
             self.table.raw_pid = self.pid
-            self.packer.api_dev = int(structs["dev"][-1])  # what an API record (OOM, launch) is stamped with
-            if self.cupti.um_wanted and bool((structs["mk"] == MemoryKind.MANAGED).any()):
-                self.cupti.configure_unified_memory(in_gap)
-        offsets: Mapping[int, Sequence[int]] | None = None
-        u8 = np.frombuffer(buf, dtype=np.uint8, count=valid)
+            memory_seen(self.packer, self.cupti, structs, in_gap)
+        walked: tuple[Mapping[int, Sequence[int]], np.ndarray] | None = None  # offsets and bytes, made if asked for
         for api_kind, failed in got.failed_calls.items():
             if not got.holds(api_kind):
                 continue
             wanted = self.oom.reads_calls(failed=failed > 0)
             if wanted or self.packer.launch_window_open() or tee is not None:
-                if offsets is None:
-                    offsets = got.offsets()
+                if walked is None:
+                    walked = got.offsets(), np.frombuffer(buf, dtype=np.uint8, count=valid)
+                offsets, u8 = walked
                 if wanted:
                     self.oom.api_rows(u8, offsets[api_kind], api_kind)
                 self.packer.put_launch_rows(u8, offsets[api_kind], api_kind)
         if tee is not None:
-            self._tee(tee, buf, valid, offsets if offsets is not None else got.offsets())
+            self._tee(tee, buf, valid, walked[0] if walked is not None else got.offsets())
         self._send(link, buf, valid, got.records, structs)
 
     def _tee(self, tee: FileSink, buf: memoryview, valid: int, offsets: Mapping[int, Sequence[int]]) -> None:

@@ -33,13 +33,13 @@ from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
 from gpufootprint.probe.nativecallbacks import Delivery, Walker
 from gpufootprint.probe.oom import OomWatch
-from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader
+from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader, memory_seen
 from gpufootprint.probe.resync import ResyncSchedule
 from gpufootprint.probe.settings import ProbeSettings
 from gpufootprint.probe.torchnumbers import TorchNumbers
 from gpufootprint.probe.wakeup import Wakeup
 from gpufootprint.probe.windows import COUNT_FLUSH_S, Windows
-from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, MemoryKind, RecordKind
+from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
 
@@ -375,9 +375,7 @@ class Sender:
                 return
         if kind is RecordKind.MEMORY:
             self.table.add(arr)
-            self.packer.api_dev = int(arr["dev"][-1])
-            if self.cupti.um_wanted and (arr["mk"] == MemoryKind.MANAGED).any():
-                self.cupti.configure_unified_memory(self.in_gap)
+            memory_seen(self.packer, self.cupti, arr, self.in_gap)
         if kind is RecordKind.KERNEL:
             names = self.packer.take_new_names()
             if names:
