@@ -139,6 +139,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # The sender's read of a forwarded buffer in numpy after the C walk (before 2026-12-07 evening), not in one
     # C call (the walk, the MEMORY2 structs copied into the table's queue, the API records' return values).
     "probe_python_read": {"native_read": False},
+    # The table's watermark pairing by numpy's sort by address and time (before 2026-12-07 night), not in one
+    # pass of C with the GIL let go (under churn the sort held the GIL milliseconds a watermark).
+    "probe_python_pair": {"native_pair": False},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -185,7 +188,8 @@ VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_
                                          "probe_windows_every_burst", "probe_big_buffers", "probe_windows_60s",
                                          "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
                                          "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked",
-                                         "probe_python_callbacks", "probe_python_walk", "probe_python_read"],
+                                         "probe_python_callbacks", "probe_python_walk", "probe_python_read",
+                                         "probe_python_pair"],
                           "cupti_floor": ["cupti_floor_python_callbacks"],
                           "probe_python_callbacks": ["cupti_floor_python_callbacks"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no
@@ -638,6 +642,24 @@ def ask(p: subprocess.Popen[str], cmd: str) -> Any:
     return json.loads(p.stdout.readline())  # type: ignore[union-attr]
 
 
+def p99_ratio_ci(steps: dict[str, dict[str, list[list[float]]]], members: list[str], other: list[str], w: str,
+                 seed: int, n: int = 1000) -> tuple[float, float]:
+    """95 % interval of the ratio of two groups' p99 steps, resampling rounds with replacement (the same rounds
+    for both: they shared the machine's seconds). Slow steps cluster in rounds (a noisy neighbour, the
+    daemon's watermark), so the interval is wider than one over steps would be."""
+    import numpy as np
+
+    def by_round(group: list[str]) -> np.ndarray:  # rounds x (workers' steps of that round)
+        return np.concatenate([np.asarray(steps[c][w], dtype=float) for c in group], axis=1)
+
+    mine, theirs = by_round(members), by_round(other)
+    rng = np.random.default_rng(seed)
+    k = len(mine)
+    ratios = sorted(float(np.percentile(mine[i], 99) / np.percentile(theirs[i], 99))
+                    for i in (rng.integers(0, k, k) for _ in range(n)))
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
 def bootstrap_ci(ratios: list[float], seed: int, n: int = 2000) -> tuple[float, float]:
     """95 % interval of the median of ``ratios``, resampling rounds with replacement."""
     rng = random.Random(seed)
@@ -689,6 +711,7 @@ def pooled(steps: dict[str, dict[str, list[list[float]]]], configs: list[str], s
                 row[w]["vs_cupti_floor_ci95"] = [round(flo, 4), round(fhi, 4)]
                 fflat = [t for c in floor for r in steps[c][w] for t in r]
                 row[w]["p99_vs_cupti_floor"] = round(pct(flat, 99) / pct(fflat, 99), 4)
+                row[w]["p99_vs_cupti_floor_ci95"] = [round(x, 4) for x in p99_ratio_ci(steps, members, floor, w, seed)]
         out[name] = row
     return out
 
@@ -702,11 +725,28 @@ def expand(spec: str) -> list[str]:
     return out
 
 
+def reanalysed(out_json: str, seed: int) -> dict[str, Any]:
+    """``pooled`` of a finished run, from its summary (the rounds) and its steps (every step of every worker in
+    order, each round's ``steps_a`` and ``steps_b`` in turn)."""
+    summary = json.loads(Path(out_json).read_text())
+    with gzip.open(out_json + ".steps.json.gz", "rt") as f:
+        raws = json.load(f)
+    rounds = summary["rounds"]
+    steps: dict[str, dict[str, list[list[float]]]] = {}
+    for c, raw in raws.items():
+        steps[c] = {}
+        for w in ("a", "b"):
+            durations = [s[1] for s in raw["steps"][w]]
+            per = len(durations) // rounds
+            steps[c][w] = [durations[r * per:(r + 1) * per] for r in range(rounds)]
+    return pooled(steps, list(raws), seed)
+
+
 def verdict_table(pooled_rows: dict[str, Any]) -> str:
     """One line per group: median step ratio against the uninstrumented pair with its 95 % interval, p99
     ratio, and the same against the floor; the A/A group (aa) first: the noise any other ratio sits in."""
     head = (f"{'config (workers)':28s} {'wl':2s} {'vs none':>8s} {'ci95':>17s} {'p99':>7s} | {'vs floor':>8s} "
-            f"{'ci95':>17s} {'p99':>7s}")
+            f"{'ci95':>17s} {'p99':>7s} {'p99 ci95':>17s}")
     lines = [head, "-" * len(head)]
     order = sorted(pooled_rows, key=lambda n: (n != "aa", not n.startswith("cupti_floor"), n != "probe", n))
     for name in order:
@@ -718,7 +758,9 @@ def verdict_table(pooled_rows: dict[str, Any]) -> str:
             fci = "[{:.4f}, {:.4f}]".format(*r["vs_cupti_floor_ci95"]) if "vs_cupti_floor_ci95" in r else ""
             lines.append(f"{label if w == 'a' else '':28s} {w:2s} {r['median_ratio']:8.4f} {ci:>17s} {r['p99_ratio']:7.3f} | "
                          f"{r.get('vs_cupti_floor', float('nan')):8.4f} {fci:>17s} "
-                         f"{r.get('p99_vs_cupti_floor', float('nan')):7.3f}")
+                         f"{r.get('p99_vs_cupti_floor', float('nan')):7.3f} "
+                         + ("[{:.3f}, {:.3f}]".format(*r["p99_vs_cupti_floor_ci95"])
+                            if "p99_vs_cupti_floor_ci95" in r else ""))
     for name in order:  # the group-against-group comparisons (VERSUS), round by round
         for w in ("a", "b"):
             for key, value in pooled_rows[name][w].items():
@@ -754,7 +796,13 @@ def main() -> int:
                          "nocache (PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
     ap.add_argument("--pin", type=int, default=2,
                     help="run every worker on the same N CPUs, the parent on the others (0: no pinning)")
+    ap.add_argument("--reanalyse", metavar="OUT_JSON",
+                    help="print the verdict table of a finished run again from its --out file and the steps beside "
+                         "it (OUT_JSON.steps.json.gz), with today's analysis (e.g. the p99's interval)")
     args = ap.parse_args()
+    if args.reanalyse:
+        print(verdict_table(reanalysed(args.reanalyse, args.seed)))
+        return 0
     if args.worker:
         worker(args.worker, args.socket, args.steps_a, args.steps_b, args.cpus)
         return 0
@@ -911,7 +959,8 @@ def main() -> int:
                                                      "bulk_fallbacks", "records_dropped", "resyncs",
                                                      "drop_resyncs", "forwarded_buffers", "table_seconds",
                                                      "forward_seconds", "torch_readings", "torch_read_seconds",
-                                                     "sender_wakeups")}, row.get("daemon"))
+                                                     "sender_wakeups", "native_reads", "native_pairs",
+                                                     "native_pairs_unordered")}, row.get("daemon"))
         gc_row = (row.get("final") or {}).get("gc")
         if gc_row:
             print(" " * 21, "gc", gc_row)

@@ -13,7 +13,11 @@ advances, and their sum. The tree measured is this file's: for a side-by-side ru
 The table's totals, which the daemon asks for with every watermark, are timed apart (``totals``, a watermark), with
 ``--live`` allocations held through the run: before 2026-12-07 evening they were a walk of every live entry.
 
+``--pair``: the advance pairs a watermark's structs by address in C (``gfp_pair``, the default since 2026-12-07
+evening) or with numpy's sort by address and time (before).
+
 Usage: python bench/probe_table.py [--watermarks W] [--buffers B] [--waiting F] [--rounds R] [--threads T] [--live N]
+       [--pair c|numpy]
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import numpy as np  # noqa: E402
 
 from gpufootprint.probe.livetable import LiveTable  # noqa: E402
+from gpufootprint.probe.nativecallbacks import Pairer  # noqa: E402
 from gpufootprint.wire import cupti_layout  # noqa: E402
 
 PER_BUFFER = 512
 
 
 def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1,
-              live: int = 0) -> tuple[float, float, float]:
+              live: int = 0, pair: str = "c") -> tuple[float, float, float]:
     """The CPU time per record, in microseconds, of queueing (``add_raw``) and of the advances, and of the table's
     totals a watermark (what the daemon asks for with each one), in microseconds.
 
@@ -53,7 +58,8 @@ def one_round(watermarks: int, buffers: int, waiting: float, threads: int = 1,
     buf["mk"] = 3  # device
     buf["bytes"] = 4096
     base_addr = 0x2_0000_0000 + np.repeat(np.arange(PER_BUFFER // 2), 2) * 4096
-    table, ts, cpu, queueing, n, totals = LiveTable(), 1_700_000_000_000_000_000, 0.0, 0.0, 0, 0.0
+    table = LiveTable(pairer=Pairer() if pair == "c" else None)
+    ts, cpu, queueing, n, totals = 1_700_000_000_000_000_000, 0.0, 0.0, 0, 0.0
     if live:
         held = np.zeros(live, cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2])
         held["op"], held["mk"], held["bytes"] = 1, 3, 1 << 20
@@ -93,14 +99,18 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="allocating threads whose CUPTI buffers interleave in time (1: records in time order)")
     ap.add_argument("--live", type=int, default=0, help="allocations that stay live through the run")
+    ap.add_argument("--pair", choices=("c", "numpy"), default="c",
+                    help="the advance's pairing by address: in C (the probe's default where its library loads, "
+                         "since 2026-12-07 evening) or numpy's sort (before; native_pair off)")
     args = ap.parse_args()
     import gpufootprint
 
     print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()} numpy "
           f"{np.__version__}; gpufootprint from {Path(gpufootprint.__file__).parent}; {args.watermarks} watermarks of "
           f"{max(1, args.buffers // args.threads) * args.threads * PER_BUFFER} records, {args.waiting:g} of each left waiting, "
-          f"{args.threads} thread(s), {args.live} allocations live")
-    runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads, args.live) for _ in range(args.rounds)]
+          f"{args.threads} thread(s), {args.live} allocations live, pairing in {args.pair}")
+    runs = [one_round(args.watermarks, args.buffers, args.waiting, args.threads, args.live, args.pair)
+            for _ in range(args.rounds)]
     for name, us in (("queueing (add_raw)", [r[0] for r in runs]), ("advance", [r[1] for r in runs]),
                      ("both", [r[0] + r[1] for r in runs])):
         print(f"{name:18s} median {statistics.median(us):.4f} us a record (range {min(us):.4f}-{max(us):.4f})")

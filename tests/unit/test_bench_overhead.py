@@ -321,3 +321,36 @@ def test_the_benches_share_one_transformer_step_built_once() -> None:
     assert built == [("layer", (1024, 16, 4096), {"batch_first": True, "dropout": 0.0}), ("encoder", "layer", 6),
                      ("to", "bf16"), ("AdamW", "params", 1e-4), ("randn", (8, 256, 1024), "cuda", "bf16")]
     assert calls == [("forward", "x"), "backward", "step", ("zero_grad", True)] * 2
+
+
+def test_the_p99_interval_resamples_rounds_and_excludes_one_only_where_the_slow_steps_differ(tmp_path: Path) -> None:
+    """The verdict's p99 against the floor comes with an interval over rounds: a group whose slowest steps are 10 %
+    slower in every round is told apart, an equal one is not; a finished run reads the same from its files."""
+    import gzip
+    import json
+    import random
+
+    ov = _overhead()
+    rng = random.Random(3)
+
+    def worker(slow: float) -> dict[str, list[list[float]]]:
+        # 40 rounds of 50 steps: 1 ms, and one step a round of each worker slow (its p99)
+        return {w: [[1e-3 * (1 + rng.random() * 0.05)] * 49 + [slow * (1 + rng.random() * 0.05)] for _ in range(40)]
+                for w in ("a", "b")}
+
+    steps = {"none": worker(2e-3), "none#2": worker(2e-3), "cupti_floor": worker(2e-3), "cupti_floor#2": worker(2e-3),
+             "probe": worker(2.2e-3), "probe#2": worker(2.2e-3), "aa": worker(2e-3), "aa#2": worker(2e-3)}
+    rows = ov.pooled(steps, list(steps), seed=0)
+    lo, hi = rows["probe"]["a"]["p99_vs_cupti_floor_ci95"]
+    assert 1.0 < lo < rows["probe"]["a"]["p99_vs_cupti_floor"] < hi, rows["probe"]["a"]
+    lo, hi = rows["aa"]["b"]["p99_vs_cupti_floor_ci95"]
+    assert lo < 1.0 < hi, rows["aa"]["b"]
+    # the same from a run's files: the summary's rounds and every step in order, with its start
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps({"rounds": 40}))
+    with gzip.open(str(out) + ".steps.json.gz", "wt") as f:
+        json.dump({c: {"steps": {w: [[0.0, t] for r in by_w[w] for t in r] for w in ("a", "b")}, "windows": []}
+                   for c, by_w in steps.items()}, f)
+    again = ov.reanalysed(str(out), seed=0)
+    assert again["probe"]["a"]["p99_vs_cupti_floor_ci95"] == rows["probe"]["a"]["p99_vs_cupti_floor_ci95"]
+    assert "p99 ci95" in ov.verdict_table(again)

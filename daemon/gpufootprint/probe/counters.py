@@ -14,7 +14,7 @@ from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import SocketLink
 from gpufootprint.probe.livetable import LiveTable
-from gpufootprint.probe.nativecallbacks import Delivery
+from gpufootprint.probe.nativecallbacks import Delivery, Pairer
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.torchnumbers import TorchNumbers
 
@@ -73,6 +73,8 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "native_callbacks": 1 if raw is not None and raw.native else 0,
         "native_callbacks_unavailable": c["native_callbacks_unavailable"], "native_walks": c["native_walks"],
         "native_reads": c["native_reads"],
+        "native_pairs": p.table.pairer.calls if isinstance(p.table.pairer, Pairer) else 0,
+        "native_pairs_unordered": p.table.pairer.unordered if isinstance(p.table.pairer, Pairer) else 0,
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
         "raw_buffers_refused": raw.refused if raw else 0,

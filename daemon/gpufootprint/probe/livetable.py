@@ -14,8 +14,9 @@ address within the window is the old entry's late release, not the new one's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from gpufootprint.records import (
     take,
 )
 from gpufootprint.wire import cupti_layout
+
+if TYPE_CHECKING:
+    from gpufootprint.probe.nativecallbacks import Paired
 
 Row = tuple[Any, ...]  # one MEMORY_DTYPE record as a tuple
 _ALLOC: Final = int(MemoryOp.ALLOCATION)
@@ -63,6 +67,11 @@ class LiveTable:
     # table's totals with every watermark, and a walk of every live row (2,000 rows: 0.4 ms on the development
     # VM, the GIL held) landed in a workload's step once a second. ``ranges`` are few and walked.
     _sums: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The pairing of a watermark's structs by address in one pass of C (nativecallbacks.Pairer), where the probe's
+    # library loaded: numpy's sort by address and time held the GIL 3-4 ms a watermark of 56,000 records (the
+    # development VM; cudaMallocAsync's churn), landing in one of the workload's steps every second. None: numpy.
+    pairer: Callable[[np.ndarray, int, int, int], Paired | None] | None = field(default=None, repr=False,
+                                                                                compare=False)
 
     def __post_init__(self) -> None:
         self._recount()  # a table made with rows already in it
@@ -106,6 +115,11 @@ class LiveTable:
         """``advance`` for structs only: applied where they lie in the queue (sorted by index, not
         copied: under churn a watermark's structs are about 7 MB and almost all of them are due)."""
         raw = self.pending_raw.view()
+        if self.pairer is not None and not self.ranges and len(raw) >= _BULK_MIN:
+            paired = self.pairer(raw, ts, _ALLOC, _RELEASE)
+            if paired is not None:
+                self._advance_paired(raw, ts, paired)
+                return
         stamps = raw["timestamp"]
         due = stamps <= ts
         every = bool(due.all())
@@ -114,16 +128,17 @@ class LiveTable:
             # What waits is the queue's tail (records come in time order but for CUPTI's thread buffers
             # and calls in flight): only the due head is sorted and applied, and the tail stays in place.
             if waiting:
-                self._apply_raw(raw[:waiting], None)
+                self._apply_raw(raw[:waiting], None, ts)
         else:
-            self._apply_raw(raw, due)
+            self._apply_raw(raw, due, ts)
         if every:
             self.pending_raw.clear()
         else:
             self.pending_raw.keep(~due)
 
-    def _apply_raw(self, raw: np.ndarray, due: np.ndarray | None) -> None:
-        """Apply the structs of ``raw`` (those where ``due``; None: all) in time order."""
+    def _apply_raw(self, raw: np.ndarray, due: np.ndarray | None, ts: int) -> None:
+        """Apply the structs of ``raw`` (those where ``due``, which are those stamped at or before ``ts``;
+        None: all) in time order."""
         n = len(raw) if due is None else int(np.count_nonzero(due))
         if n < _BULK_MIN or self.ranges:
             self._apply_raw_each(raw if due is None else select(raw, due))
@@ -136,6 +151,49 @@ class LiveTable:
         if stay is None:  # a reused address: the record-by-record rule
             self._apply_raw_each(raw if due is None else select(raw, due))
         elif len(stay):
+            recs = cupti_layout.convert(cupti_layout.MEMORY2, take(raw, stay), self.raw_pid)
+            self._stay(recs["addr"].tolist(), recs.tolist(), recs)
+
+    def _advance_paired(self, raw: np.ndarray, ts: int, paired: Paired) -> None:
+        """``_advance_raw`` with the pairing done in C (``pairer``, over the whole queue): the same rule as
+        ``_apply_by_address``, its answers by address, and the look at what waits in the same pass."""
+        due = None if paired.due_after_waiting == 0 else raw["timestamp"] <= ts
+        part = raw[:paired.first_waiting] if due is None else raw
+        if paired.due < _BULK_MIN or paired.unordered:
+            if paired.due:
+                self._apply_raw(part, due, ts)  # the record-by-record rule, or numpy's sort
+        elif paired.twice or self._paired_conflicts(paired):
+            self._apply_raw_each(part if due is None else select(raw, due))
+        else:
+            self._apply_paired(raw, paired)
+        if due is None:
+            self.pending_raw.drop_front(paired.first_waiting)
+        else:
+            self.pending_raw.keep(~due)
+
+    def _paired_conflicts(self, paired: Paired) -> bool:
+        """An address first allocated here that the table holds live, or one allocated again while live before
+        (``reused``): the record-by-record rule decides (``_apply_by_address`` answers None for the same)."""
+        firsts = paired.first_allocations.tolist()
+        return (not self.rows.keys().isdisjoint(firsts)
+                or bool(self.reused) and not self.reused.addresses().isdisjoint(firsts + paired.first_releases.tolist()))
+
+    def _apply_paired(self, raw: np.ndarray, paired: Paired) -> None:
+        rows = self.rows
+        stale = 0
+        for x in paired.first_releases.tolist():
+            old = rows.get(x)
+            if old is None:
+                stale += 1
+            else:
+                self._gone(old)
+        self.stale_releases += stale + paired.repeated_releases
+        for x in paired.last_releases.tolist():
+            rows.pop(x, None)
+        stay = paired.stay
+        if len(stay):
+            # by address, as the numpy path leaves them (the rows' order is their insertion order)
+            stay = stay[np.argsort(raw["address"][stay], kind="stable")]
             recs = cupti_layout.convert(cupti_layout.MEMORY2, take(raw, stay), self.raw_pid)
             self._stay(recs["addr"].tolist(), recs.tolist(), recs)
 
@@ -504,20 +562,29 @@ class StructQueue:
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep only the structs where ``mask`` (over ``view()``), in their order."""
-        held = len(self)
         first = int(np.argmax(mask)) if len(mask) else 0
         if not len(mask) or not mask[first]:
-            self._start = self._end = 0
+            self.clear()
         elif bool(mask[first:].all()):
-            self._start += first  # the tail stays where it is
+            self.drop_front(first)
+        else:
+            held = len(self)
+            rest = select(self.view(), mask)  # as words: numpy takes a struct's 15 fields one by one
+            self._start = self._end = 0
+            self.append(rest)
+            self._after_watermark(held)
+
+    def drop_front(self, n: int) -> None:
+        """Drop the first ``n`` structs (a watermark's, applied), keeping the rest where they are."""
+        held = len(self)
+        if n >= held:
+            self._start = self._end = 0
+        else:
+            self._start += n  # the tail stays where it is
             if self._start > len(self._buf) - self._end:
                 # the space before it is the larger: taken back now, while the queue holds only the tail
                 # (at the next append it would also move the records queued meanwhile)
                 self._move_to_front()
-        else:
-            rest = select(self.view(), mask)  # as words: numpy takes a struct's 15 fields one by one
-            self._start = self._end = 0
-            self.append(rest)
         self._after_watermark(held)
 
     def clear(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 4  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
+_ABI = 5  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
@@ -87,12 +88,17 @@ def load() -> tuple[Any | None, str]:
                          ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64,
                          ctypes.c_void_p]
+    for pair in (lib.gfp_pair, _letting_the_gil_go("gfp_pair")):
+        pair.restype = ctypes.c_int
+        pair.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     return lib, ""
 
 
 @cache
 def _letting_the_gil_go(name: str) -> Any:
-    """``gfp_walk`` or ``gfp_read`` through a CDLL handle of the same library: for buffers past
+    """``gfp_walk``, ``gfp_read`` or ``gfp_pair`` through a CDLL handle of the same library: for buffers past
     ``WALK_KEEPS_GIL_BYTES``, whose walk (6.5 ms at 16 MiB, 75 ms at 256 MiB on the development VM) is longer
     than a switch interval."""
     return getattr(ctypes.CDLL(str(LIBRARY)), name)
@@ -104,6 +110,73 @@ WALK_KEEPS_GIL_BYTES = 1 << 20
 
 def available() -> bool:
     return load()[0] is not None
+
+
+def _none() -> np.ndarray:
+    return np.zeros(0, np.uint64)
+
+
+#: The fewest structs paired through the handle that lets the GIL go: a call that does must win the GIL back,
+#: behind busy Python threads up to a switch interval (5 ms) of the sender's; below this the pass is shorter.
+PAIR_LETS_GIL_GO = 4096
+
+
+@dataclass(frozen=True)
+class Paired:
+    """``gfp_pair``'s answer: views into the pairer's arrays, valid until its next call. Where ``twice`` or
+    ``unordered``, only the counts of what is due mean something."""
+
+    due: int  # structs stamped at or before the cut
+    first_waiting: int  # the index of the first stamped after it (the number of structs if none)
+    due_after_waiting: int  # structs due after that index (0: what waits is the queue's tail)
+    twice: bool = False  # an address allocated twice in a row: the record-by-record rule decides
+    unordered: bool = False  # an address's records out of time order in the queue: a sort decides
+    stay: np.ndarray = field(default_factory=_none)  # indexes of the allocations that stay live (each address's last record)
+    first_releases: np.ndarray = field(default_factory=_none)  # addresses whose first record is a release
+    last_releases: np.ndarray = field(default_factory=_none)  # addresses whose last record is a release
+    first_allocations: np.ndarray = field(default_factory=_none)  # addresses whose first record is an allocation
+    repeated_releases: int = 0  # releases right after a release of the same address
+
+
+class Pairer:
+    """The probe table's pairing of a watermark's MEMORY2 structs by address in one pass of C (``gfp_pair``),
+    for ``LiveTable``. None where the library could not allocate its hash table (numpy's sort then decides)."""
+
+    def __init__(self) -> None:
+        lib, why = load()
+        if lib is None:
+            raise OSError(why)
+        self._keep = lib.gfp_pair
+        self._let_go = _letting_the_gil_go("gfp_pair")
+        self._out = np.zeros((4, 0), np.uint64)
+        self._counts = np.zeros(8, np.int64)
+        self.calls = 0
+        self.unordered = 0  # calls that found an address's records out of time order
+        self.failed = 0  # calls whose hash table could not be allocated
+
+    def __call__(self, structs: np.ndarray, cut: int, op_alloc: int, op_release: int) -> Paired | None:
+        n = len(structs)
+        if not structs.flags.c_contiguous:
+            raise ValueError("Pairer: the structs must lie back to back")
+        if self._out.shape[1] < n:
+            self._out = np.zeros((4, max(n, 2 * self._out.shape[1])), np.uint64)
+        fields = structs.dtype.fields
+        assert fields is not None
+        out = self._out
+        rows = [int(out.ctypes.data) + k * out.strides[0] for k in range(4)]
+        call = self._let_go if n >= PAIR_LETS_GIL_GO else self._keep
+        rc = int(call(structs.ctypes.data, n, structs.dtype.itemsize, fields["timestamp"][1], fields["address"][1],
+                      fields["op"][1], cut, op_alloc, op_release, *rows, self._counts.ctypes.data))
+        self.calls += 1
+        if rc < 0:
+            self.failed += 1
+            return None
+        ks, kf, kl, ka, repeated, due, first_waiting, due_after = self._counts.tolist()
+        if rc:
+            self.unordered += rc == 2
+            return Paired(due, first_waiting, due_after, twice=rc == 1, unordered=rc == 2)
+        return Paired(due, first_waiting, due_after, stay=out[0, :ks].view(np.int64), first_releases=out[1, :kf],
+                      last_releases=out[2, :kl], first_allocations=out[3, :ka], repeated_releases=repeated)
 
 
 #: Struct size of each CUPTI kind ``cupti_layout.walk`` knows, indexed by kind (0: not known).

@@ -31,7 +31,7 @@ from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
 from gpufootprint.probe.link import FileSink, SocketLink
 from gpufootprint.probe.livetable import LiveTable
-from gpufootprint.probe.nativecallbacks import Delivery, Walker
+from gpufootprint.probe.nativecallbacks import Delivery, Pairer, Walker
 from gpufootprint.probe.oom import OomWatch
 from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1, RawBufferReader, memory_seen
 from gpufootprint.probe.resync import ResyncSchedule
@@ -52,6 +52,16 @@ def _walker(settings: ProbeSettings) -> Walker | None:
         return Walker()
     except OSError:
         return None  # the buffer callbacks' warning says why (probe/arming.py)
+
+
+def _pairer(settings: ProbeSettings) -> Pairer | None:
+    """The table's pairing of structs in C, where wanted and the library loads (else numpy's sort)."""
+    if not settings.native_pair:
+        return None
+    try:
+        return Pairer()
+    except OSError:
+        return None
 
 
 NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
@@ -78,7 +88,7 @@ class Sender:
         self.intake = Intake(settings, pid, self.counters, self.dropped_by_reason)
         self.packer = self.intake.packer
         self._urgent = threading.Event()  # a mark or a profiler hand-over waits in the queue
-        self.table = LiveTable()
+        self.table = LiveTable(pairer=_pairer(settings))
         # Failed allocations (CUPTI's API records) and PyTorch's OOM notices: probe/oom.py.
         self.oom = OomWatch(clock_ns)
         # PyTorch's figures go out with heartbeats: a reading more often than one a heartbeat is never sent

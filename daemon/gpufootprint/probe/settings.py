@@ -69,6 +69,9 @@ class ProbeSettings(ProbeOptions):
     # copied into its table's queue, the API records' return values looked at); off: walked in C, the rest in
     # numpy (what the probe did before 2026-12-07 evening). Needs native_walk.
     native_read: bool = True
+    # The probe table's pairing of a watermark's MEMORY2 structs by address in one pass of C (the same library,
+    # the GIL let go past PAIR_LETS_GIL_GO structs); off: numpy's sort by address and time, holding the GIL
+    native_pair: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

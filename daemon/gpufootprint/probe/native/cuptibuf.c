@@ -28,7 +28,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define GFP_ABI 4 /* raised at every change of an exported signature: a stale library is refused, not misread */
+#define GFP_ABI 5 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
@@ -352,6 +352,148 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
     }
     summary[0] = (int64_t)kinds;
     return n;
+}
+
+/* A watermark's MEMORY2 structs for the probe's own live table, paired by address in one pass (the table's
+ * numpy path sorts them by address and time, 3-4 ms a watermark of 56,000 records on the development VM, and
+ * holds the GIL for most of it; this runs through a handle that lets the GIL go). Under allocation churn
+ * almost every address is allocated and released within a watermark, and only its last record decides
+ * whether it stays live: the table then changes by a few entries.
+ *
+ * The `n` structs at `structs` are `stride` bytes apart, each with a u64 timestamp at `off_ts`, a u64 address
+ * at `off_addr` and an i32 operation at `off_op`. Only those stamped at or before `cut` with the operation
+ * `op_alloc` or `op_release` are looked at (the others wait for a later watermark, or are not the table's).
+ * Out, each with room for `n`:
+ *   stay[]        the index of each address's last record where it is an allocation (it stays live);
+ *   first_rel[]   the addresses whose first record is a release (it ends a row the table holds, or nothing);
+ *   last_rel[]    the addresses whose last record is a release (their row leaves the table);
+ *   first_alloc[] the addresses whose first record is an allocation (the caller checks none is live already);
+ *   counts[0..4]  how many of each, then the releases that came right after a release of the same address;
+ *   counts[5..7]  the structs stamped at or before `cut`, the index of the first stamped after it (`n` if none),
+ *                 and how many of those after that index are stamped at or before `cut` (0: what waits is the
+ *                 queue's tail, as records come in time order but for CUPTI's per-thread buffers).
+ * Returns 0; 1 where an address is allocated twice in a row (the record-by-record rule decides: nothing out is
+ * meant); 2 where an address's records are not in time order in the queue (CUPTI's per-thread buffers: the
+ * caller sorts); -1 out of memory. Addresses come out in the order first seen. */
+typedef struct {
+    uint64_t addr;
+    uint64_t last_ts;
+    int64_t last_idx;
+    int32_t used, first_op, last_op, pad;
+} gfp_pair_slot;
+
+static uint64_t pair_hash(uint64_t a) {
+    a ^= a >> 33;
+    a *= 0xff51afd7ed558ccdULL;
+    a ^= a >> 33;
+    return a;
+}
+
+static gfp_pair_slot *pair_find(gfp_pair_slot *t, uint64_t mask, uint64_t addr) {
+    for (uint64_t h = pair_hash(addr) & mask;; h = (h + 1) & mask)
+        if (!t[h].used || t[h].addr == addr) return &t[h];
+}
+
+int gfp_pair(const uint8_t *structs, int64_t n, int64_t stride, int64_t off_ts, int64_t off_addr,
+             int64_t off_op, uint64_t cut, int32_t op_alloc, int32_t op_release, int64_t *stay,
+             uint64_t *first_rel, uint64_t *last_rel, uint64_t *first_alloc, int64_t *counts) {
+    uint64_t cap = 4096, used = 0;
+    gfp_pair_slot *t = calloc(cap, sizeof *t);
+    int64_t *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order); /* slots in first-seen order */
+    if (!t || !order) {
+        free(t);
+        free(order);
+        return -1;
+    }
+    int64_t stale = 0, distinct = 0, due = 0, first_waiting = n, due_after = 0;
+    int rc = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *s = structs + (uint64_t)i * (uint64_t)stride;
+        uint64_t ts, addr;
+        int32_t op;
+        memcpy(&ts, s + off_ts, sizeof ts);
+        if (ts > cut) {
+            if (first_waiting == n) first_waiting = i;
+            continue;
+        }
+        due++;
+        due_after += first_waiting < i;
+        memcpy(&op, s + off_op, sizeof op);
+        if (op != op_alloc && op != op_release) continue;
+        memcpy(&addr, s + off_addr, sizeof addr);
+        if (2 * (used + 1) > cap) { /* grow: at most half full */
+            uint64_t ncap = 2 * cap;
+            gfp_pair_slot *nt = calloc(ncap, sizeof *nt);
+            if (!nt) {
+                rc = -1;
+                break;
+            }
+            for (int64_t k = 0; k < distinct; k++) {
+                gfp_pair_slot *from = &t[order[k]];
+                gfp_pair_slot *to = pair_find(nt, ncap - 1, from->addr);
+                *to = *from;
+                order[k] = to - nt;
+            }
+            free(t);
+            t = nt;
+            cap = ncap;
+        }
+        gfp_pair_slot *e = pair_find(t, cap - 1, addr);
+        if (!e->used) {
+            e->used = 1;
+            e->addr = addr;
+            e->first_op = op;
+            order[distinct++] = e - t;
+            used++;
+        } else {
+            if (ts < e->last_ts) {
+                rc = 2;
+                break;
+            }
+            if (op == op_alloc && e->last_op == op_alloc) {
+                rc = 1;
+                break;
+            }
+            stale += op == op_release && e->last_op == op_release;
+        }
+        e->last_op = op;
+        e->last_ts = ts;
+        e->last_idx = i;
+    }
+    if (rc == 0) {
+        int64_t ks = 0, kf = 0, kl = 0, ka = 0;
+        for (int64_t k = 0; k < distinct; k++) {
+            const gfp_pair_slot *e = &t[order[k]];
+            if (e->first_op == op_release) first_rel[kf++] = e->addr;
+            else first_alloc[ka++] = e->addr;
+            if (e->last_op == op_release) last_rel[kl++] = e->addr;
+            else stay[ks++] = e->last_idx;
+        }
+        counts[0] = ks;
+        counts[1] = kf;
+        counts[2] = kl;
+        counts[3] = ka;
+        counts[4] = stale;
+    } else if (rc > 0) { /* stopped early: the due count over the whole queue, for the caller's look at what waits */
+        due = due_after = 0;
+        first_waiting = n;
+        for (int64_t i = 0; i < n; i++) {
+            uint64_t ts;
+            memcpy(&ts, structs + (uint64_t)i * (uint64_t)stride + off_ts, sizeof ts);
+            if (ts > cut) {
+                if (first_waiting == n) first_waiting = i;
+                continue;
+            }
+            due++;
+            due_after += first_waiting < i;
+        }
+    }
+    counts[5] = due;
+    counts[6] = first_waiting;
+    counts[7] = due_after;
+    free(t);
+    free(order);
+    return rc;
 }
 
 /* The sender thread's non-blocking calls on its socket and on its eventfd, for ctypes.PyDLL: they keep the

@@ -1,0 +1,183 @@
+"""The probe table's pairing of a watermark's MEMORY2 structs in C (``gfp_pair``, ``nativecallbacks.Pairer``).
+
+Under cudaMallocAsync a process writes about 57,000 memory records a second, and the probe's own table applied them
+at each watermark with numpy's sort by address and time, holding the GIL for milliseconds. The C pass must leave the
+table exactly as numpy's path does: the same rows in the same order, sums, counters, and the same records waiting.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from gpufootprint.probe import nativecallbacks
+from gpufootprint.probe.livetable import LiveTable
+from gpufootprint.wire import cupti_layout
+
+from tests.unit.test_probe_livetable import _random_stream, _structs, rec
+
+pytestmark = pytest.mark.skipif(not nativecallbacks.available(), reason="the probe's C library was not built")
+
+RAW = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
+
+
+def _state(t: LiveTable) -> tuple[Any, ...]:
+    return (list(t.rows.items()), t.totals(), t.stale_releases, t.lost_releases, t.late_release_repairs,
+            sorted(t.reused.addresses()), t.pending_raw.view().tobytes(), list(t.ranges.items()))
+
+
+def _threads_stream(seed: int) -> tuple[list[tuple], list[int]]:
+    """Several allocating threads, each with addresses of its own and its records in time order, their CUPTI
+    buffers delivered one thread's after another's (what a watermark's queue holds then: every address's
+    records in time order, the queue as a whole not); many addresses, past the C pass's first hash table."""
+    rng = random.Random(seed)
+    threads = rng.choice((1, 2, 4))
+    per_thread: list[list[tuple]] = [[] for _ in range(threads)]
+    ts = 1_000_000
+    spread = rng.choice((50, 3_000, 6_000))  # distinct addresses a thread uses
+    live: list[dict[int, int]] = [{} for _ in range(threads)]
+    for i in range(rng.randrange(2_000, 9_000)):
+        ts += rng.randrange(1, 50)
+        j = rng.randrange(threads)
+        addr = 0x7F00_0000_0000 + (j << 36) + rng.randrange(spread) * 0x200
+        if addr in live[j]:
+            per_thread[j].append(rec(2, addr, live[j].pop(addr), ts, corr=i))
+        else:
+            size = 512 * rng.randrange(1, 9)
+            per_thread[j].append(rec(rng.choice((1, 1, 1, 1, 1, 0)), addr, size, ts, corr=i))  # 0: not the table's
+            live[j][addr] = size
+    # each thread's buffers in turn, a buffer of up to 400 records at a time
+    delivered: list[tuple] = []
+    cursors = [0] * threads
+    while any(c < len(p) for c, p in zip(cursors, per_thread)):
+        j = rng.randrange(threads)
+        take = rng.randrange(1, 400)
+        delivered += per_thread[j][cursors[j]:cursors[j] + take]
+        cursors[j] += take
+    stamps = sorted(r[0] for r in delivered)
+    marks = sorted(rng.sample(stamps, k=rng.randrange(1, 8))) + [ts + 1]
+    return delivered, marks
+
+
+def _pair_both(delivered: list[tuple], watermarks: list[int], rng: random.Random, paths: Counter[str],
+               gap_at: int | None = None) -> None:
+    c_side, numpy_side = LiveTable(pairer=nativecallbacks.Pairer()), LiveTable()
+    for name in ("_apply_paired", "_apply_raw", "_apply_raw_each"):  # which paths the C side took
+        inner = getattr(c_side, name)
+
+        def counted(*args: Any, _inner: Any = inner, _name: str = name) -> Any:
+            paths[_name] += 1
+            return _inner(*args)
+
+        setattr(c_side, name, counted)
+    for name in ("keep", "drop_front"):  # what waits: interleaved (keep) or the queue's tail (drop_front)
+        inner = getattr(c_side.pending_raw, name)
+
+        def counted_queue(*args: Any, _inner: Any = inner, _name: str = name) -> Any:
+            paths[_name] += 1
+            return _inner(*args)
+
+        setattr(c_side.pending_raw, name, counted_queue)
+    at = 0
+    for i, mark in enumerate(watermarks):
+        upto = min(len(delivered), at + rng.randrange(0, 2 * len(delivered) // len(watermarks) + 2))
+        while at < upto:
+            part = delivered[at:min(upto, at + rng.randrange(1, 600))]
+            for table in (c_side, numpy_side):
+                table.add_raw(_structs(part), pid=1)
+            at += len(part)
+        if i == gap_at:  # a profiler gap: torch's segments, and the record-by-record rule from then on
+            segments = [(0, 0x7F00_0000_0000, 0x20_0000)]
+            for table in (c_side, numpy_side):
+                table.split_torch_owned(segments)
+                table.add_torch_segments(segments, mark, pid=1)
+        for table in (c_side, numpy_side):
+            table.advance(mark)
+        assert _state(c_side) == _state(numpy_side), (i, mark)
+    assert c_side.pairer is not None
+    paths["unordered"] += c_side.pairer.unordered  # type: ignore[attr-defined]
+
+
+def test_the_c_pairing_leaves_the_table_as_numpys_sort_does_after_every_watermark() -> None:
+    """Churn delivered out of time order, releases of nothing, addresses allocated again while live (lost and
+    late releases), other operations, several threads' buffers, thousands of addresses, a profiler gap: the
+    same rows in the same order, totals, counters, reused addresses and waiting structs at every watermark."""
+    paths: Counter[str] = Counter()
+    for seed in range(80):
+        delivered, watermarks = _random_stream(seed)
+        _pair_both(delivered, watermarks, random.Random(-seed), paths, gap_at=1 if seed % 7 == 0 else None)
+    for seed in range(40):
+        delivered, watermarks = _threads_stream(seed)
+        _pair_both(delivered, watermarks, random.Random(seed + 500), paths)
+    # every path of the C side was taken, so none of the comparisons above held vacuously
+    assert paths["_apply_paired"] > 50, paths
+    assert paths["unordered"] > 5, paths  # numpy's sort decided
+    assert paths["_apply_raw_each"] > 5, paths  # the record-by-record rule decided (twice, a live address, ranges)
+    assert paths["keep"] > 20 and paths["drop_front"] > 20, paths  # structs waiting among those due, and after
+
+
+def _raw(rows: list[tuple]) -> np.ndarray:
+    return _structs(rows)
+
+
+def test_the_pairer_answers_by_address_in_first_seen_order() -> None:
+    a, b, c = 0x1000, 0x2000, 0x3000
+    rows = [rec(1, a, 8, 10), rec(2, b, 8, 11), rec(1, c, 8, 12), rec(2, a, 8, 13), rec(1, b, 8, 14),
+            rec(2, b, 8, 15), rec(2, b, 8, 16), rec(1, a, 8, 17), rec(1, 0x4000, 8, 99)]
+    paired = nativecallbacks.Pairer()(_raw(rows), 20, 1, 2)
+    assert paired is not None and not paired.twice and not paired.unordered
+    assert paired.stay.tolist() == [7, 2]  # a's last allocation, c's
+    assert paired.first_releases.tolist() == [b]
+    assert paired.last_releases.tolist() == [b]
+    assert paired.first_allocations.tolist() == [a, c]
+    assert paired.repeated_releases == 1  # b released twice in a row
+    # the struct stamped 99 waits: the queue's tail
+    assert (paired.due, paired.first_waiting, paired.due_after_waiting) == (8, 8, 0)
+
+
+def test_the_pairer_says_when_an_address_is_allocated_twice_or_out_of_time_order_and_still_counts_what_is_due() -> None:
+    pair = nativecallbacks.Pairer()
+    twice = pair(_raw([rec(1, 0x10, 8, 10), rec(1, 0x10, 8, 11), rec(2, 0x20, 8, 30), rec(2, 0x30, 8, 12)]), 20, 1, 2)
+    assert twice is not None and twice.twice and not twice.unordered
+    assert (twice.due, twice.first_waiting, twice.due_after_waiting) == (3, 2, 1)
+    late = pair(_raw([rec(1, 0x10, 8, 12), rec(2, 0x10, 8, 11), rec(1, 0x20, 8, 13)]), 20, 1, 2)
+    assert late is not None and late.unordered and not late.twice and late.due == 3
+    assert pair.unordered == 1 and pair.calls == 2
+    # an address's records out of order only past the cut: not looked at
+    fine = pair(_raw([rec(1, 0x10, 8, 12), rec(2, 0x10, 8, 31), rec(2, 0x10, 8, 30)]), 20, 1, 2)
+    assert fine is not None and not fine.unordered and fine.stay.tolist() == [0]
+
+
+def test_the_pairer_grows_its_hash_table_past_thousands_of_addresses_and_lets_the_gil_go_past_its_bound() -> None:
+    n = 3 * nativecallbacks.PAIR_LETS_GIL_GO  # 12,288 distinct addresses: the table starts at 4,096 slots
+    rows = [rec(1, 0x10_0000 + i * 0x100, 8, 10 + i) for i in range(n)]
+    rows += [rec(2, 0x10_0000 + i * 0x100, 8, 10 + n + i) for i in range(0, n, 2)]  # every other one released
+    paired = nativecallbacks.Pairer()(_raw(rows), 10 + 2 * n, 1, 2)
+    assert paired is not None
+    assert paired.stay.tolist() == list(range(1, n, 2))
+    assert paired.last_releases.tolist() == [0x10_0000 + i * 0x100 for i in range(0, n, 2)]
+    assert len(paired.first_allocations) == n and len(paired.first_releases) == 0
+
+
+def test_the_pairer_steps_over_other_operations_and_refuses_structs_not_back_to_back() -> None:
+    pair = nativecallbacks.Pairer()
+    paired = pair(_raw([rec(0, 0x10, 8, 10), rec(3, 0x10, 8, 11), rec(1, 0x10, 8, 12)]), 20, 1, 2)
+    assert paired is not None and paired.stay.tolist() == [2] and paired.due == 3
+    empty = pair(np.zeros(0, RAW), 20, 1, 2)
+    assert empty is not None and (empty.due, empty.first_waiting, len(empty.stay)) == (0, 0, 0)
+    with pytest.raises(ValueError, match="back to back"):
+        pair(_raw([rec(1, 0x10, 8, 10)] * 4)[::2], 20, 1, 2)
+
+
+def test_a_probe_sender_pairs_in_c_where_the_library_loads_and_says_so() -> None:
+    """The sender's table gets the C pairing by default, numpy's with ``native_pair`` off; the heartbeat counts
+    the C passes."""
+    from gpufootprint.probe.sender import _pairer
+    from gpufootprint.probe.settings import ProbeSettings
+
+    assert isinstance(_pairer(ProbeSettings()), nativecallbacks.Pairer)
+    assert _pairer(ProbeSettings(native_pair=False)) is None
+    assert ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_NATIVE_PAIR": "0"}).native_pair is False
