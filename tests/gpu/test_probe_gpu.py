@@ -119,7 +119,8 @@ def check_delivery(daemon: Daemon, scenario: str, env: dict[str, str]) -> None:
                                            "raw_walk_mismatches", "raw_walk_fallbacks", "raw_buffers_unreadable",
                                            "raw_buffers_refused", "raw_foreign_buffers", "packer_bad_records",
                                            "cupti_dropped_records", "records_sent", "callback_seconds",
-                                           "forwarded_buffers", "native_reads")}
+                                           "forwarded_buffers", "native_reads", "native_pairs",
+                                           "native_pairs_unordered")}
         if env.get("GPUFOOTPRINT_PROBE_DELIVERY", "raw") == "raw":
             assert c.get("raw_delivery") == 1, f"{scenario}: raw delivery not registered: {rows[pid]}"
             # CUPTI's threads ran the C buffer callbacks (the library is built into the wheel), unless asked not to
