@@ -159,9 +159,9 @@ class LiveTable:
         ``_apply_by_address``, its answers by address, and the look at what waits in the same pass."""
         due = None if paired.due_after_waiting == 0 else raw["timestamp"] <= ts
         part = raw[:paired.first_waiting] if due is None else raw
-        if paired.due < _BULK_MIN or paired.unordered:
+        if paired.due < _BULK_MIN:
             if paired.due:
-                self._apply_raw(part, due, ts)  # the record-by-record rule, or numpy's sort
+                self._apply_raw(part, due, ts)  # the record-by-record rule
         elif paired.twice or self._paired_conflicts(paired):
             self._apply_raw_each(part if due is None else select(raw, due))
         else:

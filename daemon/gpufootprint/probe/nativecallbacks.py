@@ -92,7 +92,10 @@ def load() -> tuple[Any | None, str]:
         pair.restype = ctypes.c_int
         pair.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                         ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_void_p]
+    lib.gfp_pair_work_bytes.restype = ctypes.c_uint64
+    lib.gfp_pair_work_bytes.argtypes = [ctypes.c_int64]
     return lib, ""
 
 
@@ -123,15 +126,14 @@ PAIR_LETS_GIL_GO = 4096
 
 @dataclass(frozen=True)
 class Paired:
-    """``gfp_pair``'s answer: views into the pairer's arrays, valid until its next call. Where ``twice`` or
-    ``unordered``, only the counts of what is due mean something."""
+    """``gfp_pair``'s answer: views into the pairer's arrays, valid until its next call. Where ``twice``, only the
+    counts of what is due mean something."""
 
     due: int  # structs stamped at or before the cut
     first_waiting: int  # the index of the first stamped after it (the number of structs if none)
     due_after_waiting: int  # structs due after that index (0: what waits is the queue's tail)
-    twice: bool = False  # an address allocated twice in a row: the record-by-record rule decides
-    unordered: bool = False  # an address's records out of time order in the queue: a sort decides
-    stay: np.ndarray = field(default_factory=_none)  # indexes of the allocations that stay live (each address's last record)
+    twice: bool = False  # an address allocated twice in a row (in time order): the record-by-record rule decides
+    stay: np.ndarray = field(default_factory=_none)  # indexes of the allocations that stay live (each address's last)
     first_releases: np.ndarray = field(default_factory=_none)  # addresses whose first record is a release
     last_releases: np.ndarray = field(default_factory=_none)  # addresses whose last record is a release
     first_allocations: np.ndarray = field(default_factory=_none)  # addresses whose first record is an allocation
@@ -139,8 +141,12 @@ class Paired:
 
 
 class Pairer:
-    """The probe table's pairing of a watermark's MEMORY2 structs by address in one pass of C (``gfp_pair``),
-    for ``LiveTable``. None where the library could not allocate its hash table (numpy's sort then decides)."""
+    """The probe table's pairing of a watermark's MEMORY2 structs by address in C (``gfp_pair``: linear in the
+    structs, an address's records sorted by time where CUPTI's per-thread buffers left them out of order), for
+    ``LiveTable``. Its scratch is kept between calls (about 70-140 bytes a struct of the largest watermark of
+    the last ``_SHRINK_EVERY`` calls). One per sender thread: a call uses its arrays."""
+
+    _SHRINK_EVERY = 32
 
     def __init__(self) -> None:
         lib, why = load()
@@ -148,35 +154,65 @@ class Pairer:
             raise OSError(why)
         self._keep = lib.gfp_pair
         self._let_go = _letting_the_gil_go("gfp_pair")
+        self._work_bytes = lib.gfp_pair_work_bytes
+        self._work = np.zeros(0, np.uint8)
         self._out = np.zeros((4, 0), np.uint64)
-        self._counts = np.zeros(8, np.int64)
+        self._counts = np.zeros(9, np.int64)
+        self._peak = 0  # the most work needed since the last look at shrinking
+        self._layouts: dict[np.dtype, tuple[int, int, int, int]] = {}  # itemsize, offsets of time, address, op
+        self._at: tuple[int, ...] | None = None  # work, its bytes, the four out rows, counts: addresses for C
         self.calls = 0
-        self.unordered = 0  # calls that found an address's records out of time order
-        self.failed = 0  # calls whose hash table could not be allocated
+        self.unordered = 0  # calls that found an address's records out of time order in the queue (sorted in C)
+        self.twice = 0  # calls that found an address allocated twice in a row (the record-by-record rule then)
 
     def __call__(self, structs: np.ndarray, cut: int, op_alloc: int, op_release: int) -> Paired | None:
         n = len(structs)
         if not structs.flags.c_contiguous:
             raise ValueError("Pairer: the structs must lie back to back")
-        if self._out.shape[1] < n:
-            self._out = np.zeros((4, max(n, 2 * self._out.shape[1])), np.uint64)
-        fields = structs.dtype.fields
-        assert fields is not None
-        out = self._out
-        rows = [int(out.ctypes.data) + k * out.strides[0] for k in range(4)]
+        if n >= 1 << 31:
+            return None  # past the C pass's 32-bit indexes: numpy's sort
+        self._make_room(n)
+        layout = self._layouts.get(structs.dtype)
+        if layout is None:
+            fields = structs.dtype.fields
+            assert fields is not None
+            layout = self._layouts[structs.dtype] = (structs.dtype.itemsize, fields["timestamp"][1],
+                                                     fields["address"][1], fields["op"][1])
         call = self._let_go if n >= PAIR_LETS_GIL_GO else self._keep
-        rc = int(call(structs.ctypes.data, n, structs.dtype.itemsize, fields["timestamp"][1], fields["address"][1],
-                      fields["op"][1], cut, op_alloc, op_release, *rows, self._counts.ctypes.data))
-        self.calls += 1
+        # the arrays' addresses, kept while the arrays are (numpy's .ctypes costs about 2 us each)
+        assert self._at is not None
+        # .ctypes.data: __array_interface__ describes a structured dtype field by field (about 19 us)
+        rc = int(call(structs.ctypes.data, n, *layout, cut, op_alloc, op_release, *self._at))
+        out = self._out
         if rc < 0:
-            self.failed += 1
-            return None
-        ks, kf, kl, ka, repeated, due, first_waiting, due_after = self._counts.tolist()
-        if rc:
-            self.unordered += rc == 2
-            return Paired(due, first_waiting, due_after, twice=rc == 1, unordered=rc == 2)
+            raise RuntimeError(f"gfp_pair: work of {len(self._work)} bytes refused for {n} structs (rc {rc})")
+        self.calls += 1
+        ks, kf, kl, ka, repeated, due, first_waiting, due_after, unordered = self._counts.tolist()
+        self.unordered += unordered > 0
+        if rc == 1:
+            self.twice += 1
+            return Paired(due, first_waiting, due_after, twice=True)
         return Paired(due, first_waiting, due_after, stay=out[0, :ks].view(np.int64), first_releases=out[1, :kf],
                       last_releases=out[2, :kl], first_allocations=out[3, :ka], repeated_releases=repeated)
+
+    def _make_room(self, n: int) -> None:
+        """Work and out arrays for ``n`` structs; after a burst, every ``_SHRINK_EVERY`` calls, the work shrinks
+        back to what the calls since needed (fresh work is zeroed: the C pass's hash table starts empty)."""
+        need = int(self._work_bytes(n))
+        self._peak = max(self._peak, need)
+        work, out = self._work, self._out
+        if len(self._work) < need:
+            self._work = np.zeros(max(need, 2 * len(self._work)), np.uint8)
+        elif self.calls % self._SHRINK_EVERY == 0:
+            if len(self._work) > 4 * self._peak:
+                self._work = np.zeros(self._peak, np.uint8)
+            self._peak = 0
+        if self._out.shape[1] < n:
+            self._out = np.zeros((4, max(n, 2 * self._out.shape[1])), np.uint64)
+        if self._at is None or work is not self._work or out is not self._out:
+            at = int(self._out.ctypes.data)
+            self._at = (int(self._work.ctypes.data), len(self._work),
+                        *(at + k * self._out.strides[0] for k in range(4)), int(self._counts.ctypes.data))
 
 
 #: Struct size of each CUPTI kind ``cupti_layout.walk`` knows, indexed by kind (0: not known).

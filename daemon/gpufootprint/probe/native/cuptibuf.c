@@ -21,6 +21,7 @@
  * callback signatures are CUPTI's documented ones with its opaque types as void pointers.
  */
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -354,16 +355,21 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
     return n;
 }
 
-/* A watermark's MEMORY2 structs for the probe's own live table, paired by address in one pass (the table's
- * numpy path sorts them by address and time, 3-4 ms a watermark of 56,000 records on the development VM, and
- * holds the GIL for most of it; this runs through a handle that lets the GIL go). Under allocation churn
- * almost every address is allocated and released within a watermark, and only its last record decides
- * whether it stays live: the table then changes by a few entries.
+/* A watermark's MEMORY2 structs for the probe's own live table, paired by address (the table's numpy path sorts
+ * them by address and time: 3-4 ms a watermark of 56,000 records on the development VM, the GIL held for most
+ * of it; this runs through a handle that lets the GIL go, in time linear in the structs). Under allocation churn
+ * almost every address is allocated and released within a watermark, and only its last record decides whether
+ * it stays live: the table then changes by a few entries.
  *
  * The `n` structs at `structs` are `stride` bytes apart, each with a u64 timestamp at `off_ts`, a u64 address
  * at `off_addr` and an i32 operation at `off_op`. Only those stamped at or before `cut` with the operation
  * `op_alloc` or `op_release` are looked at (the others wait for a later watermark, or are not the table's).
- * Out, each with room for `n`:
+ * Each address's records are taken in time order, ties in queue order (numpy's stable lexsort by address and
+ * time does the same): the queue is in time order per CUPTI thread buffer, not across them.
+ *
+ * `work` is zeroed scratch of `work_bytes` (gfp_pair_work_bytes), kept by the caller between calls and given to
+ * one call at a time: nothing is allocated here. Too small, nothing is done, counts[0] says how many bytes are
+ * needed and -3 is returned. Out, each with room for `n`:
  *   stay[]        the index of each address's last record where it is an allocation (it stays live);
  *   first_rel[]   the addresses whose first record is a release (it ends a row the table holds, or nothing);
  *   last_rel[]    the addresses whose last record is a release (their row leaves the table);
@@ -371,15 +377,14 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
  *   counts[0..4]  how many of each, then the releases that came right after a release of the same address;
  *   counts[5..7]  the structs stamped at or before `cut`, the index of the first stamped after it (`n` if none),
  *                 and how many of those after that index are stamped at or before `cut` (0: what waits is the
- *                 queue's tail, as records come in time order but for CUPTI's per-thread buffers).
- * Returns 0; 1 where an address is allocated twice in a row (the record-by-record rule decides: nothing out is
- * meant); 2 where an address's records are not in time order in the queue (CUPTI's per-thread buffers: the
- * caller sorts); -1 out of memory. Addresses come out in the order first seen. */
+ *                 queue's tail);
+ *   counts[8]     the addresses whose records were not in time order in the queue (sorted here).
+ * Returns 0; 1 where an address is allocated twice in a row in time order (the record-by-record rule decides;
+ * of the out arrays only counts[5..8] are meant); -3 as above. Addresses come out in the order first seen. */
 typedef struct {
     uint64_t addr;
-    uint64_t last_ts;
-    int64_t last_idx;
-    int32_t used, first_op, last_op, pad;
+    uint32_t gen; /* the call that filled it (the table is never cleared: a slot of an older call is empty) */
+    int32_t id;   /* the address's number, in the order first seen */
 } gfp_pair_slot;
 
 static uint64_t pair_hash(uint64_t a) {
@@ -389,24 +394,64 @@ static uint64_t pair_hash(uint64_t a) {
     return a;
 }
 
-static gfp_pair_slot *pair_find(gfp_pair_slot *t, uint64_t mask, uint64_t addr) {
-    for (uint64_t h = pair_hash(addr) & mask;; h = (h + 1) & mask)
-        if (!t[h].used || t[h].addr == addr) return &t[h];
+#define GFP_PAIR_HEAD 64 /* the work's first bytes: the last call's generation */
+/* Bytes of work for `cap` slots: the hash table, and for up to cap / 2 records and addresses their arrays. */
+static uint64_t pair_bytes(uint64_t cap) {
+    uint64_t half = cap / 2;
+    return GFP_PAIR_HEAD + cap * sizeof(gfp_pair_slot) + half * (sizeof(uint64_t) + 2 * sizeof(int32_t))
+           + half * (sizeof(uint64_t) + 3 * sizeof(int32_t) + 1);
+}
+
+static uint64_t pair_capacity(int64_t n) { /* slots for n records: a power of two, at most half full */
+    uint64_t cap = 1024;
+    while (cap < 2 * (uint64_t)n) cap *= 2;
+    return cap;
+}
+
+/* The bytes of zeroed scratch gfp_pair needs for `n` structs (a larger one serves too). */
+uint64_t gfp_pair_work_bytes(int64_t n) { return pair_bytes(pair_capacity(n)); }
+
+typedef struct {
+    const uint64_t *ts;
+} pair_order;
+
+static int pair_by_time(const void *x, const void *y, void *ctx) { /* time, then queue order */
+    const uint64_t *ts = ((const pair_order *)ctx)->ts;
+    int32_t a = *(const int32_t *)x, b = *(const int32_t *)y;
+    if (ts[a] != ts[b]) return ts[a] < ts[b] ? -1 : 1;
+    return (a > b) - (a < b);
 }
 
 int gfp_pair(const uint8_t *structs, int64_t n, int64_t stride, int64_t off_ts, int64_t off_addr,
-             int64_t off_op, uint64_t cut, int32_t op_alloc, int32_t op_release, int64_t *stay,
-             uint64_t *first_rel, uint64_t *last_rel, uint64_t *first_alloc, int64_t *counts) {
-    uint64_t cap = 4096, used = 0;
-    gfp_pair_slot *t = calloc(cap, sizeof *t);
-    int64_t *order = malloc((size_t)(n > 0 ? n : 1) * sizeof *order); /* slots in first-seen order */
-    if (!t || !order) {
-        free(t);
-        free(order);
-        return -1;
+             int64_t off_op, uint64_t cut, int32_t op_alloc, int32_t op_release, uint8_t *work,
+             uint64_t work_bytes, int64_t *stay, uint64_t *first_rel, uint64_t *last_rel, uint64_t *first_alloc,
+             int64_t *counts) {
+    /* The layout follows from the work's size alone, so the same bytes are the hash table at every call
+     * (slots of an older call are told apart by their generation, never cleared). */
+    uint64_t cap = 1024;
+    while (pair_bytes(2 * cap) <= work_bytes) cap *= 2;
+    if (n >= INT32_MAX || pair_bytes(cap) > work_bytes || 2 * (uint64_t)n > cap) {
+        counts[0] = (int64_t)gfp_pair_work_bytes(n);
+        return -3;
     }
-    int64_t stale = 0, distinct = 0, due = 0, first_waiting = n, due_after = 0;
-    int rc = 0;
+    uint64_t mask = cap - 1, half = cap / 2;
+    uint32_t *last_gen = (uint32_t *)work;
+    uint32_t gen = ++*last_gen;
+    gfp_pair_slot *table = (gfp_pair_slot *)(work + GFP_PAIR_HEAD);
+    if (gen == 0) { /* wrapped after 2^32 calls: every slot would look filled by some call; clear them once */
+        memset(table, 0, cap * sizeof *table);
+        gen = *last_gen = 1;
+    }
+    uint64_t *addr_of = (uint64_t *)(table + cap);
+    int32_t *count_of = (int32_t *)(addr_of + half);
+    int32_t *start_of = count_of + half;
+    uint64_t *rec_ts = (uint64_t *)(start_of + half);
+    int32_t *rec_id = (int32_t *)(rec_ts + half);
+    int32_t *rec_idx = rec_id + half;
+    int32_t *bucket = rec_idx + half;
+    uint8_t *rec_alloc = (uint8_t *)(bucket + half);
+
+    int64_t due = 0, first_waiting = n, due_after = 0, distinct = 0, k = 0;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *s = structs + (uint64_t)i * (uint64_t)stride;
         uint64_t ts, addr;
@@ -421,79 +466,67 @@ int gfp_pair(const uint8_t *structs, int64_t n, int64_t stride, int64_t off_ts, 
         memcpy(&op, s + off_op, sizeof op);
         if (op != op_alloc && op != op_release) continue;
         memcpy(&addr, s + off_addr, sizeof addr);
-        if (2 * (used + 1) > cap) { /* grow: at most half full */
-            uint64_t ncap = 2 * cap;
-            gfp_pair_slot *nt = calloc(ncap, sizeof *nt);
-            if (!nt) {
-                rc = -1;
-                break;
-            }
-            for (int64_t k = 0; k < distinct; k++) {
-                gfp_pair_slot *from = &t[order[k]];
-                gfp_pair_slot *to = pair_find(nt, ncap - 1, from->addr);
-                *to = *from;
-                order[k] = to - nt;
-            }
-            free(t);
-            t = nt;
-            cap = ncap;
+        uint64_t h = pair_hash(addr) & mask;
+        while (table[h].gen == gen && table[h].addr != addr) h = (h + 1) & mask;
+        if (table[h].gen != gen) {
+            table[h].gen = gen;
+            table[h].addr = addr;
+            table[h].id = (int32_t)distinct;
+            addr_of[distinct] = addr;
+            count_of[distinct] = 0;
+            distinct++;
         }
-        gfp_pair_slot *e = pair_find(t, cap - 1, addr);
-        if (!e->used) {
-            e->used = 1;
-            e->addr = addr;
-            e->first_op = op;
-            order[distinct++] = e - t;
-            used++;
-        } else {
-            if (ts < e->last_ts) {
-                rc = 2;
-                break;
-            }
-            if (op == op_alloc && e->last_op == op_alloc) {
-                rc = 1;
-                break;
-            }
-            stale += op == op_release && e->last_op == op_release;
-        }
-        e->last_op = op;
-        e->last_ts = ts;
-        e->last_idx = i;
-    }
-    if (rc == 0) {
-        int64_t ks = 0, kf = 0, kl = 0, ka = 0;
-        for (int64_t k = 0; k < distinct; k++) {
-            const gfp_pair_slot *e = &t[order[k]];
-            if (e->first_op == op_release) first_rel[kf++] = e->addr;
-            else first_alloc[ka++] = e->addr;
-            if (e->last_op == op_release) last_rel[kl++] = e->addr;
-            else stay[ks++] = e->last_idx;
-        }
-        counts[0] = ks;
-        counts[1] = kf;
-        counts[2] = kl;
-        counts[3] = ka;
-        counts[4] = stale;
-    } else if (rc > 0) { /* stopped early: the due count over the whole queue, for the caller's look at what waits */
-        due = due_after = 0;
-        first_waiting = n;
-        for (int64_t i = 0; i < n; i++) {
-            uint64_t ts;
-            memcpy(&ts, structs + (uint64_t)i * (uint64_t)stride + off_ts, sizeof ts);
-            if (ts > cut) {
-                if (first_waiting == n) first_waiting = i;
-                continue;
-            }
-            due++;
-            due_after += first_waiting < i;
-        }
+        int32_t id = table[h].id;
+        count_of[id]++;
+        rec_ts[k] = ts;
+        rec_id[k] = id;
+        rec_idx[k] = (int32_t)i;
+        rec_alloc[k] = op == op_alloc;
+        k++;
     }
     counts[5] = due;
     counts[6] = first_waiting;
     counts[7] = due_after;
-    free(t);
-    free(order);
-    return rc;
+    /* each address's records together, in queue order (a counting sort by address number) */
+    int32_t at = 0;
+    for (int64_t a = 0; a < distinct; a++) {
+        start_of[a] = at;
+        at += count_of[a];
+    }
+    for (int64_t r = 0; r < k; r++) bucket[start_of[rec_id[r]]++] = (int32_t)r;
+    int64_t ks = 0, kf = 0, kl = 0, ka = 0, repeated = 0, unordered = 0, begin = 0;
+    for (int64_t a = 0; a < distinct; a++) {
+        int32_t *b = bucket + begin;
+        int64_t len = count_of[a];
+        begin += len;
+        int sorted = 1;
+        for (int64_t j = 1; j < len && sorted; j++) sorted = rec_ts[b[j - 1]] <= rec_ts[b[j]];
+        if (!sorted) { /* into time order, ties kept in queue order */
+            pair_order ctx = {rec_ts};
+            unordered++;
+            qsort_r(b, (size_t)len, sizeof *b, pair_by_time, &ctx);
+        }
+        for (int64_t j = 1; j < len; j++) {
+            int prev = rec_alloc[b[j - 1]], cur = rec_alloc[b[j]];
+            if (prev && cur) {
+                counts[8] = unordered;
+                return 1;
+            }
+            repeated += !prev && !cur;
+        }
+        uint64_t addr = addr_of[a];
+        if (rec_alloc[b[0]]) first_alloc[ka++] = addr;
+        else first_rel[kf++] = addr;
+        if (rec_alloc[b[len - 1]]) stay[ks++] = rec_idx[b[len - 1]];
+        else last_rel[kl++] = addr;
+    }
+    counts[0] = ks;
+    counts[1] = kf;
+    counts[2] = kl;
+    counts[3] = ka;
+    counts[4] = repeated;
+    counts[8] = unordered;
+    return 0;
 }
 
 /* The sender thread's non-blocking calls on its socket and on its eventfd, for ctypes.PyDLL: they keep the
