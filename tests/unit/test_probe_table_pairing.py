@@ -7,6 +7,7 @@ table exactly as numpy's path does: the same rows in the same order, sums, count
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from typing import Any
@@ -176,9 +177,9 @@ def _reference(rows: list[tuple], cut: int) -> tuple[Any, ...]:
     for addr, recs in by_addr.items():
         recs.sort()
         ops = [op for _, _, op in recs]
-        if any(a == b == 1 for a, b in zip(ops, ops[1:])):
+        if any(a == b == 1 for a, b in itertools.pairwise(ops)):
             return ("twice",)
-        repeated += sum(a == b == 2 for a, b in zip(ops, ops[1:]))
+        repeated += sum(a == b == 2 for a, b in itertools.pairwise(ops))
         (first_alloc if ops[0] == 1 else first_rel).append(addr)
         if ops[-1] == 1:
             stay.append(recs[-1][1])
@@ -239,3 +240,48 @@ def test_a_probe_sender_pairs_in_c_where_the_library_loads_and_says_so() -> None
     assert isinstance(_pairer(ProbeSettings()), nativecallbacks.Pairer)
     assert _pairer(ProbeSettings(native_pair=False)) is None
     assert ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_NATIVE_PAIR": "0"}).native_pair is False
+
+
+def test_a_failed_allocation_of_the_pairers_arrays_leaves_no_address_of_a_freed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review of 2026-12-07: the work grown, then the answer's array failing (MemoryError under a memory limit,
+    caught by the sender), left the cached address of the freed work for the next call to write its hash table
+    into (a segfault, or the workload's heap corrupted)."""
+    pair = nativecallbacks.Pairer()
+    small = _raw([rec(1, 0x10 + i, 8, 10 + i) for i in range(64)])
+    assert pair(small, 1 << 40, 1, 2) is not None
+    real_zeros = np.zeros
+
+    def failing(shape: Any, dtype: Any = float) -> np.ndarray:
+        if isinstance(shape, tuple):  # the answer's (4, n) array
+            raise MemoryError("out of memory (test)")  # noqa: TRY004 - what numpy raises
+        return real_zeros(shape, dtype)
+
+    big = _raw([rec(1, 0x10_0000 + i * 0x200, 8, 10 + i) for i in range(40_000)])
+    monkeypatch.setattr(nativecallbacks.np, "zeros", failing)
+    with pytest.raises(MemoryError):
+        pair(big, 1 << 40, 1, 2)
+    monkeypatch.undo()
+    assert pair._at is None or pair._at[0] == pair._work.ctypes.data, "an address of freed work kept"
+    again = pair(small, 1 << 40, 1, 2)  # fits the answer's old array: the work's address must be today's
+    assert again is not None and again.stay.tolist() == list(range(64))
+    assert pair._at is not None and pair._at[:2] == (pair._work.ctypes.data, len(pair._work))
+
+
+def test_the_pairers_arrays_shrink_back_after_a_burst() -> None:
+    pair = nativecallbacks.Pairer()
+    pair(_raw([rec(1, 0x10_0000 + i * 0x200, 8, 10 + i) for i in range(50_000)]), 1 << 40, 1, 2)
+    burst_work, burst_out = len(pair._work), pair._out.shape[1]
+    small = _raw([rec(1, 0x10 + i, 8, 10 + i) for i in range(100)])
+    for _ in range(2 * nativecallbacks.Pairer._SHRINK_EVERY):
+        assert pair(small, 1 << 40, 1, 2) is not None
+    assert len(pair._work) * 8 < burst_work and pair._out.shape[1] * 8 < burst_out, (len(pair._work), pair._out.shape)
+
+
+def test_a_cut_outside_the_c_pass_s_range_goes_to_numpy_and_a_float_one_is_taken() -> None:
+    pair = nativecallbacks.Pairer()
+    rows = _raw([rec(1, 0x10, 8, 10), rec(2, 0x10, 8, 20)])
+    assert pair(rows, -1, 1, 2) is None  # before any time: numpy's path says nothing is due
+    paired = pair(rows, 15.0, 1, 2)  # type: ignore[arg-type]
+    assert paired is not None and paired.due == 1 and paired.stay.tolist() == [0]
+    every = pair(rows, 1 << 70, 1, 2)
+    assert every is not None and every.due == 2 and every.last_releases.tolist() == [0x10]

@@ -143,8 +143,8 @@ class Paired:
 class Pairer:
     """The probe table's pairing of a watermark's MEMORY2 structs by address in C (``gfp_pair``: linear in the
     structs, an address's records sorted by time where CUPTI's per-thread buffers left them out of order), for
-    ``LiveTable``. Its scratch is kept between calls (about 70-140 bytes a struct of the largest watermark of
-    the last ``_SHRINK_EVERY`` calls). One per sender thread: a call uses its arrays."""
+    ``LiveTable``. Its scratch is kept between calls (about 70-140 bytes a struct, and 32-64 for the answer, of
+    the largest watermark of the last ``_SHRINK_EVERY`` calls). One per sender thread: a call uses its arrays."""
 
     _SHRINK_EVERY = 32
 
@@ -158,7 +158,8 @@ class Pairer:
         self._work = np.zeros(0, np.uint8)
         self._out = np.zeros((4, 0), np.uint64)
         self._counts = np.zeros(9, np.int64)
-        self._peak = 0  # the most work needed since the last look at shrinking
+        self._peak = self._peak_n = 0  # the most work (bytes) and structs needed since the last look at shrinking
+        self._looks = 0  # calls since then
         self._layouts: dict[np.dtype, tuple[int, int, int, int]] = {}  # itemsize, offsets of time, address, op
         self._at: tuple[int, ...] | None = None  # work, its bytes, the four out rows, counts: addresses for C
         self.calls = 0
@@ -169,8 +170,10 @@ class Pairer:
         n = len(structs)
         if not structs.flags.c_contiguous:
             raise ValueError("Pairer: the structs must lie back to back")
-        if n >= 1 << 31:
-            return None  # past the C pass's 32-bit indexes: numpy's sort
+        cut = int(cut)
+        if n >= (1 << 31) - 1 or cut < 0:
+            return None  # past the C pass's 32-bit indexes, or a cut before any time: numpy's path
+        cut = min(cut, (1 << 64) - 1)
         self._make_room(n)
         layout = self._layouts.get(structs.dtype)
         if layout is None:
@@ -196,20 +199,30 @@ class Pairer:
                       last_releases=out[2, :kl], first_allocations=out[3, :ka], repeated_releases=repeated)
 
     def _make_room(self, n: int) -> None:
-        """Work and out arrays for ``n`` structs; after a burst, every ``_SHRINK_EVERY`` calls, the work shrinks
-        back to what the calls since needed (fresh work is zeroed: the C pass's hash table starts empty)."""
+        """Work and out arrays for ``n`` structs; after a burst, every ``_SHRINK_EVERY`` calls, both shrink back
+        to what the calls since needed (fresh work is zeroed: the C pass's hash table starts empty). The arrays'
+        addresses for C are forgotten before either changes: should an allocation fail (MemoryError, caught by the
+        sender), no address of a freed array is kept for the next call."""
         need = int(self._work_bytes(n))
-        self._peak = max(self._peak, need)
-        work, out = self._work, self._out
-        if len(self._work) < need:
-            self._work = np.zeros(max(need, 2 * len(self._work)), np.uint8)
-        elif self.calls % self._SHRINK_EVERY == 0:
-            if len(self._work) > 4 * self._peak:
-                self._work = np.zeros(self._peak, np.uint8)
-            self._peak = 0
-        if self._out.shape[1] < n:
-            self._out = np.zeros((4, max(n, 2 * self._out.shape[1])), np.uint64)
-        if self._at is None or work is not self._work or out is not self._out:
+        self._peak, self._peak_n = max(self._peak, need), max(self._peak_n, n)
+        work_bytes, out_n = len(self._work), self._out.shape[1]
+        if work_bytes < need:
+            work_bytes = max(need, 2 * work_bytes)
+        if out_n < n:
+            out_n = max(n, 2 * out_n)
+        self._looks += 1
+        if self._looks >= self._SHRINK_EVERY:
+            if work_bytes > 4 * self._peak:
+                work_bytes = self._peak
+            if out_n > 4 * self._peak_n:
+                out_n = self._peak_n
+            self._looks = self._peak = self._peak_n = 0
+        if work_bytes != len(self._work) or out_n != self._out.shape[1] or self._at is None:
+            self._at = None
+            if work_bytes != len(self._work):
+                self._work = np.zeros(work_bytes, np.uint8)
+            if out_n != self._out.shape[1]:
+                self._out = np.zeros((4, out_n), np.uint64)
             at = int(self._out.ctypes.data)
             self._at = (int(self._work.ctypes.data), len(self._work),
                         *(at + k * self._out.strides[0] for k in range(4)), int(self._counts.ctypes.data))
@@ -269,9 +282,10 @@ class Walker:
         keeps of them forgotten: the C code must never write into arrays numpy has freed)."""
         most = valid // _SMALLEST + 1
         if len(self._offsets) < most:
+            # forgotten first: should the second array fail (MemoryError), no address of a freed one is kept
+            self._at = None
             self._offsets = np.empty(most, np.uint32)
             self._scratch = np.empty(most, np.int32)
-            self._at = None
         return most
 
     def _arrays_at(self) -> tuple[int, int, int, int]:

@@ -368,7 +368,7 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
  * time does the same): the queue is in time order per CUPTI thread buffer, not across them.
  *
  * `work` is zeroed scratch of `work_bytes` (gfp_pair_work_bytes), kept by the caller between calls and given to
- * one call at a time: nothing is allocated here. Too small, nothing is done, counts[0] says how many bytes are
+ * one call at a time (nothing is allocated here but what glibc's qsort_r may take for an address to sort). Too small, nothing is done, counts[0] says how many bytes are
  * needed and -3 is returned. Out, each with room for `n`:
  *   stay[]        the index of each address's last record where it is an allocation (it stays live);
  *   first_rel[]   the addresses whose first record is a release (it ends a row the table holds, or nothing);
@@ -434,7 +434,10 @@ int gfp_pair(const uint8_t *structs, int64_t n, int64_t stride, int64_t off_ts, 
         counts[0] = (int64_t)gfp_pair_work_bytes(n);
         return -3;
     }
-    uint64_t mask = cap - 1, half = cap / 2;
+    /* Only the first slots this call needs are probed: after a burst the work (and its table) is far larger
+     * than a watermark's records, and addresses spread over all of it would each miss the caches. A slot past
+     * them, or of an older call, holds an older generation and reads as empty either way. */
+    uint64_t mask = pair_capacity(n) - 1, half = cap / 2;
     uint32_t *last_gen = (uint32_t *)work;
     uint32_t gen = ++*last_gen;
     gfp_pair_slot *table = (gfp_pair_slot *)(work + GFP_PAIR_HEAD);
