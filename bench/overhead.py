@@ -737,7 +737,9 @@ def reanalysed(out_json: str, seed: int) -> dict[str, Any]:
         steps[c] = {}
         for w in ("a", "b"):
             durations = [s[1] for s in raw["steps"][w]]
-            per = len(durations) // rounds
+            per = summary["steps_" + w]
+            if len(durations) != per * rounds:
+                raise SystemExit(f"{out_json}: {c} has {len(durations)} steps of {w}, not {rounds} rounds of {per}")
             steps[c][w] = [durations[r * per:(r + 1) * per] for r in range(rounds)]
     return pooled(steps, list(raws), seed)
 

@@ -3,9 +3,9 @@
 
 The recordings (``tests/data/*.gfp.gz``, the probe's tee) hold the records as the probe's sender packed them,
 in delivery order, and its watermarks; each MEMORY batch goes into the table as CUPTI's MEMORY2 structs
-(``LiveTable.add_raw``, as a forwarded buffer's do) and each WATERMARK advances it. Prints, per file, the
-watermarks the C pass paired, those where it found an address allocated twice in a row in time order (the
-record-by-record rule then), those where it sorted an address's records, and whether both tables ended equal.
+(``LiveTable.add_raw``, as a forwarded buffer's do) and each WATERMARK advances it. Prints, per file, the C
+passes, the watermarks applied as they answered, those each side applied record by record (64 structs or more),
+the passes that sorted an address's records, and whether both tables ended equal.
 
 Usage: python bench/probe_table_replay.py FILE.gfp.gz [...]
 """
@@ -40,16 +40,22 @@ def as_structs(recs: np.ndarray) -> np.ndarray:
 
 
 def replay(path: str) -> dict[str, object]:
+    """Per recording: watermarks; C passes (a queue of 64 structs or more); watermarks applied as the C pass
+    answered (``paired_in_c``); watermarks each side applied record by record (an address allocated twice in a
+    row, or one already live: both sides must decide the same); C passes that sorted an address's records; and
+    whether the two tables ended equal."""
     pairer = nativecallbacks.Pairer()
-    answers: Counter[str] = Counter()
+    c_side, numpy_side = LiveTable(pairer=pairer), LiveTable()
+    by_record: dict[str, int] = {"c": 0, "numpy": 0}
+    for name, table in (("c", c_side), ("numpy", numpy_side)):
+        inner = table._apply_raw_each
 
-    def counted(*args: object) -> object:
-        paired = pairer(*args)  # type: ignore[arg-type]
-        if paired is not None:
-            answers["twice" if paired.twice else "paired"] += 1
-        return paired
+        def counted(ready: np.ndarray, _inner: object = inner, _name: str = name) -> None:
+            if len(ready) >= 64:  # the bulk path's bound: below it both sides go record by record
+                by_record[_name] += 1
+            _inner(ready)  # type: ignore[operator]
 
-    c_side, numpy_side = LiveTable(pairer=counted), LiveTable()
+        table._apply_raw_each = counted  # type: ignore[method-assign]
     watermarks = 0
     for frame in TraceFile(path).frames():
         if frame.type is FrameType.BATCH and RecordKind(frame.tag) == RecordKind.MEMORY:
@@ -60,8 +66,9 @@ def replay(path: str) -> dict[str, object]:
             watermarks += 1
             for table in (c_side, numpy_side):
                 table.advance(frame.watermark())
-    return {"watermarks": watermarks, "c_passes": pairer.calls, "paired": answers["paired"],
-            "twice": answers["twice"], "sorted_an_address": pairer.unordered,
+    return {"watermarks": watermarks, "c_passes": pairer.calls, "applied_in_c": getattr(c_side, "paired_in_c", None),  # None: a tree before it was counted
+            "record_by_record_c": by_record["c"], "record_by_record_numpy": by_record["numpy"],
+            "sorted_an_address": pairer.unordered,
             "tables_equal": list(c_side.rows.items()) == list(numpy_side.rows.items())
             and c_side.totals() == numpy_side.totals() and c_side.stale_releases == numpy_side.stale_releases}
 

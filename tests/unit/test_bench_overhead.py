@@ -347,7 +347,7 @@ def test_the_p99_interval_resamples_rounds_and_excludes_one_only_where_the_slow_
     assert lo < 1.0 < hi, rows["aa"]["b"]
     # the same from a run's files: the summary's rounds and every step in order, with its start
     out = tmp_path / "run.json"
-    out.write_text(json.dumps({"rounds": 40}))
+    out.write_text(json.dumps({"rounds": 40, "steps_a": 50, "steps_b": 50}))
     with gzip.open(str(out) + ".steps.json.gz", "wt") as f:
         json.dump({c: {"steps": {w: [[0.0, t] for r in by_w[w] for t in r] for w in ("a", "b")}, "windows": []}
                    for c, by_w in steps.items()}, f)

@@ -291,8 +291,9 @@ def test_a_cut_outside_the_c_pass_s_range_goes_to_numpy_and_a_float_one_is_taken
                                        "h200_survive_threads_async", "h100_native_probe_churn_nocache"])
 def test_real_churn_recordings_pair_in_c_at_every_watermark_and_end_as_numpys_table(recording: str) -> None:
     """The H100 and H200 recordings of allocation churn (cudaMallocAsync, caching off, four threads), their
-    memory records as forwarded structs: every watermark the C pass takes is paired there (an address's
-    records out of time order sorted, none sent back to Python's loop), and the table ends as numpy's."""
+    memory records as forwarded structs: the C pass sends a watermark to Python's record-by-record loop only where
+    numpy's path does too (the first version sent most of them there: an allocation twice in queue order, not in
+    time), applies the rest as it answers, and the table ends as numpy's."""
     from pathlib import Path
 
     from tests.script_module import load_script
@@ -300,4 +301,5 @@ def test_real_churn_recordings_pair_in_c_at_every_watermark_and_end_as_numpys_ta
     root = Path(__file__).resolve().parents[2]
     replay = load_script(root / "bench" / "probe_table_replay.py", "bench_probe_table_replay")
     got = replay.replay(str(root / "tests" / "data" / f"{recording}.gfp.gz"))
-    assert got["tables_equal"] and got["c_passes"] >= 5 and got["paired"] == got["c_passes"], got
+    assert got["tables_equal"] and got["applied_in_c"] >= 3, got
+    assert got["record_by_record_c"] == got["record_by_record_numpy"] <= 1, got

@@ -73,7 +73,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "native_callbacks": 1 if raw is not None and raw.native else 0,
         "native_callbacks_unavailable": c["native_callbacks_unavailable"], "native_walks": c["native_walks"],
         "native_reads": c["native_reads"],
-        "native_pairs": p.table.pairer.calls if isinstance(p.table.pairer, Pairer) else 0,
+        "native_pairs": p.table.paired_in_c,
         "native_pairs_unordered": p.table.pairer.unordered if isinstance(p.table.pairer, Pairer) else 0,
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],

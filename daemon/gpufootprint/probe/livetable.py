@@ -68,10 +68,12 @@ class LiveTable:
     # VM, the GIL held) landed in a workload's step once a second. ``ranges`` are few and walked.
     _sums: dict[tuple[int, int], list[int]] = field(default_factory=dict, init=False, repr=False, compare=False)
     # The pairing of a watermark's structs by address in one pass of C (nativecallbacks.Pairer), where the probe's
-    # library loaded: numpy's sort by address and time held the GIL 3-4 ms a watermark of 56,000 records (the
-    # development VM; cudaMallocAsync's churn), landing in one of the workload's steps every second. None: numpy.
+    # library loaded: numpy's sort by address and time took 2.0-3.2 ms a watermark of 56,000 records on the
+    # development VM (6.3-6.9 beside a busy thread), most of it with the GIL held, once a second in whatever step
+    # the workload was in. None: numpy.
     pairer: Callable[[np.ndarray, int, int, int], Paired | None] | None = field(default=None, repr=False,
                                                                                 compare=False)
+    paired_in_c: int = 0  # watermarks whose structs the C pass paired and this table applied as it answered
 
     def __post_init__(self) -> None:
         self._recount()  # a table made with rows already in it
@@ -166,6 +168,7 @@ class LiveTable:
             self._apply_raw_each(part if due is None else select(raw, due))
         else:
             self._apply_paired(raw, paired)
+            self.paired_in_c += 1
         if due is None:
             self.pending_raw.drop_front(paired.first_waiting)
         else:

@@ -356,8 +356,8 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
 }
 
 /* A watermark's MEMORY2 structs for the probe's own live table, paired by address (the table's numpy path sorts
- * them by address and time: 3-4 ms a watermark of 56,000 records on the development VM, the GIL held for most
- * of it; this runs through a handle that lets the GIL go, in time linear in the structs). Under allocation churn
+ * them by address and time: 2.0-3.2 ms a watermark of 56,000 records on the development VM, the GIL held for
+ * most of it; this runs through a handle that lets the GIL go, in time linear in the structs). Under allocation churn
  * almost every address is allocated and released within a watermark, and only its last record decides whether
  * it stays live: the table then changes by a few entries.
  *
