@@ -27,7 +27,8 @@
 # (535 s stopped it at 56: 60 need about 580, so drop a group or give it the whole 600) and cudaMallocAsync
 # with 12 workers 5.7 s (60 rounds in 371 s after a 30 s start).
 # On H200 36476aa1 (2026-12-07, run 63) cudaMallocAsync with 14 workers took 8.5 s a round (470 s stopped it at 55,
-# round 0 at 34 s): 60 rounds of 14 workers do not fit a call there; 12 workers, or 10, with about 480.
+# round 0 at 34 s): 60 rounds of 14 workers do not fit a call there; 12 workers, or 10, with about 480. Or two calls
+# of 30 rounds on one warm machine, pooled: python bench/overhead.py --reanalyse A.json B.json (one GPU, one commit).
 # The device's copy of the tree may carry a stale git HEAD: build the wheel with its commit beside it,
 #   rm -rf dist && python -m build --wheel -o dist && git rev-parse --short HEAD > dist/COMMIT
 # and the summary names that commit (GPUFOOTPRINT_COMMIT) and the machine file the wheel's sha256.

@@ -725,9 +725,9 @@ def expand(spec: str) -> list[str]:
     return out
 
 
-def reanalysed(out_json: str, seed: int) -> dict[str, Any]:
-    """``pooled`` of a finished run, from its summary (the rounds) and its steps (every step of every worker in
-    order, each round's ``steps_a`` and ``steps_b`` in turn)."""
+def run_steps(out_json: str) -> dict[str, dict[str, list[list[float]]]]:
+    """A finished run's steps by configuration, workload and round, from its summary (the rounds, the steps a round)
+    and its steps file (every step of every worker in order, each round's ``steps_a`` and ``steps_b`` in turn)."""
     summary = json.loads(Path(out_json).read_text())
     with gzip.open(out_json + ".steps.json.gz", "rt") as f:
         raws = json.load(f)
@@ -741,7 +741,31 @@ def reanalysed(out_json: str, seed: int) -> dict[str, Any]:
             if len(durations) != per * rounds:
                 raise SystemExit(f"{out_json}: {c} has {len(durations)} steps of {w}, not {rounds} rounds of {per}")
             steps[c][w] = [durations[r * per:(r + 1) * per] for r in range(rounds)]
-    return pooled(steps, list(raws), seed)
+    return steps
+
+
+def reanalysed(out_jsons: str | list[str], seed: int) -> dict[str, Any]:
+    """``pooled`` of one finished run, or of several runs of the same configurations and steps a round, their
+    rounds one after another: a verdict of 60 rounds (or a p99 interval narrow enough for its goal) from calls that
+    each hold fewer, on one machine (the workers differ from call to call: their own biases then average out too)."""
+    files = [out_jsons] if isinstance(out_jsons, str) else out_jsons
+    steps: dict[str, dict[str, list[list[float]]]] = {}
+    # one machine and one commit: runs of different machines are a range, never pooled
+    first = json.loads(Path(files[0]).read_text()).get("machine", {})
+    for out_json in files[1:]:
+        other = json.loads(Path(out_json).read_text()).get("machine", {})
+        for key in ("gpus", "commit"):
+            if other.get(key) != first.get(key):
+                raise SystemExit(f"{out_json}: {key} {other.get(key)} is not {files[0]}'s {first.get(key)}")
+    for out_json in files:
+        one = run_steps(out_json)
+        if steps and (set(one) != set(steps) or any(len(one[c][w][0]) != len(steps[c][w][0])
+                                                    for c in one for w in ("a", "b"))):
+            raise SystemExit(f"{out_json}: not the configurations and steps a round of {files[0]}")
+        for c, by_w in one.items():
+            for w, rounds in by_w.items():
+                steps.setdefault(c, {}).setdefault(w, []).extend(rounds)
+    return pooled(steps, list(steps), seed)
 
 
 def verdict_table(pooled_rows: dict[str, Any]) -> str:
@@ -798,12 +822,16 @@ def main() -> int:
                          "nocache (PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
     ap.add_argument("--pin", type=int, default=2,
                     help="run every worker on the same N CPUs, the parent on the others (0: no pinning)")
-    ap.add_argument("--reanalyse", metavar="OUT_JSON",
+    ap.add_argument("--reanalyse", metavar="OUT_JSON", nargs="+",
                     help="print the verdict table of a finished run again from its --out file and the steps beside "
-                         "it (OUT_JSON.steps.json.gz), with today's analysis (e.g. the p99's interval)")
+                         "it (OUT_JSON.steps.json.gz), with today's analysis (e.g. the p99's interval); several runs "
+                         "of the same configurations on one machine: their rounds pooled")
     args = ap.parse_args()
     if args.reanalyse:
-        print(verdict_table(reanalysed(args.reanalyse, args.seed)))
+        rows = reanalysed(args.reanalyse, args.seed)
+        print(verdict_table(rows))
+        rounds = [json.loads(Path(f).read_text())["rounds"] for f in args.reanalyse]
+        print(f"rounds: {sum(rounds)} ({' + '.join(map(str, rounds))}, pooled from {len(rounds)} run(s))")
         return 0
     if args.worker:
         worker(args.worker, args.socket, args.steps_a, args.steps_b, args.cpus)

@@ -354,3 +354,35 @@ def test_the_p99_interval_resamples_rounds_and_excludes_one_only_where_the_slow_
     again = ov.reanalysed(str(out), seed=0)
     assert again["probe"]["a"]["p99_vs_cupti_floor_ci95"] == rows["probe"]["a"]["p99_vs_cupti_floor_ci95"]
     assert "p99 ci95" in ov.verdict_table(again)
+
+
+def test_runs_of_one_machine_pool_their_rounds_and_runs_of_two_machines_are_refused(tmp_path: Path) -> None:
+    """Two calls of 20 rounds each read as the one run of 40 they make together; a run of another GPU or commit is
+    not pooled with them (figures of different machines are a range)."""
+    import gzip
+    import json
+    import random
+
+    import pytest
+
+    ov = _overhead()
+    rng = random.Random(5)
+    configs = ("none", "none#2", "aa", "aa#2", "cupti_floor", "cupti_floor#2", "probe", "probe#2")
+    whole = {c: {w: [[1e-3 * (1 + rng.random() * 0.1) for _ in range(10)] for _ in range(40)] for w in ("a", "b")}
+             for c in configs}
+    machine = {"gpus": ["NVIDIA H200, GPU-1"], "commit": "abc"}
+
+    def write(name: str, rounds: slice, mach: dict[str, Any]) -> str:
+        out = tmp_path / name
+        part = {c: {w: whole[c][w][rounds] for w in ("a", "b")} for c in configs}
+        out.write_text(json.dumps({"rounds": len(part["none"]["a"]), "steps_a": 10, "steps_b": 10, "machine": mach}))
+        with gzip.open(str(out) + ".steps.json.gz", "wt") as f:
+            json.dump({c: {"steps": {w: [[0.0, t] for r in by_w[w] for t in r] for w in ("a", "b")}, "windows": []}
+                       for c, by_w in part.items()}, f)
+        return str(out)
+
+    one, two = write("one.json", slice(0, 20), machine), write("two.json", slice(20, 40), machine)
+    assert ov.reanalysed([one, two], seed=0) == ov.pooled(whole, list(configs), seed=0)
+    other = write("other.json", slice(20, 40), {**machine, "gpus": ["NVIDIA H100, GPU-2"]})
+    with pytest.raises(SystemExit, match="gpus"):
+        ov.reanalysed([one, other], seed=0)
