@@ -303,3 +303,20 @@ def test_real_churn_recordings_pair_in_c_at_every_watermark_and_end_as_numpys_ta
     got = replay.replay(str(root / "tests" / "data" / f"{recording}.gfp.gz"))
     assert got["tables_equal"] and got["applied_in_c"] >= 3, got
     assert got["record_by_record_c"] == got["record_by_record_numpy"] <= 1, got
+
+
+def test_the_heartbeat_counts_watermarks_applied_in_c_and_those_sent_to_the_record_by_record_rule() -> None:
+    from gpufootprint.probe.core import Probe
+    from gpufootprint.probe.settings import ProbeSettings
+
+    sender = Probe(ProbeSettings()).sender
+    churn = [rec(1 + i % 2, 0x10_0000 + (i // 2) * 0x200, 8, 10 + i) for i in range(200)]
+    sender.table.add_raw(_raw(churn), pid=1)
+    sender._advance_table(1_000)
+    lost = [rec(1, 0x20_0000, 8, 2_000), rec(1, 0x20_0000, 8, 2_001)]  # a release CUPTI never wrote
+    sender.table.add_raw(_raw(lost + [rec(1 + i % 2, 0x30_0000 + (i // 2) * 0x200, 8, 2_002 + i) for i in range(100)]),
+                         pid=1)
+    sender._advance_table(3_000)
+    c = sender._counter_values()
+    assert (c["native_pairs"], c["native_pairs_twice"], c["native_pairs_unordered"]) == (1, 1, 0), c
+    assert c["native_read_retries"] == 0

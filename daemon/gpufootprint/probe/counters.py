@@ -38,6 +38,9 @@ class CounterSources(Protocol):
     @property
     def forward_seconds(self) -> float: ...
 
+    @property
+    def native_read_retries(self) -> int: ...
+
 
 def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int | None) -> dict[str, Any]:
     """Every counter, by the name the daemon knows it by (``cupti_dropped`` None: not read this time)."""
@@ -72,9 +75,10 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "bulk_records": packer.bulk_records, "raw_delivery": 1 if raw is not None else 0,
         "native_callbacks": 1 if raw is not None and raw.native else 0,
         "native_callbacks_unavailable": c["native_callbacks_unavailable"], "native_walks": c["native_walks"],
-        "native_reads": c["native_reads"],
+        "native_reads": c["native_reads"], "native_read_retries": p.native_read_retries,
         "native_pairs": p.table.paired_in_c,
         "native_pairs_unordered": p.table.pairer.unordered if isinstance(p.table.pairer, Pairer) else 0,
+        "native_pairs_twice": p.table.pairer.twice if isinstance(p.table.pairer, Pairer) else 0,
         "raw_delivery_unavailable": c["raw_delivery_unavailable"],
         "raw_buffers": c["raw_buffers"], "raw_records": c["raw_records"],
         "raw_buffers_refused": raw.refused if raw else 0,

@@ -149,6 +149,12 @@ class Sender:
         """CPU time framing forwarded buffers (part of callback_seconds)."""
         return self._raw_reader.forward_seconds
 
+    @property
+    def native_read_retries(self) -> int:
+        """Forwarded buffers the C read took twice: their MEMORY2 structs did not fit the queue's room as it was."""
+        walker = self._raw_reader.walker
+        return walker.retries if walker is not None else 0
+
     def _raw_buffer(self, address: int, valid: int) -> None:
         """Read one CUPTI buffer (probe/rawreader.py) and give it back; its CPU time counts as callback time."""
         t0 = time.thread_time()
