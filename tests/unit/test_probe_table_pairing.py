@@ -232,13 +232,12 @@ def test_the_pairer_steps_over_other_operations_and_refuses_structs_not_back_to_
 
 
 def test_a_probe_sender_pairs_in_c_where_the_library_loads_and_says_so() -> None:
-    """The sender's table gets the C pairing by default, numpy's with ``native_pair`` off; the heartbeat counts
-    the C passes."""
-    from gpufootprint.probe.sender import _pairer
+    """The sender's table gets the C pairing by default, numpy's with ``native_pair`` off."""
+    from gpufootprint.probe.core import Probe
     from gpufootprint.probe.settings import ProbeSettings
 
-    assert isinstance(_pairer(ProbeSettings()), nativecallbacks.Pairer)
-    assert _pairer(ProbeSettings(native_pair=False)) is None
+    assert isinstance(Probe(ProbeSettings()).sender.table.pairer, nativecallbacks.Pairer)
+    assert Probe(ProbeSettings(native_pair=False)).sender.table.pairer is None
     assert ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_NATIVE_PAIR": "0"}).native_pair is False
 
 

@@ -130,17 +130,16 @@ class LiveTable:
             # What waits is the queue's tail (records come in time order but for CUPTI's thread buffers
             # and calls in flight): only the due head is sorted and applied, and the tail stays in place.
             if waiting:
-                self._apply_raw(raw[:waiting], None, ts)
+                self._apply_raw(raw[:waiting], None)
         else:
-            self._apply_raw(raw, due, ts)
+            self._apply_raw(raw, due)
         if every:
             self.pending_raw.clear()
         else:
             self.pending_raw.keep(~due)
 
-    def _apply_raw(self, raw: np.ndarray, due: np.ndarray | None, ts: int) -> None:
-        """Apply the structs of ``raw`` (those where ``due``, which are those stamped at or before ``ts``;
-        None: all) in time order."""
+    def _apply_raw(self, raw: np.ndarray, due: np.ndarray | None) -> None:
+        """Apply the structs of ``raw`` (those where ``due``; None: all) in time order."""
         n = len(raw) if due is None else int(np.count_nonzero(due))
         if n < _BULK_MIN or self.ranges:
             self._apply_raw_each(raw if due is None else select(raw, due))
@@ -163,7 +162,7 @@ class LiveTable:
         part = raw[:paired.first_waiting] if due is None else raw
         if paired.due < _BULK_MIN:
             if paired.due:
-                self._apply_raw(part, due, ts)  # the record-by-record rule
+                self._apply_raw(part, due)  # the record-by-record rule
         elif paired.twice or self._paired_conflicts(paired):
             self._apply_raw_each(part if due is None else select(raw, due))
         else:

@@ -115,6 +115,14 @@ def available() -> bool:
     return load()[0] is not None
 
 
+def loaded() -> Any:
+    """The library, bound; OSError saying why where it is missing or did not load."""
+    lib, why = load()
+    if lib is None:
+        raise OSError(why)
+    return lib
+
+
 def _none() -> np.ndarray:
     return np.zeros(0, np.uint64)
 
@@ -149,9 +157,7 @@ class Pairer:
     _SHRINK_EVERY = 32
 
     def __init__(self) -> None:
-        lib, why = load()
-        if lib is None:
-            raise OSError(why)
+        lib = loaded()
         self._keep = lib.gfp_pair
         self._let_go = _letting_the_gil_go("gfp_pair")
         self._work_bytes = lib.gfp_pair_work_bytes
@@ -182,9 +188,8 @@ class Pairer:
             layout = self._layouts[structs.dtype] = (structs.dtype.itemsize, fields["timestamp"][1],
                                                      fields["address"][1], fields["op"][1])
         call = self._let_go if n >= PAIR_LETS_GIL_GO else self._keep
-        # the arrays' addresses, kept while the arrays are (numpy's .ctypes costs about 2 us each)
-        assert self._at is not None
-        # .ctypes.data: __array_interface__ describes a structured dtype field by field (about 19 us)
+        assert self._at is not None  # the pairer's own arrays' addresses, kept while the arrays are (_make_room)
+        # the structs' through .ctypes.data: __array_interface__ describes a structured dtype field by field (19 us)
         rc = int(call(structs.ctypes.data, n, *layout, cut, op_alloc, op_release, *self._at))
         out = self._out
         if rc < 0:
@@ -241,9 +246,7 @@ class Walker:
     CUPTI's, then have their say). One per sender thread: it reuses its arrays."""
 
     def __init__(self) -> None:
-        lib, why = load()
-        if lib is None:
-            raise OSError(why)
+        lib = loaded()
         self._walk = lib.gfp_walk
         self._walk_long = _letting_the_gil_go("gfp_walk")
         self._read = lib.gfp_read
@@ -375,9 +378,7 @@ class NativeDelivery:
     native = True
 
     def __init__(self, buffer_bytes: int, max_buffers: int, wake_fd: int) -> None:
-        lib, why = load()
-        if lib is None:
-            raise OSError(why)
+        lib = loaded()
         self._lib = lib
         self.buffer_bytes = buffer_bytes
         self.max_buffers = max(2, max_buffers)

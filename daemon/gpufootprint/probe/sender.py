@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,23 +43,16 @@ from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, RecordKind
 from gpufootprint.wire import framing
 from gpufootprint.wire.framing import Frame, FrameType
 
+T = TypeVar("T")
 
-def _walker(settings: ProbeSettings) -> Walker | None:
-    """The C walk of CUPTI's buffers, where wanted and the library loads (else the Python walk)."""
-    if not settings.native_walk:
+
+def _native(wanted: bool, part: type[T]) -> T | None:
+    """A part of the probe in C (the walk of CUPTI's buffers, the table's pairing), where wanted and the library
+    loads; else None and the Python or numpy way (the buffer callbacks' warning says why: probe/arming.py)."""
+    if not wanted:
         return None
     try:
-        return Walker()
-    except OSError:
-        return None  # the buffer callbacks' warning says why (probe/arming.py)
-
-
-def _pairer(settings: ProbeSettings) -> Pairer | None:
-    """The table's pairing of structs in C, where wanted and the library loads (else numpy's sort)."""
-    if not settings.native_pair:
-        return None
-    try:
-        return Pairer()
+        return part()
     except OSError:
         return None
 
@@ -88,7 +81,7 @@ class Sender:
         self.intake = Intake(settings, pid, self.counters, self.dropped_by_reason)
         self.packer = self.intake.packer
         self._urgent = threading.Event()  # a mark or a profiler hand-over waits in the queue
-        self.table = LiveTable(pairer=_pairer(settings))
+        self.table = LiveTable(pairer=_native(settings.native_pair, Pairer))
         # Failed allocations (CUPTI's API records) and PyTorch's OOM notices: probe/oom.py.
         self.oom = OomWatch(clock_ns)
         # PyTorch's figures go out with heartbeats: a reading more often than one a heartbeat is never sent
@@ -129,7 +122,7 @@ class Sender:
         self._raw_reader = RawBufferReader(
             pid=pid, verify_walk=settings.raw_verify_walk, packer=self.packer, table=self.table, oom=self.oom,
             cupti=self.cupti, resyncs=self.resyncs, counters=self.counters,
-            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_walker(settings), errors=self.errors,
+            dropped_by_reason=self.dropped_by_reason, clock_ns=clock_ns, walker=_native(settings.native_walk, Walker), errors=self.errors,
             native_read=settings.native_read)
         # Ordering: a WATERMARK says every record stamped at or before it was sent. The one sent
         # after a forced flush is the time of the forced flush before it, not this one's: a record
