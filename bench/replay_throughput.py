@@ -21,7 +21,7 @@ Inputs (written once, by the working tree's own writers, into a temporary direct
 Each worker also returns a digest of the marks the replay produced: a variant whose marks
 differ from the base's is reported (exactness is checked by the same run).
 
-Usage: python bench/replay_throughput.py [--base REV] [--rounds R] [--cases a,b] [--json OUT]
+Usage: python bench/replay_throughput.py [--base REV | --base-tree DIR] [--rounds R] [--cases a,b] [--json OUT]
 """
 
 from __future__ import annotations
@@ -227,6 +227,17 @@ def run_worker(src: Path, path: Path, footprint_only: bool) -> dict[str, Any]:
 # --- the side-by-side run ------------------------------------------------------------------------------------
 
 
+def cpu_model() -> str:
+    """The CPU's model name, for the figure's machine (per-CPU-second rates differ by model)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def checkout(rev: str, tmp: Path) -> Path:
     """The revision's files, unpacked with ``git archive`` (a ``git worktree add`` would register a
     worktree in the repository others share while the bench runs)."""
@@ -240,6 +251,9 @@ def checkout(rev: str, tmp: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the baseline (default HEAD)")
+    ap.add_argument("--base-tree", metavar="DIR",
+                    help="the baseline's files already unpacked (a machine without the repository's history, such "
+                         "as the lent GPU host: `git archive REV | tar -x -C DIR` here, DIR carried there)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES))
     ap.add_argument("--records", type=int, default=1_000_000, help="records in the native churn trace")
@@ -255,12 +269,16 @@ def main() -> int:
     unknown = set(args.cases) - set(CASES)
     if unknown:
         ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
-    base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], check=True,
-                              capture_output=True, text=True).stdout.strip()
+    if args.base_tree:
+        stamp_file = Path(args.base_tree) / "COMMIT"
+        base_rev = stamp_file.read_text().strip() if stamp_file.exists() else str(args.base_tree)
+    else:
+        base_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.base], check=True,
+                                  capture_output=True, text=True).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="gfp-replay-bench-"))
     base_src: Path | None = None
     try:
-        base_src = checkout(args.base, tmp)
+        base_src = Path(args.base_tree).resolve() if args.base_tree else checkout(args.base, tmp)
         inputs = make_inputs(tmp, args)
         variants = {"base": base_src, "new": ROOT, "new'": ROOT}  # new' = the A/A control
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {v: [] for v in variants} for c in args.cases}
@@ -294,10 +312,10 @@ def main() -> int:
                   f"{'identical' if same else 'DIFFER'} ({runs[case]['new'][0]['marks']} marks)")
         import numpy as np
 
-        machine = (f"{platform.machine()} {os.cpu_count()} cpus, Python {platform.python_version()}, "
+        machine = (f"{platform.machine()} {os.cpu_count()} cpus ({cpu_model()}), Python {platform.python_version()}, "
                    f"numpy {np.__version__}")
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        print(f"base {base_rev} ({args.base}); new = working tree; {args.rounds} rounds interleaved; {stamp}; {machine}")
+        print(f"base {base_rev} ({args.base_tree or args.base}); new = working tree; {args.rounds} rounds interleaved; {stamp}; {machine}")
         if args.json:
             Path(args.json).write_text(json.dumps({"date": stamp, "machine": machine, "base": base_rev,
                                                    "command": " ".join(sys.argv), "results": results}, indent=1))
