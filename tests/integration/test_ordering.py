@@ -30,10 +30,13 @@ def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_n
     _twice(lambda where: _churn_across_threads(where, forward), tmp_path)
 
 
-def _twice(run: Callable[[Path], str | None], tmp_path: Path) -> None:
-    """``run`` in a fresh folder until it holds, two tries at most (the tests that call it say why)."""
+def _twice(run: Callable[[Path], str | None], tmp_path: Path, tries: int = 2, pause_s: float = 0.0) -> None:
+    """``run`` in a fresh folder until it holds, two tries at most (the tests that call it say why), or
+    ``tries``, ``pause_s`` apart (a neighbour's busy spell on a shared machine is often longer than one try)."""
     failures = []
-    for attempt in range(2):
+    for attempt in range(tries):
+        if attempt and pause_s:
+            time.sleep(pause_s)
         where = tmp_path / f"try{attempt}"
         where.mkdir()
         failure = run(where)
@@ -165,10 +168,15 @@ def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_k
     compiled = shim.build(tmp_path) if shim.compiler() else None
     if compiled is None:
         pytest.skip("no C compiler for tests/native/cupti_threads.c (CUPTI's thread, without the GIL)")
-    # Two tries: on a 2-core test machine whose other test worker is busy too, the daemon itself can be
-    # starved (it did not keep up twice in about eight full runs on 2026-12-07). The fault this test found
-    # failed every run (three of three on 20c0614), so a second try hides no regression of it.
-    _twice(lambda where: _bursts_behind_busy_threads(where, compiled), tmp_path)
+    # Three tries, 3 s apart: on a 2-core test machine whose other test worker is busy too, the probe's own
+    # process is starved. Beside four to six CPU-bound processes (2026-12-07, the 2-core VM) 15 tries of 60
+    # dropped records (4 of 8 beside six with the tree before the C pairing, 0fc1bae^); beside six, with the
+    # probe's process reniced to -15, 0 of 6; with the daemon's threads reniced, 2 of 6: the sender behind
+    # the two GIL-holding threads, not the daemon, falls behind when the CPU is not to be had
+    # (docs/known-issues.md). A suite run failed both of two back-to-back tries once (2026-12-07 19:40 UTC),
+    # a neighbour's busy spell outlasting both. The fault this test found failed every run (three of three
+    # on 20c0614), so more tries hide no regression of it.
+    _twice(lambda where: _bursts_behind_busy_threads(where, compiled), tmp_path, tries=3, pause_s=3.0)
 
 
 def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
