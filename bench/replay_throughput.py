@@ -220,7 +220,10 @@ def run_worker(src: Path, path: Path, footprint_only: bool) -> dict[str, Any]:
     # One BLAS thread: a run on 2026-12-06 saw OpenBLAS's pool busy inside one variant's timed replays only
     # (CPU time above wall time); the daemon makes no BLAS call, so this only removes that noise.
     env = {**os.environ, "PYTHONPATH": "", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    if out.returncode != 0:  # the worker's own words, not only its exit status
+        raise SystemExit(f"replay_throughput: the worker replaying {path} with {src} failed "
+                         f"(exit {out.returncode}): {out.stderr.strip()[-1500:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
