@@ -102,6 +102,15 @@ def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_
     kernel's buffer for the socket (about 200 KiB) did not take at once."""
     with tempfile.TemporaryDirectory() as tmp:
         link, peer, server = _connected(tmp, sends)
+        waits: list[int] = []
+        if sends == "c":  # the wait for room is one call of the C library's gfp_pump, the GIL let go
+            pump = link._pump
+            assert pump is not None
+
+            def counted(*args: Any) -> int:
+                waits.append(args[2])
+                return int(pump(*args))
+            link._pump = counted
         data = os.urandom(4 << 20)
         assert link.put_parts(framing.cupti_buffer_parts(1, data), records=1)
         # GIVEN no reader: the pump without a wait leaves most of it, and one that may wait 50 ms returns
@@ -129,8 +138,10 @@ def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_
         link.pump(5.0)
         took = time.monotonic() - t0
         reader.join(10)
-        # THEN nothing is left, in well under the bound, and the reader has the frame whole
+        # THEN nothing is left, in well under the bound, and the reader has the frame whole (a reader thread
+        # of this process, which needs the GIL: a wait that held it would have kept it from reading)
         assert link.buffered == 0 and took < 4.0, (link.buffered, took)
+        assert (len(waits) >= 2) == (sends == "c"), waits
         frames = FrameDecoder().feed(bytes(got))
         assert [bytes(framing.cupti_buffer(f)[1]) for f in frames if f.type is FrameType.CUPTI_BUFFER] == [data]
         # AND a reader that goes away ends a waiting pump with the link closed, its frames counted lost
@@ -251,3 +262,20 @@ def test_the_wakeups_clear_through_the_c_library_takes_a_set_and_is_quiet_when_n
     assert time.monotonic() - t >= 0.04  # cleared: the wait runs to its bound
     wake.clear()  # nothing set: returns at once, raises nothing
     wake.close()
+
+
+@pytest.mark.skipif(not nativecallbacks.available(), reason=f"no C library: {nativecallbacks.load()[1]}")
+def test_the_sender_waits_for_its_sockets_room_in_c_by_default_and_in_python_with_native_pump_off(
+        tmp_path: Path) -> None:
+    from gpufootprint.probe.sender import Sender
+    from gpufootprint.probe.settings import ProbeSettings
+
+    path = str(tmp_path / "none.sock")
+    by_default = Sender(ProbeSettings(socket=path), None, os.getpid(), time.time_ns, None)
+    assert by_default.link is not None and by_default.link._pump is not None
+    off = ProbeSettings.from_env({"GPUFOOTPRINT_PROBE_NATIVE_PUMP": "0"})
+    assert off.native_pump is False
+    python_wait = Sender(ProbeSettings(socket=path, native_pump=False), None, os.getpid(), time.time_ns, None)
+    assert python_wait.link is not None and python_wait.link._pump is None
+    no_library = Sender(ProbeSettings(socket=path, native_callbacks=False), None, os.getpid(), time.time_ns, None)
+    assert no_library.link is not None and no_library.link._pump is None

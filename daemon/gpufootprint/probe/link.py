@@ -70,11 +70,14 @@ class FileSink:
 class SocketLink:
     def __init__(self, path: str, *, buffer_bytes: int, backoff_max_s: float,
                  on_control: Callable[[Frame], None], clock: Callable[[], float] = time.monotonic,
-                 native: Any = None) -> None:
+                 native: Any = None, native_pump: bool = True) -> None:
         self.path = path
         # The probe's C library (nativecallbacks.load), through ctypes.PyDLL: non-blocking send and recv that keep
         # the GIL (None: Python's socket calls, which let it go and must win it back behind busy threads).
         self._native = native
+        # The same library's wait for the socket's room through ctypes.CDLL: the GIL let go once for the whole
+        # wait, not at each poll (nativecallbacks.load binds it; None without the library or with native_pump off)
+        self._pump = getattr(native, "gfp_pump_nogil", None) if native_pump else None
         self._rbuf = bytearray(_RECV_BYTES)
         # held for the link's life: the bytearray cannot be resized (nor its memory move) while it is
         self._rpin = (ctypes.c_char * _RECV_BYTES).from_buffer(self._rbuf) if native else None
@@ -187,6 +190,14 @@ class SocketLink:
                     left = end - self._clock()
                     if left <= 0:
                         break
+                    if self._pump is not None:
+                        n = self._wait_and_send(sock, left)
+                        if n <= 0:
+                            break  # the wait ran out with nothing taken
+                        del self._out[:n]
+                        self.bytes_sent += n
+                        self._sent(n)
+                        continue
                     if poller is None:
                         poller = select.poll()
                         poller.register(sock, select.POLLOUT)
@@ -227,6 +238,23 @@ class SocketLink:
             head = ctypes.c_char.from_buffer(view)  # its address; let go before the view is
             try:
                 n = int(self._native.gfp_send(sock.fileno(), ctypes.addressof(head), min(len(view), _SEND_MOST)))
+            finally:
+                del head
+        return _checked(n)
+
+    def _wait_and_send(self, sock: socket.socket, wait_s: float) -> int:
+        """What waits, sent as the socket finds room, for up to ``wait_s``, in one C call that lets the GIL go
+        (``gfp_pump``): the bytes sent (0: none in that time). Behind busy Python threads each wait for room
+        in Python won the GIL back after it, up to a switch interval, longer where the CPU is shared, for about
+        200 KiB a wait (what the kernel holds of a Unix socket); a CUPTI burst of several MB needs many."""
+        assert self._pump is not None
+        # Only this (the sender's) thread touches the buffer; the view's export keeps it from being resized or
+        # moved while the call runs without the GIL.
+        with memoryview(self._out) as view:
+            head = ctypes.c_char.from_buffer(view)
+            try:
+                n = int(self._pump(sock.fileno(), ctypes.addressof(head), len(view),
+                                   max(1, math.ceil(wait_s * 1000))))
             finally:
                 del head
         return _checked(n)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 5  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
+_ABI = 6  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
@@ -76,6 +76,11 @@ def load() -> tuple[Any | None, str]:
     for io in (lib.gfp_send, lib.gfp_recv):
         io.restype = ctypes.c_int64
         io.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64]
+    # (gfp_pump waits: only through CDLL, bound beside the rest; probe/link.py reads it as gfp_pump_nogil)
+    pump = _letting_the_gil_go("gfp_pump")
+    pump.restype = ctypes.c_int64
+    pump.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32]
+    lib.gfp_pump_nogil = pump  # type: ignore[attr-defined]
     lib.gfp_eventfd_clear.restype = ctypes.c_int
     lib.gfp_eventfd_clear.argtypes = [ctypes.c_int]
     for walk in (lib.gfp_walk, _letting_the_gil_go("gfp_walk")):
@@ -103,7 +108,7 @@ def load() -> tuple[Any | None, str]:
 def _letting_the_gil_go(name: str) -> Any:
     """``gfp_walk``, ``gfp_read`` or ``gfp_pair`` through a CDLL handle of the same library: for buffers past
     ``WALK_KEEPS_GIL_BYTES``, whose walk (6.5 ms at 16 MiB, 75 ms at 256 MiB on the development VM) is longer
-    than a switch interval."""
+    than a switch interval; ``gfp_pump``, which waits for a socket's room, only ever so."""
     return getattr(ctypes.CDLL(str(LIBRARY)), name)
 
 

@@ -95,7 +95,7 @@ class Sender:
         if settings.socket:
             self.link = SocketLink(settings.socket, buffer_bytes=settings.buffer_bytes,
                                    backoff_max_s=settings.reconnect_max_ms / 1000, on_control=self._control,
-                                   native=native)
+                                   native=native, native_pump=settings.native_pump)
         self.tee: FileSink | None = None
         self.table_seconds = 0.0  # CPU time applying records to the probe's own table (at watermarks)
         self.own_device_bytes = 0

@@ -72,6 +72,10 @@ class ProbeSettings(ProbeOptions):
     # The probe table's pairing of a watermark's MEMORY2 structs by address in one pass of C (the same library,
     # the GIL let go past PAIR_LETS_GIL_GO structs); off: numpy's sort by address and time, holding the GIL
     native_pair: bool = True
+    # The sender's wait for its socket's room, once the socket took what it would at once, in one C call of the
+    # same library that lets the GIL go for the whole wait; off: Python's poll, which let it go and won it back
+    # at each wait for room (about 200 KiB a wait behind busy threads; before 2026-12-07 night)
+    native_pump: bool = True
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

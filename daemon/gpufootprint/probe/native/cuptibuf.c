@@ -22,14 +22,16 @@
  */
 #include <errno.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
-#define GFP_ABI 5 /* raised at every change of an exported signature: a stale library is refused, not misread */
+#define GFP_ABI 6 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
@@ -539,6 +541,50 @@ int gfp_pair(const uint8_t *structs, int64_t n, int64_t stride, int64_t off_ts, 
 int64_t gfp_send(int fd, const uint8_t *buf, uint64_t len) {
     ssize_t n = send(fd, buf, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
     return n < 0 ? -(int64_t)errno : (int64_t)n;
+}
+
+/* gfp_pump: for ctypes.CDLL, which lets the GIL go for the whole call: send buf[0:len) to fd, waiting for room
+ * (poll) up to timeout_ms in all. The sender calls it only once the socket took all it would at once (gfp_send,
+ * GIL kept), for what still waits: in Python each wait for room let the GIL go and won it back, behind busy
+ * Python threads up to a switch interval each time and longer on a CPU that is not to be had, about 200 KiB
+ * (what the kernel holds of a Unix socket) a wait. Returns the bytes sent (0: none, the time ran out), or
+ * -errno where the socket failed before any was (after some, their count: the next call meets the error). */
+#define GFP_PUMP_SEND_MOST (1u << 20)
+
+static int64_t elapsed_ms(const struct timespec *since) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)(now.tv_sec - since->tv_sec) * 1000 + (now.tv_nsec - since->tv_nsec) / 1000000;
+}
+
+int64_t gfp_pump(int fd, const uint8_t *buf, uint64_t len, int32_t timeout_ms) {
+    struct timespec began;
+    clock_gettime(CLOCK_MONOTONIC, &began);
+    uint64_t sent = 0;
+    while (sent < len) {
+        uint64_t chunk = len - sent < GFP_PUMP_SEND_MOST ? len - sent : GFP_PUMP_SEND_MOST;
+        ssize_t n = send(fd, buf + sent, (size_t)chunk, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) {
+            sent += (uint64_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return sent ? (int64_t)sent : -(int64_t)errno;
+        if (n == 0)
+            break;
+        int64_t left = (int64_t)timeout_ms - elapsed_ms(&began);
+        if (left <= 0)
+            break;
+        struct pollfd want = {.fd = fd, .events = POLLOUT, .revents = 0};
+        int ready = poll(&want, 1, (int)(left < INT_MAX ? left : INT_MAX));
+        if (ready < 0 && errno != EINTR)
+            return sent ? (int64_t)sent : -(int64_t)errno;
+        if (ready > 0 && (want.revents & (POLLERR | POLLHUP | POLLNVAL)) && !(want.revents & POLLOUT))
+            break; /* the next send says what went wrong */
+    }
+    return (int64_t)sent;
 }
 
 int64_t gfp_recv(int fd, uint8_t *buf, uint64_t len) {
