@@ -30,8 +30,13 @@ SENDS = ["python", pytest.param("c", marks=pytest.mark.skipif(
     not nativecallbacks.available(), reason=f"no C library: {nativecallbacks.load()[1]}"))]
 
 
+#: ... and the library's send with Python's wait for the socket's room (native_pump off, the probe before gfp_pump)
+WAITS = [*SENDS, pytest.param("c_python_wait", marks=pytest.mark.skipif(
+    not nativecallbacks.available(), reason=f"no C library: {nativecallbacks.load()[1]}"))]
+
+
 def _native(sends: str) -> Any:
-    return nativecallbacks.load()[0] if sends == "c" else None
+    return nativecallbacks.load()[0] if sends in ("c", "c_python_wait") else None
 
 
 def _connected(tmp: str, sends: str = "python") -> tuple[SocketLink, socket.socket, socket.socket]:
@@ -40,7 +45,8 @@ def _connected(tmp: str, sends: str = "python") -> tuple[SocketLink, socket.sock
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
-    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None, native=_native(sends))
+    link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None, native=_native(sends),
+                      native_pump=sends != "c_python_wait")
     assert link.try_connect()
     peer, _ = server.accept()
     return link, peer, server
@@ -96,7 +102,7 @@ def test_a_cupti_buffer_without_a_checksum_is_read_only_where_the_stream_allows_
     assert decoder.feed(PREAMBLE + bytes(checked)) == [] and "checksum mismatch" in str(decoder.error)
 
 
-@pytest.mark.parametrize("sends", SENDS)
+@pytest.mark.parametrize("sends", WAITS)
 def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_than_its_bound(sends: str) -> None:
     """A wake's pump may wait for the socket (the GIL let go) instead of leaving to the next wake what the
     kernel's buffer for the socket (about 200 KiB) did not take at once."""
@@ -279,3 +285,48 @@ def test_the_sender_waits_for_its_sockets_room_in_c_by_default_and_in_python_wit
     assert python_wait.link is not None and python_wait.link._pump is None
     no_library = Sender(ProbeSettings(socket=path, native_callbacks=False), None, os.getpid(), time.time_ns, None)
     assert no_library.link is not None and no_library.link._pump is None
+
+
+@pytest.mark.skipif(not nativecallbacks.available(), reason=f"no C library: {nativecallbacks.load()[1]}")
+def test_the_c_wait_for_room_returns_what_it_sent_stops_at_its_bound_and_names_a_peer_that_went() -> None:
+    import ctypes
+    import errno
+
+    pump = nativecallbacks.loaded().gfp_pump_nogil
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    data = ctypes.create_string_buffer(os.urandom(4 << 20), 4 << 20)
+    # a reader that takes it all: every byte sent in one call, well inside the bound
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(data):
+            got.extend(theirs.recv(1 << 16))
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert pump(ours.fileno(), ctypes.addressof(data), len(data), 10_000) == len(data)
+    reader.join(10)
+    assert bytes(got) == data.raw
+    # no reader: it returns what the socket took, once its bound has passed (never earlier)
+    t0 = time.monotonic()
+    first = pump(ours.fileno(), ctypes.addressof(data), len(data), 50)
+    took = time.monotonic() - t0
+    assert 0 < first < len(data) and 0.05 <= took < 1.0, (first, took)
+    assert pump(ours.fileno(), ctypes.addressof(data), len(data), 1) == 0  # full: nothing, at its bound
+    assert pump(ours.fileno(), ctypes.addressof(data), 0, 100) == 0  # nothing to send: nothing done
+    ours.close()
+    theirs.close()
+    # a peer that goes while it waits: -EPIPE as soon as it has gone, not 0 at the bound (a fresh socket filled
+    # to the brim 64 KiB at a time: poll then says hang-up without room to write)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    while True:
+        try:
+            ours.send(b"x" * 65_536)
+        except BlockingIOError:
+            break
+    threading.Timer(0.05, theirs.close).start()
+    t0 = time.monotonic()
+    assert pump(ours.fileno(), ctypes.addressof(data), len(data), 5_000) == -errno.EPIPE
+    assert time.monotonic() - t0 < 2.0
+    ours.close()

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 _SEND_MOST = 1 << 20  # bytes offered to one send
 _RECV_BYTES = 1 << 16  # control frames read at a time
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
+_WAIT_MOST_MS = (1 << 31) - 1  # gfp_pump's timeout is a C int32 of milliseconds
 
 
 class Sink(Protocol):
@@ -254,7 +255,7 @@ class SocketLink:
             head = ctypes.c_char.from_buffer(view)
             try:
                 n = int(self._pump(sock.fileno(), ctypes.addressof(head), len(view),
-                                   max(1, math.ceil(wait_s * 1000))))
+                                   min(max(1, math.ceil(wait_s * 1000)), _WAIT_MOST_MS)))
             finally:
                 del head
         return _checked(n)

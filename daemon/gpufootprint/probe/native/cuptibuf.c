@@ -548,32 +548,36 @@ int64_t gfp_send(int fd, const uint8_t *buf, uint64_t len) {
  * GIL kept), for what still waits: in Python each wait for room let the GIL go and won it back, behind busy
  * Python threads up to a switch interval each time and longer on a CPU that is not to be had, about 200 KiB
  * (what the kernel holds of a Unix socket) a wait. Returns the bytes sent (0: none, the time ran out), or
- * -errno where the socket failed before any was (after some, their count: the next call meets the error). */
+ * -errno where the socket failed before any was (after some, their count: the next call meets the error;
+ * a hang-up or error poll reports is asked of one more send, so that it is -errno, not 0). */
 #define GFP_PUMP_SEND_MOST (1u << 20)
 
 static int64_t elapsed_ms(const struct timespec *since) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    return (int64_t)(now.tv_sec - since->tv_sec) * 1000 + (now.tv_nsec - since->tv_nsec) / 1000000;
+    int64_t ns = (int64_t)(now.tv_sec - since->tv_sec) * 1000000000LL + (now.tv_nsec - since->tv_nsec);
+    return ns / 1000000; /* whole milliseconds gone: never ends a wait early */
 }
 
 int64_t gfp_pump(int fd, const uint8_t *buf, uint64_t len, int32_t timeout_ms) {
     struct timespec began;
     clock_gettime(CLOCK_MONOTONIC, &began);
     uint64_t sent = 0;
+    int told = 0; /* poll reported a hang-up or error: the next send's answer is the last word */
     while (sent < len) {
         uint64_t chunk = len - sent < GFP_PUMP_SEND_MOST ? len - sent : GFP_PUMP_SEND_MOST;
         ssize_t n = send(fd, buf + sent, (size_t)chunk, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (n > 0) {
             sent += (uint64_t)n;
+            told = 0;
             continue;
         }
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
             return sent ? (int64_t)sent : -(int64_t)errno;
-        if (n == 0)
-            break;
+        if (n == 0 || told)
+            break; /* (told: poll said the socket failed, yet send has no error to give: nothing more to wait for) */
         int64_t left = (int64_t)timeout_ms - elapsed_ms(&began);
         if (left <= 0)
             break;
@@ -582,7 +586,7 @@ int64_t gfp_pump(int fd, const uint8_t *buf, uint64_t len, int32_t timeout_ms) {
         if (ready < 0 && errno != EINTR)
             return sent ? (int64_t)sent : -(int64_t)errno;
         if (ready > 0 && (want.revents & (POLLERR | POLLHUP | POLLNVAL)) && !(want.revents & POLLOUT))
-            break; /* the next send says what went wrong */
+            told = 1; /* the next send says what went wrong */
     }
     return (int64_t)sent;
 }
