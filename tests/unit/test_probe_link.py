@@ -330,3 +330,37 @@ def test_the_c_wait_for_room_returns_what_it_sent_stops_at_its_bound_and_names_a
     assert pump(ours.fileno(), ctypes.addressof(data), len(data), 5_000) == -errno.EPIPE
     assert time.monotonic() - t0 < 2.0
     ours.close()
+
+
+@pytest.mark.parametrize("sends", WAITS)
+def test_a_drain_at_exit_delivers_what_is_buffered_to_a_reader_and_returns_at_its_bound_without_one(
+        sends: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        link, peer, server = _connected(tmp, sends)
+        data = os.urandom(6 << 20)
+        assert link.put_parts(framing.cupti_buffer_parts(1, data), records=1)
+        # no reader: it gives up at its bound, the frame still held
+        t0 = time.monotonic()
+        link.drain(0.1)
+        assert 0.09 <= time.monotonic() - t0 < 1.0 and link.buffered > 4 << 20
+        # a reader (a Python thread of this process: the drain's wait lets the GIL go) gets all of it
+        got = bytearray()
+
+        def read() -> None:
+            peer.settimeout(5)
+            while len(got) < link._put_total:
+                chunk = peer.recv(1 << 16)
+                if not chunk:
+                    return
+                got.extend(chunk)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        link.drain(5.0)
+        reader.join(10)
+        assert link.buffered == 0
+        frames = FrameDecoder().feed(bytes(got))
+        assert [bytes(framing.cupti_buffer(f)[1]) for f in frames if f.type is FrameType.CUPTI_BUFFER] == [data]
+        link.close("test")
+        peer.close()
+        server.close()
