@@ -52,6 +52,29 @@ def _connected(tmp: str, sends: str = "python") -> tuple[SocketLink, socket.sock
     return link, peer, server
 
 
+def _reading(peer: socket.socket, link: SocketLink) -> tuple[threading.Thread, bytearray]:
+    """A reader of ``peer`` (a Python thread of this process, so it needs the GIL), started: it takes 64 KiB at a
+    time until it has all the link was given; (the thread, what it got)."""
+    got = bytearray()
+
+    def read() -> None:
+        peer.settimeout(5)
+        while len(got) < link._put_total:
+            chunk = peer.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader, got
+
+
+def _buffers(got: bytes) -> list[bytes]:
+    """The CUPTI buffers' bytes in a stream of frames, in order."""
+    return [bytes(framing.cupti_buffer(f)[1]) for f in FrameDecoder().feed(got) if f.type is FrameType.CUPTI_BUFFER]
+
+
 @pytest.mark.parametrize("sends", SENDS)
 def test_frames_put_in_parts_reach_a_slow_reader_whole_and_in_order(sends: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,18 +151,7 @@ def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_
         assert 0.04 <= time.monotonic() - t0 < 1.0 and link.buffered > 2 << 20
         # WHEN a reader takes it, 64 KiB at a time: one pump that may wait 5 s sends it all, and returns
         # as soon as it has
-        got = bytearray()
-
-        def read() -> None:
-            peer.settimeout(5)
-            while len(got) < link._put_total:
-                chunk = peer.recv(1 << 16)
-                if not chunk:
-                    return
-                got.extend(chunk)
-
-        reader = threading.Thread(target=read)
-        reader.start()
+        reader, got = _reading(peer, link)
         t0 = time.monotonic()
         link.pump(5.0)
         took = time.monotonic() - t0
@@ -148,8 +160,7 @@ def test_a_pump_that_may_wait_sends_what_a_reader_takes_meanwhile_and_no_longer_
         # of this process, which needs the GIL: a wait that held it would have kept it from reading)
         assert link.buffered == 0 and took < 4.0, (link.buffered, took)
         assert (len(waits) >= 2) == (sends == "c"), waits
-        frames = FrameDecoder().feed(bytes(got))
-        assert [bytes(framing.cupti_buffer(f)[1]) for f in frames if f.type is FrameType.CUPTI_BUFFER] == [data]
+        assert _buffers(bytes(got)) == [data]
         # AND a reader that goes away ends a waiting pump with the link closed, its frames counted lost
         assert link.put_parts(framing.cupti_buffer_parts(2, data), records=7)
         peer.close()
@@ -344,23 +355,11 @@ def test_a_drain_at_exit_delivers_what_is_buffered_to_a_reader_and_returns_at_it
         link.drain(0.1)
         assert 0.09 <= time.monotonic() - t0 < 1.0 and link.buffered > 4 << 20
         # a reader (a Python thread of this process: the drain's wait lets the GIL go) gets all of it
-        got = bytearray()
-
-        def read() -> None:
-            peer.settimeout(5)
-            while len(got) < link._put_total:
-                chunk = peer.recv(1 << 16)
-                if not chunk:
-                    return
-                got.extend(chunk)
-
-        reader = threading.Thread(target=read)
-        reader.start()
+        reader, got = _reading(peer, link)
         link.drain(5.0)
         reader.join(10)
         assert link.buffered == 0
-        frames = FrameDecoder().feed(bytes(got))
-        assert [bytes(framing.cupti_buffer(f)[1]) for f in frames if f.type is FrameType.CUPTI_BUFFER] == [data]
+        assert _buffers(bytes(got)) == [data]
         link.close("test")
         peer.close()
         server.close()

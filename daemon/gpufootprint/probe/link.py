@@ -191,19 +191,13 @@ class SocketLink:
                     left = end - self._clock()
                     if left <= 0:
                         break
-                    if self._pump is not None:
-                        n = self._wait_and_send(sock, left)
-                        if n <= 0:
-                            break  # the wait ran out with nothing taken
-                        del self._out[:n]
-                        self.bytes_sent += n
-                        self._sent(n)
+                    if self._pump is None:
+                        if poller is None:
+                            poller = select.poll()
+                            poller.register(sock, select.POLLOUT)
+                        poller.poll(max(1, math.ceil(left * 1000)))  # poll's unit is the millisecond
                         continue
-                    if poller is None:
-                        poller = select.poll()
-                        poller.register(sock, select.POLLOUT)
-                    poller.poll(max(1, math.ceil(left * 1000)))  # poll's unit is the millisecond
-                    continue
+                    n = self._wait_and_send(sock, left)  # 0: the wait ran out with nothing taken
                 if n <= 0:
                     break
                 del self._out[:n]
