@@ -145,6 +145,9 @@ PROBE_CONFIGS: dict[str, dict[str, Any]] = {
     # The sender's wait for its socket's room in Python's poll, the GIL won back at each wait (before 2026-12-07
     # night), not in one C call that lets it go for the whole wait.
     "probe_python_pump": {"native_pump": False},
+    # CUPTI's buffers read, framed and queued by the probe's C forwarder thread, the sender waking for the frames in
+    # bulk (off by default until measured here: docs/performance.md, "The C forwarder").
+    "probe_native_forward": {"native_forward": True},
 }
 # Arguments of probe.start beside the settings.
 START_ARGS: dict[str, dict[str, Any]] = {"probe_no_discover": {"discover_devices": False}}
@@ -192,7 +195,7 @@ VERSUS: dict[str, list[str]] = {"probe": ["probe_kernel_windows_off", "probe_no_
                                          "probe_windows_2steps", "probe_switch_sender", "probe_uncoalesced",
                                          "probe_torch_numbers", "probe_torch_numbers_old", "probe_no_untracked",
                                          "probe_python_callbacks", "probe_python_walk", "probe_python_read",
-                                         "probe_python_pair", "probe_python_pump"],
+                                         "probe_python_pair", "probe_python_pump", "probe_native_forward"],
                           "cupti_floor": ["cupti_floor_python_callbacks"],
                           "probe_python_callbacks": ["cupti_floor_python_callbacks"]}
 # none_b: a second uninstrumented worker. Its ratio to none is what the method reads with no

@@ -147,12 +147,35 @@ def stream(fake: probe_fakes.FakeRawCupti, seconds: float, mb_per_s: float) -> N
     fake.stream_refused_buffers = getattr(fake, "stream_refused_buffers", 0) + refused  # the test's own
 
 
+SPUN: list[int] = []  # each spinner's loops (bench/probe_forwarder.py: how far the "workload" got)
+CPU_AT: dict[str, dict[str, float]] = {}  # the "cpu:NAME" steps' readings
+
+
 def _spin(seconds: float) -> None:
     """A Python thread that holds the GIL whenever it runs, as a framework's threads do between calls."""
     end = time.monotonic() + seconds
     n = 0
     while time.monotonic() < end:
-        n += sum(range(200))
+        n += sum(range(200)) > 0
+    SPUN.append(n)
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads (Linux): Python's by their names (the sender's is
+    ``gpufootprint-probe``), the others by the kernel's (``gfp-forwarder``, the C forwarder's)."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                stat = fh.read()
+            name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    except OSError:
+        pass
+    return out
 
 
 def main() -> int:
@@ -260,6 +283,8 @@ def main() -> int:
             while not probe.current().sender._forward and time.monotonic() < end:
                 time.sleep(0.01)
             waited[op] = time.perf_counter() - t
+        elif op == "cpu":  # the threads' CPU seconds now, kept under the step's name (bench/probe_forwarder.py)
+            CPU_AT[arg] = _thread_cpu()
         elif op == "connected":
             end = time.monotonic() + 20
             before = probe.status()["resyncs"]
@@ -271,9 +296,11 @@ def main() -> int:
     # The final flush and GOODBYE before the status is read: probe.stop() waits 3 s for them, which a
     # busy machine (a suite run on every core) can outlast; the status would then be read mid-way.
     cur = probe.current()
+    cpu = _thread_cpu()  # before the stop joins the sender
     if cur is not None:
         cur.stop(timeout=60)
     print(json.dumps({"status": probe.status(), "errors": cur.errors if cur is not None else [], "start_s": start_s, "workload_s": workload_s, "waited": waited,
+                      "spun": sum(SPUN), "thread_cpu": cpu, "cpu_at": CPU_AT,
                       "lost_while_disabled": fake.lost_while_disabled, "enabled_ever": sorted(fake.enabled_ever),
                       "fake": {k: getattr(fake, k) for k in ("full_buffers", "partial_buffers", "flushes",
                                                              "buffers_delivered", "refused_records",

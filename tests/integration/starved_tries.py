@@ -61,7 +61,7 @@ def main() -> int:
         where = base / f"try{i}"
         where.mkdir()
         try:
-            failure = t._bursts_behind_busy_threads(where, compiled)
+            failure = t._bursts_behind_busy_threads(where, compiled, **env)
         except Exception as exc:  # noqa: BLE001 - a try that could not finish is reported as such
             failure = f"{exc!r}"
         finally:

@@ -93,16 +93,21 @@ def test_a_driver_level_oom_is_counted_logged_captured_and_shown(daemon: Any, tm
     assert [e["action"] for e in snap["device_traces"][0]][-1] == "oom"
 
 
-def test_a_runtime_oom_is_seen_with_the_defaults_while_buffers_are_forwarded(daemon: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_forward", ["0", "1"], ids=["read_by_the_sender", "by_the_c_forwarder"])
+def test_a_runtime_oom_is_seen_with_the_defaults_while_buffers_are_forwarded(daemon: Any, tmp_path: Path,
+                                                                             native_forward: str) -> None:
     """CuPy's way to an OOM: cudaMalloc fails; only the runtime's API record says so (the driver
     call inside writes none). Buffers holding those RUNTIME records go to the daemon unread, and
     the daemon must step over them without losing the memory records beside them."""
     port, sock = daemon.port, daemon.sock
     child = start_probe_child(sock, tmp_path, "sleep:1.0", "alloc:0x1000:2097152", "sleep:0.2",
-                              "rtcall:20:0", "alloc:0x400000:1048576", "rtcall:20:2", "sleep:1.5")
+                              "rtcall:20:0", "alloc:0x400000:1048576", "rtcall:20:2", "sleep:1.5",
+                              GPUFOOTPRINT_PROBE_NATIVE_FORWARD=native_forward)
     status = finish_probe_child(child)
     pid = child.pid
     assert status["status"]["forwarded_buffers"] > 0 and status["status"]["oom_failed_calls"] == 1
+    # the forwarder hands a buffer with a failed call to the sender, which reads it and forwards it itself
+    assert (status["status"]["native_forward_handed"] > 0) == (native_forward == "1"), status["status"]
     (event,) = wait(lambda: [e for e in _get(port, "/api/oom") if e["pid"] == pid and e.get("capture")], timeout=30)
     # the footprint at the failure holds both allocations: the records beside the RUNTIME ones were read
     assert event["footprint_bytes"] == 3 * MiB and event["seen_by"] == ["cupti"] and event["failed_calls"] == 1
@@ -136,16 +141,18 @@ def _metric(port: int, name: str, pid: int) -> list[float]:
     return [v for labels, v in scrape(port).get(name, []) if labels.get("pid") == str(pid)]
 
 
+@pytest.mark.parametrize("native_forward", ["0", "1"], ids=["read_by_the_sender", "by_the_c_forwarder"])
 @pytest.mark.parametrize("failure", ["rtcall:20:2", "apicall:243:2"])
 def test_a_process_that_survives_its_oom_keeps_streaming_and_gets_its_event_while_it_lives(
-        default_daemon: Any, tmp_path: Path, failure: str) -> None:
+        default_daemon: Any, tmp_path: Path, failure: str, native_forward: str) -> None:
     """CuPy, Numba, JAX and PyTorch each catch an out-of-memory error and go on. The daemon's live view
     must follow the survivor after the failure, and the OOM event must come while it lives, within
     2 s after the failure's 1 s recovery window closes, not at exit."""
     port, sock = default_daemon.port, default_daemon.sock
     child = start_probe_child(sock, tmp_path, "sleep:0.5", "alloc:0x1000:2097152", "touch:first", "wait:checked_first",
                               "sleep:0.2", "touch:failing", failure, "sleep:0.3", "alloc:0x400000:1048576", "touch:second",
-                              "wait:checked_second", "free:0x1000:2097152", "touch:third", "wait:checked_third")
+                              "wait:checked_second", "free:0x1000:2097152", "touch:third", "wait:checked_third",
+                              GPUFOOTPRINT_PROBE_NATIVE_FORWARD=native_forward)
     try:
         pid = child.pid
         wait(lambda: (tmp_path / "first").exists(), timeout=20)
@@ -173,6 +180,7 @@ def test_a_process_that_survives_its_oom_keeps_streaming_and_gets_its_event_whil
         (tmp_path / "checked_third").touch()
         status = finish_probe_child(child)
         assert status["status"].get("sender_errors", 0) == 0 and status["status"]["oom_failed_calls"] == 1
+        assert (status["status"]["native_forwards"] > 0) == (native_forward == "1"), status["status"]
     finally:
         for name in ("checked_first", "checked_second", "checked_third"):
             (tmp_path / name).touch()

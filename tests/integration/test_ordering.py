@@ -20,7 +20,8 @@ from tests.integration.test_probe_link import Daemon, child, finish
 from tests.native import shim
 
 
-@pytest.mark.parametrize("forward", ["1", "0"], ids=["buffers_forwarded", "buffers_read_in_the_probe"])
+@pytest.mark.parametrize("forward", ["c", "1", "0"],
+                         ids=["buffers_forwarded_by_the_c_forwarder", "buffers_forwarded", "buffers_read_in_the_probe"])
 def test_churn_across_threads_is_applied_in_time_order_with_no_late_record_and_no_drift(tmp_path: Path,
                                                                                          forward: str) -> None:
     # Two tries: on a starved 2-core test machine a thread held off its CPU longer than a watermark period
@@ -58,7 +59,8 @@ def _churn_across_threads(where: Path, forward: str) -> str | None:
     daemon = Daemon(sock)
     try:
         p = child(sock, where, "sleep:0.3", "churn:3", "mark:end", FAKE_STREAMS="1", FAKE_BUFFER_RECORDS="64",
-                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200", GPUFOOTPRINT_PROBE_FORWARD_BUFFERS=forward)
+                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200", GPUFOOTPRINT_PROBE_FORWARD_BUFFERS="0" if forward == "0" else "1",
+                  GPUFOOTPRINT_PROBE_NATIVE_FORWARD="1" if forward == "c" else "0")
         status = finish(p)
         end = daemon.wait_mark("end")
     finally:
@@ -67,7 +69,10 @@ def _churn_across_threads(where: Path, forward: str) -> str | None:
     assert status["fake"]["full_buffers"] > 50 and status["fake"]["partial_buffers"] > 5, status["fake"]
     # after its first watermark the daemon read CUPTI's buffers itself (the probe forwarded them unread)
     forwarded = status["status"]["forwarded_buffers"]
-    assert forwarded > 50 if forward == "1" else forwarded == 0, status["status"]
+    assert forwarded > 50 if forward != "0" else forwarded == 0, status["status"]
+    # by the C forwarder's thread (most: the probe reads those that come before the daemon asks), or never
+    native = status["status"]["native_forwards"]
+    assert native > forwarded // 2 if forward == "c" else native == 0, status["status"]
     # each without a checksum: this daemon said it takes them so (framing.CUPTI_BUFFERS_UNCHECKED)
     assert status["status"]["forwarded_unchecked"] == forwarded, status["status"]
     pipeline = daemon.pipeline
@@ -90,8 +95,9 @@ def _wait_file(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("native_forward", ["0", "1"], ids=["read_by_the_sender", "by_the_c_forwarder"])
 def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the_same_connection(
-        tmp_path: Path) -> None:
+        tmp_path: Path, native_forward: str) -> None:
     """A busy or stopped daemon fills the probe's socket buffer while the connection stays up: the
     probe drops batches (it never blocks the workload), then resyncs its table once it can, and the
     footprint equals the probe's table again (before: freed allocations stayed "live" for ever)."""
@@ -100,7 +106,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     try:
         p = child(sock, tmp_path, "sleep:0.3", "touch:ready", "wait:go", "burst:20000", "touch:burst_done",
                   "wait:resume", "until:drop_resyncs:1", "mark:end", GPUFOOTPRINT_PROBE_BUFFER_BYTES="1048576",
-                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200")
+                  GPUFOOTPRINT_PROBE_WATERMARK_MS="200", GPUFOOTPRINT_PROBE_NATIVE_FORWARD=native_forward)
         _wait_file(tmp_path / "ready")
         with daemon.server.lock:  # the ingest loop blocks at its next tick: nothing is read
             time.sleep(0.3)
@@ -115,6 +121,7 @@ def test_records_dropped_while_the_daemon_stalls_are_repaired_by_a_resync_on_the
     assert status["dropped_buffer_full"] > 0, status
     assert status["drop_resyncs"] >= 1, status
     assert status["forwarded_buffers"] > 0, status
+    assert (status["native_forwards"] > 0) == (native_forward == "1"), status
     assert end["matches"], end
     (proc,) = daemon.pipeline.processes.values()
     assert proc.drift_bytes == 0
@@ -157,8 +164,9 @@ def test_threads_that_reuse_each_others_addresses_read_exact_while_the_process_l
         (tmp_path / "checked").touch()
 
 
+@pytest.mark.parametrize("native_forward", ["0", "1"], ids=["read_by_the_sender", "by_the_c_forwarder"])
 def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_keeps_up_with_none_dropped(
-        tmp_path: Path) -> None:
+        tmp_path: Path, native_forward: str) -> None:
     """On the H100, four PyTorch threads under cudaMallocAsync made CUPTI's thread hand over about 14 MB of
     records a second, in bursts ten times a second, and the probe dropped 11,478 records for a full send
     buffer while the daemon, which reads a million records a second, kept up. Behind busy Python threads
@@ -176,10 +184,11 @@ def test_bursts_of_full_buffers_behind_busy_python_threads_reach_a_daemon_that_k
     # (python -m tests.integration.starved_tries; docs/known-issues.md). A suite run failed both of two
     # back-to-back tries once (2026-12-07 19:40 UTC), a neighbour's busy spell outlasting both. The fault
     # this test found failed every run (three of three on 20c0614), so more tries hide no regression of it.
-    _twice(lambda where: _bursts_behind_busy_threads(where, compiled), tmp_path, tries=3, pause_s=3.0)
+    _twice(lambda where: _bursts_behind_busy_threads(where, compiled, GPUFOOTPRINT_PROBE_NATIVE_FORWARD=native_forward),
+           tmp_path, tries=3, pause_s=3.0)
 
 
-def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
+def _bursts_behind_busy_threads(where: Path, compiled: Path, **env: str) -> str | None:
     """One run of the test above: None when everything held, else what did not."""
     sock = str(where / "p.sock")
     daemon = Daemon(sock)
@@ -187,7 +196,7 @@ def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
         # forwarding first: before the daemon's first control the probe reads buffers itself, a path that
         # still lets the GIL go (docs/known-issues.md)
         p = child(sock, where, "sleep:0.3", "forwarding", "mark:start", "stream:3:10:2", "mark:end",
-                  STREAM_SHIM=str(compiled))
+                  STREAM_SHIM=str(compiled), **env)
         res = finish(p)
         end = daemon.wait_mark("end")
     finally:
@@ -197,6 +206,8 @@ def _bursts_behind_busy_threads(where: Path, compiled: Path) -> str | None:
     # 16 buffers of 64 KiB, 30 times, none refused by the probe's pool
     checks = [(res["fake"]["buffers_delivered"] == 480 and res["fake"]["stream_refused_buffers"] == 0, res["fake"]),
               (status["raw_buffers"] == 480 and status["forwarded_buffers"] == 480, status),
+              # the C forwarder's, where asked for: all but what came before the daemon asked for buffers unread
+              ((status["native_forwards"] > 400) == (env.get("GPUFOOTPRINT_PROBE_NATIVE_FORWARD") == "1"), status),
               (status["records_dropped"] == 0 and status["drop_resyncs"] == 0, status),
               (dict(daemon.pipeline.errors.counts) == {} and daemon.pipeline.late_records == 0,
                dict(daemon.pipeline.errors.counts)),

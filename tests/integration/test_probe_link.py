@@ -84,13 +84,15 @@ def test_footprint_at_marks_matches_and_peercred_pins_the_pid(tmp_path: Path) ->
     assert proc.exited_at is not None  # the GOODBYE
 
 
-def test_daemon_restart_mid_run_resyncs_the_footprint_and_counts_what_was_lost(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_forward", ["0", "1"], ids=["read_by_the_sender", "by_the_c_forwarder"])
+def test_daemon_restart_mid_run_resyncs_the_footprint_and_counts_what_was_lost(tmp_path: Path,
+                                                                               native_forward: str) -> None:
     # GIVEN a probe connected to a daemon
     sock = str(tmp_path / "p.sock")
     d1 = Daemon(sock)
     p = child(sock, tmp_path, "alloc:0x1000:1000", "alloc:0x2000:2000", "mark:before", "wait:down",
               "sleep:0.3", "alloc:0x3000:3000", "free:0x1000:1000", "burst:50", "mark:while_down", "touch:did_work",
-              "wait:up", "connected", "alloc:0x4000:4000", "mark:after")
+              "wait:up", "connected", "alloc:0x4000:4000", "mark:after", GPUFOOTPRINT_PROBE_NATIVE_FORWARD=native_forward)
     try:
         assert d1.wait_mark("before")["live_bytes"] == {"device": 3000}
         # WHEN the daemon goes away, the workload allocates and frees, and a new daemon starts
@@ -117,6 +119,7 @@ def test_daemon_restart_mid_run_resyncs_the_footprint_and_counts_what_was_lost(t
     assert st["disconnects_peer_closed"] == 1
     counters = d2.counters(p.pid)
     assert counters["records_dropped"] == st["records_dropped"]
+    assert (st["native_forwards"] > 0) == (native_forward == "1"), st
 
 
 def test_without_a_daemon_the_workload_runs_normally_and_drops_are_counted(tmp_path: Path) -> None:

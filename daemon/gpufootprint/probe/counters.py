@@ -41,6 +41,12 @@ class CounterSources(Protocol):
     @property
     def native_read_retries(self) -> int: ...
 
+    @property
+    def native_forward_seconds(self) -> float: ...
+
+    @property
+    def native_forward_handed(self) -> int: ...
+
 
 def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int | None) -> dict[str, Any]:
     """Every counter, by the name the daemon knows it by (``cupti_dropped`` None: not read this time)."""
@@ -76,6 +82,9 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         "native_callbacks": 1 if raw is not None and raw.native else 0,
         "native_callbacks_unavailable": c["native_callbacks_unavailable"], "native_walks": c["native_walks"],
         "native_reads": c["native_reads"], "native_read_retries": p.native_read_retries,
+        "native_forwards": c["native_forwards"], "native_forward_seconds": round(p.native_forward_seconds, 6),
+        "native_forward_unavailable": c["native_forward_unavailable"], "native_forward_handed": p.native_forward_handed,
+        "native_forward_lagging": c["native_forward_lagging"],
         "native_pairs": p.table.paired_in_c,
         "native_pairs_unordered": p.table.pairer.unordered if isinstance(p.table.pairer, Pairer) else 0,
         "native_pairs_twice": p.table.pairer.twice if isinstance(p.table.pairer, Pairer) else 0,

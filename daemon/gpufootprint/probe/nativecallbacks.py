@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgfp-cuptibuf.so"
-_ABI = 6  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
+_ABI = 7  # cuptibuf.c GFP_ABI: the library of another build is refused (the probe then uses ctypes callbacks)
 _STATS = ("requested", "completed", "refused", "foreign", "empty", "allocated", "free", "queued",
           "queues_overflow", "wake_errors")
 _TAKE_MOST = 64  # buffers taken at a time (the sender loops until the queue is empty)
@@ -101,7 +101,42 @@ def load() -> tuple[Any | None, str]:
                          ctypes.c_void_p]
     lib.gfp_pair_work_bytes.restype = ctypes.c_uint64
     lib.gfp_pair_work_bytes.argtypes = [ctypes.c_int64]
+    _bind_forwarder(lib)
     return lib, ""
+
+
+def _bind_forwarder(lib: Any) -> None:
+    """The forwarder's calls (probe/forwarder.py): its start, sync and stop wait, so only through CDLL (bound beside
+    the rest as ``*_nogil``); the others return at once and keep the GIL."""
+    u64p = ctypes.POINTER(ctypes.c_uint64)
+    new = _letting_the_gil_go("gfp_fwd_new")  # starts a thread
+    new.restype = ctypes.c_void_p
+    new.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32,
+                    ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_char_p, ctypes.c_int32, ctypes.c_int32,
+                    ctypes.c_uint32, ctypes.c_uint64]
+    lib.gfp_fwd_new_nogil = new
+    lib.gfp_fwd_set.restype = None
+    lib.gfp_fwd_set.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+    lib.gfp_fwd_lag.restype = ctypes.c_int64
+    lib.gfp_fwd_lag.argtypes = [ctypes.c_void_p]
+    sync = _letting_the_gil_go("gfp_fwd_sync")
+    sync.restype = ctypes.c_int64
+    sync.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.gfp_fwd_sync_nogil = sync
+    lib.gfp_fwd_swap.restype = ctypes.c_int
+    lib.gfp_fwd_swap.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
+    lib.gfp_fwd_release.restype = None
+    lib.gfp_fwd_release.argtypes = [ctypes.c_void_p]
+    lib.gfp_fwd_take.restype = ctypes.c_int
+    lib.gfp_fwd_take.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
+    lib.gfp_fwd_stats.restype = ctypes.c_int
+    lib.gfp_fwd_stats.argtypes = [ctypes.c_void_p, u64p, ctypes.c_int]
+    stop = _letting_the_gil_go("gfp_fwd_stop")  # joins the thread
+    stop.restype = None
+    stop.argtypes = [ctypes.c_void_p]
+    lib.gfp_fwd_stop_nogil = stop
+    lib.gfp_fwd_free.restype = None
+    lib.gfp_fwd_free.argtypes = [ctypes.c_void_p]
 
 
 @cache
@@ -403,6 +438,13 @@ class NativeDelivery:
         self._out = (ctypes.c_uint64 * (2 * _TAKE_MOST))()
         self._stats = (ctypes.c_uint64 * len(_STATS))()
         self.errors = 0  # RawDelivery's count of exceptions in callbacks: C callbacks raise none
+        # The forwarder reading this pool's buffers (probe/forwarder.py), while one is attached: ``take`` then
+        # answers the buffers it hands over.
+        self.forwarder: ctypes.c_void_p | None = None
+
+    @property
+    def pool(self) -> ctypes.c_void_p:
+        return self._pool
 
     def register(self, lib: Any) -> int:
         """cuptiActivityRegisterCallbacks on ``lib`` with the C callbacks; CUPTI's status (0: success)."""
@@ -416,11 +458,16 @@ class NativeDelivery:
         self._lib.gfp_retire(self._pool)
 
     def take(self) -> list[tuple[int, int]]:
-        """Every buffer completed since the last call, oldest first, as ``(address, valid bytes)``."""
+        """Every buffer completed since the last call, oldest first, as ``(address, valid bytes)``; with a forwarder
+        attached (``attach``), every buffer it handed over."""
         taken: list[tuple[int, int]] = []
         out = self._out
+        fwd = self.forwarder
         while True:
-            n = int(self._lib.gfp_take(self._pool, out, _TAKE_MOST))
+            if fwd is not None:
+                n = int(self._lib.gfp_fwd_take(fwd, out, _TAKE_MOST))
+            else:
+                n = int(self._lib.gfp_take(self._pool, out, _TAKE_MOST))
             taken.extend((int(out[2 * i]), int(out[2 * i + 1])) for i in range(n))
             if n < _TAKE_MOST:
                 return taken

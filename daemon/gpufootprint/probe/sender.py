@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from gpufootprint.probe import control, counters, hostinfo, nativecallbacks, resync, untracked
+from gpufootprint.probe import control, counters, forwarder, hostinfo, nativecallbacks, resync, untracked
 from gpufootprint.probe.arming import CuptiArming
 from gpufootprint.probe.backend import Backend
 from gpufootprint.probe.intake import Intake
@@ -40,7 +40,7 @@ from gpufootprint.probe.torchnumbers import TorchNumbers
 from gpufootprint.probe.wakeup import Wakeup
 from gpufootprint.probe.windows import COUNT_FLUSH_S, Windows
 from gpufootprint.records import MAX_TIMESTAMP_NS, TIME_FIELD, RecordKind
-from gpufootprint.wire import framing
+from gpufootprint.wire import cupti_layout, framing
 from gpufootprint.wire.framing import Frame, FrameType
 
 T = TypeVar("T")
@@ -62,6 +62,15 @@ NvmlUsed = Callable[[int, list[dict[str, Any]]], dict[int, int] | None]
 #: How long the sender waits, at most, at the end of a wake for the socket to take what it holds (probe/link.py
 #: ``pump``): a few times a burst of CUPTI's buffers; a mark, a stop or a new buffer waits no longer than this.
 PUMP_WAIT_S = 0.02
+
+#: What the C forwarder frames before it wakes the sender for it (eight of CUPTI's default buffers): under churn
+#: about 14 wakes a second where each buffer woke the sender (about a hundred); less, the sender's own cadence.
+FORWARD_WAKE_BYTES = 512 << 10
+
+#: How long the sender waits, at most, for the forwarder to deal with the buffers CUPTI queued before a watermark,
+#: a mark or a stop (it reads a 64 KiB buffer in about 10 us: only a starved CPU makes it wait long). A watermark
+#: whose buffers are not all dealt with by then is not sent (a later one covers it): none may come late.
+FORWARD_SYNC_S = 1.0
 
 #: How long the sender waits, at most, after a connect for the daemon to ask for CUPTI's buffers unread (it answers
 #: the HELLO within a round trip of its loop; an older daemon asks at the first watermark, and this much is lost).
@@ -135,12 +144,29 @@ class Sender:
         # it as CUPTI wrote them, and this process only keeps the MEMORY2 structs for its own table.
         self._forward = False
         self._forwardable = FORWARDABLE_V1  # the kinds this daemon steps over (it says which)
+        # The C forwarder (probe/forwarder.py, ``native_forward``), started once the C callbacks registered;
+        # ``_epoch`` counts connections (frames it framed for an earlier one are dropped)
+        self.forwarder: forwarder.Forwarder | None = None
+        self._forwarder_tried = False
+        self._forward_lagging = False  # the last sync ran out of time: buffers queued before it were not all read
+        self._forwarder_cpu_ns = self._forwarder_handed = 0  # a stopped forwarder's
+        self._epoch = 0
         self._stop = threading.Event()
 
     @property
     def forward_seconds(self) -> float:
         """CPU time framing forwarded buffers (part of callback_seconds)."""
         return self._raw_reader.forward_seconds
+
+    @property
+    def native_forward_seconds(self) -> float:
+        """CPU time of the C forwarder's thread reading and framing buffers (not the sender's: no GIL held)."""
+        return self._forwarder_cpu_ns / 1e9 if self.forwarder is None else self.forwarder.stats()["cpu_ns"] / 1e9
+
+    @property
+    def native_forward_handed(self) -> int:
+        """Buffers the C forwarder handed to the sender to read (a kind the daemon does not read, a failed call...)."""
+        return self._forwarder_handed if self.forwarder is None else self.forwarder.stats()["to_sender"]
 
     @property
     def native_read_retries(self) -> int:
@@ -246,6 +272,7 @@ class Sender:
                     # go) rather than left for the next wake, which behind busy Python threads comes late.
                     self.link.pump(0.0 if stopping else PUMP_WAIT_S)
                     self._count_lost()
+                self._update_forwarder()
             except Exception as exc:  # noqa: BLE001 - keep going; the workload must not notice
                 self.counters["sender_errors"] += 1
                 if len(self.errors) < 20:
@@ -297,11 +324,89 @@ class Sender:
 
     def _take_native(self) -> None:
         """Buffers the C callbacks queued go into the intake's queue behind what is there (the ctypes
-        thunks append them there themselves, at completion)."""
+        thunks append them there themselves, at completion); with a forwarder, what it framed meanwhile goes to
+        the link first, once it has dealt with every buffer queued by now, and the buffers it handed over."""
         raw = self.cupti.raw
         if raw is not None and raw.native:
+            if self.forwarder is not None:
+                self._take_forwarded(self.forwarder)
             for address, valid in raw.take():
                 self.intake.q.append(("raw", address, valid))
+
+    def _take_forwarded(self, fwd: forwarder.Forwarder) -> None:
+        self._forward_lagging = fwd.sync(FORWARD_SYNC_S) > 0
+        if self._forward_lagging:
+            self.counters["native_forward_lagging"] += 1
+        side = fwd.swap()
+        if side is None:
+            return
+        try:
+            c = self.counters
+            if len(side.structs):
+                self.table.pending_raw.append(side.structs)
+                self.table.raw_pid = self.pid
+                memory_seen(self.packer, self.cupti, side.structs, self.in_gap)
+            took = forwarder.take_in(side, self.link)
+            for key in ("raw_buffers", "native_forwards", "forwarded_buffers", "forwarded_unchecked"):
+                c[key] += side.buffers
+            c["raw_records"] += side.records
+            c["records_sent"] += took.sent
+            c["batches_sent"] += took.frames_sent
+            c["records_dropped"] += took.away + took.full
+            self.dropped_by_reason["daemon_away"] += took.away
+            self.dropped_by_reason["buffer_full"] += took.full
+            if took.full:
+                self.resyncs.dropped(took.full_max_ts or self._clock_ns())
+        finally:
+            fwd.release()
+
+    def _forwarding_wanted(self) -> bool:
+        """Whether the forwarder may forward now: connected to a daemon that reads CUPTI's buffers unchecked, and
+        nothing of the sender's own to read in every buffer (a tee's records, a check of the walk), outside a
+        profiler's gap, not stopping."""
+        link, reader = self.link, self._raw_reader
+        return (self._forward and link is not None and link.connected and reader.native_read and not reader.checked
+                and not reader.verify_walk and self.tee is None and not self.in_gap and not self._stop.is_set())
+
+    def _forwarded_kinds(self) -> int:
+        """The kinds a buffer may hold to be forwarded: the daemon's, less the API calls' while the sender reads
+        them (a launch window's calls, a failed allocation waiting for a success on its thread)."""
+        if self.packer.launch_window_open() or self.oom.reads_calls(failed=False):
+            return nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS)
+        return nativecallbacks.kind_mask(self._forwardable)
+
+    def _update_forwarder(self) -> None:
+        """Start the forwarder once the C callbacks are registered (``native_forward``) and tell it what it may do."""
+        fwd = self.forwarder
+        if fwd is None:
+            raw = self.cupti.raw
+            if (self._forwarder_tried or not self.settings.native_forward or raw is None or not raw.native
+                    or not self._raw_reader.native_read or self._stop.is_set()):
+                return
+            self._forwarder_tried = True
+            fwd = self.forwarder = forwarder.start(raw, self.pid, FORWARD_WAKE_BYTES)
+            if fwd is None:
+                self.counters["native_forward_unavailable"] = 1
+                return
+        link = self.link
+        room = link.buffer_bytes - link.buffered if link is not None else 0
+        fwd.set(self._forwarding_wanted(), self._forwarded_kinds(), room, self._epoch)
+
+    def _stop_forwarder(self) -> None:
+        """At the stop, before the last flush: the forwarder's thread joined once it has dealt with what is queued,
+        what it framed taken in, the buffers it handed over queued for the last drain, and every buffer from now
+        on the sender's to read, as without a forwarder."""
+        fwd = self.forwarder
+        if fwd is None:
+            return
+        fwd.sync(FORWARD_SYNC_S)
+        left = fwd.stop()
+        self._take_forwarded(fwd)
+        stats = fwd.stats()
+        self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
+        self.intake.q.extend(("raw", address, valid) for address, valid in left)
+        fwd.free()
+        self.forwarder = None
 
     def _drain(self) -> None:
         self._take_native()
@@ -450,7 +555,7 @@ class Sender:
             self.counters["flush_ns"] += int((time.perf_counter() - t0) * 1e9)
         self.packer.flush()
         self._drain()
-        if self.in_gap:
+        if self.in_gap or self._forward_lagging:
             return
         safe, self._flushed_ns = self._flushed_ns, t
         if safe > self._table_ts:
@@ -487,6 +592,12 @@ class Sender:
         # build): TOTALS and forwarded buffers wait until this daemon asks.
         self._verify = self._forward = False
         self._raw_reader.checked = True
+        self._epoch += 1
+        if self.forwarder is not None:
+            # Frames it made for the last connection are dropped (their structs go to the table, and so to this
+            # daemon by the resync below) before anything goes to this one.
+            self._update_forwarder()
+            self._take_native()
         self._emit_link(framing.encode_json(FrameType.HELLO, self.hello))
         if self.packer.names:
             self._emit_link(framing.encode_json(FrameType.STRINGS, {str(i): n for n, i in self.packer.names.items()}))
@@ -546,7 +657,16 @@ class Sender:
     # --- control (the daemon's CONTROL frames: probe/control.py) ----------------------------------
 
     def _control(self, frame: Frame) -> None:
+        fwd = self.forwarder
+        if fwd is not None:
+            # API records the sender's while a control is applied: a launch window it opens takes its calls from the
+            # next buffer on, and its switch may be made on the program's main thread while this one waits.
+            link = self.link
+            fwd.set(self._forwarding_wanted(), nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS),
+                    link.buffer_bytes - link.buffered if link is not None else 0, self._epoch)
         control.apply_control(frame, self)
+        if fwd is not None:
+            self._update_forwarder()
 
     def set_flush_interval(self, ms: int) -> None:
         self.flush_s = min(1000, max(1, ms)) / 1000
@@ -608,6 +728,7 @@ class Sender:
                 hooks = self.counters["driver_hooks"]
                 self.cupti.quiesce()
                 self.counters["driver_hooks"] = hooks  # GOODBYE says how the process was recorded
+            self._stop_forwarder()
             self._flush_and_drain()
             if self.windows.kernel_window is not None:
                 self.windows.close_kernel_window()

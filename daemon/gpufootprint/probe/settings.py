@@ -76,6 +76,11 @@ class ProbeSettings(ProbeOptions):
     # same library that lets the GIL go for the whole wait; off: Python's poll, which let it go and won it back
     # at each wait for room (about 200 KiB a wait behind busy threads; before 2026-12-07 night)
     native_pump: bool = True
+    # CUPTI's buffers read, framed and queued for the daemon by a thread of C on the buffer pool (probe/forwarder.py)
+    # while nothing of the sender's own needs them; the sender then wakes for their frames in bulk, not for each
+    # buffer. Off by default until its cost is measured on a GPU (docs/performance.md): each buffer woke the sender
+    # and was read holding the GIL, as before. Needs native_callbacks and native_read.
+    native_forward: bool = False
     raw_verify_walk: bool = False  # tests: walk every raw buffer twice (ours and CUPTI's) and count mismatches
 
     def __post_init__(self) -> None:

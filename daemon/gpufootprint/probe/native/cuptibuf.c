@@ -24,6 +24,7 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define GFP_ABI 6 /* raised at every change of an exported signature: a stale library is refused, not misread */
+#define GFP_ABI 7 /* raised at every change of an exported signature: a stale library is refused, not misread */
 #define GFP_MAX_QUEUES 256
 #define GFP_SLOTS 64
 #define GFP_MAX_KINDS 1024 /* CUPTI's activity kinds number under a hundred */
@@ -45,6 +46,8 @@ typedef struct {
     uint64_t ctx;
     uint32_t stream;
 } gfp_queue;
+
+struct gfp_fwd;
 
 typedef struct gfp_pool {
     pthread_mutex_t mu;
@@ -66,6 +69,10 @@ typedef struct gfp_pool {
     /* counters, read by gfp_stats */
     uint64_t requested, completed, refused, foreign, empty, queues_overflow, wake_errors;
     int slot;
+    /* the forwarder (gfp_fwd_new), when one reads the completed buffers instead of the sender; `queued` counts
+     * every buffer put in the ring (a forwarder's sync waits for what it had queued when asked) */
+    struct gfp_fwd *fwd;
+    uint64_t queued;
 } gfp_pool;
 
 /* Each pool's slot: its entry points read it. A slot is reused after GFP_SLOTS more pools (a pool's
@@ -140,6 +147,8 @@ static void requested(gfp_pool *p, uint8_t **buffer, size_t *size, size_t *max_r
     *max_records = 0;
 }
 
+static void gfp_fwd_signal(struct gfp_fwd *f);
+
 /* CUpti_BuffersCallbackCompleteFunc, for pool p */
 static void completed(gfp_pool *p, void *ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
     (void)size;
@@ -159,9 +168,12 @@ static void completed(gfp_pool *p, void *ctx, uint32_t stream, uint8_t *buffer, 
         p->done[tail].address = address;
         p->done[tail].valid = valid < p->buffer_bytes ? valid : p->buffer_bytes;
         p->n_done++;
+        p->queued++;
         wake = 1;
     }
-    if (wake && p->wake_fd >= 0) {
+    if (wake && p->fwd) {
+        gfp_fwd_signal(p->fwd); /* the forwarder reads it, and wakes the sender only when the sender must act */
+    } else if (wake && p->wake_fd >= 0) {
         /* Under the mutex, so that once gfp_retire returns no write can reach a closed (or reused) fd.
          * Non-blocking: EAGAIN means the counter is at its maximum, the sender is awake anyway. */
         uint64_t one = 1;
@@ -312,15 +324,17 @@ int64_t gfp_walk(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
  *     too short to hold that word counts as failed: the caller then reads those records itself.
  * Returns the number of records, -1 where the buffer cannot be walked exactly (as gfp_walk), -2 where the
  * records of `copy_kind` do not fit `copy_out` (then nothing is to be read from it), -3 for a kind past 63. */
-int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int32_t nsizes, uint32_t *offsets,
-                 int32_t *scratch, int64_t most, int64_t *counts, int32_t copy_kind, uint8_t *copy_out,
-                 int64_t copy_room, const int32_t *api_kinds, int32_t n_api, uint32_t ret_offset,
-                 uint64_t counted_mask, int64_t *summary) {
-    int64_t n = gfp_walk(buf, valid, sizes, nsizes, offsets, scratch, most, counts);
-    if (n < 0) return n;
+/* What gfp_read answers beside the copy, for a buffer gfp_walk walked into `offsets` and `counts` (`n` records):
+ * summary[0..] as gfp_read's; *copy_at the index in offsets[] of kind `copy_kind`'s group. 0, or -3 for a kind
+ * past 63. */
+static int read_summary(const uint8_t *buf, int64_t n, const uint32_t *sizes, int32_t nsizes, const uint32_t *offsets,
+                        const int64_t *counts, int32_t copy_kind, const int32_t *api_kinds, int32_t n_api,
+                        uint32_t ret_offset, uint64_t counted_mask, int64_t *summary, int64_t *copy_at) {
+    (void)n;
     uint64_t kinds = 0;
     summary[1] = summary[2] = 0;
     for (int32_t i = 0; i < n_api; i++) summary[3 + i] = 0;
+    *copy_at = 0;
     int64_t at = 0; /* the first offset of kind k's group (the groups follow in kind order) */
     for (int32_t k = 0; k < nsizes; k++) {
         int64_t count = counts[k];
@@ -329,14 +343,12 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
         kinds |= (uint64_t)1 << k;
         if (counted_mask >> k & 1) summary[2] += count;
         const uint32_t *offs = offsets + at;
+        if (k == copy_kind) {
+            *copy_at = at;
+            summary[1] = count;
+        }
         at += count;
         uint64_t size = sizes[k];
-        if (k == copy_kind) {
-            if (count > copy_room) return -2;
-            for (int64_t i = 0; i < count; i++) memcpy(copy_out + (uint64_t)i * size, buf + offs[i], size);
-            summary[1] = count;
-            continue;
-        }
         for (int32_t a = 0; a < n_api; a++) {
             if (api_kinds[a] != k) continue;
             if ((uint64_t)ret_offset + sizeof(uint32_t) > size) {
@@ -354,6 +366,23 @@ int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int3
         }
     }
     summary[0] = (int64_t)kinds;
+    return 0;
+}
+
+int64_t gfp_read(const uint8_t *buf, uint64_t valid, const uint32_t *sizes, int32_t nsizes, uint32_t *offsets,
+                 int32_t *scratch, int64_t most, int64_t *counts, int32_t copy_kind, uint8_t *copy_out,
+                 int64_t copy_room, const int32_t *api_kinds, int32_t n_api, uint32_t ret_offset,
+                 uint64_t counted_mask, int64_t *summary) {
+    int64_t n = gfp_walk(buf, valid, sizes, nsizes, offsets, scratch, most, counts);
+    if (n < 0) return n;
+    int64_t copy_at;
+    if (read_summary(buf, n, sizes, nsizes, offsets, counts, copy_kind, api_kinds, n_api, ret_offset, counted_mask,
+                     summary, &copy_at) < 0)
+        return -3;
+    int64_t count = summary[1];
+    if (count > copy_room) return -2;
+    uint64_t size = count ? sizes[copy_kind] : 0;
+    for (int64_t i = 0; i < count; i++) memcpy(copy_out + (uint64_t)i * size, buf + offsets[copy_at + i], size);
     return n;
 }
 
@@ -600,4 +629,430 @@ int64_t gfp_recv(int fd, uint8_t *buf, uint64_t len) {
 int gfp_eventfd_clear(int fd) {
     uint64_t value;
     return read(fd, &value, sizeof value) == (ssize_t)sizeof value;
+}
+
+/* ---- The forwarder: CUPTI's buffers to the daemon without the sender's Python ------------------------------
+ *
+ * With the callbacks above, the sender thread still woke for every completed buffer and, holding the GIL, read
+ * it (gfp_read), framed it and put it into its socket's send buffer: about 80 us a 64 KiB buffer on the
+ * development VM, about a hundred a second under cudaMallocAsync, each in whatever step the program was in.
+ * A forwarder is a thread of its own, started by gfp_fwd_new on a pool: it takes the pool's completed buffers in
+ * order and, while the sender says it may (gfp_fwd_set: connected to a daemon that reads CUPTI's buffers
+ * unchecked, nothing of the sender's own to look at), reads each, frames it as a CUPTI_BUFFER frame (the frame's
+ * first bytes are the sender's, its length patched in) into an outbox, copies its MEMORY2 structs out for the
+ * probe's own table, and gives the buffer back. A buffer it may not forward (the sender's flag off, a kind the
+ * daemon does not read, an API call that failed, a buffer the walk cannot read) goes to the sender as before,
+ * through a ring of its own and the eventfd. The sender wakes for the outbox only once it holds `wake_bytes`
+ * (or at its own cadence), swaps it for the other side (gfp_fwd_swap: two sides, the forwarder always writes
+ * the one the sender does not hold), moves its frames into its socket's send buffer behind what is there and
+ * its structs into the table's queue, and releases it (gfp_fwd_release). The daemon's decoding stays one: the
+ * frames are the sender's own, the buffers as CUPTI wrote them.
+ *
+ * Order: the forwarder reads the ring in completion order. Before a watermark or a mark the sender flushes
+ * CUPTI and waits (gfp_fwd_sync) until every buffer queued by then is read, so that its frames go ahead of
+ * what the sender sends next. A buffer handed to the sender may reach the daemon after later buffers' frames;
+ * the daemon orders records by the watermark, not by arrival.
+ *
+ * Locks: the pool's mutex for its ring and the sync's counters (CUPTI's callbacks take it for a few loads and
+ * stores, never longer); the forwarder's own for its sides, flags and handed ring, never held while the pool's
+ * is taken. */
+
+#define GFP_FWD_INFO 12
+
+typedef struct {
+    uint8_t *out;      /* frames back to back */
+    uint64_t out_len, out_cap;
+    uint64_t *ledger;  /* per frame: its end in out, its records */
+    int64_t n_frames, ledger_cap;
+    uint8_t *structs;  /* MEMORY2 structs back to back */
+    int64_t n_structs, structs_cap;
+    uint64_t buffers, records, dropped_buffers, dropped_records, dropped_max_ts, cpu_ns;
+    int64_t stale_frames; /* frames at the head framed for an earlier connection (gfp_fwd_set's epoch) */
+    int woke;             /* the sender was woken for this side's bytes */
+} gfp_side;
+
+typedef struct gfp_fwd {
+    gfp_pool *pool;
+    pthread_t thread;
+    pthread_cond_t work; /* with the pool's mutex: a buffer completed, or stop */
+    pthread_cond_t idle; /* with the pool's mutex: `processed` moved */
+    uint64_t processed;  /* buffers taken from the pool's ring and dealt with (pool's mutex) */
+    int stop, in_hand;   /* pool's mutex */
+    pthread_mutex_t mu;  /* everything below */
+    gfp_side side[2];
+    int cur, held;       /* the side the forwarder writes; the sender holds the other (held) */
+    int on;
+    uint64_t forward_mask, room, epoch, wake_bytes;
+    gfp_done *handed;    /* buffers for the sender to read: a ring of the pool's size */
+    int handed_head, n_handed;
+    uint64_t forwarded, to_sender, dropped, alloc_failures;
+    /* the read's configuration and scratch (the forwarder's thread only) */
+    uint32_t sizes[GFP_MAX_KINDS];
+    int32_t nsizes, copy_kind, n_api;
+    int32_t api_kinds[16];
+    uint32_t ret_offset, ts_offset;
+    uint64_t counted_mask, api_mask;
+    uint8_t head[64];
+    int32_t head_len, len_at;
+    uint32_t len_extra;
+    uint32_t *offsets;
+    int32_t *scratch;
+    int64_t most;
+    int64_t counts[GFP_MAX_KINDS];
+    int64_t summary[3 + 16];
+} gfp_fwd;
+
+static void gfp_fwd_signal(struct gfp_fwd *f) { pthread_cond_signal(&f->work); }
+
+static void wake_sender(gfp_pool *p) { /* pool's mutex held */
+    if (p->wake_fd >= 0) {
+        uint64_t one = 1;
+        if (write(p->wake_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN)
+            p->wake_errors++;
+    }
+}
+
+static int grow(void **mem, uint64_t *cap, uint64_t need, uint64_t unit) {
+    if (need <= *cap) return 0;
+    uint64_t c = *cap ? *cap : 64;
+    while (c < need) c *= 2;
+    void *m = realloc(*mem, c * unit);
+    if (!m) return -1;
+    *mem = m;
+    *cap = c;
+    return 0;
+}
+
+static uint64_t thread_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
+/* One buffer: forwarded into the current side, or handed to the sender. Returns 1 where the sender is to be woken. */
+static int fwd_one(gfp_fwd *f, uint64_t address, uint64_t valid) {
+    uint64_t t0 = thread_ns();
+    const uint8_t *buf = (const uint8_t *)(uintptr_t)address;
+    int64_t n = gfp_walk(buf, valid, f->sizes, f->nsizes, f->offsets, f->scratch, f->most, f->counts);
+    int64_t copy_at = 0, failed = 0;
+    int readable = n >= 0 && read_summary(buf, n, f->sizes, f->nsizes, f->offsets, f->counts, f->copy_kind,
+                                          f->api_kinds, f->n_api, f->ret_offset, f->counted_mask, f->summary,
+                                          &copy_at) == 0;
+    if (readable)
+        for (int32_t a = 0; a < f->n_api; a++) failed += f->summary[3 + a];
+    int wake = 0, forwarded = 0;
+    pthread_mutex_lock(&f->mu);
+    if (readable && f->on && !((uint64_t)f->summary[0] & ~f->forward_mask) && failed == 0) {
+        gfp_side *s = &f->side[f->cur];
+        int64_t m2 = f->summary[1];
+        uint64_t size = m2 ? f->sizes[f->copy_kind] : 0;
+        uint64_t records = (uint64_t)f->summary[2];
+        uint64_t frame = (uint64_t)f->head_len + valid;
+        uint64_t scap = (uint64_t)s->structs_cap, lcap = (uint64_t)s->ledger_cap;
+        /* The structs always go to the table (it stays exact; a dropped frame's records come back by a resync):
+         * where they find no memory the buffer goes to the sender instead. */
+        if (grow((void **)&s->structs, &scap, (uint64_t)(s->n_structs + m2), size ? size : 1) == 0) {
+            s->structs_cap = (int64_t)scap;
+            forwarded = 1;
+            uint64_t newest = 0;
+            for (int64_t i = 0; i < m2; i++) {
+                const uint8_t *rec = buf + f->offsets[copy_at + i];
+                memcpy(s->structs + (uint64_t)(s->n_structs + i) * size, rec, size);
+                uint64_t ts;
+                memcpy(&ts, rec + f->ts_offset, sizeof ts);
+                if (ts > newest) newest = ts;
+            }
+            s->n_structs += m2;
+            s->buffers++;
+            s->records += records;
+            int dropped = s->out_len + frame > f->room
+                          || grow((void **)&s->out, &s->out_cap, s->out_len + frame, 1) != 0
+                          || grow((void **)&s->ledger, &lcap, 2 * (uint64_t)(s->n_frames + 1), sizeof(uint64_t)) != 0;
+            s->ledger_cap = (int64_t)lcap;
+            if (dropped) {
+                s->dropped_buffers++;
+                s->dropped_records += records;
+                if (newest > s->dropped_max_ts) s->dropped_max_ts = newest;
+                f->dropped++;
+                wake = 1;
+            } else {
+                uint8_t *at = s->out + s->out_len;
+                memcpy(at, f->head, (size_t)f->head_len);
+                uint32_t length = (uint32_t)(valid + f->len_extra);
+                memcpy(at + f->len_at, &length, sizeof length); /* little-endian, as the frame's header */
+                memcpy(at + f->head_len, buf, (size_t)valid);
+                s->out_len += frame;
+                s->ledger[2 * s->n_frames] = s->out_len;
+                s->ledger[2 * s->n_frames + 1] = records;
+                s->n_frames++;
+                f->forwarded++;
+                if (s->out_len >= f->wake_bytes && !s->woke) {
+                    s->woke = 1;
+                    wake = 1;
+                }
+            }
+        } else {
+            f->alloc_failures++;
+        }
+    }
+    if (!forwarded) {
+        int max = f->pool->max_buffers;
+        /* A failed call: the sender may want the calls after it (a success on its thread settles it), so no buffer
+         * with API records is forwarded until it has read this one and says so again (gfp_fwd_set). */
+        if (readable && failed) f->forward_mask &= ~f->api_mask;
+        f->handed[(f->handed_head + f->n_handed) % max].address = address;
+        f->handed[(f->handed_head + f->n_handed) % max].valid = valid;
+        f->n_handed++;
+        f->to_sender++;
+        wake = 1;
+    }
+    f->side[f->cur].cpu_ns += thread_ns() - t0;
+    pthread_mutex_unlock(&f->mu);
+    if (forwarded) gfp_give_back(f->pool, address);
+    return wake;
+}
+
+static void *fwd_main(void *arg) {
+    gfp_fwd *f = arg;
+    gfp_pool *p = f->pool;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->n_done == 0 && !f->stop) pthread_cond_wait(&f->work, &p->mu);
+        if (f->stop) break;
+        gfp_done d = p->done[p->done_head];
+        p->done_head = (p->done_head + 1) % p->max_buffers;
+        p->n_done--;
+        f->in_hand = 1;
+        pthread_mutex_unlock(&p->mu);
+        int wake = fwd_one(f, d.address, d.valid);
+        pthread_mutex_lock(&p->mu);
+        f->in_hand = 0;
+        f->processed++;
+        if (wake) wake_sender(p);
+        pthread_cond_broadcast(&f->idle);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+/* A forwarder on pool p (its thread started; from now on it reads the pool's completed buffers, the sender takes
+ * only those it hands over: gfp_fwd_take). The read's configuration is gfp_read's (sizes, the kind whose structs
+ * are copied out, the API kinds whose return values are looked at, the kinds the daemon counts) and the offset of
+ * a copied struct's u64 timestamp; `head` the first `head_len` bytes of every frame, a u32 at `len_at` set to the
+ * buffer's bytes plus `len_extra`. NULL where it cannot start (no memory, no thread, one already attached). */
+gfp_fwd *gfp_fwd_new(gfp_pool *p, const uint32_t *sizes, int32_t nsizes, int32_t copy_kind, const int32_t *api_kinds,
+                     int32_t n_api, uint32_t ret_offset, uint64_t counted_mask, uint32_t ts_offset, const uint8_t *head,
+                     int32_t head_len, int32_t len_at, uint32_t len_extra, uint64_t wake_bytes) {
+    if (nsizes < 1 || nsizes > GFP_MAX_KINDS || copy_kind < 0 || copy_kind >= nsizes || n_api < 0 || n_api > 16
+        || head_len < 4 || head_len > 64 || len_at < 0 || len_at + 4 > head_len || sizes[copy_kind] < ts_offset + 8)
+        return NULL;
+    gfp_fwd *f = calloc(1, sizeof(*f));
+    if (!f) return NULL;
+    f->pool = p;
+    memcpy(f->sizes, sizes, (size_t)nsizes * sizeof(uint32_t));
+    f->nsizes = nsizes;
+    f->copy_kind = copy_kind;
+    memcpy(f->api_kinds, api_kinds, (size_t)n_api * sizeof(int32_t));
+    f->n_api = n_api;
+    for (int32_t a = 0; a < n_api; a++)
+        if (api_kinds[a] >= 0 && api_kinds[a] < 64) f->api_mask |= (uint64_t)1 << api_kinds[a];
+    f->ret_offset = ret_offset;
+    f->counted_mask = counted_mask;
+    f->ts_offset = ts_offset;
+    memcpy(f->head, head, (size_t)head_len);
+    f->head_len = head_len;
+    f->len_at = len_at;
+    f->len_extra = len_extra;
+    f->wake_bytes = wake_bytes;
+    uint32_t smallest = UINT32_MAX;
+    for (int32_t k = 0; k < nsizes; k++)
+        if (sizes[k] && sizes[k] < smallest) smallest = sizes[k];
+    f->most = (int64_t)(p->buffer_bytes / (smallest ? smallest : 1)) + 1;
+    f->offsets = malloc((size_t)f->most * sizeof(uint32_t));
+    f->scratch = malloc((size_t)f->most * sizeof(int32_t));
+    f->handed = calloc((size_t)p->max_buffers, sizeof(gfp_done));
+    int mu = pthread_mutex_init(&f->mu, NULL) == 0;
+    int work = mu && pthread_cond_init(&f->work, NULL) == 0;
+    int idle = work && pthread_cond_init(&f->idle, NULL) == 0;
+    int ok = f->offsets && f->scratch && f->handed && idle;
+    if (ok) {
+        pthread_mutex_lock(&p->mu);
+        ok = p->fwd == NULL;
+        if (ok) {
+            /* CUPTI's threads and the sender must not be held up by signals this thread does not handle */
+            sigset_t all, old;
+            sigfillset(&all);
+            pthread_sigmask(SIG_SETMASK, &all, &old);
+            ok = pthread_create(&f->thread, NULL, fwd_main, f) == 0;
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            if (ok) {
+                pthread_setname_np(f->thread, "gfp-forwarder"); /* in top -H, apart from the sender it came from */
+                p->fwd = f;
+                if (p->n_done) pthread_cond_signal(&f->work); /* buffers already queued: read from the oldest */
+            }
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    if (!ok) {
+        if (idle) pthread_cond_destroy(&f->idle);
+        if (work) pthread_cond_destroy(&f->work);
+        if (mu) pthread_mutex_destroy(&f->mu);
+        free(f->offsets); free(f->scratch); free(f->handed); free(f);
+        return NULL;
+    }
+    return f;
+}
+
+/* The sender's word, at each of its wakes: forward (`on`) the buffers whose kinds are all in `forward_mask` (without
+ * the API kinds while it reads their records: a launch window, a failed call waiting to be judged), into
+ * a side of at most `room` bytes of frames (what its send buffer has room for). A new `epoch` (a new connection)
+ * makes the frames framed so far stale: the sender drops them (their records reach the new daemon by its resync). */
+void gfp_fwd_set(gfp_fwd *f, int32_t on, uint64_t forward_mask, uint64_t room, uint64_t epoch) {
+    pthread_mutex_lock(&f->mu);
+    f->on = on != 0;
+    /* API records stay the sender's while buffers it handed over wait to be taken: one of them may be a failed
+     * call that the sender, once it has read it, wants the calls after (it reads every buffer it takes before it
+     * sets again). */
+    f->forward_mask = f->n_handed ? forward_mask & ~f->api_mask : forward_mask;
+    f->room = room;
+    if (epoch != f->epoch) {
+        f->epoch = epoch;
+        f->side[f->cur].stale_frames = f->side[f->cur].n_frames;
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Buffers queued in the pool and not yet dealt with by the forwarder (for ctypes.PyDLL: returns at once). */
+int64_t gfp_fwd_lag(gfp_fwd *f) {
+    pthread_mutex_lock(&f->pool->mu);
+    int64_t lag = (int64_t)(f->pool->queued - f->processed);
+    pthread_mutex_unlock(&f->pool->mu);
+    return lag;
+}
+
+/* For ctypes.CDLL (the GIL let go): wait up to timeout_ms until every buffer queued before this call is dealt
+ * with (forwarded into the current side, or handed to the sender). Returns how many of those are not (0: done). */
+int64_t gfp_fwd_sync(gfp_fwd *f, int32_t timeout_ms) {
+    gfp_pool *p = f->pool;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&p->mu);
+    uint64_t target = p->queued;
+    while (f->processed < target && !f->stop)
+        if (pthread_cond_timedwait(&f->idle, &p->mu, &until) == ETIMEDOUT) break;
+    int64_t left = f->processed < target ? (int64_t)(target - f->processed) : 0;
+    pthread_mutex_unlock(&p->mu);
+    return left;
+}
+
+/* The sender takes the side the forwarder wrote (and the forwarder goes on in the other): info[] = out address,
+ * out bytes, ledger address, frames, structs address, structs, buffers, records, dropped buffers, dropped records,
+ * the newest dropped struct's timestamp, stale frames (the first of the frames). Returns 0; 1 where the side holds
+ * nothing (nothing swapped); -1 where the sender still holds the other side (gfp_fwd_release first). */
+int gfp_fwd_swap(gfp_fwd *f, uint64_t *info, int n) {
+    pthread_mutex_lock(&f->mu);
+    if (f->held) {
+        pthread_mutex_unlock(&f->mu);
+        return -1;
+    }
+    gfp_side *s = &f->side[f->cur];
+    if (!s->buffers && !s->stale_frames) {
+        pthread_mutex_unlock(&f->mu);
+        return 1;
+    }
+    uint64_t v[GFP_FWD_INFO] = {(uint64_t)(uintptr_t)s->out, s->out_len, (uint64_t)(uintptr_t)s->ledger,
+                                (uint64_t)s->n_frames, (uint64_t)(uintptr_t)s->structs, (uint64_t)s->n_structs,
+                                s->buffers, s->records, s->dropped_buffers, s->dropped_records, s->dropped_max_ts,
+                                (uint64_t)s->stale_frames};
+    f->cur ^= 1;
+    f->held = 1;
+    pthread_mutex_unlock(&f->mu);
+    if (n > GFP_FWD_INFO) n = GFP_FWD_INFO;
+    memcpy(info, v, (size_t)n * sizeof(uint64_t));
+    return 0;
+}
+
+/* The sender is done with the side it took: emptied (its memory kept) for the forwarder's next turn. */
+void gfp_fwd_release(gfp_fwd *f) {
+    pthread_mutex_lock(&f->mu);
+    if (f->held) {
+        gfp_side *s = &f->side[f->cur ^ 1];
+        s->out_len = 0;
+        s->n_frames = s->n_structs = s->stale_frames = 0;
+        s->buffers = s->records = s->dropped_buffers = s->dropped_records = s->dropped_max_ts = 0;
+        s->woke = 0;
+        f->held = 0;
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Up to `most` buffers handed to the sender, oldest first, as gfp_take's. */
+int gfp_fwd_take(gfp_fwd *f, uint64_t *out, int most) {
+    int n = 0, max = f->pool->max_buffers;
+    pthread_mutex_lock(&f->mu);
+    while (n < most && f->n_handed > 0) {
+        out[2 * n] = f->handed[f->handed_head].address;
+        out[2 * n + 1] = f->handed[f->handed_head].valid;
+        f->handed_head = (f->handed_head + 1) % max;
+        f->n_handed--;
+        n++;
+    }
+    pthread_mutex_unlock(&f->mu);
+    return n;
+}
+
+/* Counters: forwarded, to the sender, dropped, memory not had, the forwarder's CPU time (ns) on the current side,
+ * handed and not yet taken, queued in the pool and not yet dealt with. */
+#define GFP_FWD_STATS 7
+int gfp_fwd_stats(gfp_fwd *f, uint64_t *out, int n) {
+    uint64_t v[GFP_FWD_STATS];
+    uint64_t lag = (uint64_t)gfp_fwd_lag(f);
+    pthread_mutex_lock(&f->mu);
+    v[0] = f->forwarded; v[1] = f->to_sender; v[2] = f->dropped; v[3] = f->alloc_failures;
+    v[4] = f->side[0].cpu_ns + f->side[1].cpu_ns; v[5] = (uint64_t)f->n_handed; v[6] = lag;
+    pthread_mutex_unlock(&f->mu);
+    if (n > GFP_FWD_STATS) n = GFP_FWD_STATS;
+    memcpy(out, v, (size_t)n * sizeof(uint64_t));
+    return GFP_FWD_STATS;
+}
+
+/* For ctypes.CDLL: the forwarder's thread stops (once done with the buffer in hand) and the pool goes back to
+ * waking the sender for every buffer; buffers still in its ring are the sender's (gfp_take), as are those handed
+ * and not yet taken (gfp_fwd_take still answers) and a side not yet swapped (gfp_fwd_swap still answers). */
+void gfp_fwd_stop(gfp_fwd *f) {
+    gfp_pool *p = f->pool;
+    pthread_mutex_lock(&p->mu);
+    if (f->stop) {
+        pthread_mutex_unlock(&p->mu);
+        return;
+    }
+    f->stop = 1;
+    pthread_cond_signal(&f->work);
+    pthread_cond_broadcast(&f->idle);
+    pthread_mutex_unlock(&p->mu);
+    pthread_join(f->thread, NULL);
+    pthread_mutex_lock(&p->mu);
+    p->fwd = NULL;
+    if (p->n_done) wake_sender(p);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* After gfp_fwd_stop, the sender done with its sides: the forwarder's memory freed (f must not be used after). */
+void gfp_fwd_free(gfp_fwd *f) {
+    if (!f || !f->stop) return;
+    for (int i = 0; i < 2; i++) {
+        free(f->side[i].out);
+        free(f->side[i].ledger);
+        free(f->side[i].structs);
+    }
+    pthread_cond_destroy(&f->work);
+    pthread_cond_destroy(&f->idle);
+    pthread_mutex_destroy(&f->mu);
+    free(f->offsets); free(f->scratch); free(f->handed); free(f);
 }

@@ -1,0 +1,381 @@
+"""The C forwarder (cuptibuf.c ``gfp_fwd_*``, probe/forwarder.py): CUPTI's buffers read, framed and queued for the
+daemon on a thread of C, the sender taking the frames in bulk.
+
+What leaves the probe must be what the sender's own read would have sent: here real buffers go through a real
+pool (completed as CUPTI completes them, through the pool's C callback), the forwarder's thread reads them, and
+its frames, structs, counts and the buffers it hands over are compared with what the sender's reader
+(``RawBufferReader``, the C read) makes of the same buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from gpufootprint.probe import forwarder, nativecallbacks
+from gpufootprint.probe.nativecallbacks import NativeDelivery, kind_mask
+from gpufootprint.probe.oom import ALLOCATION_CBIDS, CUDA_ERROR_OUT_OF_MEMORY
+from gpufootprint.probe.rawreader import FORWARDABLE, FORWARDABLE_V1
+from gpufootprint.wire import cupti_layout, framing
+
+from tests.unit.test_probe_native_read import DRV, MEM, T0, _buffer, _read, _record, _Side
+
+pytestmark = pytest.mark.skipif(not nativecallbacks.available(), reason="the probe's C library is not built here")
+
+PID = 1234
+API = kind_mask(cupti_layout.API_KINDS)
+
+
+class _Pool:
+    """A real pool and its C callbacks, completed from here as CUPTI would; the sender's eventfd beside it."""
+
+    def __init__(self, buffer_bytes: int = 1 << 21, buffers: int = 64) -> None:
+        fd = nativecallbacks.eventfd()
+        assert fd is not None
+        self.fd = fd
+        self.delivery = NativeDelivery(buffer_bytes, buffers, fd)
+
+    def complete(self, body: bytes) -> int:
+        buf, size, most = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_size_t()
+        self.delivery._req(ctypes.byref(buf), ctypes.byref(size), ctypes.byref(most))
+        assert buf.value and size.value >= len(body), "the pool refused a buffer"
+        ctypes.memmove(buf.value, body, len(body))
+        self.delivery._cmp(None, 0, buf.value, size.value, len(body))
+        return int(buf.value)
+
+    def wakes(self) -> int:
+        try:
+            return int(os.eventfd_read(self.fd))
+        except BlockingIOError:
+            return 0
+
+    def close(self) -> None:
+        self.delivery.retire()
+        os.close(self.fd)
+
+
+@pytest.fixture
+def pool() -> Any:
+    p = _Pool()
+    yield p
+    p.close()
+
+
+def _frames(bodies: list[bytes]) -> bytes:
+    return b"".join(b"".join(bytes(x) for x in framing.cupti_buffer_parts(PID, body, checked=False)) for body in bodies)
+
+
+def _structs(bodies: list[bytes]) -> bytes:
+    out = b""
+    for body in bodies:
+        offsets = cupti_layout.walk(memoryview(body), len(body))
+        assert offsets is not None
+        if MEM in offsets:
+            out += cupti_layout.gather(np.frombuffer(body, np.uint8), MEM, offsets[MEM]).tobytes()
+    return out
+
+
+def _take(fwd: forwarder.Forwarder) -> dict[str, Any]:
+    assert fwd.sync(2.0) == 0
+    side = fwd.swap()
+    if side is None:
+        return {"frames": b"", "ledger": [], "structs": b"", "buffers": 0, "records": 0, "stale": 0,
+                "dropped": (0, 0, 0)}
+    try:
+        return {"frames": bytes(side.frames), "ledger": list(zip(side.ends.tolist(), side.records_per_frame.tolist())),
+                "structs": side.structs.tobytes(), "buffers": side.buffers, "records": side.records,
+                "stale": side.stale, "dropped": (side.dropped_buffers, side.dropped_records, side.dropped_max_ts)}
+    finally:
+        fwd.release()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_forwarder_sends_what_the_senders_read_sends_and_hands_over_what_it_reads_itself(pool: _Pool,
+                                                                                             seed: int) -> None:
+    """Random buffers (allocations, their calls' API records, failed calls, launches, pool records, kernels, a record
+    cut off): each one the sender's reader would forward is framed byte for byte as it frames it, with its
+    structs and record count; every other one is handed over, in order, and given back by no one but the sender."""
+    rng = random.Random(seed)
+    forwardable = FORWARDABLE if seed % 3 else FORWARDABLE_V1
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    fwd.set(True, kind_mask(forwardable), 1 << 30, 0)
+    reader = _Side(True, um_wanted=False)
+    bodies: list[bytes] = []
+    for n in range(30):
+        body = _buffer(rng, T0 + n * 10_000_000, calls=rng.random() < 0.6, failures=seed % 2 == 0,
+                       pool=rng.random() < 0.3, kernels=rng.random() < 0.1, managed=False,
+                       size=rng.choice([600, 4096, 65536]))
+        if n % 9 == 4:
+            body = body[:-rng.randint(1, 30)]  # neither walk reads it
+        bodies.append(body)
+    expect_sent, expect_handed = [], []
+    for body in bodies:
+        before = len(reader.link.sent)
+        _read([reader], body, forwardable=forwardable, tee=False)
+        forwarded = len(reader.link.sent) > before and reader.counters["native_reads"] > len(expect_sent)
+        (expect_sent if forwarded else expect_handed).append(body)
+    for body in bodies:
+        pool.complete(body)  # (a forwarded buffer is back in the pool at once: its address may come again)
+    got = _take(fwd)
+    handed = pool.delivery.take()
+    handed_bodies = [ctypes.string_at(address, valid) for address, valid in handed]  # not given back: still theirs
+    # A failed call turns API records over to the sender until it says otherwise: buffers with calls after it are
+    # handed over too. So what was forwarded is a subsequence of what the reader forwards.
+    assert handed_bodies == [body for body in bodies if body in handed_bodies]
+    sent_bodies = [body for body in bodies if body not in handed_bodies]
+    assert got["frames"] == _frames(sent_bodies)
+    assert got["structs"] == _structs(sent_bodies)
+    assert got["buffers"] == len(sent_bodies) and len(got["ledger"]) == len(sent_bodies)
+    counted = [int(np.count_nonzero([k in cupti_layout.RECORD_KIND for k in _kinds(b)])) for b in sent_bodies]
+    assert [r for _, r in got["ledger"]] == counted and got["records"] == sum(counted)
+    # every buffer forwarded is one the reader forwards; every one handed over that the reader forwards comes
+    # after a failed call
+    assert all(body in expect_sent for body in sent_bodies)
+    first_failed = next((i for i, b in enumerate(bodies) if _failed(b)), len(bodies))
+    for i, body in enumerate(bodies):
+        if body in expect_sent and body not in sent_bodies:
+            assert i >= first_failed and _has_calls(body), i
+    if seed % 2:  # no failures: exactly the reader's choice
+        assert sent_bodies == expect_sent
+    # the pool has back every buffer forwarded; those handed over wait for the sender
+    stats = pool.delivery.stats()
+    assert stats["allocated"] - stats["free"] == len(handed)
+    assert fwd.stats()["forwarded"] == len(sent_bodies) and fwd.stats()["to_sender"] == len(handed)
+    for address, _ in handed:
+        pool.delivery.give_back(address)
+    assert fwd.stop() == []
+    fwd.free()
+
+
+def _kinds(body: bytes) -> list[int]:
+    offsets = cupti_layout.walk(memoryview(body), len(body))
+    assert offsets is not None
+    return [k for k, offs in offsets.items() for _ in offs]
+
+
+def _failed(body: bytes) -> bool:
+    offsets = cupti_layout.walk(memoryview(body), len(body))
+    if offsets is None:
+        return False
+    u8 = np.frombuffer(body, np.uint8)
+    return any(bool(cupti_layout.api_returns(u8, offsets[k]).any()) for k in cupti_layout.API_KINDS if k in offsets)
+
+
+def _has_calls(body: bytes) -> bool:
+    offsets = cupti_layout.walk(memoryview(body), len(body))
+    return offsets is not None and any(k in offsets for k in cupti_layout.API_KINDS)
+
+
+def _alloc(i: int, ts: int, size: int = 4096) -> bytes:
+    return _record(MEM, op=1, address=0x1000 + i * 0x10000, bytes=size, timestamp=ts)
+
+
+def test_a_failed_call_hands_the_calls_after_it_to_the_sender_until_it_says_otherwise(pool: _Pool) -> None:
+    """The OOM watch judges a failed allocation by the calls after it on its thread (a success settles it): the
+    forwarder must not send those past the sender, which learns of the failure only when it reads its buffer."""
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    mask = kind_mask(FORWARDABLE)
+    fwd.set(True, mask, 1 << 30, 0)
+    cbid = min(ALLOCATION_CBIDS)
+    failed = _alloc(0, T0) + _record(DRV, cbid=cbid, start=T0, end=T0 + 10, ret=CUDA_ERROR_OUT_OF_MEMORY, tid=7)
+    success = _alloc(1, T0 + 100) + _record(DRV, cbid=cbid, start=T0 + 100, end=T0 + 110, ret=0, tid=7)
+    memory_only = _alloc(2, T0 + 200)
+    a_failed, a_success, _ = (pool.complete(b) for b in (failed, success, memory_only))
+    assert _take(fwd)["frames"] == _frames([memory_only])  # memory records still go
+    assert [a for a, _ in pool.delivery.take()] == [a_failed, a_success]
+    # the sender's word again, as after it read them (no failure waiting): calls are forwarded again
+    fwd.set(True, mask, 1 << 30, 0)
+    pool.complete(success)
+    assert _take(fwd)["frames"] == _frames([success])
+    # while buffers it handed over wait to be taken, the sender's word does not bring the calls back
+    pool.complete(failed)
+    assert fwd.sync(2.0) == 0
+    fwd.set(True, mask, 1 << 30, 0)
+    pool.complete(success)
+    assert _take(fwd)["frames"] == b""
+    assert len(pool.delivery.take()) == 2
+    for address in (a_failed, a_success):
+        pool.delivery.give_back(address)
+    fwd.stop()
+    fwd.free()
+
+
+def test_frames_past_the_room_are_dropped_their_structs_kept_and_the_sender_woken(pool: _Pool) -> None:
+    """A send buffer that is full: the frame is dropped and counted (with its newest struct's time, for the resync
+    the daemon then needs), its structs still go to the probe's table, and the sender is woken for it."""
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    bodies = [b"".join(_alloc(j, T0 + i * 1000 + j) for j in range(100)) for i in range(5)]
+    frame = len(_frames(bodies[:1]))
+    fwd.set(True, kind_mask(FORWARDABLE), 2 * frame + 10, 0)
+    pool.wakes()
+    for body in bodies:
+        pool.complete(body)
+    got = _take(fwd)
+    assert got["frames"] == _frames(bodies[:2])
+    assert got["structs"] == _structs(bodies)  # all five
+    assert got["dropped"] == (3, 300, T0 + 4 * 1000 + 99)
+    assert got["buffers"] == 5 and got["records"] == 500
+    assert pool.wakes() >= 1
+    fwd.stop()
+    fwd.free()
+
+
+def test_the_sender_is_woken_once_the_outbox_holds_its_bytes_not_for_each_buffer(pool: _Pool) -> None:
+    fwd = forwarder.start(pool.delivery, PID, 3 * 65_000)
+    assert fwd is not None
+    fwd.set(True, kind_mask(FORWARDABLE), 1 << 30, 0)
+    body = b"".join(_alloc(j, T0 + j) for j in range(500))  # 64,000 bytes of structs
+    pool.wakes()
+    for _ in range(2):
+        pool.complete(body)
+    assert fwd.sync(2.0) == 0
+    assert pool.wakes() == 0  # two frames: under the wake's bytes
+    for _ in range(3):
+        pool.complete(body)
+    assert fwd.sync(2.0) == 0
+    assert pool.wakes() == 1  # once, when the third passed it
+    assert _take(fwd)["buffers"] == 5
+    pool.complete(body)
+    assert fwd.sync(2.0) == 0 and pool.wakes() == 0  # a new side: counted afresh
+    fwd.stop()
+    fwd.free()
+
+
+def test_frames_made_for_an_earlier_connection_are_stale(pool: _Pool) -> None:
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    mask = kind_mask(FORWARDABLE)
+    fwd.set(True, mask, 1 << 30, 7)
+    bodies = [_alloc(i, T0 + i) for i in range(3)]
+    pool.complete(bodies[0])
+    pool.complete(bodies[1])
+    assert fwd.sync(2.0) == 0
+    fwd.set(True, mask, 1 << 30, 8)  # a new connection
+    pool.complete(bodies[2])
+    got = _take(fwd)
+    assert got["stale"] == 2 and got["frames"] == _frames(bodies)
+    side_link = _Link()
+    fwd.set(True, mask, 1 << 30, 9)
+    pool.complete(bodies[0])
+    pool.complete(bodies[1])
+    assert fwd.sync(2.0) == 0
+    fwd.set(True, mask, 1 << 30, 10)
+    pool.complete(bodies[2])
+    assert fwd.sync(2.0) == 0
+    side = fwd.swap()
+    assert side is not None
+    took = forwarder.take_in(side, side_link)
+    fwd.release()
+    assert took.away == 2 and took.sent == 1 and took.frames_sent == 1
+    assert side_link.data == _frames(bodies[2:]) and side_link.ledger == [(len(_frames(bodies[2:])), 1)]
+    fwd.stop()
+    fwd.free()
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.data = b""
+        self.ledger: list[tuple[int, int]] = []
+
+    def put_chunk(self, data: memoryview, ends: np.ndarray, records: np.ndarray) -> bool:
+        self.ledger += list(zip(ends.tolist(), records.tolist()))
+        self.data += bytes(data)
+        return True
+
+
+def test_off_it_hands_every_buffer_over_and_stopped_the_pool_wakes_the_sender_again(pool: _Pool) -> None:
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    assert forwarder.start(pool.delivery, PID, 1 << 30) is None  # one a pool
+    body = _alloc(0, T0)
+    pool.wakes()
+    first = pool.complete(body)  # never told it may: handed over
+    assert fwd.sync(2.0) == 0 and pool.wakes() == 1
+    assert pool.delivery.take() == [(first, len(body))]
+    pool.delivery.give_back(first)
+    second = pool.complete(body)
+    assert fwd.sync(2.0) == 0
+    assert fwd.stop() == [(second, len(body))]  # handed and not yet taken: the sender's
+    pool.delivery.give_back(second)
+    pool.wakes()
+    third = pool.complete(body)  # the sender's again, through the pool's own queue and wake
+    assert pool.wakes() == 1 and pool.delivery.take() == [(third, len(body))]
+    pool.delivery.give_back(third)
+    assert fwd.sync(1.0) == 0  # stopped: no wait
+    fwd.free()
+
+
+def test_a_sync_waits_for_the_buffers_queued_before_it_while_cupti_keeps_completing(pool: _Pool) -> None:
+    """The sender's wait before a watermark ends once what was queued before it is dealt with, however many buffers
+    a busy thread completes meanwhile (a wait for the ring to be empty might never end)."""
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    mask = kind_mask(FORWARDABLE)
+    fwd.set(True, mask, 1 << 40, 0)
+    body = b"".join(_alloc(j, T0 + j) for j in range(400))
+    stop = threading.Event()
+    completed = [0]
+
+    def busy() -> None:
+        while not stop.is_set():
+            if pool.delivery.stats()["allocated"] - pool.delivery.stats()["free"] < 32:
+                pool.complete(body)
+                completed[0] += 1
+            else:
+                time.sleep(0.0005)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    forwarded, behind = 0, 0
+    try:
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            behind += fwd.lag() > 0
+            assert fwd.sync(2.0) == 0
+            forwarded += _take(fwd)["buffers"]
+            time.sleep(0.001)
+    finally:
+        stop.set()
+        t.join()
+    assert fwd.sync(2.0) == 0
+    forwarded += _take(fwd)["buffers"]
+    assert forwarded == completed[0] > 20 and behind > 0
+    fwd.stop()
+    fwd.free()
+
+
+def test_a_read_of_the_senders_after_the_forwarders_leaves_the_same_structs_in_the_table_queue(pool: _Pool) -> None:
+    """The table's queue gets the forwarder's structs as the sender takes them in (``Sender._take_forwarded``) and
+    the reader's own as it reads a handed-over buffer: the same structs as the reader alone queues."""
+    reader = _Side(True, um_wanted=False)
+    alone = _Side(True, um_wanted=False)
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    fwd.set(True, kind_mask(FORWARDABLE), 1 << 30, 0)
+    rng = random.Random(5)
+    bodies = [_buffer(rng, T0 + i * 10_000_000, calls=True, failures=False, pool=False, kernels=i % 3 == 0,
+                      managed=False, size=4096) for i in range(9)]
+    for body in bodies:
+        pool.complete(body)
+        _read([alone], body, forwardable=FORWARDABLE, tee=False)
+    got = _take(fwd)
+    reader.table.pending_raw.append(np.frombuffer(got["structs"], cupti_layout.RAW_DTYPES[MEM]))
+    for address, valid in pool.delivery.take():
+        reader.read_at.append(address)
+        reader.reader.read(address, valid, forward_to=reader.link, forwardable=FORWARDABLE, tee=None,  # type: ignore[arg-type]
+                           in_gap=False)
+    ours = sorted(row.tobytes() for row in reader.table.pending_raw.view())
+    theirs = sorted(row.tobytes() for row in alone.table.pending_raw.view())
+    assert ours == theirs and len(ours) > 0
+    assert alone.counters["native_reads"] > reader.counters["native_reads"]  # the forwarder read some of them
+    fwd.stop()
+    fwd.free()
