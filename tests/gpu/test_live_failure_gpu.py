@@ -201,8 +201,9 @@ def test_four_threads_that_reuse_each_others_addresses_read_exact_while_they_run
     probe = RESULTS[f"threads_{alloc}_probe"]
     assert probe["records_dropped"] == 0 and probe["raw_buffers_refused"] == 0, probe
     # the probe's table paired its watermarks' structs in C (four threads' buffers: an address's records out of
-    # time order send a watermark to numpy's sort, counted), and its TOTALS matched the daemon at every check below
-    assert probe["native_pairs"] > 0 and probe["native_pairs_unordered"] <= probe["native_pairs"], probe
+    # time order, sorted by time in the C pass, counted by pass: a pass that then went to the record-by-record
+    # rule counts there too, so it is no part of native_pairs), and its TOTALS matched the daemon at every check below
+    assert probe["native_pairs"] > 0, probe
     for x in looks:
         if x["daemon_device_bytes"] != x["held"]:  # whose loss: the records' own live bytes say (tests/lost_releases.py)
             why = whose_loss(RESULTS[f"threads_{alloc}_tee"], x["label"], int(x["daemon_device_bytes"] or 0), x["held"])
