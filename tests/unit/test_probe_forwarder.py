@@ -379,3 +379,86 @@ def test_a_read_of_the_senders_after_the_forwarders_leaves_the_same_structs_in_t
     assert alone.counters["native_reads"] > reader.counters["native_reads"]  # the forwarder read some of them
     fwd.stop()
     fwd.free()
+
+
+def test_a_forwarder_started_after_the_sender_read_buffers_owes_none_of_them(pool: _Pool) -> None:
+    """A probe whose forwarder starts once buffers have come and gone (CUDA busy before the probe, a first
+    connect's flush): a sync waits only for what is queued, not for buffers the sender read before (it used to
+    wait its whole time at every drain, and no watermark went out again)."""
+    first = pool.complete(_alloc(0, T0))
+    assert [a for a, _ in pool.delivery.take()] == [first]  # the sender's read, before any forwarder
+    pool.delivery.give_back(first)
+    waiting = pool.complete(_alloc(1, T0 + 1))  # queued, not yet taken: the forwarder's to read
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    t = time.monotonic()
+    assert fwd.sync(2.0) == 0 and time.monotonic() - t < 1.0
+    assert fwd.lag() == 0
+    # the one queued was the forwarder's to read, before it was told it may forward: handed over
+    assert _take(fwd)["buffers"] == 0 and pool.delivery.take() == [(waiting, len(_alloc(1, T0 + 1)))]
+    fwd.set(True, kind_mask(FORWARDABLE), 1 << 30, 0)
+    pool.delivery.give_back(waiting)
+    later = _alloc(2, T0 + 2)
+    pool.complete(later)
+    t = time.monotonic()
+    assert fwd.sync(2.0) == 0 and time.monotonic() - t < 1.0
+    assert _take(fwd)["frames"] == _frames([later])
+    fwd.stop()
+    fwd.free()
+
+
+def test_a_side_released_starts_afresh_its_stale_frames_and_its_wake(pool: _Pool) -> None:
+    fwd = forwarder.start(pool.delivery, PID, 2 * 65_000)
+    assert fwd is not None
+    mask = kind_mask(FORWARDABLE)
+    fwd.set(True, mask, 1 << 30, 1)
+    body = b"".join(_alloc(j, T0 + j) for j in range(500))
+    pool.complete(body)
+    assert fwd.sync(2.0) == 0
+    fwd.set(True, mask, 1 << 30, 2)  # what was framed is stale now
+    for _ in range(2):
+        pool.complete(body)
+    assert fwd.sync(2.0) == 0
+    pool.wakes()
+    assert _take(fwd)["stale"] == 1
+    for side in range(2):  # both sides, each after its release: no stale frame, and a wake past the bytes again
+        for _ in range(3):
+            pool.complete(body)
+        assert fwd.sync(2.0) == 0
+        assert pool.wakes() == 1, side
+        got = _take(fwd)
+        assert got["stale"] == 0 and got["buffers"] == 3, side
+    fwd.stop()
+    fwd.free()
+
+
+def test_its_counters_are_read_from_what_it_last_said_once_freed(pool: _Pool) -> None:
+    """``probe.status()`` reads the counters from the workload's threads while the sender may be freeing the
+    forwarder: once freed, the last counters, never a call into freed memory."""
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    fwd.set(True, kind_mask(FORWARDABLE), 1 << 30, 0)
+    pool.complete(_alloc(0, T0))
+    assert fwd.sync(2.0) == 0
+    before = fwd.stats()
+    _take(fwd)
+    fwd.stop()
+    fwd.free()
+    assert fwd.stats()["forwarded"] == before["forwarded"] == 1
+
+
+def test_api_calls_stay_the_senders_while_a_buffer_it_took_waits_to_be_read() -> None:
+    """At a connect the sender takes what the forwarder handed over (a failed call, perhaps) before the daemon's
+    ask turns forwarding on; until it has read those buffers, no API record may pass it."""
+    from gpufootprint.probe.sender import Sender
+    from gpufootprint.probe.settings import ProbeSettings
+
+    sender = Sender(ProbeSettings(socket=""), None, PID, time.time_ns, None)
+    sender._forwardable = FORWARDABLE
+    assert sender._forwarded_kinds() & API == API
+    sender.intake.q.append(("raw", 0x1000, 64))
+    assert sender._forwarded_kinds() & API == 0
+    assert sender._forwarded_kinds() == kind_mask(FORWARDABLE - cupti_layout.API_KINDS)
+    sender.intake.q.clear()
+    sender.packer.launch_span = (0, None)  # a launch window takes calls
+    assert sender._forwarded_kinds() & API == 0

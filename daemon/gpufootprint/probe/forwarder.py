@@ -127,6 +127,8 @@ class Forwarder:
             self._held = False
 
     def stats(self) -> dict[str, int]:
+        if not self._fwd:  # freed: what it last said
+            return {name: int(v) for name, v in zip(_STATS, self._stats, strict=True)}
         self._lib.gfp_fwd_stats(self._fwd, self._stats, len(_STATS))
         return {name: int(v) for name, v in zip(_STATS, self._stats, strict=True)}
 

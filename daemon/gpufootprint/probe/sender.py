@@ -149,7 +149,7 @@ class Sender:
         self.forwarder: forwarder.Forwarder | None = None
         self._forwarder_tried = False
         self._forward_lagging = False  # the last sync ran out of time: buffers queued before it were not all read
-        self._forwarder_cpu_ns = self._forwarder_handed = 0  # a stopped forwarder's
+        self._forwarder_cpu_ns = self._forwarder_handed = 0  # its counters as of the sender's last take
         self._epoch = 0
         self._stop = threading.Event()
 
@@ -160,13 +160,14 @@ class Sender:
 
     @property
     def native_forward_seconds(self) -> float:
-        """CPU time of the C forwarder's thread reading and framing buffers (not the sender's: no GIL held)."""
-        return self._forwarder_cpu_ns / 1e9 if self.forwarder is None else self.forwarder.stats()["cpu_ns"] / 1e9
+        """CPU time of the C forwarder's thread reading and framing buffers (not the sender's: no GIL held), as of
+        the sender's last take (read here from any thread: only the sender's thread calls the forwarder)."""
+        return self._forwarder_cpu_ns / 1e9
 
     @property
     def native_forward_handed(self) -> int:
         """Buffers the C forwarder handed to the sender to read (a kind the daemon does not read, a failed call...)."""
-        return self._forwarder_handed if self.forwarder is None else self.forwarder.stats()["to_sender"]
+        return self._forwarder_handed
 
     @property
     def native_read_retries(self) -> int:
@@ -339,6 +340,9 @@ class Sender:
             self.counters["native_forward_lagging"] += 1
         side = fwd.swap()
         if side is None:
+            stats = fwd.stats()
+            self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
+        if side is None:
             return
         try:
             c = self.counters
@@ -359,6 +363,9 @@ class Sender:
                 self.resyncs.dropped(took.full_max_ts or self._clock_ns())
         finally:
             fwd.release()
+        stats = fwd.stats()
+        self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
+        self._update_forwarder()  # the room its frames left in the send buffer, at once
 
     def _forwarding_wanted(self) -> bool:
         """Whether the forwarder may forward now: connected to a daemon that reads CUPTI's buffers unchecked, and
@@ -370,8 +377,10 @@ class Sender:
 
     def _forwarded_kinds(self) -> int:
         """The kinds a buffer may hold to be forwarded: the daemon's, less the API calls' while the sender reads
-        them (a launch window's calls, a failed allocation waiting for a success on its thread)."""
-        if self.packer.launch_window_open() or self.oom.reads_calls(failed=False):
+        them (a launch window's calls, a failed allocation waiting for a success on its thread) or may yet (a
+        buffer taken and not read: it may hold a failed call)."""
+        if (self.packer.launch_window_open() or self.oom.reads_calls(failed=False)
+                or any(item[0] == "raw" for item in self.intake.q)):
             return nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS)
         return nativecallbacks.kind_mask(self._forwardable)
 
@@ -401,12 +410,21 @@ class Sender:
             return
         fwd.sync(FORWARD_SYNC_S)
         left = fwd.stop()
-        self._take_forwarded(fwd)
-        stats = fwd.stats()
-        self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
-        self.intake.q.extend(("raw", address, valid) for address, valid in left)
-        fwd.free()
-        self.forwarder = None
+        try:
+            self.intake.q.extend(("raw", address, valid) for address, valid in left)
+            self._take_forwarded(fwd)
+        finally:
+            self.forwarder = None  # nothing calls it from now on, then its memory goes
+            fwd.release()
+            fwd.free()
+
+    def _catch_up_forwarder(self) -> None:
+        """Before a mark or a profiler's hand-back, which the daemon applies as a watermark: the forwarder's reads
+        of every buffer queued before it, waited for longer than a watermark waits (a starved CPU)."""
+        for _ in range(4):
+            if self.forwarder is None or not self._forward_lagging:
+                return
+            self._drain_records_only()  # waits again, then reads what it handed over meanwhile
 
     def _drain(self) -> None:
         self._take_native()
@@ -425,6 +443,7 @@ class Sender:
                     self._backend.flush(True)
                 self.packer.flush()
                 self._drain_records_only()
+                self._catch_up_forwarder()
                 self._advance_table(item[1]["ts"])
                 self._mark(item[1])
                 item[2].set()
@@ -646,6 +665,7 @@ class Sender:
         self.packer.flush()
         # Apply what arrived before the hand-back was queued, then rebuild PyTorch's part.
         self._drain_records_only()
+        self._catch_up_forwarder()
         self._advance_table(self._clock_ns())
         self.table.split_torch_owned(before + after)
         self.table.add_torch_segments(after, self._clock_ns(), self.pid)

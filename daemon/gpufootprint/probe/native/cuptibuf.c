@@ -873,25 +873,40 @@ gfp_fwd *gfp_fwd_new(gfp_pool *p, const uint32_t *sizes, int32_t nsizes, int32_t
     f->handed = calloc((size_t)p->max_buffers, sizeof(gfp_done));
     int mu = pthread_mutex_init(&f->mu, NULL) == 0;
     int work = mu && pthread_cond_init(&f->work, NULL) == 0;
-    int idle = work && pthread_cond_init(&f->idle, NULL) == 0;
+    /* the sync's wait runs on the monotonic clock: a step of the wall clock must not stretch or cut it */
+    pthread_condattr_t attr;
+    int idle = 0;
+    if (work && pthread_condattr_init(&attr) == 0) {
+        idle = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&f->idle, &attr) == 0;
+        pthread_condattr_destroy(&attr);
+    }
     int ok = f->offsets && f->scratch && f->handed && idle;
     if (ok) {
         pthread_mutex_lock(&p->mu);
         ok = p->fwd == NULL;
         if (ok) {
-            /* CUPTI's threads and the sender must not be held up by signals this thread does not handle */
-            sigset_t all, old;
-            sigfillset(&all);
-            pthread_sigmask(SIG_SETMASK, &all, &old);
-            ok = pthread_create(&f->thread, NULL, fwd_main, f) == 0;
-            pthread_sigmask(SIG_SETMASK, &old, NULL);
-            if (ok) {
-                pthread_setname_np(f->thread, "gfp-forwarder"); /* in top -H, apart from the sender it came from */
-                p->fwd = f;
-                if (p->n_done) pthread_cond_signal(&f->work); /* buffers already queued: read from the oldest */
-            }
+            p->fwd = f; /* claimed: from now on completed() signals this forwarder, whose thread reads the ring */
+            /* buffers the sender took before are none of the forwarder's: only those in the ring now are */
+            f->processed = p->queued - (uint64_t)p->n_done;
         }
         pthread_mutex_unlock(&p->mu);
+    }
+    if (ok) {
+        /* outside the pool's mutex (CUPTI's callbacks take it); the thread reads the ring from its oldest buffer
+         * once it runs, and CUPTI's threads and the sender are not held up by signals it does not handle */
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        ok = pthread_create(&f->thread, NULL, fwd_main, f) == 0;
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (ok) {
+            pthread_setname_np(f->thread, "gfp-forwarder"); /* in top -H, apart from the sender it came from */
+        } else {
+            pthread_mutex_lock(&p->mu);
+            p->fwd = NULL;
+            if (p->n_done) wake_sender(p); /* what completed meanwhile is the sender's again */
+            pthread_mutex_unlock(&p->mu);
+        }
     }
     if (!ok) {
         if (idle) pthread_cond_destroy(&f->idle);
@@ -935,7 +950,7 @@ int64_t gfp_fwd_lag(gfp_fwd *f) {
 int64_t gfp_fwd_sync(gfp_fwd *f, int32_t timeout_ms) {
     gfp_pool *p = f->pool;
     struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
+    clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += timeout_ms / 1000;
     until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
     if (until.tv_nsec >= 1000000000L) {
