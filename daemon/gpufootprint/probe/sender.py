@@ -340,9 +340,7 @@ class Sender:
             self.counters["native_forward_lagging"] += 1
         side = fwd.swap()
         if side is None:
-            stats = fwd.stats()
-            self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
-        if side is None:
+            self._note_forwarder(fwd)
             return
         try:
             c = self.counters
@@ -363,9 +361,13 @@ class Sender:
                 self.resyncs.dropped(took.full_max_ts or self._clock_ns())
         finally:
             fwd.release()
+        self._note_forwarder(fwd)
+        self._update_forwarder()  # the room its frames left in the send buffer, at once
+
+    def _note_forwarder(self, fwd: forwarder.Forwarder) -> None:
+        """The forwarder's counters, kept for ``probe.status()`` on any thread (only this one calls the forwarder)."""
         stats = fwd.stats()
         self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
-        self._update_forwarder()  # the room its frames left in the send buffer, at once
 
     def _forwarding_wanted(self) -> bool:
         """Whether the forwarder may forward now: connected to a daemon that reads CUPTI's buffers unchecked, and
