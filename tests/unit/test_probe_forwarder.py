@@ -462,3 +462,68 @@ def test_api_calls_stay_the_senders_while_a_buffer_it_took_waits_to_be_read() ->
     sender.intake.q.clear()
     sender.packer.launch_span = (0, None)  # a launch window takes calls
     assert sender._forwarded_kinds() & API == 0
+
+
+def test_frames_made_for_a_connection_that_broke_never_reach_the_next_daemon(tmp_path: Any, pool: _Pool) -> None:
+    """A real sender and its link: the forwarder frames a buffer for the first daemon, that connection breaks and a
+    new daemon is there before the sender takes the frame in. The new daemon's first frame must be the HELLO (a
+    frame before it cuts the connection), and the buffer's records reach it by the resync, not as a stale frame."""
+    import socket
+
+    from gpufootprint.probe.sender import Sender
+    from gpufootprint.probe.settings import ProbeSettings
+    from gpufootprint.records import DTYPES, RecordKind
+    from gpufootprint.wire.framing import FrameDecoder, FrameType
+
+    path = str(tmp_path / "d.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(2)
+    sender = Sender(ProbeSettings(socket=path, native_forward=True), None, PID, time.time_ns, None)
+    try:
+        sender.cupti.raw = pool.delivery
+        link = sender.link
+        assert link is not None and link.try_connect()
+        first, _ = server.accept()
+        sender._forward, sender._forwardable = True, FORWARDABLE
+        sender._raw_reader.checked = False  # this daemon takes CUPTI buffers unchecked
+        sender._update_forwarder()
+        fwd = sender.forwarder
+        assert fwd is not None
+        body = _alloc(0, T0)
+        pool.complete(body)
+        assert fwd.sync(2.0) == 0 and fwd.stats()["forwarded"] == 1  # framed for the first connection
+        first.close()
+        link.close("test")
+        link._next_try = 0.0
+        assert link.try_connect()
+        second, _ = server.accept()
+        sender._on_connect()
+        link.pump()
+        second.setblocking(False)
+        data = b""
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            try:
+                chunk = second.recv(1 << 20)
+            except BlockingIOError:
+                if data:
+                    break
+                time.sleep(0.01)
+                continue
+            if not chunk:
+                break
+            data += chunk
+        frames = FrameDecoder().feed(data)
+        assert frames and frames[0].type is FrameType.HELLO, [f.type for f in frames[:3]]
+        assert FrameType.CUPTI_BUFFER not in [f.type for f in frames]  # the stale frame dropped, not sent late
+        # its allocation went to the table's queue, and so to this daemon after the HELLO, with the resync
+        assert sender.counters["records_dropped"] == 1 and sender.dropped_by_reason["daemon_away"] == 1
+        batches = [np.frombuffer(f.payload, DTYPES[RecordKind.MEMORY]) for f in frames
+                   if f.type is FrameType.BATCH and f.tag == RecordKind.MEMORY]
+        assert [int(r["addr"]) for b in batches for r in b] == [0x1000]
+        second.close()
+    finally:
+        sender._stop_forwarder()
+        sender._wake.close()
+        server.close()
