@@ -35,7 +35,7 @@ def _probe_that_met_everything() -> SimpleNamespace:
     intake = SimpleNamespace(packer=packer, callback_seconds=0.0, buffers_requested=0, buffers_completed=0,
                              settings=SimpleNamespace(cupti_buffer_bytes=1 << 20))
     return SimpleNamespace(counters=Counter(), intake=intake, oom=OomWatch(), link=link, table=LiveTable(),
-                           table_seconds=0.0, own_device_bytes=0, raw=None, forward_seconds=0.0, native_read_retries=0, native_forward_seconds=0.0, native_forward_handed=0,
+                           table_seconds=0.0, own_device_bytes=0, raw=None, forward_seconds=0.0, native_read_retries=0, native_forward_seconds=0.0, native_forward_handed=0, forwarder_bytes=0,
                            torch_numbers=TorchNumbers(), dropped_by_reason=Counter(dict.fromkeys(DROP_REASONS, 10)))
 
 

@@ -527,3 +527,23 @@ def test_frames_made_for_a_connection_that_broke_never_reach_the_next_daemon(tmp
         sender._stop_forwarder()
         sender._wake.close()
         server.close()
+
+
+def test_a_bursts_memory_goes_back_once_the_sides_hold_little_again(pool: _Pool) -> None:
+    """Its two sides grow to a burst's frames and structs; a side that held under a quarter of itself in a turn
+    gives its memory back (it is the probe's own host memory, in the workload's process)."""
+    fwd = forwarder.start(pool.delivery, PID, 1 << 30)
+    assert fwd is not None
+    fwd.set(True, kind_mask(FORWARDABLE), 1 << 30, 0)
+    body = b"".join(_alloc(j, T0 + j) for j in range(500))
+    for _ in range(40):  # about 2.6 MB of frames and as much of structs, in one side
+        pool.complete(body)
+    assert _take(fwd)["buffers"] == 40
+    burst = fwd.stats()["bytes"]
+    assert burst > 4 << 20
+    for _ in range(2):  # each side in turn holds one buffer
+        pool.complete(body)
+        assert _take(fwd)["buffers"] == 1
+    assert fwd.stats()["bytes"] < 1 << 20 < burst
+    fwd.stop()
+    fwd.free()

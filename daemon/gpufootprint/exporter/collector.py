@@ -253,7 +253,7 @@ PROBE_FAMILIES: tuple[Row[dict[str, float]], ...] = (
           "1 while the probe holds its CUPTI driver-API hooks (mappings on every thread are recorded), else 0.", _PS,
           _probe_value("driver_hooks")),
     gauge("gpufootprint_probe_host_bytes",
-          "Host memory the probe holds: CUPTI buffers outstanding, packing arrays, unsent frames.", _PS,
+          "Host memory the probe holds: CUPTI buffers outstanding, packing arrays, unsent frames (the C forwarder's too).", _PS,
           _probe_value("own_host_bytes")),
     counter("gpufootprint_probe_connections",
             "Probe connection attempts by result (ok, missing, refused, denied, busy, error).", (*_PS, "result"),

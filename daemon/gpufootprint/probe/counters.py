@@ -44,6 +44,8 @@ class CounterSources(Protocol):
     @property
     def native_forward_seconds(self) -> float: ...
 
+    forwarder_bytes: int
+
     @property
     def native_forward_handed(self) -> int: ...
 
@@ -62,6 +64,7 @@ def counter_values(p: CounterSources, *, gap_seconds: float, cupti_dropped: int 
         host = outstanding * intake.settings.cupti_buffer_bytes + packer.host_bytes
     if link is not None:
         host += link.buffered
+    host += p.forwarder_bytes  # the C forwarder's sides (frames and structs not yet taken in, or room kept)
     return {
         "records_sent": c["records_sent"], "records_dropped": c["records_dropped"],
         "batches_sent": c["batches_sent"], "reconnects": max(0, (link.connects if link else 0) - 1),

@@ -33,7 +33,7 @@ from gpufootprint.probe.nativecallbacks import (
 from gpufootprint.wire import cupti_layout, framing
 
 _INFO = 12  # gfp_fwd_swap's answer
-_STATS = ("forwarded", "to_sender", "dropped", "alloc_failures", "cpu_ns", "handed_waiting", "lag")
+_STATS = ("forwarded", "to_sender", "dropped", "alloc_failures", "cpu_ns", "handed_waiting", "lag", "bytes")
 _MEMORY2 = cupti_layout.RAW_DTYPES[cupti_layout.MEMORY2]
 
 

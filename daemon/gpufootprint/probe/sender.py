@@ -150,6 +150,7 @@ class Sender:
         self._forwarder_tried = False
         self._forward_lagging = False  # the last sync ran out of time: buffers queued before it were not all read
         self._forwarder_cpu_ns = self._forwarder_handed = 0  # its counters as of the sender's last take
+        self.forwarder_bytes = 0  # the memory its sides hold (part of the probe's own host bytes)
         self._epoch = 0
         self._stop = threading.Event()
 
@@ -368,6 +369,7 @@ class Sender:
         """The forwarder's counters, kept for ``probe.status()`` on any thread (only this one calls the forwarder)."""
         stats = fwd.stats()
         self._forwarder_cpu_ns, self._forwarder_handed = stats["cpu_ns"], stats["to_sender"]
+        self.forwarder_bytes = stats["bytes"]
 
     def _forwarding_wanted(self) -> bool:
         """Whether the forwarder may forward now: connected to a daemon that reads CUPTI's buffers unchecked, and
@@ -419,6 +421,7 @@ class Sender:
             self.forwarder = None  # nothing calls it from now on, then its memory goes
             fwd.release()
             fwd.free()
+            self.forwarder_bytes = 0
 
     def _catch_up_forwarder(self) -> None:
         """Before a mark or a profiler's hand-back, which the daemon applies as a watermark: the forwarder's reads

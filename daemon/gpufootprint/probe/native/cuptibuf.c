@@ -994,10 +994,30 @@ int gfp_fwd_swap(gfp_fwd *f, uint64_t *info, int n) {
 }
 
 /* The sender is done with the side it took: emptied (its memory kept) for the forwarder's next turn. */
+/* A side's array that held less than a quarter of itself this turn goes back past 1 MiB (it grows again when a burst
+ * needs it): a burst's memory is not kept in the workload's process for good. */
+static void shrink(void **mem, uint64_t *cap, uint64_t used, uint64_t unit) {
+    if (*cap * unit > (1u << 20) && used < *cap / 4) {
+        free(*mem);
+        *mem = NULL;
+        *cap = 0;
+    }
+}
+
+static uint64_t side_bytes(const gfp_side *s, uint64_t struct_size) {
+    return s->out_cap + (uint64_t)s->ledger_cap * sizeof(uint64_t) + (uint64_t)s->structs_cap * struct_size;
+}
+
 void gfp_fwd_release(gfp_fwd *f) {
     pthread_mutex_lock(&f->mu);
     if (f->held) {
         gfp_side *s = &f->side[f->cur ^ 1];
+        uint64_t lcap = (uint64_t)s->ledger_cap, scap = (uint64_t)s->structs_cap;
+        shrink((void **)&s->out, &s->out_cap, s->out_len, 1);
+        shrink((void **)&s->ledger, &lcap, 2 * (uint64_t)s->n_frames, sizeof(uint64_t));
+        shrink((void **)&s->structs, &scap, (uint64_t)s->n_structs, f->sizes[f->copy_kind]);
+        s->ledger_cap = (int64_t)lcap;
+        s->structs_cap = (int64_t)scap;
         s->out_len = 0;
         s->n_frames = s->n_structs = s->stale_frames = 0;
         s->buffers = s->records = s->dropped_buffers = s->dropped_records = s->dropped_max_ts = 0;
@@ -1022,15 +1042,16 @@ int gfp_fwd_take(gfp_fwd *f, uint64_t *out, int most) {
     return n;
 }
 
-/* Counters: forwarded, to the sender, dropped, memory not had, the forwarder's CPU time (ns) on the current side,
- * handed and not yet taken, queued in the pool and not yet dealt with. */
-#define GFP_FWD_STATS 7
+/* Counters: forwarded, to the sender, dropped, memory not had, the forwarder's CPU time (ns), handed and not yet
+ * taken, queued in the pool and not yet dealt with, the bytes its two sides hold. */
+#define GFP_FWD_STATS 8
 int gfp_fwd_stats(gfp_fwd *f, uint64_t *out, int n) {
     uint64_t v[GFP_FWD_STATS];
     uint64_t lag = (uint64_t)gfp_fwd_lag(f);
     pthread_mutex_lock(&f->mu);
     v[0] = f->forwarded; v[1] = f->to_sender; v[2] = f->dropped; v[3] = f->alloc_failures;
     v[4] = f->side[0].cpu_ns + f->side[1].cpu_ns; v[5] = (uint64_t)f->n_handed; v[6] = lag;
+    v[7] = side_bytes(&f->side[0], f->sizes[f->copy_kind]) + side_bytes(&f->side[1], f->sizes[f->copy_kind]);
     pthread_mutex_unlock(&f->mu);
     if (n > GFP_FWD_STATS) n = GFP_FWD_STATS;
     memcpy(out, v, (size_t)n * sizeof(uint64_t));
