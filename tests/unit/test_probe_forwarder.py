@@ -547,3 +547,37 @@ def test_a_bursts_memory_goes_back_once_the_sides_hold_little_again(pool: _Pool)
     assert fwd.stats()["bytes"] < 1 << 20 < burst
     fwd.stop()
     fwd.free()
+
+
+def test_its_look_at_the_senders_queue_holds_while_workload_threads_queue_marks() -> None:
+    """The sender looks for buffers taken and not read in its intake queue while the program's threads queue marks
+    and profiler hand-overs there: a Python loop over the deque itself could be switched out of mid-way and meet
+    it changed ("deque mutated during iteration"), which at the stop skipped the goodbye."""
+    import sys
+    from collections import deque
+
+    from gpufootprint.probe.sender import Sender
+    from gpufootprint.probe.settings import ProbeSettings
+
+    sender = Sender(ProbeSettings(socket=""), None, PID, time.time_ns, None)
+    sender._forwardable = FORWARDABLE
+    sender.intake.q = deque(("raw", 0, 0) if i == 5000 else ("mark", {}, None) for i in range(5001))
+    stop = threading.Event()
+
+    def workload() -> None:  # Sender.queue_and_wait's append, from a workload thread (probe.mark())
+        while not stop.is_set():
+            sender.intake.q.append(("mark", {}, None))
+            sender.intake.q.pop()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the switch comes sooner, not otherwise
+    t = threading.Thread(target=workload)
+    t.start()
+    try:
+        for _ in range(200):
+            assert sender._forwarded_kinds() & API == 0  # the raw item found, no RuntimeError
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+        sender._wake.close()

@@ -280,8 +280,10 @@ class Sender:
                 if len(self.errors) < 20:
                     self.errors.append(f"sender: {exc!r}")
             if stopping:
-                self._goodbye()
-                self.cupti.retire_wakeup()
+                try:
+                    self._goodbye()
+                finally:
+                    self.cupti.retire_wakeup()  # whatever the goodbye met: no wake may reach a closed eventfd
                 return
             wait = min(next_flush, next_hb, next_drain if self._drains_by_clock() else next_flush) - time.monotonic()
             if self.windows.kernel_window is not None:
@@ -383,8 +385,10 @@ class Sender:
         """The kinds a buffer may hold to be forwarded: the daemon's, less the API calls' while the sender reads
         them (a launch window's calls, a failed allocation waiting for a success on its thread) or may yet (a
         buffer taken and not read: it may hold a failed call)."""
+        # (the queue as one tuple first: workload threads queue marks meanwhile, and a Python loop over the deque
+        # itself can be switched out of mid-way and meet it changed)
         if (self.packer.launch_window_open() or self.oom.reads_calls(failed=False)
-                or any(item[0] == "raw" for item in self.intake.q)):
+                or any(item[0] == "raw" for item in tuple(self.intake.q))):
             return nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS)
         return nativecallbacks.kind_mask(self._forwardable)
 
