@@ -90,8 +90,8 @@ class Forwarder:
     def set(self, on: bool, forward_mask: int, room: int, epoch: int) -> None:
         """The sender's word at each wake: forward while ``on`` the buffers whose kinds are all in
         ``forward_mask``, into at most ``room`` bytes of frames; a new ``epoch`` (a new connection) makes what
-        was framed so far stale. The forwarder stays off, whatever ``on`` says, while buffers it handed over
-        wait to be taken, and turns itself off when it hands over a failed call."""
+        was framed so far stale. API records stay the sender's, whatever ``forward_mask`` says, while buffers it
+        handed over wait to be taken, and from the moment it hands over a failed call until the sender's next word."""
         self._lib.gfp_fwd_set(self._fwd, int(on), forward_mask, max(0, room), epoch)
 
     def lag(self) -> int:
