@@ -586,7 +586,8 @@ def test_its_look_at_the_senders_queue_holds_while_workload_threads_queue_marks(
 def test_a_watermark_waits_for_the_forwarders_reads_of_what_came_before_it(tmp_path: Any,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A watermark says every record stamped before it was sent: while the forwarder has not read every buffer queued
-    before the sender's flush (a starved CPU; here a 12 MiB buffer and a sync cut to a millisecond), none goes out,
+    before the sender's flush (a starved CPU; here a 24 MiB buffer, some 50 MB to copy, and a sync cut to a
+    millisecond), none goes out,
     and once it has, the next flush sends it behind the buffer's frame."""
     import socket
 
@@ -595,24 +596,33 @@ def test_a_watermark_waits_for_the_forwarders_reads_of_what_came_before_it(tmp_p
     from gpufootprint.probe.settings import ProbeSettings
     from gpufootprint.wire.framing import FrameDecoder, FrameType
 
-    big = _Pool(buffer_bytes=12 << 20, buffers=4)  # its frame fits the send buffer's 16 MiB
+    big = _Pool(buffer_bytes=24 << 20, buffers=2)
     path = str(tmp_path / "d.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(1)
-    sender = Sender(ProbeSettings(socket=path, native_forward=True), None, PID, time.time_ns, None)
+    # a send buffer its frame fits
+    sender = Sender(ProbeSettings(socket=path, native_forward=True, buffer_bytes=32 << 20), None, PID, time.time_ns,
+                    None)
     try:
         sender.cupti.raw = big.delivery
         link = sender.link
         assert link is not None and link.try_connect()
         peer, _ = server.accept()
-        peer.setblocking(False)
+        received = bytearray()
+
+        def read() -> None:  # the daemon's side, reading as it comes
+            while chunk := peer.recv(1 << 22):
+                received.extend(chunk)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         sender._forward, sender._forwardable = True, FORWARDABLE
         sender._raw_reader.checked = False
         sender._update_forwarder()
         assert sender.forwarder is not None
         sender._flush_and_drain()  # the first flush: no watermark yet, the next one's time taken
-        body = _alloc(0, T0) * ((12 << 20) // len(_alloc(0, T0)))
+        body = _alloc(0, T0) * ((24 << 20) // len(_alloc(0, T0)))
         monkeypatch.setattr(sender_module, "FORWARD_SYNC_S", 0.001)
         big.complete(body)
         sender._flush_and_drain()
@@ -621,24 +631,19 @@ def test_a_watermark_waits_for_the_forwarders_reads_of_what_came_before_it(tmp_p
         link.pump()
         sender._flush_and_drain()
         assert not sender._forward_lagging
-        received = b""
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end:
+        end = time.monotonic() + 20.0
+        while link.buffered and time.monotonic() < end:
             link.pump(0.05)
-            try:
-                chunk = peer.recv(1 << 22)
-            except BlockingIOError:
-                if not link.buffered:
-                    break
-                continue
-            received += chunk
+        link.close("test")
+        reader.join(10)
         decoder = FrameDecoder(max_payload=64 << 20, unchecked=frozenset({FrameType.CUPTI_BUFFER}))
-        types = [f.type for f in decoder.feed(received)]
+        types = [f.type for f in decoder.feed(bytes(received))]
         assert types.count(FrameType.WATERMARK) == 1, types
         assert types.index(FrameType.CUPTI_BUFFER) < types.index(FrameType.WATERMARK), types
-        peer.close()
     finally:
         sender._stop_forwarder()
+        if sender.link is not None:
+            sender.link.close("test")  # the reader thread's recv ends
         sender._wake.close()
         server.close()
         big.close()
