@@ -244,27 +244,27 @@ class SocketLink:
             # through a view: slicing the bytearray would copy up to 1 MiB before each send
             with memoryview(self._out) as view, view[:_SEND_MOST] as chunk:
                 return sock.send(chunk)
-        with memoryview(self._out) as view:
-            head = ctypes.c_char.from_buffer(view)  # its address; let go before the view is
-            try:
-                n = int(self._native.gfp_send(sock.fileno(), ctypes.addressof(head), min(len(view), _SEND_MOST)))
-            finally:
-                del head
-        return _checked(n)
+        send = self._native.gfp_send
+        return self._on_out(lambda at, n: send(sock.fileno(), at, min(n, _SEND_MOST)))
 
     def _wait_and_send(self, sock: socket.socket, wait_s: float) -> int:
         """What waits, sent as the socket finds room, for up to ``wait_s``, in one C call that lets the GIL go
         (``gfp_pump``): the bytes sent (0: none in that time). Behind busy Python threads each wait for room
         in Python won the GIL back after it, up to a switch interval, longer where the CPU is shared, for about
         200 KiB a wait (what the kernel holds of a Unix socket); a CUPTI burst of several MB needs many."""
-        assert self._pump is not None
-        # Only this (the sender's) thread touches the buffer; the view's export keeps it from being resized or
-        # moved while the call runs without the GIL.
+        pump = self._pump
+        assert pump is not None
+        wait_ms = min(max(1, math.ceil(wait_s * 1000)), _WAIT_MOST_MS)
+        return self._on_out(lambda at, n: pump(sock.fileno(), at, n, wait_ms))
+
+    def _on_out(self, call: Callable[[int, int], int]) -> int:
+        """``call(address, length)`` of the send buffer, a C call of the library, checked as ``_send`` answers.
+        Only this (the sender's) thread touches the buffer; the view's export keeps it from being resized or moved
+        while the call runs (without the GIL, for ``gfp_pump``)."""
         with memoryview(self._out) as view:
-            head = ctypes.c_char.from_buffer(view)
+            head = ctypes.c_char.from_buffer(view)  # its address; let go before the view is
             try:
-                n = int(self._pump(sock.fileno(), ctypes.addressof(head), len(view),
-                                   min(max(1, math.ceil(wait_s * 1000)), _WAIT_MOST_MS)))
+                n = int(call(ctypes.addressof(head), len(view)))
             finally:
                 del head
         return _checked(n)
