@@ -149,6 +149,43 @@ static void requested(gfp_pool *p, uint8_t **buffer, size_t *size, size_t *max_r
 
 static void gfp_fwd_signal(struct gfp_fwd *f);
 
+/* A ring of (address, valid) of `max` slots from `head`, `*n` in it (the pool's completed buffers, the forwarder's
+ * handed-over ones: each buffer is in a ring at most once, so the pool's buffer count suffices). */
+static void ring_push(gfp_done *ring, int head, int *n, int max, uint64_t address, uint64_t valid) {
+    gfp_done *slot = &ring[(head + *n) % max];
+    slot->address = address;
+    slot->valid = valid;
+    (*n)++;
+}
+
+static gfp_done ring_pop(gfp_done *ring, int *head, int *n, int max) {
+    gfp_done d = ring[*head];
+    *head = (*head + 1) % max;
+    (*n)--;
+    return d;
+}
+
+/* Up to `most` of the ring's oldest into out[2*i] (address), out[2*i+1] (valid); how many. */
+static int ring_take(gfp_done *ring, int *head, int *n, int max, uint64_t *out, int most) {
+    int taken = 0;
+    for (; taken < most && *n > 0; taken++) {
+        gfp_done d = ring_pop(ring, head, n, max);
+        out[2 * taken] = d.address;
+        out[2 * taken + 1] = d.valid;
+    }
+    return taken;
+}
+
+/* Wake the sender (the pool's mutex held: once gfp_retire returns no write can reach a closed, or reused, fd).
+ * Non-blocking: EAGAIN means the counter is at its maximum, the sender is awake anyway. */
+static void wake_sender(gfp_pool *p) {
+    if (p->wake_fd >= 0) {
+        uint64_t one = 1;
+        if (write(p->wake_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN)
+            p->wake_errors++;
+    }
+}
+
 /* CUpti_BuffersCallbackCompleteFunc, for pool p */
 static void completed(gfp_pool *p, void *ctx, uint32_t stream, uint8_t *buffer, size_t size, size_t valid) {
     (void)size;
@@ -164,21 +201,15 @@ static void completed(gfp_pool *p, void *ctx, uint32_t stream, uint8_t *buffer, 
         p->empty++;
         p->free_list[p->n_free++] = address;
     } else {
-        int tail = (p->done_head + p->n_done) % p->max_buffers;
-        p->done[tail].address = address;
-        p->done[tail].valid = valid < p->buffer_bytes ? valid : p->buffer_bytes;
-        p->n_done++;
+        ring_push(p->done, p->done_head, &p->n_done, p->max_buffers, address,
+                  valid < p->buffer_bytes ? valid : p->buffer_bytes);
         p->queued++;
         wake = 1;
     }
     if (wake && p->fwd) {
         gfp_fwd_signal(p->fwd); /* the forwarder reads it, and wakes the sender only when the sender must act */
-    } else if (wake && p->wake_fd >= 0) {
-        /* Under the mutex, so that once gfp_retire returns no write can reach a closed (or reused) fd.
-         * Non-blocking: EAGAIN means the counter is at its maximum, the sender is awake anyway. */
-        uint64_t one = 1;
-        if (write(p->wake_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN)
-            p->wake_errors++;
+    } else if (wake) {
+        wake_sender(p);
     }
     pthread_mutex_unlock(&p->mu);
 }
@@ -219,15 +250,8 @@ void gfp_retire(gfp_pool *p) {
 
 /* The sender: up to `most` completed buffers, oldest first, into out[2*i] (address), out[2*i+1] (valid). */
 int gfp_take(gfp_pool *p, uint64_t *out, int most) {
-    int n = 0;
     pthread_mutex_lock(&p->mu);
-    while (n < most && p->n_done > 0) {
-        out[2 * n] = p->done[p->done_head].address;
-        out[2 * n + 1] = p->done[p->done_head].valid;
-        p->done_head = (p->done_head + 1) % p->max_buffers;
-        p->n_done--;
-        n++;
-    }
+    int n = ring_take(p->done, &p->done_head, &p->n_done, p->max_buffers, out, most);
     pthread_mutex_unlock(&p->mu);
     return n;
 }
@@ -704,14 +728,6 @@ typedef struct gfp_fwd {
 
 static void gfp_fwd_signal(struct gfp_fwd *f) { pthread_cond_signal(&f->work); }
 
-static void wake_sender(gfp_pool *p) { /* pool's mutex held */
-    if (p->wake_fd >= 0) {
-        uint64_t one = 1;
-        if (write(p->wake_fd, &one, sizeof(one)) != (ssize_t)sizeof(one) && errno != EAGAIN)
-            p->wake_errors++;
-    }
-}
-
 static int grow(void **mem, uint64_t *cap, uint64_t need, uint64_t unit) {
     if (need <= *cap) return 0;
     uint64_t c = *cap ? *cap : 64;
@@ -796,13 +812,10 @@ static int fwd_one(gfp_fwd *f, uint64_t address, uint64_t valid) {
         }
     }
     if (!forwarded) {
-        int max = f->pool->max_buffers;
         /* A failed call: the sender may want the calls after it (a success on its thread settles it), so no buffer
          * with API records is forwarded until it has read this one and says so again (gfp_fwd_set). */
         if (readable && failed) f->forward_mask &= ~f->api_mask;
-        f->handed[(f->handed_head + f->n_handed) % max].address = address;
-        f->handed[(f->handed_head + f->n_handed) % max].valid = valid;
-        f->n_handed++;
+        ring_push(f->handed, f->handed_head, &f->n_handed, f->pool->max_buffers, address, valid);
         f->to_sender++;
         wake = 1;
     }
@@ -819,9 +832,7 @@ static void *fwd_main(void *arg) {
     for (;;) {
         while (p->n_done == 0 && !f->stop) pthread_cond_wait(&f->work, &p->mu);
         if (f->stop) break;
-        gfp_done d = p->done[p->done_head];
-        p->done_head = (p->done_head + 1) % p->max_buffers;
-        p->n_done--;
+        gfp_done d = ring_pop(p->done, &p->done_head, &p->n_done, p->max_buffers);
         f->in_hand = 1;
         pthread_mutex_unlock(&p->mu);
         int wake = fwd_one(f, d.address, d.valid);
@@ -1029,15 +1040,8 @@ void gfp_fwd_release(gfp_fwd *f) {
 
 /* Up to `most` buffers handed to the sender, oldest first, as gfp_take's. */
 int gfp_fwd_take(gfp_fwd *f, uint64_t *out, int most) {
-    int n = 0, max = f->pool->max_buffers;
     pthread_mutex_lock(&f->mu);
-    while (n < most && f->n_handed > 0) {
-        out[2 * n] = f->handed[f->handed_head].address;
-        out[2 * n + 1] = f->handed[f->handed_head].valid;
-        f->handed_head = (f->handed_head + 1) % max;
-        f->n_handed--;
-        n++;
-    }
+    int n = ring_take(f->handed, &f->handed_head, &f->n_handed, f->pool->max_buffers, out, most);
     pthread_mutex_unlock(&f->mu);
     return n;
 }
