@@ -381,19 +381,20 @@ class Sender:
         return (self._forward and link is not None and link.connected and reader.native_read and not reader.checked
                 and not reader.verify_walk and self.tee is None and not self.in_gap and not self._stop.is_set())
 
-    def _forwarded_kinds(self) -> int:
+    def _forwarded_kinds(self, calls: bool = True) -> int:
         """The kinds a buffer may hold to be forwarded: the daemon's, less the API calls' while the sender reads
-        them (a launch window's calls, a failed allocation waiting for a success on its thread) or may yet (a
-        buffer taken and not read: it may hold a failed call)."""
+        them (a launch window's calls, a failed allocation waiting for a success on its thread), may yet (a
+        buffer taken and not read: it may hold a failed call) or ``calls`` is off."""
         # (the queue as one tuple first: workload threads queue marks meanwhile, and a Python loop over the deque
         # itself can be switched out of mid-way and meet it changed)
-        if (self.packer.launch_window_open() or self.oom.reads_calls(failed=False)
+        if (not calls or self.packer.launch_window_open() or self.oom.reads_calls(failed=False)
                 or any(item[0] == "raw" for item in tuple(self.intake.q))):
             return nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS)
         return nativecallbacks.kind_mask(self._forwardable)
 
-    def _update_forwarder(self) -> None:
-        """Start the forwarder once the C callbacks are registered (``native_forward``) and tell it what it may do."""
+    def _update_forwarder(self, calls: bool = True) -> None:
+        """Start the forwarder once the C callbacks are registered (``native_forward``) and tell it what it may do
+        (``calls`` off: no buffer with API records)."""
         fwd = self.forwarder
         if fwd is None:
             raw = self.cupti.raw
@@ -407,7 +408,7 @@ class Sender:
                 return
         link = self.link
         room = link.buffer_bytes - link.buffered if link is not None else 0
-        fwd.set(self._forwarding_wanted(), self._forwarded_kinds(), room, self._epoch)
+        fwd.set(self._forwarding_wanted(), self._forwarded_kinds(calls), room, self._epoch)
 
     def _stop_forwarder(self) -> None:
         """At the stop, before the last flush: the forwarder's thread joined once it has dealt with what is queued,
@@ -686,15 +687,13 @@ class Sender:
     # --- control (the daemon's CONTROL frames: probe/control.py) ----------------------------------
 
     def _control(self, frame: Frame) -> None:
-        fwd = self.forwarder
-        if fwd is not None:
+        forwarding = self.forwarder is not None
+        if forwarding:
             # API records the sender's while a control is applied: a launch window it opens takes its calls from the
             # next buffer on, and its switch may be made on the program's main thread while this one waits.
-            link = self.link
-            fwd.set(self._forwarding_wanted(), nativecallbacks.kind_mask(self._forwardable - cupti_layout.API_KINDS),
-                    link.buffer_bytes - link.buffered if link is not None else 0, self._epoch)
+            self._update_forwarder(calls=False)
         control.apply_control(frame, self)
-        if fwd is not None:
+        if forwarding:
             self._update_forwarder()
 
     def set_flush_interval(self, ms: int) -> None:
