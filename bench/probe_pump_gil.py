@@ -20,53 +20,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-
-from gpufootprint.probe import nativecallbacks
-from gpufootprint.probe.link import SocketLink
+from _linkbench import Spinners, library, linked, machine
 from gpufootprint.probe.sender import PUMP_WAIT_S
 from gpufootprint.wire import framing
 
-_READER = "import socket, sys\npeer = socket.socket(fileno=int(sys.argv[1]))\nwhile peer.recv(1 << 18):\n    pass\n"
 _FRAME = 65_536
 
 
 def one_run(lib: object, c_pump: bool, args: argparse.Namespace) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "d.sock")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(path)
-        server.listen(1)
-        # native_pump off: the library's send, Python's wait for room (the probe before gfp_pump)
-        link = SocketLink(path, buffer_bytes=int(args.buffer_mb * (1 << 20)), backoff_max_s=1.0,
-                          on_control=lambda f: None, native=lib, native_pump=c_pump)
-        assert link.try_connect()
-        peer, _ = server.accept()
-        reader = subprocess.Popen([sys.executable, "-c", _READER, str(peer.fileno())], pass_fds=(peer.fileno(),))
-        peer.close()
+    # native_pump off: the library's send, Python's wait for room (the probe before gfp_pump)
+    with linked(buffer_bytes=int(args.buffer_mb * (1 << 20)), native=lib, native_pump=c_pump) as link:
         hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
         body = memoryview(os.urandom(_FRAME))
         per_burst = max(1, round(args.burst_mb * (1 << 20) / _FRAME))
-        stop = threading.Event()
-        loops = [0] * args.spinners
-
-        def spin(i: int) -> None:
-            while not stop.is_set():
-                loops[i] += sum(range(200)) > 0
-
-        threads = [threading.Thread(target=spin, args=(i,)) for i in range(args.spinners)]
-        for t in threads:
-            t.start()
+        spin = Spinners(args.spinners)
         pumps: list[float] = []
         most = 0
         start = time.monotonic()
@@ -83,20 +55,15 @@ def one_run(lib: object, c_pump: bool, args: argparse.Namespace) -> dict[str, fl
             if link_wait > 0:
                 time.sleep(link_wait)
         took = time.monotonic() - start
-        stop.set()
-        for t in threads:
-            t.join()
+        loops = spin.stop()
         for h in hogs:
             h.kill()
             h.wait()
         sent, dropped = link.bytes_sent, link.frames_dropped
-        link.close("bench")
-        reader.wait(timeout=30)
-        server.close()
-        pumps.sort()
-        return {"mb_s": sent / took / 1e6, "backlog_mb": most / 1e6, "dropped": dropped,
-                "pump_ms_median": statistics.median(pumps) * 1e3, "pump_ms_p90": pumps[int(0.9 * len(pumps))] * 1e3,
-                "loops_s": sum(loops) / took}
+    pumps.sort()
+    return {"mb_s": sent / took / 1e6, "backlog_mb": most / 1e6, "dropped": dropped,
+            "pump_ms_median": statistics.median(pumps) * 1e3, "pump_ms_p90": pumps[int(0.9 * len(pumps))] * 1e3,
+            "loops_s": loops / took}
 
 
 def main() -> int:
@@ -109,11 +76,8 @@ def main() -> int:
     ap.add_argument("--hogs", type=int, default=0, help="CPU-bound processes beside (a machine whose CPU is shared)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    lib, why = nativecallbacks.load()
-    if lib is None:
-        print(f"no C library: {why}")
-        return 1
-    print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()}; "
+    lib = library()
+    print(f"{machine()}; "
           f"{args.burst_mb:g} MB bursts {args.rate:g} a second for {args.seconds:g} s, {args.spinners} spinning "
           f"threads, {args.hogs} busy processes, a {args.buffer_mb:g} MB send buffer; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     rows: dict[str, list[dict[str, float]]] = {"python_wait": [], "c_pump": []}

@@ -15,50 +15,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-
-from gpufootprint.probe import nativecallbacks  # noqa: E402
-from gpufootprint.probe.link import SocketLink  # noqa: E402
-from gpufootprint.probe.wakeup import Wakeup  # noqa: E402
-from gpufootprint.wire import framing  # noqa: E402
-
-_READER = "import socket, sys\npeer = socket.socket(fileno=int(sys.argv[1]))\nwhile peer.recv(1 << 18):\n    pass\n"
+from _linkbench import Spinners, library, linked, machine
+from gpufootprint.probe.wakeup import Wakeup
+from gpufootprint.wire import framing
 
 
 def one_run(native: object, seconds: float, rate: float, spinners: int) -> tuple[list[float], float]:
     """(each wake's work in seconds, the spinners' loops a second)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "d.sock")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(path)
-        server.listen(1)
-        link = SocketLink(path, buffer_bytes=64 << 20, backoff_max_s=1.0, on_control=lambda f: None, native=native)
-        assert link.try_connect()
-        peer, _ = server.accept()
-        reader = subprocess.Popen([sys.executable, "-c", _READER, str(peer.fileno())], pass_fds=(peer.fileno(),))
-        peer.close()
+    with linked(buffer_bytes=64 << 20, native=native) as link:
         wake = Wakeup(native)
         body = memoryview(os.urandom(57_344))
-        stop = threading.Event()
-        loops = [0] * spinners
-
-        def spin(i: int) -> None:
-            while not stop.is_set():
-                loops[i] += sum(range(200)) > 0
-
-        threads = [threading.Thread(target=spin, args=(i,)) for i in range(spinners)]
-        for t in threads:
-            t.start()
+        spin = Spinners(spinners)
         works: list[float] = []
         start = time.monotonic()
         next_at = start
@@ -72,15 +42,10 @@ def one_run(native: object, seconds: float, rate: float, spinners: int) -> tuple
             link.pump()
             works.append(time.perf_counter() - t0)
             time.sleep(max(0.0, next_at - time.monotonic()))
-        stop.set()
-        for t in threads:
-            t.join()
+        loops = spin.stop()
         took = time.monotonic() - start
-        link.close("bench")
         wake.close()
-        reader.wait(timeout=10)
-        server.close()
-        return works, sum(loops) / took
+    return works, loops / took
 
 
 def main() -> int:
@@ -90,11 +55,8 @@ def main() -> int:
     ap.add_argument("--spinners", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    lib, why = nativecallbacks.load()
-    if lib is None:
-        print(f"no C library: {why}")
-        return 1
-    print(f"{platform.node()} {platform.machine()} cpus={os.cpu_count()} python {platform.python_version()}; "
+    lib = library()
+    print(f"{machine()}; "
           f"{args.rate:g} wakes a second for {args.seconds:g} s, {args.spinners} spinning threads")
     for r in range(args.rounds):
         for name, native in (("python", None), ("c", lib)):
