@@ -14,6 +14,8 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -464,32 +466,45 @@ def test_api_calls_stay_the_senders_while_a_buffer_it_took_waits_to_be_read() ->
     assert sender._forwarded_kinds() & API == 0
 
 
-def test_frames_made_for_a_connection_that_broke_never_reach_the_next_daemon(tmp_path: Any, pool: _Pool) -> None:
-    """A real sender and its link: the forwarder frames a buffer for the first daemon, that connection breaks and a
-    new daemon is there before the sender takes the frame in. The new daemon's first frame must be the HELLO (a
-    frame before it cuts the connection), and the buffer's records reach it by the resync, not as a stale frame."""
+@contextmanager
+def _forwarding_sender(path: str, delivery: NativeDelivery, **settings: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """A real sender (``native_forward``) connected to a listening socket at ``path`` as to a daemon that asked for
+    CUPTI's buffers unchecked, its forwarder started on ``delivery``: (sender, listening socket, accepted peer)."""
     import socket
 
     from gpufootprint.probe.sender import Sender
     from gpufootprint.probe.settings import ProbeSettings
-    from gpufootprint.records import DTYPES, RecordKind
-    from gpufootprint.wire.framing import FrameDecoder, FrameType
 
-    path = str(tmp_path / "d.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(2)
-    sender = Sender(ProbeSettings(socket=path, native_forward=True), None, PID, time.time_ns, None)
+    sender = Sender(ProbeSettings(socket=path, native_forward=True, **settings), None, PID, time.time_ns, None)
     try:
-        sender.cupti.raw = pool.delivery
-        link = sender.link
-        assert link is not None and link.try_connect()
-        first, _ = server.accept()
+        sender.cupti.raw = delivery
+        assert sender.link is not None and sender.link.try_connect()
+        peer, _ = server.accept()
         sender._forward, sender._forwardable = True, FORWARDABLE
         sender._raw_reader.checked = False  # this daemon takes CUPTI buffers unchecked
         sender._update_forwarder()
-        fwd = sender.forwarder
-        assert fwd is not None
+        assert sender.forwarder is not None
+        yield sender, server, peer
+    finally:
+        sender._stop_forwarder()
+        if sender.link is not None:
+            sender.link.close("test")  # a reader of the peer sees its end
+        sender._wake.close()
+        server.close()
+
+
+def test_frames_made_for_a_connection_that_broke_never_reach_the_next_daemon(tmp_path: Any, pool: _Pool) -> None:
+    """A real sender and its link: the forwarder frames a buffer for the first daemon, that connection breaks and a
+    new daemon is there before the sender takes the frame in. The new daemon's first frame must be the HELLO (a
+    frame before it cuts the connection), and the buffer's records reach it by the resync, not as a stale frame."""
+    from gpufootprint.records import DTYPES, RecordKind
+    from gpufootprint.wire.framing import FrameDecoder, FrameType
+
+    with _forwarding_sender(str(tmp_path / "d.sock"), pool.delivery) as (sender, server, first):
+        link, fwd = sender.link, sender.forwarder
         body = _alloc(0, T0)
         pool.complete(body)
         assert fwd.sync(2.0) == 0 and fwd.stats()["forwarded"] == 1  # framed for the first connection
@@ -523,10 +538,6 @@ def test_frames_made_for_a_connection_that_broke_never_reach_the_next_daemon(tmp
                    if f.type is FrameType.BATCH and f.tag == RecordKind.MEMORY]
         assert [int(r["addr"]) for b in batches for r in b] == [0x1000]
         second.close()
-    finally:
-        sender._stop_forwarder()
-        sender._wake.close()
-        server.close()
 
 
 def test_a_bursts_memory_goes_back_once_the_sides_hold_little_again(pool: _Pool) -> None:
@@ -587,63 +598,41 @@ def test_a_watermark_waits_for_the_forwarders_reads_of_what_came_before_it(tmp_p
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A watermark says every record stamped before it was sent: while the forwarder has not read every buffer queued
     before the sender's flush (a starved CPU; here a 24 MiB buffer, some 50 MB to copy, and a sync cut to a
-    millisecond), none goes out,
-    and once it has, the next flush sends it behind the buffer's frame."""
-    import socket
-
+    millisecond), none goes out, and once it has, the next flush sends it behind the buffer's frame."""
     from gpufootprint.probe import sender as sender_module
-    from gpufootprint.probe.sender import Sender
-    from gpufootprint.probe.settings import ProbeSettings
     from gpufootprint.wire.framing import FrameDecoder, FrameType
 
     big = _Pool(buffer_bytes=24 << 20, buffers=2)
-    path = str(tmp_path / "d.sock")
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(1)
-    # a send buffer its frame fits
-    sender = Sender(ProbeSettings(socket=path, native_forward=True, buffer_bytes=32 << 20), None, PID, time.time_ns,
-                    None)
     try:
-        sender.cupti.raw = big.delivery
-        link = sender.link
-        assert link is not None and link.try_connect()
-        peer, _ = server.accept()
-        received = bytearray()
+        # a send buffer its frame fits
+        with _forwarding_sender(str(tmp_path / "d.sock"), big.delivery, buffer_bytes=32 << 20) as (sender, _, peer):
+            link = sender.link
+            received = bytearray()
 
-        def read() -> None:  # the daemon's side, reading as it comes
-            while chunk := peer.recv(1 << 22):
-                received.extend(chunk)
+            def read() -> None:  # the daemon's side, reading as it comes
+                while chunk := peer.recv(1 << 22):
+                    received.extend(chunk)
 
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        sender._forward, sender._forwardable = True, FORWARDABLE
-        sender._raw_reader.checked = False
-        sender._update_forwarder()
-        assert sender.forwarder is not None
-        sender._flush_and_drain()  # the first flush: no watermark yet, the next one's time taken
-        body = _alloc(0, T0) * ((24 << 20) // len(_alloc(0, T0)))
-        monkeypatch.setattr(sender_module, "FORWARD_SYNC_S", 0.001)
-        big.complete(body)
-        sender._flush_and_drain()
-        assert sender._forward_lagging and sender.counters["native_forward_lagging"] == 1
-        monkeypatch.setattr(sender_module, "FORWARD_SYNC_S", 5.0)
-        link.pump()
-        sender._flush_and_drain()
-        assert not sender._forward_lagging
-        end = time.monotonic() + 20.0
-        while link.buffered and time.monotonic() < end:
-            link.pump(0.05)
-        link.close("test")
-        reader.join(10)
-        decoder = FrameDecoder(max_payload=64 << 20, unchecked=frozenset({FrameType.CUPTI_BUFFER}))
-        types = [f.type for f in decoder.feed(bytes(received))]
-        assert types.count(FrameType.WATERMARK) == 1, types
-        assert types.index(FrameType.CUPTI_BUFFER) < types.index(FrameType.WATERMARK), types
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            sender._flush_and_drain()  # the first flush: no watermark yet, the next one's time taken
+            body = _alloc(0, T0) * ((24 << 20) // len(_alloc(0, T0)))
+            monkeypatch.setattr(sender_module, "FORWARD_SYNC_S", 0.001)
+            big.complete(body)
+            sender._flush_and_drain()
+            assert sender._forward_lagging and sender.counters["native_forward_lagging"] == 1
+            monkeypatch.setattr(sender_module, "FORWARD_SYNC_S", 5.0)
+            link.pump()
+            sender._flush_and_drain()
+            assert not sender._forward_lagging
+            end = time.monotonic() + 20.0
+            while link.buffered and time.monotonic() < end:
+                link.pump(0.05)
+            link.close("test")
+            reader.join(10)
+            decoder = FrameDecoder(max_payload=64 << 20, unchecked=frozenset({FrameType.CUPTI_BUFFER}))
+            types = [f.type for f in decoder.feed(bytes(received))]
+            assert types.count(FrameType.WATERMARK) == 1, types
+            assert types.index(FrameType.CUPTI_BUFFER) < types.index(FrameType.WATERMARK), types
     finally:
-        sender._stop_forwarder()
-        if sender.link is not None:
-            sender.link.close("test")  # the reader thread's recv ends
-        sender._wake.close()
-        server.close()
         big.close()
