@@ -30,20 +30,31 @@ NATIVE = Extension(
     extra_link_args=["-pthread"],
     optional=True,
 )
-NATIVE_FILE = "libgfp-cuptibuf.so"  # a name no import statement can reach: it is not a Python module
+# The daemon's C core (daemon/gpufootprint/native/__init__.py says what it does): a plain library too,
+# optional (without it the daemon runs its numpy and Python paths). GPUFOOTPRINT_NATIVE_CORE=0 skips it;
+# GPUFOOTPRINT_NATIVE=0 does not, so the daemon's image can build its core without the probe's library.
+CORE = Extension(
+    "gpufootprint.native.core",
+    sources=["daemon/gpufootprint/native/core.c"],
+    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+    optional=True,
+)
+# Names no import statement can reach: they are not Python modules
+LIBRARY_FILES = {NATIVE.name: "libgfp-cuptibuf.so", CORE.name: "libgfp-core.so"}
 
 
 class BuildNative(build_ext):
     def get_ext_filename(self, fullname: str) -> str:
         # Asked with the dotted name (outputs) and with its last part alone (get_ext_fullpath)
-        if fullname == NATIVE.name:
-            return os.path.join(*fullname.split(".")[:-1], NATIVE_FILE)
-        if fullname == NATIVE.name.rsplit(".", 1)[1]:
-            return NATIVE_FILE
+        for name, file in LIBRARY_FILES.items():
+            if fullname == name:
+                return os.path.join(*fullname.split(".")[:-1], file)
+            if fullname == name.rsplit(".", 1)[1]:
+                return file
         return str(super().get_ext_filename(fullname))
 
     def get_export_symbols(self, ext: Extension) -> list[str]:
-        return [] if ext is NATIVE else list(super().get_export_symbols(ext))
+        return [] if ext.name in LIBRARY_FILES else list(super().get_export_symbols(ext))
 
 
 class BuildWithPth(build_py):
@@ -102,5 +113,6 @@ try:  # editable installs (PEP 660) build a wheel of links; add the .pth to it a
 except ImportError:
     pass
 
-ext_modules = [] if os.environ.get("GPUFOOTPRINT_NATIVE", "1") == "0" else [NATIVE]
+ext_modules = [ext for ext, switch in ((NATIVE, "GPUFOOTPRINT_NATIVE"), (CORE, "GPUFOOTPRINT_NATIVE_CORE"))
+               if os.environ.get(switch, "1") != "0"]
 setup(cmdclass=cmdclass, ext_modules=ext_modules)

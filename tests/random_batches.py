@@ -30,6 +30,11 @@ def memory_batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless:
 
 
 def reuse_state(tr: ReuseTracker, keys: list[int]) -> tuple[Any, ...]:
+    """Counts, events, remembered sizes and freed keys: read from the C core where the tracker has one."""
+    if tr._core is not None:
+        freed, _, sizeless = tr._core.counts()
+        return (tr.allocations, tr.reused, tr.events().tolist(), tr._core.live(), sizeless, freed,
+                [tr._core.has_freed(k) for k in keys], tr.ratio)
     return (tr.allocations, tr.reused, tr.events().tolist(), dict(tr._live), tr._sizeless, len(tr._freed),
             [tr._freed.has(k) for k in keys], tr.ratio)
 

@@ -148,7 +148,8 @@ def _reuse_against(seed: int, monkeypatch: pytest.MonkeyPatch, knob: str, batche
     batches, the second with ``knob`` of features/reuse.py set past any batch (the reference path); after
     every batch both hold the same counts, events, remembered sizes and freed keys."""
     rng = np.random.default_rng(seed)
-    fast, reference = ReuseTracker(capacity=3000, history=2048), ReuseTracker(capacity=3000, history=2048)
+    fast = ReuseTracker(capacity=3000, history=2048, native=False)  # the Python paths (the C core: test_reuse_native.py)
+    reference = ReuseTracker(capacity=3000, history=2048, native=False)
     t = 10**15
     keys: set[int] = set()
     for _ in range(batches):

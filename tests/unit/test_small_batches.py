@@ -38,7 +38,9 @@ def test_reuse_of_small_batches_record_by_record_equals_the_batch_path(seed: int
     # GIVEN two trackers (small capacity and history, so clears and compaction happen) fed the same
     # random batches of 1 to 60 records, one of them only ever down the numpy path
     rng = np.random.default_rng(seed)
-    small, bulk = ReuseTracker(capacity=300, history=256), ReuseTracker(capacity=300, history=256)
+    # (the Python paths: the C core, where built, is held to them in tests/unit/engines/test_reuse_native.py)
+    small, bulk = ReuseTracker(capacity=300, history=256, native=False), ReuseTracker(capacity=300, history=256,
+                                                                                      native=False)
     t = 10**15
     keys: set[int] = set()
     for _ in range(150):

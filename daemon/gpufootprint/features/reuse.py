@@ -18,6 +18,11 @@ the newest allocations' (time, reused) pairs so ``steady_ratio`` can answer for
 any ``since`` at engine time from an immutable snapshot. CUPTI's release records
 carry their size; for traces whose releases omit it, the size last allocated at
 the address is used, remembered from the first batch with such a release on.
+
+Where the daemon's C core is built (gpufootprint/native), a batch is one call into it
+(``gfp_reuse_add``: the freed keys and remembered sizes live in C, the events are
+written straight into the tracker's buffer). The numpy and Python paths below stay,
+unchanged, for installs without it and as the reference its tests compare it with.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from itertools import compress
 import numpy as np
 
 from gpufootprint.features.keyset import KeySet
-from gpufootprint.records import MemoryKind, MemoryOp, select
+from gpufootprint.native import ReuseCore, core
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, select
 
-REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
+REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])  # packed, 9 bytes: core.c writes it so
+assert REUSE_EVENT_DTYPE.itemsize == 9
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
 _NO_EVENTS.flags.writeable = False
 
@@ -71,8 +78,12 @@ def _first_positions(keys: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.
 class ReuseTracker:
     """Reuse of one (pid, device)'s device allocations. Feed MEMORY batches in time order."""
 
-    def __init__(self, capacity: int = 100_000, history: int = 65_536) -> None:
-        self._freed = KeySet()
+    def __init__(self, capacity: int = 100_000, history: int = 65_536, native: bool = True) -> None:
+        """``native``: use the C core where it loads (``False``: the Python paths, the reference)."""
+        lib = core() if native else None
+        self._core = None if lib is None else ReuseCore(
+            lib, MEMORY_DTYPE, _DEVICE, MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value)
+        self._freed = KeySet()  # these three: the Python paths' memory (the C core keeps its own)
         self._live: dict[int, int] = {}  # address -> last allocated size: a release record may omit it
         self._sizeless = False  # a release without its size was seen: keep ``_live``
         self._capacity = capacity
@@ -83,6 +94,7 @@ class ReuseTracker:
         # out (``events``, which every snapshot of a changed device takes) stays as it was, and taking it
         # costs nothing (it was a join of the whole history, 65,536 events, at every snapshot).
         self._buf = _NO_EVENTS
+        self._buf_at = 0  # its address, for the C core's writes
         self._lo = 0
         self._hi = 0
         self._events: np.ndarray | None = None  # the view handed out, read-only
@@ -94,6 +106,8 @@ class ReuseTracker:
         capacity, history = self._full
         self._capacity = max(256, int(capacity * part))
         self._history = max(256, int(history * part))
+        if self._core is not None:
+            self._core.trim(self._capacity)
         if len(self._freed) >= self._capacity:
             self._freed.clear()
         if len(self._live) >= self._capacity:
@@ -102,6 +116,9 @@ class ReuseTracker:
         self._events = None
 
     def add(self, recs: np.ndarray) -> None:
+        if self._core is not None:
+            self._add_native(recs)
+            return
         if len(recs) <= SMALL_BATCH:
             self._add_small(recs)
             return
@@ -246,16 +263,46 @@ class ReuseTracker:
         self.reused += sum(hits)
         self._append(ev)
 
+    def _add_native(self, recs: np.ndarray) -> None:
+        """``add`` as one call into the C core: ``_add_small``'s walk over the records where they lie
+        (their fields at MEMORY_DTYPE's offsets, any stride), the events written after ``_hi``."""
+        c = self._core
+        assert c is not None
+        if recs.dtype is not MEMORY_DTYPE and recs.dtype != MEMORY_DTYPE:
+            recs = _as_memory(recs)
+        n = len(recs)
+        if self._hi + n > len(self._buf):
+            self._room(n)  # at most one event a record
+        got = c.add(c.handle, recs.ctypes.data, n, recs.strides[0], self._capacity,
+                    self._buf_at + self._hi * REUSE_EVENT_DTYPE.itemsize, c.hits_at)
+        if got <= 0:
+            if got < 0:
+                raise MemoryError("gfp_reuse_add")
+            return
+        self.allocations += got
+        self.reused += c.hits[0]
+        hi = self._hi + got
+        self._lo, self._hi = max(self._lo, hi - self._history), hi
+        self._events = None
+
+    def _room(self, n: int) -> None:
+        """Room for ``n`` more events after ``_hi``: a full buffer is replaced by a new one holding the
+        newest ``_history`` (views handed out keep the old one as it was)."""
+        lo, hi = self._lo, self._hi
+        keep = min(hi - lo, self._history)
+        buf = np.empty(max(2 * self._history, keep + n, 256), REUSE_EVENT_DTYPE)
+        _put(buf, 0, self._buf[hi - keep:hi])
+        self._buf, self._buf_at = buf, buf.ctypes.data
+        self._lo, self._hi = 0, keep
+
     def _append(self, ev: np.ndarray) -> None:
-        n, lo, hi = len(ev), self._lo, self._hi
-        if hi + n > len(self._buf):
-            keep = min(hi - lo, self._history)
-            buf = np.empty(max(2 * self._history, keep + n, 256), REUSE_EVENT_DTYPE)
-            _put(buf, 0, self._buf[hi - keep:hi])
-            self._buf, lo, hi = buf, 0, keep
+        n = len(ev)
+        if self._hi + n > len(self._buf):
+            self._room(n)
+        hi = self._hi
         _put(self._buf, hi, ev)
         hi += n
-        self._lo, self._hi = max(lo, hi - self._history), hi
+        self._lo, self._hi = max(self._lo, hi - self._history), hi
         self._events = None
 
     @property
@@ -271,6 +318,15 @@ class ReuseTracker:
             self._events = self._buf[self._lo:self._hi]
             self._events.flags.writeable = False
         return self._events
+
+
+def _as_memory(recs: np.ndarray) -> np.ndarray:
+    """Records of another dtype with the fields the tracker reads, as MEMORY_DTYPE records (the C core
+    reads them at MEMORY_DTYPE's offsets). Only tests make such arrays."""
+    out = np.zeros(len(recs), MEMORY_DTYPE)
+    for name in ("ts", "addr", "bytes", "op", "mk"):
+        out[name] = recs[name]
+    return out
 
 
 def _put(dst: np.ndarray, at: int, src: np.ndarray) -> None:

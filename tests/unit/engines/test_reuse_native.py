@@ -1,0 +1,200 @@
+"""The reuse tracker's C core (gpufootprint/native/core.c) leaves exactly what the Python paths leave.
+
+The Python paths (``_add_small`` for small batches, numpy over features/keyset.py for large ones) are
+the reference; tests/unit/test_small_batches.py and test_large_batches.py hold them equal to each other.
+Here a tracker on the C core and one on the Python paths are fed the same random batches and compared
+after every batch: counts, events, ratio, the remembered sizes and the freed keys.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gpufootprint import native
+from gpufootprint.features import reuse as reuse_mod
+from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp
+
+from tests.native import shim as native_shim
+from tests.random_batches import reuse_state
+
+MIX = 0x9E3779B97F4A7C15
+U64 = (1 << 64) - 1
+SIZES = np.array([0, 512, 4096, 1 << 20, U64], np.uint64)
+
+
+def _library() -> None:
+    lib, why = native.load()
+    assert lib is not None, f"{why} (README's install builds the daemon's C core where a C compiler exists)"
+
+
+def _batch(rng: np.random.Generator, t: int, n: int, addrs: int, sizeless: bool) -> np.ndarray:
+    """Random MEMORY records: few addresses and sizes (keys repeat within and across batches), times out
+    of order and equal now and then (the stable sort decides between an allocation and a release of one
+    key at one time), mixed memory kinds, unknown ops, releases without their size, and the key 0 (the
+    address 0 with the size 0, and an address equal to its size's mix)."""
+    recs = np.zeros(n, MEMORY_DTYPE)
+    spread = int(rng.choice([20, 50_000_000]))  # 20 ns: many records at one time
+    recs["ts"] = t + np.sort(rng.integers(0, spread, n))
+    if rng.random() < 0.3 and n > 1:
+        recs["ts"] = recs["ts"][rng.permutation(n)]
+    recs["op"] = rng.choice([MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value, 7], n, p=[0.5, 0.45, 0.05])
+    recs["addr"] = rng.integers(0, addrs, n).astype(np.uint64) * np.uint64(4096)
+    recs["bytes"] = rng.choice(SIZES, n, p=[0.05, 0.3, 0.3, 0.3, 0.05])
+    zero_key = rng.random(n) < 0.03  # addr ^ (size * MIX) == 0 with a non-zero address
+    recs["addr"][zero_key] = (recs["bytes"][zero_key] * np.uint64(MIX))
+    if sizeless:
+        recs["bytes"][(recs["op"] == MemoryOp.RELEASE.value) & (rng.random(n) < 0.5)] = 0
+    recs["mk"] = rng.choice([MemoryKind.DEVICE.value, MemoryKind.PINNED.value, MemoryKind.DEVICE_STATIC.value], n,
+                            p=[0.85, 0.1, 0.05])
+    return recs
+
+
+def _shape(rng: np.random.Generator, recs: np.ndarray) -> np.ndarray:
+    """The batch as the tracker may be handed it: read-only bytes, a strided or reversed view, or as is."""
+    how = rng.random()
+    if how < 0.2:
+        return np.frombuffer(recs.tobytes(), MEMORY_DTYPE)  # read-only, as decoded off the wire
+    if how < 0.3 and len(recs) > 1:
+        return recs[::2]
+    if how < 0.35:
+        return recs[::-1]
+    return recs
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_c_core_equals_the_python_paths_on_random_batch_sequences(seed: int) -> None:
+    # GIVEN a tracker on the C core and one on the Python paths (small capacity and history now and then:
+    # clears and buffer replacements happen), fed the same random batches of 1 to several thousand
+    # records, empty ones and ones without a device record, with share() between batches now and then
+    _library()
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.choice([8, 300, 3000, 100_000]))
+    history = int(rng.choice([256, 2048, 1 << 20]))
+    c, py = ReuseTracker(capacity, history), ReuseTracker(capacity, history, native=False)
+    assert c._core is not None and py._core is None
+    t = 10**15
+    keys: set[int] = {0}
+    zero_freed = False
+    for _ in range(50):
+        n = int(rng.choice([0, int(rng.integers(1, 97)), int(rng.integers(97, 300)), int(rng.integers(300, 5000))],
+                           p=[0.03, 0.5, 0.2, 0.27]))
+        batch = _shape(rng, _batch(rng, t, n, int(rng.choice([4, 64, 4096])), sizeless=rng.random() < 0.15))
+        if rng.random() < 0.05:
+            batch = batch.copy()
+            batch["mk"] = MemoryKind.PINNED.value  # no device record at all
+        t += int(rng.choice([10, 60_000_000]))  # batches overlapping in time, or not
+        keys.update(reuse_mod.reuse_keys(batch["addr"], batch["bytes"]).tolist())
+        c.add(batch)
+        py.add(batch)
+        if rng.random() < 0.1:
+            part = float(rng.choice([0.001, 0.3, 1.0]))
+            c.share(part)
+            py.share(part)
+        # THEN after every batch both hold the same counts, events, ratio, remembered sizes and freed keys
+        probe = sorted(keys)[:300] + sorted(keys)[-100:]
+        assert reuse_state(c, probe) == reuse_state(py, probe)
+        assert c.events().tobytes() == py.events().tobytes() and not c.events().flags.writeable
+        zero_freed |= c._core.has_freed(0)
+    assert c.reused > 0 and c.allocations > c.reused
+    assert zero_freed or capacity == 8  # the key 0 went through its flag (a capacity of 8 may clear it first)
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_an_allocation_and_a_release_at_one_time_keep_their_order_in_the_batch(native_on: bool) -> None:
+    if native_on:
+        _library()
+    a, r = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+    for rows, hit in (([(5, r, 4096, 64), (5, a, 4096, 64)], True), ([(5, a, 4096, 64), (5, r, 4096, 64)], False)):
+        recs = np.zeros(len(rows) + 1, MEMORY_DTYPE)
+        for i, (ts, op, addr, size) in enumerate(rows):
+            recs[i]["ts"], recs[i]["op"], recs[i]["addr"], recs[i]["bytes"] = ts, op, addr, size
+        recs[-1]["ts"] = 1  # an earlier record: the batch is out of order and gets sorted
+        recs["mk"] = MemoryKind.DEVICE.value
+        tr = ReuseTracker(native=native_on)
+        assert (tr._core is not None) == native_on
+        tr.add(recs)
+        assert tr.events()["reused"].tolist() == [hit]
+
+
+def test_the_env_switch_turns_the_c_core_off_and_the_python_paths_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GIVEN GPUFOOTPRINT_DAEMON_NATIVE=0 with the library built
+    _library()
+    monkeypatch.setenv(native.ENV, "0")
+    tr = ReuseTracker(capacity=300)
+    # THEN the tracker has no core, and its Python paths (the numpy one too) count as they did
+    assert tr._core is None and native.core() is None
+    rng = np.random.default_rng(3)
+    on = ReuseTracker(capacity=300, native=True)  # still asks the switch: off
+    assert on._core is None
+    monkeypatch.delenv(native.ENV)
+    ref = ReuseTracker(capacity=300)
+    assert ref._core is not None
+    for n in (20, 2000, 50):
+        batch = _batch(rng, 10**15, n, 64, sizeless=True)
+        tr.add(batch)
+        ref.add(batch)
+    assert tr.events().tolist() == ref.events().tolist() and tr.reused == ref.reused > 0
+    assert len(tr._freed) > 0  # the Python set held the keys
+
+
+def test_without_the_library_the_tracker_runs_its_python_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.with_name("missing.so"))
+    native.load.cache_clear()
+    try:
+        lib, why = native.load()
+        assert lib is None and why == "missing.so was not built with this install (no C compiler?)"
+        tr = ReuseTracker()
+        assert tr._core is None
+        tr.add(_batch(np.random.default_rng(1), 10**15, 500, 8, sizeless=False))
+        assert tr.allocations > tr.reused > 0
+    finally:
+        native.load.cache_clear()
+
+
+def test_a_library_of_another_build_is_refused_with_its_reason(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale library beside newer Python (an editable tree not rebuilt) would be called with the wrong
+    signatures: its ABI number is checked first, and the tracker falls back to Python."""
+    cc = native_shim.compiler()
+    assert cc, "no C compiler"
+    src = tmp_path / "old.c"
+    src.write_text("int gfp_core_abi(void) { return 0; }\n")
+    lib = tmp_path / "libgfp-core.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    monkeypatch.setattr(native, "LIBRARY", lib)
+    native.load.cache_clear()
+    try:
+        got, why = native.load()
+        assert got is None and why == f"libgfp-core.so: ABI 0, this daemon needs {native._ABI}"
+        assert ReuseTracker()._core is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_the_c_memory_is_freed_with_its_tracker() -> None:
+    _library()
+    tr = ReuseTracker()
+    assert tr._core is not None
+    freed = tr._core.freed
+    tr.add(_batch(np.random.default_rng(2), 10**15, 3000, 64, sizeless=True))
+    del tr
+    gc.collect()
+    assert not freed.alive  # gfp_reuse_free ran
+
+
+def test_records_of_another_dtype_with_the_same_fields_are_read_by_name() -> None:
+    _library()
+    rng = np.random.default_rng(5)
+    recs = _batch(rng, 10**15, 400, 16, sizeless=True)
+    other = np.zeros(len(recs), [("mk", "u1"), ("op", "u1"), ("bytes", "<u8"), ("addr", "<u8"), ("ts", "<u8")])
+    for name in other.dtype.names or ():
+        other[name] = recs[name]
+    c, py = ReuseTracker(), ReuseTracker(native=False)
+    c.add(other)
+    py.add(recs)
+    assert c.events().tolist() == py.events().tolist() and c.reused == py.reused > 0
