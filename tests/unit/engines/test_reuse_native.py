@@ -104,21 +104,60 @@ def test_the_c_core_equals_the_python_paths_on_random_batch_sequences(seed: int)
     assert zero_freed or capacity == 8  # the key 0 went through its flag (a capacity of 8 may clear it first)
 
 
-@pytest.mark.parametrize("native_on", [True, False])
-def test_an_allocation_and_a_release_at_one_time_keep_their_order_in_the_batch(native_on: bool) -> None:
+A, R = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
+
+
+def _rows(rows: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """Device records from (ts, op, addr, bytes)."""
+    recs = np.zeros(len(rows), MEMORY_DTYPE)
+    for i, (ts, op, addr, size) in enumerate(rows):
+        recs[i]["ts"], recs[i]["op"], recs[i]["addr"], recs[i]["bytes"] = ts, op, addr, size
+    recs["mk"] = MemoryKind.DEVICE.value
+    return recs
+
+
+def _tracker(native_on: bool, capacity: int = 100_000) -> ReuseTracker:
     if native_on:
         _library()
-    a, r = MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value
-    for rows, hit in (([(5, r, 4096, 64), (5, a, 4096, 64)], True), ([(5, a, 4096, 64), (5, r, 4096, 64)], False)):
-        recs = np.zeros(len(rows) + 1, MEMORY_DTYPE)
-        for i, (ts, op, addr, size) in enumerate(rows):
-            recs[i]["ts"], recs[i]["op"], recs[i]["addr"], recs[i]["bytes"] = ts, op, addr, size
-        recs[-1]["ts"] = 1  # an earlier record: the batch is out of order and gets sorted
-        recs["mk"] = MemoryKind.DEVICE.value
-        tr = ReuseTracker(native=native_on)
-        assert (tr._core is not None) == native_on
-        tr.add(recs)
-        assert tr.events()["reused"].tolist() == [hit]
+    tr = ReuseTracker(capacity=capacity, native=native_on)
+    assert (tr._core is not None) == native_on
+    return tr
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_an_allocation_and_a_release_at_one_time_keep_their_order_in_the_batch(native_on: bool) -> None:
+    cases = [
+        # an earlier record last: the batch is out of order and gets sorted; the tie keeps its order
+        ([(5, R, 4096, 64), (5, A, 4096, 64), (1, 7, 0, 0)], [True]),
+        ([(5, A, 4096, 64), (5, R, 4096, 64), (1, 7, 0, 0)], [False]),
+        # only the first two out of order
+        ([(6, A, 4096, 64), (5, R, 4096, 64), (7, A, 8192, 64)], [True, False]),
+    ]
+    for rows, hits in cases:
+        tr = _tracker(native_on)
+        tr.add(_rows(rows))
+        assert tr.events()["reused"].tolist() == hits, rows
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+def test_the_tables_start_afresh_when_a_batch_finds_them_holding_capacity_keys(native_on: bool) -> None:
+    # GIVEN a capacity of 4, and a first batch that leaves 3 or 4 freed keys and remembered sizes (its
+    # releases omit their size)
+    for held in (3, 4):
+        tr = _tracker(native_on, capacity=4)
+        tr.add(_rows([(i, A, 4096 * (i + 1), 64) for i in range(held)] +
+                     [(10 + i, R, 4096 * (i + 1), 0) for i in range(held)]))
+        keys = [4096 * (i + 1) ^ ((64 * MIX) & U64) for i in range(held)]
+        assert reuse_state(tr, keys)[3:7] == ({4096 * (i + 1): 64 for i in range(held)}, True, held, [True] * held)
+        # WHEN the next batch allocates at the first address again
+        tr.add(_rows([(20, A, 4096, 64)]))
+        # THEN at 4 both tables started afresh before it (a miss; one size remembered), at 3 neither did
+        state = reuse_state(tr, keys)
+        if held == 4:
+            assert tr.events()["reused"].tolist()[-1] is False and state[3:6] == ({4096: 64}, True, 0)
+        else:
+            assert tr.events()["reused"].tolist()[-1] is True and state[3:6] == (
+                {4096 * (i + 1): 64 for i in range(held)}, True, held)
 
 
 def test_the_env_switch_turns_the_c_core_off_and_the_python_paths_run(monkeypatch: pytest.MonkeyPatch) -> None:
