@@ -8,9 +8,11 @@ ARG CUDA_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 FROM ${CUDA_IMAGE} AS build
 # Unpinned apt packages: the base image's archive only carries the current, patched
 # python3 for this release, and an old pin would fail to resolve after an update.
+# gcc and libc6-dev build the daemon's C core (libgfp-core.so) in this stage only: the final stage copies
+# the venv with the built library and has no compiler.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv \
+ && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # Dependency layer: rebuilt only when the dependencies or their tested versions change,
@@ -23,8 +25,10 @@ RUN python3 -m venv /opt/gpufootprint \
 COPY setup.py MANIFEST.in README.md LICENSE gpufootprint_probe.pth ./
 COPY daemon/ daemon/
 # GPUFOOTPRINT_NATIVE=0: no C buffer callbacks built (the probe's, for workload images; the daemon never
-# loads them, and this stage has no compiler)
-RUN GPUFOOTPRINT_NATIVE=0 /opt/gpufootprint/bin/pip install --no-cache-dir --no-deps /src
+# loads them). The daemon's C core is built (GPUFOOTPRINT_NATIVE_CORE is not 0), and its absence fails the
+# build: setup.py builds it as optional, so a broken compile would otherwise ship the slower Python paths.
+RUN GPUFOOTPRINT_NATIVE=0 /opt/gpufootprint/bin/pip install --no-cache-dir --no-deps /src \
+ && /opt/gpufootprint/bin/python -c "from gpufootprint import native; lib, why = native.load(); assert lib, why"
 
 FROM ${CUDA_IMAGE}
 LABEL org.opencontainers.image.title="gpufootprint" \

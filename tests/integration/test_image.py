@@ -83,6 +83,8 @@ def test_the_build_stage_install_steps_make_a_working_daemon_venv(tmp_path: Path
             assert r.returncode == 0, f"RUN {command}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
             ran += 1
     assert ran == 2
+    # the daemon's C core was built (the stage's last step loads it), the probe's library was not
+    assert [p.name for p in venv.rglob("libgfp-*.so")] == ["libgfp-core.so"]
     py, env = str(venv / "bin" / "python"), {"PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
     r = subprocess.run([str(venv / "bin" / "gpufootprint"), "--version"], capture_output=True, text=True,
                        timeout=120, env=env, cwd=tmp_path, check=False)
@@ -110,6 +112,15 @@ def test_the_build_stage_install_steps_make_a_working_daemon_venv(tmp_path: Path
     r = subprocess.run([py, "-m", "gpufootprint.healthcheck", "--listen", f"127.0.0.1:{port}"], capture_output=True,
                        text=True, timeout=60, env=env, cwd=tmp_path, check=False)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_only_the_build_stage_installs_a_compiler() -> None:
+    """The daemon's C core is compiled in the build stage; the image that runs keeps no compiler."""
+    build, final = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").split("\nFROM ", 2)[1:]
+    apt = [ln for ln in build.splitlines() if "apt-get install" in ln]
+    assert len(apt) == 1 and {"gcc", "libc6-dev"} <= set(apt[0].split()), apt
+    final_apt = " ".join(ln for ln in final.splitlines() if "apt-get install" in ln)
+    assert final_apt and not {"gcc", "cc", "clang", "libc6-dev", "build-essential"} & set(final_apt.split())
 
 
 def _free_port() -> int:

@@ -60,13 +60,14 @@ def test_sdist_and_wheel_carry_the_startup_hook_and_the_license(dist: Path) -> N
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     assert {"gpufootprint_probe.pth", "LICENSE", "constraints.txt", "setup.py", "pyproject.toml",
-            "daemon/gpufootprint/probe/native/cuptibuf.c"} <= names
+            "daemon/gpufootprint/probe/native/cuptibuf.c", "daemon/gpufootprint/native/core.c"} <= names
     with zipfile.ZipFile(wheel) as zf:
         wnames = set(zf.namelist())
         meta = email.message_from_bytes(zf.read(f"gpufootprint-{version}.dist-info/METADATA"))
         pth = zf.read("gpufootprint_probe.pth").decode()
     assert "gpufootprint/probe/_autostart.py" in wnames
     assert "gpufootprint/probe/native/libgfp-cuptibuf.so" in wnames
+    assert "gpufootprint/native/libgfp-core.so" in wnames  # the daemon's C core
     assert not [n for n in wnames if n.endswith(".c")], "the wheel carries the library, not its source"
     assert f"gpufootprint-{version}.dist-info/licenses/LICENSE" in wnames
     assert pth == (ROOT / "gpufootprint_probe.pth").read_text()
@@ -96,7 +97,7 @@ def test_an_sdist_made_with_GPUFOOTPRINT_NATIVE_0_still_carries_the_c_source(
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with tarfile.open(_one(out, "gpufootprint-*.tar.gz")) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    assert "daemon/gpufootprint/probe/native/cuptibuf.c" in names
+    assert {"daemon/gpufootprint/probe/native/cuptibuf.c", "daemon/gpufootprint/native/core.c"} <= names
 
 
 def test_dependencies_are_ranges_and_the_constraints_file_pins_each_of_them() -> None:
