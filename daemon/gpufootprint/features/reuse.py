@@ -36,8 +36,9 @@ from gpufootprint.features.keyset import KeySet
 from gpufootprint.native import ReuseCore, core
 from gpufootprint.records import MEMORY_DTYPE, MemoryKind, MemoryOp, select
 
-REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])  # packed, 9 bytes: core.c writes it so
-assert REUSE_EVENT_DTYPE.itemsize == 9
+REUSE_EVENT_DTYPE = np.dtype([("ts", "<i8"), ("reused", "?")])
+# core.c writes events as 9 packed bytes, the time then the flag: the C core is used only with that layout
+_C_EVENTS = REUSE_EVENT_DTYPE.itemsize == 9 and REUSE_EVENT_DTYPE.fields["reused"][1] == 8  # type: ignore[index]
 _NO_EVENTS = np.zeros(0, REUSE_EVENT_DTYPE)
 _NO_EVENTS.flags.writeable = False
 
@@ -80,7 +81,7 @@ class ReuseTracker:
 
     def __init__(self, capacity: int = 100_000, history: int = 65_536, native: bool = True) -> None:
         """``native``: use the C core where it loads (``False``: the Python paths, the reference)."""
-        lib = core() if native else None
+        lib = core() if native and _C_EVENTS else None
         self._core = None if lib is None else ReuseCore(
             lib, MEMORY_DTYPE, _DEVICE, MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value)
         self._freed = KeySet()  # these three: the Python paths' memory (the C core keeps its own)
@@ -322,7 +323,7 @@ class ReuseTracker:
 
 def _as_memory(recs: np.ndarray) -> np.ndarray:
     """Records of another dtype with the fields the tracker reads, as MEMORY_DTYPE records (the C core
-    reads them at MEMORY_DTYPE's offsets). Only tests make such arrays."""
+    reads them at MEMORY_DTYPE's offsets). The daemon's MEMORY batches are MEMORY_DTYPE already."""
     out = np.zeros(len(recs), MEMORY_DTYPE)
     for name in ("ts", "addr", "bytes", "op", "mk"):
         out[name] = recs[name]
