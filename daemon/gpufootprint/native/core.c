@@ -19,6 +19,8 @@
 #define MIX 0x9E3779B97F4A7C15ULL /* the key's mix of the size and the tables' Fibonacci hash */
 #define MIN_BITS 10               /* a cleared table starts at 1,024 slots again, as features/keyset.py */
 #define SORT_RUN 16               /* the merge sort's first runs are sorted by insertion */
+#define SCRATCH_KEEP 8192         /* the sort's scratch for up to this many records (512 KiB) is kept between
+                                     batches; a larger one is freed after its batch (bounded memory) */
 
 /* Open addressing, linear probing, for uint64 keys, with a value per key when `vals` is set (the
  * sizeless map: address -> last allocated size). The slot value 0 means empty, so the key 0 lives in a
@@ -315,6 +317,11 @@ int64_t gfp_reuse_add(gfp_reuse *r, const uint8_t *recs, uint64_t n, int64_t str
     const rec *s = sort_by_ts(a, tmp, n_dev);
     for (uint64_t i = 0; i < n_dev; i++)
         walk_one(r, s[i].ts, s[i].op, s[i].addr, s[i].bytes, &out, hits);
+    if (r->scratch_cap > SCRATCH_KEEP) {
+        free(r->scratch);
+        r->scratch = NULL;
+        r->scratch_cap = 0;
+    }
     return (int64_t)(out - events) / 9;
 }
 
