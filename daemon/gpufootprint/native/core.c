@@ -3,8 +3,9 @@
  *
  * The reuse tracker (features/reuse.py) decides, for every device allocation of a MEMORY batch, whether
  * its (address, size) was released before. In Python that is a loop over the records (small batches) or
- * a dozen numpy passes over a numpy hash set (large ones): about a fifth of the daemon's CPU under
- * allocation churn. Here one call walks the batch's records once, in place, with the same rule as
+ * a dozen numpy passes over a numpy hash set (large ones): about a fifth of a replay's time under
+ * allocation churn (bench/replay_stages.py). Here one call counts the batch's records and then walks them
+ * in place (gathered and sorted only when out of time order), with the same rule as
  * ReuseTracker._add_small, which stays the reference (tests/unit/engines/test_reuse_native.py holds the
  * two equal on random batches).
  *
