@@ -44,6 +44,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def log_native_core() -> None:
+    """Say whether the daemon's C core serves its per-batch loops: without it (no C compiler at install, or
+    turned off) the same results come from the Python paths, at more CPU a record."""
+    from gpufootprint.native import ENV, core, load
+
+    if core() is not None:
+        log.info("daemon C core: loaded")
+    else:
+        why = load()[1] or f"{ENV}=0"
+        log.warning("daemon C core: not used (%s); the Python paths serve, at more CPU a record", why)
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
     from gpufootprint.nvml.pynvml_client import detect_gpu
 
@@ -68,6 +80,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         log.info("gpu found: %s", detail)
     else:
         log.warning("no GPU: %s; serving probe data and metrics anyway", detail)
+    log_native_core()
     start_app(app, config.daemon.socket)
     log.info("serving metrics url=%s", app.http.url if app.http else "-")
     try:

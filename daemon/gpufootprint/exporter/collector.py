@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from gpufootprint import __version__
 from gpufootprint.exporter.sampling import sampler_nvml_families
 from gpufootprint.exporter.table import Row, Samples, build, counter, each, gauge, one
+from gpufootprint.native import core
 from gpufootprint.records import COPY_KIND_NAMES
 from gpufootprint.snapshot import DeviceSnapshot, PipelineSnapshot, ProcessSnapshot
 from gpufootprint.wire.framing import WIRE_VERSION
@@ -79,7 +80,7 @@ class FootprintCollector(Collector):
     def _families(self, snap: PipelineSnapshot) -> Iterator[Metric]:
         info = InfoMetricFamily("gpufootprint_build", "Version of gpufootprint serving these metrics.")
         info.add_metric([], {"version": __version__, "wire_version": str(WIRE_VERSION),
-                             "python": platform.python_version()})
+                             "python": platform.python_version(), "native_core": _native_core()})
         yield info
         yield from build(DEVICE_FAMILIES, (((str(p.pid), str(d.dev), p.source), d)
                                             for p in snap.processes for d in p.devices))
@@ -268,3 +269,8 @@ def probe_families(snap: PipelineSnapshot) -> list[Metric]:
     """The probes' own counters (per process: pid, source); processes without any are skipped."""
     return build(PROBE_FAMILIES, (((str(p.pid), p.source), p.probe_counters)
                                   for p in snap.processes if p.probe_counters))
+
+
+def _native_core() -> str:
+    """Whether the daemon's C core serves its per-batch loops ("false": the Python paths, same results)."""
+    return "true" if core() is not None else "false"

@@ -55,3 +55,23 @@ def test_a_replay_gives_the_same_reuse_and_verdicts_with_the_c_core_and_without(
     assert records == records_off and marks == marks_off
     assert reuse == reuse_off and any(count > 0 for _, count, _ in reuse.values())
     assert rows == rows_off and rows
+
+
+@pytest.mark.parametrize("turned_off", [False, True])
+def test_a_daemon_says_whether_its_c_core_serves(daemons: Any, turned_off: bool) -> None:
+    """An operator sees it in the log at start and on /metrics: without the core the same figures cost more CPU."""
+    from tests.conftest import cli_env
+
+    if native.load()[0] is None:
+        pytest.fail(f"the C core did not load in this install: {native.load()[1]}")  # CI builds it: a real failure
+    env = cli_env()
+    env[native.ENV] = "0" if turned_off else "1"
+    d = daemons("--set", "footprint.reorder_window_ms=0", env=env).ready()
+    (labels, value), = d.metrics()["gpufootprint_build_info"]
+    assert value == 1.0
+    assert labels["native_core"] == ("false" if turned_off else "true")
+    log = d.log()
+    if turned_off:
+        assert "daemon C core: not used (GPUFOOTPRINT_DAEMON_NATIVE=0)" in log, log
+    else:
+        assert "daemon C core: loaded" in log and "not used" not in log, log
