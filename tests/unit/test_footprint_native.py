@@ -36,14 +36,18 @@ def _library() -> None:
 
 
 class RecordedErrors(IngestErrors):
-    """Counts, and the detail each reason would log (its first one)."""
+    """Counts, the detail each reason would log (its first one), and each reason's first detail since
+    ``batch`` was last cleared (the per-record path adds a mismatch at a time, the bulk paths all of a
+    batch's at once with the first one's detail: per batch, the same)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.first: dict[str, str] = {}
+        self.batch: dict[str, str] = {}
 
     def add(self, reason: str, detail: str, n: int = 1) -> None:
         self.first.setdefault(reason, detail)
+        self.batch.setdefault(reason, detail)
         super().add(reason, detail, n)
 
 
@@ -60,7 +64,7 @@ def state(fp: DeviceFootprint, errors: RecordedErrors, levels: Any) -> tuple[Any
             list(fp.live_count_by_kind), fp.async_device_bytes, list(fp.allocations), list(fp.releases),
             list(fp.allocated_bytes), list(fp.released_bytes), fp.pool_floor, dict(fp.pools), fp.last_ts,
             list(fp.reused._reuses.items()), fp.peaks.frames(), fp.peaks.level, fp.peaks._open_idx,
-            fp.peaks._open_peak, dict(errors.counts), dict(errors.repairs), dict(errors.first),
+            fp.peaks._open_peak, dict(errors.counts), dict(errors.repairs), dict(errors.first), dict(errors.batch),
             None if levels is None else (levels.ts.tolist(), levels.deltas.tolist(), levels.deltas.dtype,
                                          levels.level_after))
 
@@ -70,13 +74,13 @@ SIZES = [512, 4096, 1 << 20, 20 << 20, 1 << 40, (1 << 53) - 1, 1 << 61, (1 << 62
 
 
 def batch(rng: np.random.Generator, t: int, n: int, live: dict[int, Any], pool: list[int], p_bad: float,
-          huge: bool) -> np.ndarray:
+          huge: bool, claim_big: bool = False) -> np.ndarray:
     """``n`` MEMORY records in time order over a few addresses: per address allocations and releases
     alternating from what ``live`` holds (the well-formed batch), with anomalies at rate ``p_bad``: an
     allocation at a live address, a release of an address not live, two releases in a row, a release
     claiming another size, kinds >= 32, an unknown op; mixed kinds, stream-ordered allocations, releases
     without their size, addresses in no order, huge sizes (``huge``: sums past 2**53 and 2**63, sizes of
-    2**63 and more)."""
+    2**63 and more), releases claiming a size of 2**63 and more (``claim_big``)."""
     addrs = rng.choice(pool, min(len(pool), max(1, n // int(rng.choice([1, 2, 3])))), replace=False).tolist()
     per: dict[int, list[tuple[int, int, int, int, int]]] = {a: [] for a in addrs}  # (op, bytes, kind, async)
     held = {a: a in live for a in addrs}
@@ -94,6 +98,8 @@ def batch(rng: np.random.Generator, t: int, n: int, live: dict[int, Any], pool: 
             size = (1 << 63) + int(rng.integers(0, 1 << 20))
         if op == R:
             size = 0 if rng.random() < 0.3 else (int(rng.choice(sizes)) if rng.random() < p_bad else -1)
+            if claim_big and rng.random() < 0.01:
+                size = (1 << 63) + 7  # a release claiming a size past int64 (the numpy path logs it wrapped)
         per[a].append((op, size, kind, int(rng.random() < 0.3), 0))
         held[a] = op == A if op in (A, R) else held[a]
     # a release claims its allocation's size (-1 above): the last allocation in the batch, or the live entry's
@@ -168,10 +174,12 @@ def test_the_c_core_leaves_what_the_python_paths_leave_after_every_batch(seed: i
         n = int(rng.choice([int(rng.integers(1, 64)), int(rng.integers(64, 192)), int(rng.integers(192, 3000))],
                            p=[0.3, 0.3, 0.4]))
         p_bad = float(rng.choice([0.0, 0.0, 0.0, 0.0005, 0.05]))
-        recs = batch(rng, t, n, py.live, pool, p_bad, huge=rng.random() < 0.15)
+        recs = batch(rng, t, n, py.live, pool, p_bad, huge=rng.random() < 0.15, claim_big=rng.random() < 0.1)
         if rng.random() < 0.15:
             recs = np.frombuffer(recs.tobytes(), MEMORY_DTYPE)  # read-only, as decoded off the wire
         t += int(rng.choice([1000, 10 * MS, 2 * LATE_RELEASE_NS]))
+        ec.batch.clear()
+        ep.batch.clear()
         got_c, got_py = _apply(c, recs, ec), _apply(py, recs, ep)
         # THEN both hold the same state, errors and level changes after every batch (or raised alike)
         assert got_c[1] == got_py[1]
