@@ -175,8 +175,11 @@ def test_the_c_core_leaves_what_the_python_paths_leave_after_every_batch(seed: i
                            p=[0.3, 0.3, 0.4]))
         p_bad = float(rng.choice([0.0, 0.0, 0.0, 0.0005, 0.05]))
         recs = batch(rng, t, n, py.live, pool, p_bad, huge=rng.random() < 0.15, claim_big=rng.random() < 0.1)
-        if rng.random() < 0.15:
+        how = rng.random()
+        if how < 0.15:
             recs = np.frombuffer(recs.tobytes(), MEMORY_DTYPE)  # read-only, as decoded off the wire
+        elif how < 0.2:
+            recs = np.repeat(recs, 2)[::2]  # a strided view (the C reads the records where they lie)
         t += int(rng.choice([1000, 10 * MS, 2 * LATE_RELEASE_NS]))
         ec.batch.clear()
         ep.batch.clear()

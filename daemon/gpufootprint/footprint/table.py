@@ -18,9 +18,11 @@ The methods that move the GPU-resident level (``apply_memory``, ``replace_live``
 ``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
 them down to the feature frames and the sampler.
 
-A little over 450 lines: several methods have a numpy path for batches and a record-by-record
+About 750 lines: several methods have a numpy path for batches and a record-by-record
 path for small ones (numpy's fixed costs dominate there), kept side by side so that each pair
-reads as one rule; tests/unit/test_small_batches.py holds every pair equal.
+reads as one rule; tests/unit/test_small_batches.py holds every pair equal. A MEMORY batch's numbers
+also have a path in the daemon's C core (``_apply_memory_native``, native/core.c), used where it loads;
+the other two stay its reference.
 """
 
 from __future__ import annotations
@@ -233,7 +235,9 @@ class DeviceFootprint:
         The batch is applied with numpy when it is well-formed (per address,
         allocations and releases alternate, and agree with the live table);
         otherwise record by record, which counts each anomaly. Both give the
-        same state; a test holds them to that.
+        same state; a test holds them to that. Where the daemon's C core loads,
+        batches from _NATIVE_MIN records take ``_apply_memory_native`` instead,
+        which leaves what the path it stands for leaves (tests/unit/test_footprint_native.py).
         """
         n = len(recs)
         if self._core is not None and n >= _NATIVE_MIN:
