@@ -27,6 +27,8 @@ STAGES = [
     ("pipeline", "Pipeline", "_apply"),
     ("pipeline", None, "_sorted"),
     ("footprint.table", "DeviceFootprint", "_apply_memory_bulk"),
+    ("footprint.table", "DeviceFootprint", "_apply_memory_native"),  # (from 2026-12-08: the C core's)
+    ("footprint.table", "DeviceFootprint", "_apply_memory_each"),
     ("footprint.table", "DeviceFootprint", "apply_memcpy"),
     ("footprint.table", "DeviceFootprint", "note_pool_config"),
     ("footprint.peaks", "FramePeaks", "add"),

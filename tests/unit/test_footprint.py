@@ -243,7 +243,10 @@ def _state(fp) -> tuple:  # type: ignore[no-untyped-def]
             list(fp.released_bytes), fp.peaks.frames(), fp.peaks.level)
 
 
-def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() -> None:
+@pytest.mark.parametrize("each_order", [None, False, True])
+def test_bulk_and_record_by_record_application_agree_even_on_broken_histories(each_order: bool | None) -> None:
+    """``each_order`` None: the numpy path; else the C core's, in the numpy path's order (False) or the
+    per-record path's (True)."""
     from gpufootprint.footprint.table import DeviceFootprint, IngestErrors
 
     rng = random.Random(11)
@@ -255,15 +258,21 @@ def test_bulk_and_record_by_record_application_agree_even_on_broken_histories() 
             rows.sort(key=lambda r: r[0])
         if trial % 3 == 2:  # async allocations
             rows = [(*r[:7], 1) for r in rows]
-        bulk = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS))
-        each = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS))
+        bulk = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS), native=each_order is not None)
+        each = DeviceFootprint(pid=100, dev=0, peaks=FramePeaks(10 * MS, 1000 * MS), native=False)
+        assert (bulk._core is not None) == (each_order is not None)
         eb, ee = IngestErrors(), IngestErrors()
         for lo in range(0, len(rows), 64):
             batch = mem_batch(rows[lo : lo + 64])
-            if bulk._apply_memory_bulk(batch, eb) is None:  # the numpy path, whatever the batch size
+            # the numpy path or the C core's, whatever the batch size
+            got = (bulk._apply_memory_bulk(batch, eb) if each_order is None
+                   else bulk._apply_memory_native(batch, eb, each_order))
+            if got is None:
                 bulk._apply_memory_each(batch, eb)
             each._apply_memory_each(batch, ee)
         assert _state(bulk) == _state(each), trial
+        if each_order:  # the per-record path's dict order too
+            assert list(bulk.live) == list(each.live), trial
         assert eb.counts == ee.counts, trial
 
 

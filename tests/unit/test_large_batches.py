@@ -357,12 +357,13 @@ def _well_formed_batch(rng: np.random.Generator, t: int, live: dict[int, int], o
 @pytest.mark.parametrize("seed", SEEDS)
 def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
         seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # GIVEN two footprints fed the same well-formed batches (one memory kind or several, stream-ordered
+    # GIVEN three footprints fed the same well-formed batches (one memory kind or several, stream-ordered
     # allocations or none, releases with their size, without it, or with another one), one with the
-    # bulk path's shortcut for one kind without async switched off
+    # bulk path's shortcut for one kind without async switched off, one on the C core
     rng = np.random.default_rng(seed)
-    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
-    errs = [table_mod.IngestErrors(), table_mod.IngestErrors()]
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS), native=on) for on in (False, False, True)]
+    assert fps[2]._core is not None
+    errs = [table_mod.IngestErrors(), table_mod.IngestErrors(), table_mod.IngestErrors()]
     live: dict[int, int] = {}
     t = 10**15
     shortcut = 0
@@ -373,31 +374,36 @@ def test_footprint_batches_of_one_kind_without_async_equal_the_per_record_kinds(
         batch["bytes"][rel & (rng.random(len(batch)) < 0.05)] = 12345  # a release claiming another size
         t += 10**9
         states = []
-        for fp, err, on in zip(fps, errs, (True, False)):
+        for fp, err, on in zip(fps, errs, (True, False, True)):
             monkeypatch.setattr(table_mod, "_UNIFORM_FAST", on)
-            levels = fp._apply_memory_bulk(batch, err)
+            levels = fp._apply_memory_native(batch, err, False) if fp._core else fp._apply_memory_bulk(batch, err)
             assert levels is not None  # the bulk path took it
-            states.append((_footprint_state(fp, levels), dict(err.counts)))
+            states.append((_footprint_state(fp, levels), list(fp.live), dict(err.counts)))
         monkeypatch.undo()
         shortcut += len(np.unique(batch["mk"])) == 1 and not batch["is_async"].any()
-        # THEN both hold the same table, sums, peaks and errors, and returned the same level changes
-        assert states[0] == states[1]
+        # THEN all hold the same table (in the same order), sums, peaks and errors, and returned the same level
+        # changes (the third: the C core, which has no shortcut)
+        assert states[0] == states[1] == states[2]
     assert shortcut < 25 and (shortcut > 0 or seed % 2)  # both paths were taken
 
 
+@pytest.mark.parametrize("path", ["numpy", "c"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_footprint_batches_in_bulk_leave_the_live_table_the_per_record_walk_leaves(seed: int) -> None:
+def test_footprint_batches_in_bulk_leave_the_live_table_the_per_record_walk_leaves(seed: int, path: str) -> None:
     # GIVEN two footprints fed the same well-formed batches, records in no address order (one memory kind
-    # or several, stream-ordered allocations or none), one through the bulk path, one record by record
+    # or several, stream-ordered allocations or none), one through the bulk path (numpy, or the C core's
+    # in the numpy path's order), one record by record
     rng = np.random.default_rng(seed)
-    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS)) for _ in range(2)]
+    fps = [DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS), native=path == "c") for _ in range(2)]
+    assert (fps[0]._core is not None) == (path == "c")
     errs = [table_mod.IngestErrors(), table_mod.IngestErrors()]
     live: dict[int, int] = {}
     t = 10**15
     for _ in range(25):
         batch = _well_formed_batch(rng, t, live, one_kind=rng.random() < 0.5, with_async=rng.random() < 0.5)
         t += 10**9
-        bulk = fps[0]._apply_memory_bulk(batch, errs[0])
+        bulk = (fps[0]._apply_memory_native(batch, errs[0], False) if path == "c"
+                else fps[0]._apply_memory_bulk(batch, errs[0]))
         assert bulk is not None  # the bulk path took it
         each = fps[1]._apply_memory_each(batch, errs[1])
         # THEN both hold the same table (each entry's size, kind, time and async flag, of the same types),

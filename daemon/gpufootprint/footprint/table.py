@@ -18,25 +18,32 @@ The methods that move the GPU-resident level (``apply_memory``, ``replace_live``
 ``release_all``) return the ``LevelChanges`` they applied; the pipeline passes
 them down to the feature frames and the sampler.
 
-A little over 450 lines: several methods have a numpy path for batches and a record-by-record
+About 750 lines: several methods have a numpy path for batches and a record-by-record
 path for small ones (numpy's fixed costs dominate there), kept side by side so that each pair
-reads as one rule; tests/unit/test_small_batches.py holds every pair equal.
+reads as one rule; tests/unit/test_small_batches.py holds every pair equal. A MEMORY batch's numbers
+also have a path in the daemon's C core (``_apply_memory_native``, native/core.c), used where it loads;
+the other two stay its reference.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import repeat
+from functools import cache
+from itertools import chain, repeat
+from typing import Any
 
 import numpy as np
 
+from gpufootprint import native
 from gpufootprint.changes import counted
 from gpufootprint.footprint.cells import EXACT, key_sums
 from gpufootprint.footprint.peaks import FramePeaks, LevelChanges
 from gpufootprint.records import (
     DEVICE_RESIDENT_KINDS,
+    MEMORY_DTYPE,
     CopyKind,
     MemoryOp,
     PoolOp,
@@ -49,6 +56,10 @@ from gpufootprint.records import (
 log = logging.getLogger(__name__)
 
 _BULK_MIN = 192  # below this many records the per-record loop is faster than numpy's fixed costs
+#: With the C core (``_apply_memory_native``), batches of at least this many records go to it: below
+#: _BULK_MIN it leaves what the per-record loop leaves (its dict order and first logged mismatch), from
+#: _BULK_MIN on what the numpy path leaves.
+_NATIVE_MIN = 64
 _SMALL_POOL_BATCH = 128  # at most this many records: pool sizes and copies are taken record by record, in Python
 _N_KINDS = 32  # memory kinds are small integers; indexes into the per-kind arrays
 _RESIDENT = np.zeros(_N_KINDS, dtype=bool)
@@ -106,6 +117,68 @@ def _allocates_live(live: dict[int, LiveAllocation], addrs: np.ndarray) -> bool:
     return not live.keys().isdisjoint(addrs.tolist())
 
 
+_PLAN_HEAD = 4  # core.c gfp_bulk_plan's head: [release-first addresses, allocation-first ones, inserts, groups]
+_APPLY_HEAD = 7  # core.c BULK_HEAD: [mismatches, addr, allocated, released, async+, async-, kinds moved]
+_APPLY_OUT = _APPLY_HEAD + 5 * _N_KINDS
+_SCRATCH_KEEP = 8192  # records: a larger batch's scratch is not kept (bounded memory), as core.c's
+_DELTA_CHUNK = 16384  # deltas of batches up to a quarter of this many records are cut from chunks this long
+
+
+@cache
+def _laid_out(lib: Any) -> Any:
+    """The C core with MEMORY_DTYPE's layout, MemoryOp's values and the resident kinds given (once)."""
+    fields = MEMORY_DTYPE.fields
+    assert fields is not None
+    lib.gfp_bulk_layout(*(fields[f][1] for f in ("ts", "addr", "bytes", "op", "mk", "is_async")),
+                        MemoryOp.ALLOCATION.value, MemoryOp.RELEASE.value,
+                        sum(1 << k for k in DEVICE_RESIDENT_KINDS if k < _N_KINDS))
+    return lib
+
+
+class _Scratch(threading.local):
+    """Per thread: the words the C core's two calls of a batch read and write (the plan's lists, the looked-up
+    entries, the apply's head, inserts and deletes), with their address taken once."""
+
+    records = 0
+    words: np.ndarray
+    ints: np.ndarray
+    flags: np.ndarray
+    at = 0
+
+    def take(self, n: int) -> _Scratch:
+        """Room for a batch of ``n`` records (10 words and a byte a record, and the heads)."""
+        if n > self.records or (self.records > _SCRATCH_KEEP >= n):
+            cap = max(n, 256)
+            self.words = np.empty(11 * cap + _PLAN_HEAD + _APPLY_OUT, np.uint64)
+            self.ints = self.words.view(np.int64)
+            self.flags = self.words.view(np.bool_)
+            self.at = self.words.ctypes.data
+            self.records = cap
+        return self
+
+    chunk: np.ndarray
+    chunk_at = 0
+    used = _DELTA_CHUNK
+
+    def deltas(self, n: int) -> tuple[np.ndarray, int]:
+        """A new int64 array of ``n`` and its address: a slice of a chunk handed out once (the peaks, the
+        frames and the sampler keep a batch's deltas), so that a small batch takes no array and address of
+        its own (a few microseconds of its cost)."""
+        if n > _DELTA_CHUNK // 4:
+            out = np.empty(n, dtype=np.int64)
+            return out, out.ctypes.data
+        if self.used + n > _DELTA_CHUNK:
+            self.chunk = np.empty(_DELTA_CHUNK, dtype=np.int64)
+            self.chunk_at = self.chunk.ctypes.data
+            self.used = 0
+        at = self.used
+        self.used = at + n
+        return self.chunk[at:at + n], self.chunk_at + 8 * at
+
+
+_SCRATCH = _Scratch()
+
+
 @dataclass
 class DeviceFootprint:
     pid: int
@@ -144,6 +217,14 @@ class DeviceFootprint:
     # Every call of a method that changes the table (``changes.counted``): the pipeline keeps a device's snapshot
     # while this and its process's watermark stay as they were (most devices of a quiet node, most ticks).
     changes: int = 0
+    # Whether to use the daemon's C core for MEMORY batches where it loads (False: the numpy and per-record
+    # paths, the reference). Asked once, when the footprint is made (GPUFOOTPRINT_DAEMON_NATIVE=0 too).
+    native: bool = True
+    _core: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lib = native.core() if self.native else None
+        self._core = None if lib is None else _laid_out(lib)
 
     # --- memory -------------------------------------------------------------
 
@@ -154,9 +235,15 @@ class DeviceFootprint:
         The batch is applied with numpy when it is well-formed (per address,
         allocations and releases alternate, and agree with the live table);
         otherwise record by record, which counts each anomaly. Both give the
-        same state; a test holds them to that.
+        same state; a test holds them to that. Where the daemon's C core loads,
+        batches from _NATIVE_MIN records take ``_apply_memory_native`` instead,
+        which leaves what the path it stands for leaves (tests/unit/test_footprint_native.py).
         """
-        levels = self._apply_memory_bulk(recs, errors) if len(recs) >= _BULK_MIN else None
+        n = len(recs)
+        if self._core is not None and n >= _NATIVE_MIN:
+            levels = self._apply_memory_native(recs, errors, n < _BULK_MIN)
+        else:
+            levels = self._apply_memory_bulk(recs, errors) if n >= _BULK_MIN else None
         if levels is None:
             levels = self._apply_memory_each(recs, errors)
         if self.reused:
@@ -286,6 +373,90 @@ class DeviceFootprint:
             deltas[order] = signed if _RESIDENT[k_hi] else 0
         else:
             deltas[order] = np.where(_RESIDENT[kind], signed, 0)
+        levels = self.peaks.add(recs["ts"], deltas)
+        self.last_ts = max(self.last_ts, int(recs["ts"][-1]))
+        return levels
+
+    def _apply_memory_native(self, recs: np.ndarray, errors: IngestErrors, each_order: bool) -> LevelChanges | None:
+        """``_apply_memory_bulk`` with its numbers in the C core (native/core.c says how): the same state, the
+        same None (nothing changed) where the per-record loop must take the batch; where the C declines a
+        batch (a size of 2**63 or more, sums that would reach it) the numpy path takes it. ``each_order``:
+        leave what ``_apply_memory_each`` leaves instead (its dict order, its first mismatch logged), for
+        batches below _BULK_MIN; there the C declining means the per-record loop."""
+        lib = self._core
+        n = len(recs)
+        if n == 0 or recs.ndim != 1 or (recs.dtype is not MEMORY_DTYPE and recs.dtype != MEMORY_DTYPE):
+            return None if each_order else self._apply_memory_bulk(recs, errors)
+        s = _SCRATCH.take(n)
+        words, at = s.words, s.at
+        rec_at, stride = recs.ctypes.data, recs.strides[0]
+        # words: [0, n) the plan's first addresses, then its head, the apply's out, the looked-up entries
+        # (4n), the inserts (4n), the deletes (n), the inserts' async flags (n bytes)
+        o_head = n
+        o_out = o_head + _PLAN_HEAD
+        o_matched = o_out + _APPLY_OUT
+        o_ins = o_matched + 4 * n
+        o_dels = o_ins + 4 * n
+        o_flags = o_dels + n
+        rc = lib.gfp_bulk_plan(rec_at, n, stride, at, at + 8 * o_head)
+        if rc:
+            if rc == 1:
+                return None  # the numpy path's None: the per-record loop counts what is wrong
+            return None if each_order else self._apply_memory_bulk(recs, errors)
+        r, a, k, _ = words[o_head:o_out].tolist()
+        live = self.live
+        if live and a:
+            if 8 * len(live) < a:  # a table much smaller than the batch: its keys looked up in the batch
+                keys = np.fromiter(live, np.uint64, len(live))
+                hit = lib.gfp_bulk_hit(keys.ctypes.data, len(keys), 1)
+            else:
+                hit = not live.keys().isdisjoint(words[n - a:n].tolist())
+            if hit:
+                return None  # an allocation at an address that is already live
+        if self.reused:
+            keys = np.fromiter(self.reused.addresses(), np.uint64, len(self.reused.addresses()))
+            if lib.gfp_bulk_hit(keys.ctypes.data, len(keys), 0):
+                return None  # perhaps the late release of an allocation whose address was reused
+        if r:
+            matched = [live.get(x) for x in words[:r].tolist()]
+            if None in matched:
+                return None  # a release of an address that is not live
+            try:
+                s.ints[o_matched:o_matched + 4 * r] = list(chain.from_iterable(matched))  # type: ignore[arg-type]
+            except OverflowError:  # a size of 2**63 or more in the table (the numpy path says what it does)
+                return None if each_order else self._apply_memory_bulk(recs, errors)
+        deltas, deltas_at = s.deltas(n)
+        d = lib.gfp_bulk_apply(rec_at, n, stride, at + 8 * o_matched, each_order, deltas_at, at + 8 * o_out,
+                               at + 8 * o_ins, at + 8 * o_flags, at + 8 * o_dels)
+        if d < 0:
+            if d == -2:
+                return None if each_order else self._apply_memory_bulk(recs, errors)
+            raise RuntimeError(f"gfp_bulk_apply: {d}")
+        mm, mm_addr, mm_size, mm_claimed, async_in, async_out, m = words[o_out:o_out + _APPLY_HEAD].tolist()
+        if mm:
+            errors.add("release_size_mismatch",
+                       f"pid={self.pid} addr={mm_addr:#x} allocated {mm_size} released {mm_claimed}", mm)
+        rows = words[o_out + _APPLY_HEAD:o_out + _APPLY_HEAD + 5 * m].tolist()
+        for j in range(0, 5 * m, 5):
+            kd, n_alloc, n_rel, ab, rb = rows[j:j + 5]
+            self.live_by_kind[kd] += ab - rb
+            self.live_count_by_kind[kd] += n_alloc - n_rel
+            self.allocations[kd] += n_alloc
+            self.releases[kd] += n_rel
+            self.allocated_bytes[kd] += ab
+            self.released_bytes[kd] += rb
+        self.async_device_bytes += async_in - async_out
+        dels = words[o_dels:o_dels + d].tolist() if d else ()
+        if each_order:
+            for addr in dels:  # as the per-record loop: an address live before the batch left it, ...
+                del live[addr]
+        if k:
+            addrs, sizes, kinds, times = words[o_ins:o_ins + 4 * k].reshape(4, k).tolist()
+            flags = s.flags[8 * o_flags:8 * o_flags + k].tolist()
+            live.update(zip(addrs, zip(sizes, kinds, times, flags)))  # ... and entered again at its end
+        if not each_order:
+            for addr in dels:
+                del live[addr]
         levels = self.peaks.add(recs["ts"], deltas)
         self.last_ts = max(self.last_ts, int(recs["ts"][-1]))
         return levels

@@ -1,10 +1,11 @@
 """The daemon's C core (native/core.c, built by setup.py as ``libgfp-core.so``), loaded with ctypes.
 
 Per-record loops that cost the daemon most CPU in Python or numpy (today: the reuse tracker's walk of a
-MEMORY batch, features/reuse.py). The library links against no Python, so one file serves every
-Python 3. Optional: where it was not built (no C compiler at install, ``GPUFOOTPRINT_NATIVE_CORE=0``), is
-of another build, or ``GPUFOOTPRINT_DAEMON_NATIVE=0`` is set, ``core()`` is None and the callers take
-their Python paths, which stay the reference the tests hold the C to.
+MEMORY batch, features/reuse.py; the footprint's numeric part of a MEMORY batch, footprint/table.py). The
+library links against no Python, so one file serves every Python 3. Optional: where it was not built
+(no C compiler at install, ``GPUFOOTPRINT_NATIVE_CORE=0``), is of another build, or
+``GPUFOOTPRINT_DAEMON_NATIVE=0`` is set, ``core()`` is None and the callers take their Python paths,
+which stay the reference the tests hold the C to.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 #: The file setup.py builds (one name for every Python: the library does not link against Python).
 LIBRARY = Path(__file__).resolve().parent / "libgfp-core.so"
-_ABI = 1  # core.c GFP_CORE_ABI: a library of another build is refused (the callers then use Python)
+_ABI = 2  # core.c GFP_CORE_ABI: a library of another build is refused (the callers then use Python)
 #: Set to 0 to run the daemon's Python paths with the library present (for comparison, or to rule it out).
 ENV = "GPUFOOTPRINT_DAEMON_NATIVE"
 
@@ -57,6 +58,15 @@ def load() -> tuple[Any | None, str]:
     lib.gfp_reuse_has.argtypes = [vp, u64]
     lib.gfp_reuse_live.restype = u64
     lib.gfp_reuse_live.argtypes = [vp, vp, vp, u64]
+    i64, i32 = ctypes.c_int64, ctypes.c_int32
+    lib.gfp_bulk_layout.restype = None
+    lib.gfp_bulk_layout.argtypes = [i64] * 6 + [i32, i32, ctypes.c_uint32]
+    lib.gfp_bulk_plan.restype = i64
+    lib.gfp_bulk_plan.argtypes = [vp, u64, i64, vp, vp]
+    lib.gfp_bulk_apply.restype = i64
+    lib.gfp_bulk_apply.argtypes = [vp, u64, i64, vp, i32, vp, vp, vp, vp, vp]
+    lib.gfp_bulk_hit.restype = i64
+    lib.gfp_bulk_hit.argtypes = [vp, u64, i32]
     return lib, ""
 
 

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GFP_CORE_ABI 1 /* raised at every change of an exported signature: a stale library is refused */
+#define GFP_CORE_ABI 2 /* raised at every change of an exported signature: a stale library is refused */
 #define MIX 0x9E3779B97F4A7C15ULL /* the key's mix of the size and the tables' Fibonacci hash */
 #define MIN_BITS 10               /* a cleared table starts at 1,024 slots again, as features/keyset.py */
 #define SORT_RUN 16               /* the merge sort's first runs are sorted by insertion */
@@ -349,4 +349,358 @@ uint64_t gfp_reuse_live(const gfp_reuse *r, uint64_t *addrs, uint64_t *sizes, ui
         }
     }
     return r->live.size;
+}
+
+/*
+ * The footprint's bulk MEMORY batch (footprint/table.py, DeviceFootprint._apply_memory_native; the numpy
+ * path _apply_memory_bulk and the record-by-record path _apply_memory_each stay the reference, and
+ * tests/unit/test_large_batches.py and test_footprint.py hold the three equal). Two calls a batch:
+ *
+ *   gfp_bulk_plan   groups the records by address (a hash of address -> group, the records of a group in
+ *                   their batch order: what numpy's stable sort by address gives), checks that allocations
+ *                   and releases alternate at every address, and lists the addresses whose first record is
+ *                   a release (they must be live: Python looks them up in its dict) and those whose first
+ *                   record is an allocation (they must not be);
+ *   gfp_bulk_apply  takes the looked-up (bytes, kind, ts, async) of the first list, walks the records in
+ *                   batch order carrying each allocation's size, kind and async flag to its release, and
+ *                   writes the signed resident deltas, the per-kind counts and byte sums, the async bytes,
+ *                   the size mismatches, and the table's inserts and deletes. Python applies them.
+ *
+ * Neither call changes anything Python sees but the buffers it is handed: a batch refused (1: the per-record
+ * path must take it; 2: the numpy path must) is refused before Python changed anything. The C path takes
+ * only batches whose sizes stay below 2**63 in sum (2 otherwise): there int64 sums are exact, as the numpy
+ * path's float64 ones are below 2**53, so the two agree to the byte. The state between the two calls lives
+ * in a per-thread workspace (the calls keep the GIL; nothing runs a second plan in a thread before its
+ * apply), freed after a batch of more than SCRATCH_KEEP records.
+ */
+#define BULK_KINDS 32  /* table.py _N_KINDS: a record of a kind at or above it goes to the per-record path */
+#define BULK_HEAD 7    /* gfp_bulk_apply's out: [mismatches, addr, allocated, released, async+, async-, kinds] */
+
+typedef struct {
+    uint64_t addr;
+    int64_t size;          /* the current allocation's bytes (gfp_bulk_apply's walk) */
+    uint32_t first, last;  /* positions of the address's first and last record in the batch */
+    uint32_t matched;      /* a group whose first record is a release: its row in the looked-up entries */
+    uint8_t first_op, last_op, kind, async;
+} bulk_group;
+
+typedef struct {
+    uint64_t key;
+    uint64_t group;
+} bulk_pair;
+
+typedef struct {
+    uint32_t *slots;      /* address hash: group index + 1, 0 empty */
+    bulk_group *groups;
+    uint32_t *rec_group;  /* each record's group */
+    bulk_pair *pairs;     /* the inserts' sort: 2 * cap */
+    uint64_t cap;         /* records the buffers hold */
+    int bits;             /* slots: 1 << bits */
+    uint64_t n_groups, n_rel_first;
+    const uint8_t *recs;  /* the planned batch (gfp_bulk_apply checks it is handed the same) */
+    uint64_t n;
+    int64_t stride;
+    int planned;
+} bulk_ws;
+
+static _Thread_local bulk_ws bulk;
+/* MEMORY_DTYPE's field offsets, MemoryOp's values, the resident kinds: set once (gfp_bulk_layout). */
+static int64_t b_ts, b_addr, b_bytes, b_op, b_mk, b_async;
+static uint8_t b_alloc, b_release;
+static uint32_t b_resident;
+
+void gfp_bulk_layout(int64_t off_ts, int64_t off_addr, int64_t off_bytes, int64_t off_op, int64_t off_mk,
+                     int64_t off_async, int32_t alloc, int32_t release, uint32_t resident) {
+    b_ts = off_ts;
+    b_addr = off_addr;
+    b_bytes = off_bytes;
+    b_op = off_op;
+    b_mk = off_mk;
+    b_async = off_async;
+    b_alloc = (uint8_t)alloc;
+    b_release = (uint8_t)release;
+    b_resident = resident;
+}
+
+static void bulk_release_ws(void) {
+    free(bulk.slots);
+    free(bulk.groups);
+    free(bulk.rec_group);
+    free(bulk.pairs);
+    memset(&bulk, 0, sizeof bulk);
+}
+
+static int bulk_reserve(uint64_t n) {
+    int bits = 4;
+    while (((uint64_t)1 << bits) < 2 * n)
+        bits++;
+    if (bulk.cap >= n && bulk.bits >= bits && !(bulk.cap > SCRATCH_KEEP && n <= SCRATCH_KEEP))
+        return 0;
+    bulk_release_ws();
+    uint64_t cap = n < 1024 ? 1024 : n;
+    while (((uint64_t)1 << bits) < 2 * cap)
+        bits++;
+    bulk.slots = malloc(((size_t)1 << bits) * sizeof(uint32_t));
+    bulk.groups = malloc(cap * sizeof(bulk_group));
+    bulk.rec_group = malloc(cap * sizeof(uint32_t));
+    bulk.pairs = malloc(2 * cap * sizeof(bulk_pair));
+    if (!bulk.slots || !bulk.groups || !bulk.rec_group || !bulk.pairs) {
+        bulk_release_ws();
+        return -1;
+    }
+    bulk.cap = cap;
+    bulk.bits = bits;
+    return 0;
+}
+
+/*
+ * Plan one batch of `n` (>= 1, < 2**32) MEMORY records of `stride` bytes at `recs`. Writes to `firsts`
+ * (room for n) the addresses whose first record is a release, from the front, in the order of their first
+ * records, and those whose first record is an allocation, from the back; to `head`: [those two counts, the
+ * addresses whose last record is an allocation (the inserts), the groups]. Returns 0; 1 where the per-record
+ * path must take the batch (a memory kind >= 32, an op neither allocation nor release, two allocations or
+ * two releases in a row at one address: the numpy path's None); 2 where the numpy path must (a size of
+ * 2**63 or more); -1 out of memory.
+ */
+int64_t gfp_bulk_plan(const uint8_t *recs, uint64_t n, int64_t stride, uint64_t *firsts, uint64_t *head) {
+    bulk.planned = 0;
+    if (n == 0 || n >= ((uint64_t)1 << 32))
+        return 2;
+    if (bulk_reserve(n) != 0)
+        return -1;
+    memset(bulk.slots, 0, ((size_t)1 << bulk.bits) * sizeof(uint32_t));
+    uint64_t mask = ((uint64_t)1 << bulk.bits) - 1, ng = 0, big = 0;
+    uint32_t prev = 0; /* the group of the record before */
+    int shift = 64 - bulk.bits;
+    bulk_group *groups = bulk.groups;
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *p = recs + (int64_t)i * stride;
+        uint8_t op = p[b_op];
+        if (p[b_mk] >= BULK_KINDS || (op != b_alloc && op != b_release))
+            return 1;
+        big |= load64(p + b_bytes);
+        uint64_t addr = load64(p + b_addr);
+        uint32_t g;
+        if (ng && addr == groups[prev].addr) {
+            g = prev + 1; /* the record before's address (a release right after its allocation): no lookup */
+        } else {
+            uint64_t s = (addr * MIX) >> shift;
+            while ((g = bulk.slots[s]) != 0 && groups[g - 1].addr != addr)
+                s = (s + 1) & mask;
+            if (g == 0)
+                bulk.slots[s] = (uint32_t)(ng + 1);
+        }
+        if (g == 0) {
+            bulk_group *gr = &groups[ng];
+            gr->addr = addr;
+            gr->first = gr->last = (uint32_t)i;
+            gr->first_op = gr->last_op = op;
+            prev = (uint32_t)ng++;
+        } else {
+            bulk_group *gr = &groups[g - 1];
+            if (gr->last_op == op)
+                return 1; /* two allocations or two releases in a row at one address */
+            gr->last = (uint32_t)i;
+            gr->last_op = op;
+            prev = g - 1;
+        }
+        bulk.rec_group[i] = prev;
+    }
+    if (big >> 63)
+        return 2;
+    uint64_t r = 0, a = 0, ins = 0;
+    for (uint64_t g = 0; g < ng; g++) {
+        if (groups[g].first_op == b_release) {
+            groups[g].matched = (uint32_t)r;
+            firsts[r++] = groups[g].addr;
+        } else {
+            firsts[n - 1 - a++] = groups[g].addr;
+        }
+        ins += groups[g].last_op == b_alloc;
+    }
+    head[0] = r;
+    head[1] = a;
+    head[2] = ins;
+    head[3] = ng;
+    bulk.n_groups = ng;
+    bulk.n_rel_first = r;
+    bulk.recs = recs;
+    bulk.n = n;
+    bulk.stride = stride;
+    bulk.planned = 1;
+    return 0;
+}
+
+/* Distinct keys, ascending (a merge sort; in place when already in order). Returns the sorted run. */
+static bulk_pair *bulk_sort(bulk_pair *a, bulk_pair *tmp, uint64_t n) {
+    uint64_t i = 1;
+    while (i < n && a[i - 1].key < a[i].key)
+        i++;
+    if (i >= n)
+        return a;
+    for (uint64_t lo = 0; lo < n; lo += SORT_RUN) {
+        uint64_t hi = lo + SORT_RUN < n ? lo + SORT_RUN : n;
+        for (uint64_t j = lo + 1; j < hi; j++) {
+            bulk_pair x = a[j];
+            uint64_t k = j;
+            while (k > lo && a[k - 1].key > x.key) {
+                a[k] = a[k - 1];
+                k--;
+            }
+            a[k] = x;
+        }
+    }
+    for (uint64_t width = SORT_RUN; width < n; width *= 2) {
+        for (uint64_t lo = 0; lo < n; lo += 2 * width) {
+            uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            uint64_t x = lo, y = mid, k = lo;
+            while (x < mid && y < hi)
+                tmp[k++] = a[y].key < a[x].key ? a[y++] : a[x++];
+            while (x < mid)
+                tmp[k++] = a[x++];
+            while (y < hi)
+                tmp[k++] = a[y++];
+        }
+        bulk_pair *swap = a;
+        a = tmp;
+        tmp = swap;
+    }
+    return a;
+}
+
+/*
+ * Apply the planned batch (the same `recs`, `n`, `stride`). `matched`: for each address whose first record is
+ * a release, in the plan's order, its live entry (bytes, kind, ts, async) as 4 int64. `each_order`: 0 as
+ * the numpy path (inserts by ascending address, written over an entry in place; deletes of the addresses
+ * that were live and end released; the first mismatch in (address, position) order), 1 as the record-by-record
+ * path (every address that was live is deleted, the inserts follow in the order of their last records; the
+ * first mismatch in batch order). Writes `deltas` (n, batch order), `out` (BULK_HEAD + 5 * 32: the head, then
+ * per kind moved [kind, allocations, releases, bytes allocated, bytes released], kinds ascending), `ins`
+ * (4 rows of head[2] words: address, bytes, kind, ts), `ins_async` (head[2] bytes), `dels` (the deleted
+ * addresses; the count is returned). Returns the deletes' count, or -2 where the numpy path must take the
+ * batch (sizes reaching 2**63, a looked-up entry out of range), -3 when not planned (nothing written that
+ * Python reads).
+ */
+int64_t gfp_bulk_apply(const uint8_t *recs, uint64_t n, int64_t stride, const int64_t *matched, int32_t each_order,
+                       int64_t *deltas, uint64_t *out, uint64_t *ins, uint8_t *ins_async, uint64_t *dels) {
+    int planned = bulk.planned;
+    bulk.planned = 0; /* one apply a plan */
+    if (!planned || bulk.recs != recs || bulk.n != n || bulk.stride != stride)
+        return -3;
+    bulk_group *groups = bulk.groups;
+    uint64_t ng = bulk.n_groups;
+    for (uint64_t g = 0; g < ng; g++) {
+        bulk_group *gr = &groups[g];
+        if (gr->first_op != b_release)
+            continue;
+        const int64_t *m = matched + 4 * (uint64_t)gr->matched;
+        if (m[0] < 0 || m[1] < 0 || m[1] >= BULK_KINDS)
+            return -2;
+        gr->size = m[0];
+        gr->kind = (uint8_t)m[1];
+        gr->async = m[3] != 0;
+    }
+    uint64_t na[BULK_KINDS] = {0}, nr[BULK_KINDS] = {0}, ab[BULK_KINDS] = {0}, rb[BULK_KINDS] = {0};
+    uint64_t moved = 0, async_plus = 0, async_minus = 0, mm = 0, mm_addr = 0, mm_size = 0, mm_claimed = 0;
+    uint64_t mm_pos = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *p = recs + (int64_t)i * stride;
+        bulk_group *gr = &groups[bulk.rec_group[i]];
+        uint64_t bytes = load64(p + b_bytes);
+        int64_t size;
+        uint8_t kind;
+        if (p[b_op] == b_alloc) {
+            size = (int64_t)bytes; /* below 2**63: the plan refused larger ones */
+            kind = p[b_mk];
+            gr->size = size;
+            gr->kind = kind;
+            gr->async = p[b_async] != 0;
+            na[kind]++;
+            ab[kind] += (uint64_t)size;
+            deltas[i] = (b_resident >> kind) & 1 ? size : 0;
+            if (gr->async)
+                async_plus += (uint64_t)size;
+        } else {
+            size = gr->size;
+            kind = gr->kind;
+            if (bytes != 0 && bytes != (uint64_t)size) {
+                if (mm == 0 || (!each_order && (gr->addr < mm_addr || (gr->addr == mm_addr && i < mm_pos)))) {
+                    mm_addr = gr->addr;
+                    mm_size = (uint64_t)size;
+                    mm_claimed = bytes;
+                    mm_pos = i;
+                }
+                mm++;
+            }
+            nr[kind]++;
+            rb[kind] += (uint64_t)size;
+            deltas[i] = (b_resident >> kind) & 1 ? -size : 0;
+            if (gr->async)
+                async_minus += (uint64_t)size;
+        }
+        moved += (uint64_t)size; /* each below 2**63: no wrap before the check */
+        if (moved >> 63)
+            return -2;
+    }
+    out[0] = mm;
+    out[1] = mm_addr;
+    out[2] = mm_size;
+    out[3] = mm_claimed;
+    out[4] = async_plus;
+    out[5] = async_minus;
+    uint64_t m = 0, *row = out + BULK_HEAD;
+    for (int k = 0; k < BULK_KINDS; k++) {
+        if (!(na[k] | nr[k]))
+            continue;
+        row[0] = (uint64_t)k;
+        row[1] = na[k];
+        row[2] = nr[k];
+        row[3] = ab[k];
+        row[4] = rb[k];
+        row += 5;
+        m++;
+    }
+    out[6] = m;
+    /* The inserts: addresses whose last record allocates, in the order the path being matched inserts them */
+    bulk_pair *pairs = bulk.pairs;
+    uint64_t k = 0, d = 0;
+    for (uint64_t g = 0; g < ng; g++) {
+        const bulk_group *gr = &groups[g];
+        if (gr->last_op == b_alloc)
+            pairs[k++] = (bulk_pair){each_order ? gr->last : gr->addr, g};
+        if (gr->first_op == b_release && (each_order || gr->last_op == b_release))
+            dels[d++] = gr->addr;
+    }
+    const bulk_pair *sorted = bulk_sort(pairs, pairs + bulk.cap, k);
+    for (uint64_t j = 0; j < k; j++) {
+        const bulk_group *gr = &groups[sorted[j].group];
+        ins[j] = gr->addr;
+        ins[k + j] = (uint64_t)gr->size;
+        ins[2 * k + j] = gr->kind;
+        ins[3 * k + j] = load64(recs + (int64_t)gr->last * stride + b_ts);
+        ins_async[j] = gr->async;
+    }
+    if (bulk.cap > SCRATCH_KEEP)
+        bulk_release_ws();
+    return (int64_t)d;
+}
+
+/* Whether any of `keys` (m) is an address of the planned batch: any one (`alloc_first` 0), or one whose
+ * first record is an allocation (1). For the checks against the live table and the reused addresses when
+ * those are few beside the batch: their keys looked up here instead of the batch's in Python. -3 when not
+ * planned. */
+int64_t gfp_bulk_hit(const uint64_t *keys, uint64_t m, int32_t alloc_first) {
+    if (!bulk.planned)
+        return -3;
+    uint64_t mask = ((uint64_t)1 << bulk.bits) - 1;
+    int shift = 64 - bulk.bits;
+    for (uint64_t j = 0; j < m; j++) {
+        uint64_t addr = keys[j], s = (addr * MIX) >> shift;
+        uint32_t g;
+        while ((g = bulk.slots[s]) != 0 && bulk.groups[g - 1].addr != addr)
+            s = (s + 1) & mask;
+        if (g != 0 && (!alloc_first || bulk.groups[g - 1].first_op == b_alloc))
+            return 1;
+    }
+    return 0;
 }
