@@ -9,6 +9,7 @@ at the top of site-packages, outside any package, which package-data cannot do:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 
@@ -33,10 +34,21 @@ NATIVE = Extension(
 # The daemon's C core (daemon/gpufootprint/native/__init__.py says what it does): a plain library too,
 # optional (without it the daemon runs its numpy and Python paths). GPUFOOTPRINT_NATIVE_CORE=0 skips it;
 # GPUFOOTPRINT_NATIVE=0 does not, so the daemon's image can build its core without the probe's library.
+CORE_SOURCE = "daemon/gpufootprint/native/core.c"
+
+
+def _digest(path: str) -> str:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), path), "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()[:16]
+
+
 CORE = Extension(
     "gpufootprint.native.core",
-    sources=["daemon/gpufootprint/native/core.c"],
+    sources=[CORE_SOURCE],
     extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+    # Its source's digest (native/__init__.py's source_digest): a library built from another core.c than
+    # the one beside it is refused, so an edited tree not rebuilt never runs (or tests) the old C.
+    define_macros=[("GFP_CORE_SOURCE", f'"{_digest(CORE_SOURCE)}"')],
     optional=True,
 )
 # Names no import statement can reach: they are not Python modules

@@ -324,8 +324,13 @@ class ReuseTracker:
 def _as_memory(recs: np.ndarray) -> np.ndarray:
     """Records of another dtype with the fields the tracker reads, as MEMORY_DTYPE records (the C core
     reads them at MEMORY_DTYPE's offsets). The daemon's MEMORY batches are MEMORY_DTYPE already."""
+    names = ("ts", "addr", "bytes", "op", "mk")
+    for name in names:
+        if not np.can_cast(recs.dtype[name], MEMORY_DTYPE[name], "safe"):
+            # (a signed time of -1 would become 2**64 - 1 and sort last, where the Python paths sort it first)
+            raise TypeError(f"reuse: field {name!r} of {recs.dtype[name]} does not cast safely to {MEMORY_DTYPE[name]}")
     out = np.zeros(len(recs), MEMORY_DTYPE)
-    for name in ("ts", "addr", "bytes", "op", "mk"):
+    for name in names:
         out[name] = recs[name]
     return out
 

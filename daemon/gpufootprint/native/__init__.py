@@ -11,6 +11,7 @@ which stay the reference the tests hold the C to.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import sys
 import weakref
@@ -41,6 +42,9 @@ def load() -> tuple[Any | None, str]:
         lib = ctypes.PyDLL(str(LIBRARY))
         if int(lib.gfp_core_abi()) != _ABI:
             return None, f"{LIBRARY.name}: ABI {int(lib.gfp_core_abi())}, this daemon needs {_ABI}"
+        stale = _stale(lib)
+        if stale:
+            return None, stale
     except (OSError, AttributeError) as exc:
         return None, f"{LIBRARY.name}: {exc}"
     u64, vp = ctypes.c_uint64, ctypes.c_void_p
@@ -70,6 +74,27 @@ def load() -> tuple[Any | None, str]:
     return lib, ""
 
 
+def source_digest(source: bytes) -> str:
+    """What setup.py compiles into the library as GFP_CORE_SOURCE: the first 16 hex digits of core.c's sha256."""
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+def _stale(lib: Any) -> str:
+    """Why a library must not be used because core.c beside it changed since it was built (a source tree
+    edited and not rebuilt: its tests would otherwise test the old C); "" where it matches, or where no
+    core.c is beside it (an installed wheel carries none)."""
+    source = LIBRARY.with_name("core.c")
+    if not source.exists():
+        return ""
+    lib.gfp_core_source.restype = ctypes.c_char_p
+    lib.gfp_core_source.argtypes = []
+    built = (lib.gfp_core_source() or b"").decode(errors="replace")
+    want = source_digest(source.read_bytes())
+    if built != want:
+        return f"{LIBRARY.name} was built from another core.c ({built}; the one beside it is {want}): rebuild it (pip install -e .)"
+    return ""
+
+
 def core() -> Any | None:
     """The bound library where it loads and is not turned off, else None (read at each call: a tracker
     asks once, when it is made)."""
@@ -94,6 +119,9 @@ class ReuseCore:
         self.hits = (ctypes.c_uint64 * 1)()
         self.hits_at = ctypes.addressof(self.hits)
         self.freed = weakref.finalize(self, lib.gfp_reuse_free, handle)  # alive until it ran
+        # Not at interpreter exit: the ingest thread (a daemon thread, still running past App.stop's join
+        # timeout) may be inside a batch on this handle; the process is ending and its memory goes with it.
+        self.freed.atexit = False
 
     def trim(self, capacity: int) -> None:
         if self._lib.gfp_reuse_trim(self.handle, capacity):

@@ -78,8 +78,10 @@ static inline uint64_t slot_of(const table *t, uint64_t key) {
 static int table_reserve(table *t, uint64_t more) {
     uint64_t need = t->size + more;
     int bits = t->bits;
-    while (((uint64_t)1 << bits) < 2 * need)
-        bits++;
+    while (((uint64_t)1 << bits) < 2 * need) {
+        if (++bits > 40) /* past 2**39 keys: no memory holds it; refused, as a failed allocation */
+            return -1;
+    }
     if (bits == t->bits)
         return 0;
     table bigger = {NULL, NULL, 0, t->with_vals, 0, 0, 0};
@@ -147,6 +149,13 @@ typedef struct {
 } gfp_reuse;
 
 int gfp_core_abi(void) { return GFP_CORE_ABI; }
+
+/* The sha256 (16 hex digits) of the core.c this was built from, given by setup.py: native/__init__.py
+ * refuses a library whose source beside it has changed since (a tree edited and not rebuilt). */
+#ifndef GFP_CORE_SOURCE
+#define GFP_CORE_SOURCE "unknown"
+#endif
+const char *gfp_core_source(void) { return GFP_CORE_SOURCE; }
 
 gfp_reuse *gfp_reuse_new(int64_t off_ts, int64_t off_addr, int64_t off_bytes, int64_t off_op, int64_t off_mk,
                          int32_t device, int32_t alloc, int32_t release) {
@@ -256,7 +265,8 @@ static inline void walk_one(gfp_reuse *r, uint64_t ts, uint64_t op, uint64_t add
  * (stable); an allocation is a reuse when its key was freed by an earlier batch or an earlier release
  * of this one. Writes one (ts, reused) event per device allocation to `events` (room for `n`), and the
  * count of reuses to `*hits`. Returns the count of events, or -1 when memory ran out (before any state
- * changed but the tables' clears, which the next batch would have made anyway).
+ * changed but the tables' clears and the switch to remembering sizes, which the next batch would have
+ * made anyway).
  */
 int64_t gfp_reuse_add(gfp_reuse *r, const uint8_t *recs, uint64_t n, int64_t stride, uint64_t capacity,
                       uint8_t *events, uint64_t *hits) {

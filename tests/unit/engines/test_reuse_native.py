@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -252,3 +253,72 @@ def test_sizes_are_remembered_from_the_first_batch_with_a_release_without_its_si
     # THEN the allocation of (8192, 0) after it is a reuse, and only this batch's allocations are remembered
     assert tr.events()["reused"].tolist() == [False, False, True, False]
     assert reuse_state(tr, [])[3:5] == ({8192: 0, 16384: 32}, True)
+
+
+_FED_AT_EXIT = """
+import atexit, threading, time
+import numpy as np
+from gpufootprint.features.reuse import ReuseTracker
+from gpufootprint.records import MEMORY_DTYPE
+atexit.register(lambda: time.sleep(0.5))  # runs after the finalizers' exit hook: the thread goes on meanwhile
+tr = ReuseTracker(capacity=1 << 20)
+assert tr._core is not None
+rng = np.random.default_rng(0)
+recs = np.zeros(4000, MEMORY_DTYPE)
+recs["mk"], recs["bytes"], recs["ts"] = 3, 64, np.arange(len(recs))
+recs["op"], recs["addr"] = rng.choice([1, 2], len(recs)), rng.integers(0, 1 << 40, len(recs))
+def feed():
+    while True:
+        recs["addr"] += np.uint64(1 << 41)  # new keys: the tables keep growing
+        tr.add(recs)
+threading.Thread(target=feed, daemon=True).start()
+time.sleep(0.2)
+"""
+
+
+def test_a_tracker_still_fed_by_a_daemon_thread_at_interpreter_exit_does_not_crash_it() -> None:
+    """The ingest thread is a daemon thread that App.stop waits for only so long: at exit it may still be
+    inside a batch. The C memory must not be freed under it by the finalizers' exit hook (it was: a
+    use-after-free, the process killed by SIGSEGV or glibc's abort)."""
+    _library()
+    from tests.conftest import cli_env
+
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", _FED_AT_EXIT], env=cli_env(), capture_output=True, text=True, check=False,
+                             timeout=60)
+        assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+
+
+def test_a_library_built_from_another_core_c_than_the_one_beside_it_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edited tree not rebuilt would run, and its tests would test, the old C: setup.py compiles the
+    source's digest in, and a library whose core.c beside it has changed is refused, with what to do."""
+    cc = native_shim.compiler()
+    assert cc, "no C compiler"
+    source = native.LIBRARY.with_name("core.c").read_bytes()
+    (tmp_path / "core.c").write_bytes(source)
+    lib = tmp_path / "libgfp-core.so"
+    subprocess.run([cc, "-O1", "-std=c11", "-shared", "-fPIC", f'-DGFP_CORE_SOURCE="{native.source_digest(source)}"',
+                    "-o", str(lib), str(tmp_path / "core.c")], check=True, capture_output=True)
+    monkeypatch.setattr(native, "LIBRARY", lib)
+    native.load.cache_clear()
+    try:
+        got, why = native.load()
+        assert got is not None and why == ""  # built from the source beside it
+        (tmp_path / "core.c").write_bytes(source + b"\n/* edited */\n")
+        native.load.cache_clear()
+        got, why = native.load()
+        assert got is None and "was built from another core.c" in why and "rebuild it" in why, why
+        assert ReuseTracker()._core is None
+    finally:
+        native.load.cache_clear()
+
+
+def test_records_whose_fields_do_not_cast_safely_are_refused_not_misread() -> None:
+    """A signed time of -1 would become 2**64 - 1 in MEMORY_DTYPE and sort last, where the Python paths
+    sort it first: such records are refused with a one-line error naming the field."""
+    _library()
+    recs = np.zeros(2, [("ts", "<i8"), ("addr", "<u8"), ("bytes", "<u8"), ("op", "u1"), ("mk", "u1")])
+    recs["ts"], recs["op"], recs["mk"], recs["addr"], recs["bytes"] = [-1, 0], [2, 1], MemoryKind.DEVICE.value, 4096, 64
+    with pytest.raises(TypeError, match="field 'ts' of int64 does not cast safely to uint64"):
+        ReuseTracker().add(recs)
