@@ -45,7 +45,8 @@ def _digest(path: str) -> str:
 CORE = Extension(
     "gpufootprint.native.core",
     sources=[CORE_SOURCE],
-    extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+    extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-pthread"],
+    extra_link_args=["-pthread"],
     # Its source's digest (native/__init__.py's source_digest): a library built from another core.c than
     # the one beside it is refused, so an edited tree not rebuilt never runs (or tests) the old C.
     define_macros=[("GFP_CORE_SOURCE", f'"{_digest(CORE_SOURCE)}"')],

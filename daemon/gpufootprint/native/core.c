@@ -12,12 +12,15 @@
  * No Python header, no Python link: one file serves every Python 3. Not thread-safe: the caller (one
  * tracker) holds the GIL for the whole call (the library is loaded with ctypes.PyDLL).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #define GFP_CORE_ABI 2 /* raised at every change of an exported signature: a stale library is refused */
-#define MIX 0x9E3779B97F4A7C15ULL /* the key's mix of the size and the tables' Fibonacci hash */
+#define MIX 0x9E3779B97F4A7C15ULL /* the key's mix of the size (the reuse rule's key, as in Python) */
 #define MIN_BITS 10               /* a cleared table starts at 1,024 slots again, as features/keyset.py */
 #define SORT_RUN 16               /* the merge sort's first runs are sorted by insertion */
 #define SCRATCH_KEEP 8192         /* the sort's scratch for up to this many records (512 KiB) is kept between
@@ -31,12 +34,39 @@
 typedef struct {
     uint64_t *keys;
     uint64_t *vals;
+    uint64_t mul; /* the table's own random odd multiplier (hash_multiplier) */
     int bits;
     int with_vals;
     uint64_t size;
     int zero;
     uint64_t zero_val;
 } table;
+
+/*
+ * A random odd multiplier for a multiply-shift hash, one a table (and one a thread's batch workspace).
+ * Addresses come from the probes' processes: with one fixed multiplier, a process could send addresses
+ * k * MIX^-1 (MIX is odd, so it has an inverse mod 2**64) that all land in one slot, at every table size,
+ * and each new one would walk the whole run: a review timed 1.8 s for one 65,536-record batch of them on
+ * the ingest thread every process shares. A random odd multiplier makes multiply-shift a universal family
+ * (Dietzfelbinger et al.): no set of addresses chosen without it collides more than any other.
+ */
+static uint64_t hash_multiplier(void) {
+    static _Thread_local uint64_t state;
+    if (state == 0) {
+        uint64_t seed = 0;
+        if (getrandom(&seed, sizeof seed, GRND_NONBLOCK) != (ssize_t)sizeof seed) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            seed = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)(uintptr_t)&seed;
+        }
+        state = seed | 1;
+    }
+    /* splitmix64: each table its own multiplier from the thread's seed */
+    uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return (z ^ (z >> 31)) | 1;
+}
 
 static int table_init(table *t, int bits) {
     uint64_t *keys = calloc((size_t)1 << bits, sizeof(uint64_t));
@@ -50,6 +80,7 @@ static int table_init(table *t, int bits) {
     free(t->vals);
     t->keys = keys;
     t->vals = vals;
+    t->mul = hash_multiplier();
     t->bits = bits;
     t->size = 0;
     t->zero = 0;
@@ -63,7 +94,7 @@ static void table_free(table *t) {
     t->keys = t->vals = NULL;
 }
 
-static inline uint64_t home(const table *t, uint64_t key) { return (key * MIX) >> (64 - t->bits); }
+static inline uint64_t home(const table *t, uint64_t key) { return (key * t->mul) >> (64 - t->bits); }
 
 /* The slot holding `key`, or the empty slot where it would go (key != 0). */
 static inline uint64_t slot_of(const table *t, uint64_t key) {
@@ -84,7 +115,7 @@ static int table_reserve(table *t, uint64_t more) {
     }
     if (bits == t->bits)
         return 0;
-    table bigger = {NULL, NULL, 0, t->with_vals, 0, 0, 0};
+    table bigger = {NULL, NULL, 0, 0, t->with_vals, 0, 0, 0};
     if (table_init(&bigger, bits) != 0)
         return -1;
     for (uint64_t i = 0, n = (uint64_t)1 << t->bits; i < n; i++) {
@@ -99,6 +130,7 @@ static int table_reserve(table *t, uint64_t more) {
     table_free(t);
     t->keys = bigger.keys;
     t->vals = bigger.vals;
+    t->mul = bigger.mul; /* the keys were placed by it */
     t->bits = bits;
     return 0; /* size and the key 0's flag are unchanged */
 }
@@ -345,6 +377,17 @@ void gfp_reuse_counts(const gfp_reuse *r, uint64_t *out) {
 
 int gfp_reuse_has(const gfp_reuse *r, uint64_t key) { return table_has(&r->freed, key); }
 
+/* Slots walked past their home, summed over the keys the freed table holds: what a lookup pays. Tests hold
+ * keys crafted against a fixed multiplier to what random keys cost (hash_multiplier says why). */
+uint64_t gfp_reuse_displacement(const gfp_reuse *r) {
+    const table *t = &r->freed;
+    uint64_t mask = ((uint64_t)1 << t->bits) - 1, d = 0;
+    for (uint64_t i = 0; i <= mask; i++)
+        if (t->keys[i])
+            d += (i - home(t, t->keys[i])) & mask;
+    return d;
+}
+
 /* The live map's (address, size) pairs, up to `most`; returns how many it holds. */
 uint64_t gfp_reuse_live(const gfp_reuse *r, uint64_t *addrs, uint64_t *sizes, uint64_t most) {
     uint64_t k = 0;
@@ -406,6 +449,7 @@ typedef struct {
     bulk_pair *pairs;     /* the inserts' sort: 2 * cap */
     uint64_t cap;         /* records the buffers hold */
     int bits;             /* slots: 1 << bits */
+    uint64_t mul;         /* the address hash's random odd multiplier (hash_multiplier) */
     uint64_t n_groups, n_rel_first;
     const uint8_t *recs;  /* the planned batch (gfp_bulk_apply checks it is handed the same) */
     uint64_t n;
@@ -432,13 +476,23 @@ void gfp_bulk_layout(int64_t off_ts, int64_t off_addr, int64_t off_bytes, int64_
     b_resident = resident;
 }
 
-static void bulk_release_ws(void) {
-    free(bulk.slots);
-    free(bulk.groups);
-    free(bulk.rec_group);
-    free(bulk.pairs);
-    memset(&bulk, 0, sizeof bulk);
+static void bulk_free(bulk_ws *w) {
+    free(w->slots);
+    free(w->groups);
+    free(w->rec_group);
+    free(w->pairs);
+    memset(w, 0, sizeof *w);
 }
+
+static void bulk_release_ws(void) { bulk_free(&bulk); }
+
+/* A thread's workspace is freed when the thread ends (a key's destructor; _Thread_local storage has
+ * none): a program that runs batches on short-lived threads would otherwise keep each one's. */
+static pthread_key_t bulk_key;
+static pthread_once_t bulk_key_once = PTHREAD_ONCE_INIT;
+static int bulk_key_ok;
+static void bulk_at_thread_exit(void *w) { bulk_free((bulk_ws *)w); }
+static void bulk_key_make(void) { bulk_key_ok = pthread_key_create(&bulk_key, bulk_at_thread_exit) == 0; }
 
 static int bulk_reserve(uint64_t n) {
     int bits = 4;
@@ -460,6 +514,10 @@ static int bulk_reserve(uint64_t n) {
     }
     bulk.cap = cap;
     bulk.bits = bits;
+    bulk.mul = hash_multiplier();
+    pthread_once(&bulk_key_once, bulk_key_make);
+    if (bulk_key_ok && pthread_getspecific(bulk_key) == NULL)
+        pthread_setspecific(bulk_key, &bulk);
     return 0;
 }
 
@@ -494,7 +552,7 @@ int64_t gfp_bulk_plan(const uint8_t *recs, uint64_t n, int64_t stride, uint64_t 
         if (ng && addr == groups[prev].addr) {
             g = prev + 1; /* the record before's address (a release right after its allocation): no lookup */
         } else {
-            uint64_t s = (addr * MIX) >> shift;
+            uint64_t s = (addr * bulk.mul) >> shift;
             while ((g = bulk.slots[s]) != 0 && groups[g - 1].addr != addr)
                 s = (s + 1) & mask;
             if (g == 0)
@@ -699,13 +757,27 @@ int64_t gfp_bulk_apply(const uint8_t *recs, uint64_t n, int64_t stride, const in
  * first record is an allocation (1). For the checks against the live table and the reused addresses when
  * those are few beside the batch: their keys looked up here instead of the batch's in Python. -3 when not
  * planned. */
+/* The same for the address hash of this thread's last plan (valid until its next batch). */
+uint64_t gfp_bulk_displacement(void) {
+    if (!bulk.slots)
+        return 0;
+    uint64_t mask = ((uint64_t)1 << bulk.bits) - 1, d = 0;
+    int shift = 64 - bulk.bits;
+    for (uint64_t i = 0; i <= mask; i++) {
+        uint32_t g = bulk.slots[i];
+        if (g)
+            d += (i - ((bulk.groups[g - 1].addr * bulk.mul) >> shift)) & mask;
+    }
+    return d;
+}
+
 int64_t gfp_bulk_hit(const uint64_t *keys, uint64_t m, int32_t alloc_first) {
     if (!bulk.planned)
         return -3;
     uint64_t mask = ((uint64_t)1 << bulk.bits) - 1;
     int shift = 64 - bulk.bits;
     for (uint64_t j = 0; j < m; j++) {
-        uint64_t addr = keys[j], s = (addr * MIX) >> shift;
+        uint64_t addr = keys[j], s = (addr * bulk.mul) >> shift;
         uint32_t g;
         while ((g = bulk.slots[s]) != 0 && bulk.groups[g - 1].addr != addr)
             s = (s + 1) & mask;

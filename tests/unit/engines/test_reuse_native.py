@@ -8,6 +8,7 @@ after every batch: counts, events, ratio, the remembered sizes and the freed key
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import subprocess
 import sys
@@ -298,7 +299,7 @@ def test_a_library_built_from_another_core_c_than_the_one_beside_it_is_refused(
     source = native.LIBRARY.with_name("core.c").read_bytes()
     (tmp_path / "core.c").write_bytes(source)
     lib = tmp_path / "libgfp-core.so"
-    subprocess.run([cc, "-O1", "-std=c11", "-shared", "-fPIC", f'-DGFP_CORE_SOURCE="{native.source_digest(source)}"',
+    subprocess.run([cc, "-O1", "-std=c11", "-D_GNU_SOURCE", "-pthread", "-shared", "-fPIC", f'-DGFP_CORE_SOURCE="{native.source_digest(source)}"',
                     "-o", str(lib), str(tmp_path / "core.c")], check=True, capture_output=True)
     monkeypatch.setattr(native, "LIBRARY", lib)
     native.load.cache_clear()
@@ -322,3 +323,26 @@ def test_records_whose_fields_do_not_cast_safely_are_refused_not_misread() -> No
     recs["ts"], recs["op"], recs["mk"], recs["addr"], recs["bytes"] = [-1, 0], [2, 1], MemoryKind.DEVICE.value, 4096, 64
     with pytest.raises(TypeError, match="field 'ts' of int64 does not cast safely to uint64"):
         ReuseTracker().add(recs)
+
+
+def test_released_keys_crafted_against_a_fixed_hash_do_not_pile_into_one_run() -> None:
+    """The freed keys' table takes a random multiplier (core.c's hash_multiplier): keys k * MIX^-1 all hashed
+    to one slot with MIX, and each release walked the run."""
+    _library()
+    n = 4096
+    inverse = pow(MIX, -1, 1 << 64)
+    keys = [(k * inverse) % (1 << 64) for k in range(1, n + 1)]
+    recs = np.zeros(n, MEMORY_DTYPE)
+    # size 0 makes an allocation's key its address: releases of the crafted keys themselves (sizes in the
+    # batch are its own: no sizeless mode, releases carry their size 0 only where nothing was allocated)
+    recs["ts"], recs["op"], recs["mk"] = 10**15 + np.arange(n), MemoryOp.RELEASE.value, MemoryKind.DEVICE.value
+    recs["addr"], recs["bytes"] = keys, 0
+    tr = ReuseTracker()
+    assert tr._core is not None
+    tr.add(recs)
+    lib = native.load()[0]
+    lib.gfp_reuse_displacement.restype = ctypes.c_uint64
+    lib.gfp_reuse_displacement.argtypes = [ctypes.c_void_p]
+    assert tr._core.counts()[0] == n
+    displaced = int(lib.gfp_reuse_displacement(tr._core.handle))
+    assert displaced < 4 * n, displaced
