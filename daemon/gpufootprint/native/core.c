@@ -238,38 +238,43 @@ static inline uint64_t load64(const uint8_t *p) {
     return v;
 }
 
-/* Stable: equal times keep their order in the batch (the Python paths sort with a stable sort). The merge
- * passes alternate between `a` and `tmp`: returns the one holding the sorted records. */
-static rec *sort_by_ts(rec *a, rec *tmp, uint64_t n) {
-    for (uint64_t lo = 0; lo < n; lo += SORT_RUN) {
-        uint64_t hi = lo + SORT_RUN < n ? lo + SORT_RUN : n;
-        for (uint64_t i = lo + 1; i < hi; i++) {
-            rec x = a[i];
-            uint64_t j = i;
-            while (j > lo && a[j - 1].ts > x.ts) {
-                a[j] = a[j - 1];
-                j--;
-            }
-            a[j] = x;
-        }
+/* A stable merge sort of `n` items of TYPE by their KEY member, defined for each array it sorts: runs of
+ * SORT_RUN sorted by insertion, then merge passes alternating between `a` and `tmp` (ties from the left:
+ * equal keys keep their order). The function returns the one of the two holding the sorted items. */
+#define DEFINE_MERGE_SORT(NAME, TYPE, KEY)                                                                     \
+    static TYPE *NAME(TYPE *a, TYPE *tmp, uint64_t n) {                                                       \
+        for (uint64_t lo = 0; lo < n; lo += SORT_RUN) {                                                       \
+            uint64_t hi = lo + SORT_RUN < n ? lo + SORT_RUN : n;                                              \
+            for (uint64_t i = lo + 1; i < hi; i++) {                                                          \
+                TYPE x = a[i];                                                                                \
+                uint64_t j = i;                                                                               \
+                while (j > lo && a[j - 1].KEY > x.KEY) {                                                      \
+                    a[j] = a[j - 1];                                                                          \
+                    j--;                                                                                      \
+                }                                                                                             \
+                a[j] = x;                                                                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (uint64_t width = SORT_RUN; width < n; width *= 2) {                                              \
+            for (uint64_t lo = 0; lo < n; lo += 2 * width) {                                                  \
+                uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n; \
+                uint64_t i = lo, j = mid, k = lo;                                                             \
+                while (i < mid && j < hi)                                                                     \
+                    tmp[k++] = a[j].KEY < a[i].KEY ? a[j++] : a[i++];                                         \
+                while (i < mid)                                                                               \
+                    tmp[k++] = a[i++];                                                                        \
+                while (j < hi)                                                                                \
+                    tmp[k++] = a[j++];                                                                        \
+            }                                                                                                 \
+            TYPE *swap = a;                                                                                   \
+            a = tmp;                                                                                          \
+            tmp = swap;                                                                                       \
+        }                                                                                                     \
+        return a;                                                                                             \
     }
-    for (uint64_t width = SORT_RUN; width < n; width *= 2) {
-        for (uint64_t lo = 0; lo < n; lo += 2 * width) {
-            uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
-            uint64_t i = lo, j = mid, k = lo;
-            while (i < mid && j < hi)
-                tmp[k++] = a[j].ts < a[i].ts ? a[j++] : a[i++]; /* ties from the left: stable */
-            while (i < mid)
-                tmp[k++] = a[i++];
-            while (j < hi)
-                tmp[k++] = a[j++];
-        }
-        rec *swap = a;
-        a = tmp;
-        tmp = swap;
-    }
-    return a;
-}
+
+/* By time: equal times keep their order in the batch (the Python paths sort with a stable sort). */
+DEFINE_MERGE_SORT(sort_by_ts, rec, ts)
 
 /* One record in time order: ReuseTracker._add_small's loop body. Writes an event for an allocation. */
 static inline void walk_one(gfp_reuse *r, uint64_t ts, uint64_t op, uint64_t addr, uint64_t bytes, uint8_t **out,
@@ -599,41 +604,14 @@ int64_t gfp_bulk_plan(const uint8_t *recs, uint64_t n, int64_t stride, uint64_t 
     return 0;
 }
 
+DEFINE_MERGE_SORT(merge_by_key, bulk_pair, key)
+
 /* Distinct keys, ascending (a merge sort; in place when already in order). Returns the sorted run. */
 static bulk_pair *bulk_sort(bulk_pair *a, bulk_pair *tmp, uint64_t n) {
     uint64_t i = 1;
     while (i < n && a[i - 1].key < a[i].key)
         i++;
-    if (i >= n)
-        return a;
-    for (uint64_t lo = 0; lo < n; lo += SORT_RUN) {
-        uint64_t hi = lo + SORT_RUN < n ? lo + SORT_RUN : n;
-        for (uint64_t j = lo + 1; j < hi; j++) {
-            bulk_pair x = a[j];
-            uint64_t k = j;
-            while (k > lo && a[k - 1].key > x.key) {
-                a[k] = a[k - 1];
-                k--;
-            }
-            a[k] = x;
-        }
-    }
-    for (uint64_t width = SORT_RUN; width < n; width *= 2) {
-        for (uint64_t lo = 0; lo < n; lo += 2 * width) {
-            uint64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
-            uint64_t x = lo, y = mid, k = lo;
-            while (x < mid && y < hi)
-                tmp[k++] = a[y].key < a[x].key ? a[y++] : a[x++];
-            while (x < mid)
-                tmp[k++] = a[x++];
-            while (y < hi)
-                tmp[k++] = a[y++];
-        }
-        bulk_pair *swap = a;
-        a = tmp;
-        tmp = swap;
-    }
-    return a;
+    return i >= n ? a : merge_by_key(a, tmp, n);
 }
 
 /*
