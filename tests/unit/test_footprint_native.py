@@ -12,7 +12,6 @@ batches, anomalies included, and their whole state compared after every batch.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 import threading
 from pathlib import Path
 from typing import Any
@@ -292,33 +291,20 @@ def test_the_env_switch_and_native_false_leave_the_python_paths(monkeypatch: pyt
 
 
 def test_without_the_library_the_footprint_runs_its_python_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.with_name("missing.so"))
-    native.load.cache_clear()
-    try:
+    with native_shim.core_at(monkeypatch, native.LIBRARY.with_name("missing.so")):
         fp = DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS))
         assert fp._core is None
         fp.apply_memory(_well_formed(np.random.default_rng(2), 10**15, 500, set(), 1 << 16), IngestErrors())
         assert len(fp.live) == 500
-    finally:
-        native.load.cache_clear()
 
 
 def test_a_library_of_another_build_is_refused_and_the_footprint_uses_python(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    cc = native_shim.compiler()
-    assert cc, "no C compiler"
-    src = tmp_path / "old.c"
-    src.write_text("int gfp_core_abi(void) { return 1; }\n")  # the reuse core's library, before the bulk calls
-    lib = tmp_path / "libgfp-core.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
-    monkeypatch.setattr(native, "LIBRARY", lib)
-    native.load.cache_clear()
-    try:
+    # ABI 1: the reuse core's library, before the bulk calls
+    with native_shim.core_at(monkeypatch, native_shim.core_of_abi(tmp_path, 1)):
         got, why = native.load()
         assert got is None and why == f"libgfp-core.so: ABI 1, this daemon needs {native._ABI}"
         assert DeviceFootprint(pid=1, dev=0, peaks=FramePeaks(10 * MS, 300 * MS))._core is None
-    finally:
-        native.load.cache_clear()
 
 
 def test_an_apply_without_its_plan_is_refused() -> None:

@@ -185,37 +185,23 @@ def test_the_env_switch_turns_the_c_core_off_and_the_python_paths_run(monkeypatc
 
 
 def test_without_the_library_the_tracker_runs_its_python_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "LIBRARY", native.LIBRARY.with_name("missing.so"))
-    native.load.cache_clear()
-    try:
+    with native_shim.core_at(monkeypatch, native.LIBRARY.with_name("missing.so")):
         lib, why = native.load()
         assert lib is None and why == "missing.so was not built with this install (no C compiler?)"
         tr = ReuseTracker()
         assert tr._core is None
         tr.add(_batch(np.random.default_rng(1), 10**15, 500, 8, sizeless=False))
         assert tr.allocations > tr.reused > 0
-    finally:
-        native.load.cache_clear()
 
 
 def test_a_library_of_another_build_is_refused_with_its_reason(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A stale library beside newer Python (an editable tree not rebuilt) would be called with the wrong
     signatures: its ABI number is checked first, and the tracker falls back to Python."""
-    cc = native_shim.compiler()
-    assert cc, "no C compiler"
-    src = tmp_path / "old.c"
-    src.write_text("int gfp_core_abi(void) { return 0; }\n")
-    lib = tmp_path / "libgfp-core.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
-    monkeypatch.setattr(native, "LIBRARY", lib)
-    native.load.cache_clear()
-    try:
+    with native_shim.core_at(monkeypatch, native_shim.core_of_abi(tmp_path, 0)):
         got, why = native.load()
         assert got is None and why == f"libgfp-core.so: ABI 0, this daemon needs {native._ABI}"
         assert ReuseTracker()._core is None
-    finally:
-        native.load.cache_clear()
 
 
 def test_the_c_memory_is_freed_with_its_tracker() -> None:
@@ -301,9 +287,7 @@ def test_a_library_built_from_another_core_c_than_the_one_beside_it_is_refused(
     lib = tmp_path / "libgfp-core.so"
     subprocess.run([cc, "-O1", "-std=c11", "-D_GNU_SOURCE", "-pthread", "-shared", "-fPIC", f'-DGFP_CORE_SOURCE="{native.source_digest(source)}"',
                     "-o", str(lib), str(tmp_path / "core.c")], check=True, capture_output=True)
-    monkeypatch.setattr(native, "LIBRARY", lib)
-    native.load.cache_clear()
-    try:
+    with native_shim.core_at(monkeypatch, lib):
         got, why = native.load()
         assert got is not None and why == ""  # built from the source beside it
         (tmp_path / "core.c").write_bytes(source + b"\n/* edited */\n")
@@ -311,8 +295,6 @@ def test_a_library_built_from_another_core_c_than_the_one_beside_it_is_refused(
         got, why = native.load()
         assert got is None and "was built from another core.c" in why and "rebuild it" in why, why
         assert ReuseTracker()._core is None
-    finally:
-        native.load.cache_clear()
 
 
 def test_records_whose_fields_do_not_cast_safely_are_refused_not_misread() -> None:
